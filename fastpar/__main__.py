@@ -1,0 +1,17 @@
+"""``python -m fastpar <command>``; commands: info."""
+
+import sys
+
+
+def main() -> int:
+    commands = {"info": "fastpar.info"}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print("usage: python -m fastpar info [--tp N --pp N] [--json]", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(commands[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

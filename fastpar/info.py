@@ -1,0 +1,129 @@
+"""``python -m fastpar info``: environment, native build and rank map.
+
+    python -m fastpar info
+    mpirun -np 4 python -m fastpar info --tp 2 --pp 2 [--json]
+    torchrun --nproc-per-node 4 -m fastpar info --tp 2
+
+Like ``python -m torch.utils.collect_env``: the first command to run on a new machine. Under a
+multi-rank launcher rank 0 prints for every rank; ``--json`` prints one JSON document from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fastpar
+from fastpar import _native
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _mpi_library(load: bool) -> str | None:
+    """The MPI library behind mpi4py; only loaded when asked (it initialises MPI)."""
+    if not load:
+        return None
+    try:
+        from mpi4py import MPI
+
+        return " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def versions(topo) -> dict:
+    cuda = torch.version.cuda
+    nccl = None
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    native = _native.status()
+    return {
+        "fastpar": fastpar.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": cuda,
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "nccl": nccl,
+        "triton": _dist_version("triton"),
+        "mpi4py": _dist_version("mpi4py"),
+        "mpi_library": _mpi_library(topo.mpi_comm is not None or _dist_version("mpi4py")),
+        "native": "built (" + ("cpu+cuda" if native["cuda"] else "cpu") + ")"
+                  if native["built"] else f"NOT BUILT: {native['error']}",
+        "launcher": topo.launcher,
+    }
+
+
+def rank_entry(topo) -> dict:
+    return {"rank": topo.rank, "host": socket.gethostname(), "local_rank": topo.local_rank,
+            "device": str(topo.device), "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
+            "dp_rank": topo.dp_rank}
+
+
+def report(topo) -> dict | None:
+    """The whole report on rank 0 (``None`` elsewhere); collective over the world."""
+    entry = rank_entry(topo)
+    entries = [None] * topo.world_size if topo.rank == 0 else None
+    if topo.world_size > 1:
+        dist.gather_object(entry, entries, dst=0)
+    else:
+        entries = [entry]
+    if topo.rank != 0:
+        return None
+    return {"world_size": topo.world_size, "tp": topo.tp_size, "pp": topo.pp_size,
+            "dp": topo.dp_size, "backend": topo.backend, "versions": versions(topo),
+            "ranks": entries}
+
+
+def format_report(rep: dict) -> str:
+    lines = ["fastpar environment"]
+    width = max(len(k) for k in rep["versions"])
+    for key, value in rep["versions"].items():
+        lines.append(f"  {key:<{width}}  {value if value is not None else '-'}")
+    lines.append("")
+    lines.append(f"rank map: world {rep['world_size']} = tp {rep['tp']} x pp {rep['pp']} x "
+                 f"dp {rep['dp']}, backend {rep['backend']}")
+    cols = ["rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank"]
+    rows = [[str(r[c]) for c in cols] for r in rep["ranks"]]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in rows:
+        lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastpar info", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout (rank 0)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds to wait for all ranks (default 60)")
+    args = parser.parse_args(argv)
+    try:
+        topo = fastpar.init(tp=args.tp, pp=args.pp, timeout=args.timeout)
+    except (ValueError, RuntimeError) as exc:
+        rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get(
+            "OMPI_COMM_WORLD_RANK") or "0"
+        print(f"fastpar info: error on rank {rank}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rep = report(topo)
+        if rep is not None:
+            print(json.dumps(rep, indent=2) if args.json else format_report(rep), flush=True)
+    finally:
+        fastpar.shutdown()
+    return 0

@@ -1,0 +1,244 @@
+"""``fastpar.init`` / ``fastpar.shutdown``: from any launcher to a ready ``Topology``.
+
+Steps, identical under every launcher:
+
+1. ``launcher.detect`` reads rank and world size from the environment (mpi4py for MPI launchers).
+2. The tp/pp degrees are validated on every rank before any communication, so a bad layout fails
+   everywhere at once with the same ``ValueError``.
+3. Rendezvous on a TCP store. Under MPI, rank 0 starts the store on a free port and broadcasts its
+   address over MPI; under torchrun the store comes from ``MASTER_ADDR``/``MASTER_PORT``.
+4. A join barrier on the store with a deadline: a rank that cannot reach the store, or a peer that
+   never arrives, ends in an error naming the ranks and the address on every rank that is alive,
+   instead of a wait that lasts until the collective timeout.
+5. ``torch.distributed.init_process_group`` on that store, then every group of the grid.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from fastpar.runtime import launcher as _launcher
+from fastpar.topology import Grid, Topology, build_groups, validate_degrees
+
+# The one current Topology, plus what init needs to undo or repeat it. "generation" counts inits
+# in this process (ranks init in lockstep), so a store that outlives one init (torchrun's agent
+# store) never mixes keys of two inits.
+_STATE: dict[str, Any] = {"topology": None, "args": None, "owns_pg": False, "hooks": [],
+                          "generation": 0}
+
+
+def _mpi_world():
+    """Import mpi4py lazily (torchrun and single-process use must not need an MPI library)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RuntimeError(
+            "this process was started by an MPI launcher but mpi4py cannot be imported "
+            f"({exc}); install it with `pip install mpi4py` (and `pip install mpich` if the "
+            "machine has no MPI library)") from exc
+    return MPI
+
+
+def _routable_address() -> str:
+    """An address of this host that peers can reach (override: ``FASTPAR_MASTER_ADDR``)."""
+    override = os.environ.get("FASTPAR_MASTER_ADDR")
+    if override:
+        return override
+    try:
+        # No packet is sent: connecting a UDP socket only selects the outgoing interface.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            addr = s.getsockname()[0]
+        if addr and not addr.startswith("0."):
+            return addr
+    except OSError:
+        pass
+    return "127.0.0.1"
+
+
+def _join_store(host: str, port: int, rank: int, world_size: int, is_master: bool,
+                timeout: float):
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(host, port, world_size, is_master,
+                             timeout=datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the context a user needs
+        what = "could not start the rendezvous store" if is_master else "could not reach rank 0"
+        raise RuntimeError(f"fastpar.init: rank {rank} {what} at {host}:{port} within "
+                           f"{timeout:g} s: {exc}") from exc
+
+
+def _rendezvous_mpi(comm, timeout: float):
+    rank = comm.Get_rank()
+    world_size = comm.Get_size()
+    store, error, address = None, None, None
+    if rank == 0:
+        host = _routable_address()
+        port = int(os.environ.get("FASTPAR_MASTER_PORT", "0"))
+        try:
+            store = _join_store(host, port, rank, world_size, True, timeout)
+            address = (host, store.port)
+        except RuntimeError as exc:
+            error = str(exc)
+    address, error = comm.bcast((address, error), root=0)
+    if error is not None:
+        raise RuntimeError(error if rank == 0 else f"fastpar.init (rank 0 failed): {error}")
+    if rank != 0:
+        try:
+            store = _join_store(address[0], address[1], rank, world_size, False, timeout)
+        except RuntimeError as exc:
+            error = str(exc)
+    # MPI is alive even when TCP is not: let every rank report every rank that failed to connect.
+    errors = [e for e in comm.allgather(error) if e is not None]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return store
+
+
+def _rendezvous_env(rank: int, world_size: int, timeout: float):
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        port = int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise ValueError(f"rank {rank} of {world_size}: MASTER_PORT must be set to the port of "
+                         "rank 0's store (torchrun sets it)") from None
+    # torchrun's agent already serves the store on MASTER_PORT; otherwise rank 0 hosts it.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return _join_store(host, port, rank, world_size, rank == 0 and not agent_store, timeout)
+
+
+def _join_barrier(store, rank: int, world_size: int, timeout: float, generation: int) -> None:
+    """Wait until every rank has checked in; on the deadline, name the ranks that did not."""
+    prefix = f"fastpar/join/{generation}"
+    store.set(f"{prefix}/{rank}", socket.gethostname())
+    arrived = store.add(f"{prefix}/count", 1)
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while arrived < world_size:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([f"{prefix}/{r}"])]
+            raise RuntimeError(
+                f"fastpar.init: rank {rank} waited {timeout:g} s for all {world_size} ranks to "
+                f"join; rank(s) {missing} never arrived (crashed, or cannot reach rank 0's store)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+        arrived = store.add(f"{prefix}/count", 0)
+
+
+def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if local_world_size > visible:
+        raise ValueError(f"{local_world_size} ranks on this host but only {visible} visible GPUs "
+                         f"(local rank {local_rank}); launch at most {visible} ranks per host or "
+                         "set CUDA_VISIBLE_DEVICES")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
+         timeout: float = 300.0) -> Topology:
+    """Join the job started by any launcher and return this rank's ``Topology``.
+
+    Idempotent for the same arguments; calling it again with different ones is an error (call
+    ``shutdown()`` first). ``timeout`` (seconds) bounds the rendezvous and every later collective.
+    """
+    import torch.distributed as dist
+
+    args = (tp, pp, backend, float(timeout))
+    if _STATE["topology"] is not None:
+        if _STATE["args"] == args:
+            return _STATE["topology"]
+        old = dict(zip(("tp", "pp", "backend", "timeout"), _STATE["args"]))
+        new = dict(zip(("tp", "pp", "backend", "timeout"), args))
+        raise RuntimeError(f"fastpar.init was already called with {old}; called again with "
+                           f"{new}. Call fastpar.shutdown() first to change the layout.")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+
+    info = _launcher.detect(os.environ)
+    mpi_comm = None
+    if info.uses_mpi:
+        mpi_comm = _mpi_world().COMM_WORLD
+        rank, world_size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        node = mpi_comm.Split_type(_mpi_world().COMM_TYPE_SHARED, key=rank)
+        local_rank, local_world_size = node.Get_rank(), node.Get_size()
+        node.Free()
+    else:
+        rank, world_size = info.rank, info.world_size
+        local_rank = max(info.local_rank, 0)
+        local_world_size = info.local_world_size if info.local_world_size > 0 else (
+            1 if world_size == 1 else world_size)  # torchrun always sets it; plain env: assume one host
+    validate_degrees(world_size, tp, pp)
+    grid = Grid(world_size, tp, pp)
+    device = _choose_device(local_rank, local_world_size)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+
+    owns_pg = not dist.is_initialized()
+    if owns_pg:
+        if info.uses_mpi:
+            store = _rendezvous_mpi(mpi_comm, timeout)
+        elif world_size > 1:
+            store = _rendezvous_env(rank, world_size, timeout)
+        else:
+            store = dist.HashStore()
+        generation = _STATE["generation"]
+        _STATE["generation"] += 1
+        _join_barrier(store, rank, world_size, timeout, generation)
+        pg_store = dist.PrefixStore(f"fastpar/pg/{generation}", store)
+        dist.init_process_group(backend, store=pg_store, rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+    else:
+        store = None
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(f"torch.distributed is already initialised as rank "
+                               f"{dist.get_rank()} of {dist.get_world_size()}, but the launcher "
+                               f"says rank {rank} of {world_size}")
+    groups = build_groups(grid, rank)
+    topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
+                    local_world_size=local_world_size, device=device,
+                    backend=dist.get_backend(), launcher=info.launcher, mpi_comm=mpi_comm,
+                    store=store, **groups)
+    _STATE.update(topology=topo, args=args, owns_pg=owns_pg)
+    return topo
+
+
+def topology() -> Topology:
+    """The ``Topology`` of this process; ``RuntimeError`` if ``fastpar.init`` was not called."""
+    if _STATE["topology"] is None:
+        raise RuntimeError("fastpar.init() has not been called in this process")
+    return _STATE["topology"]
+
+
+def is_initialized() -> bool:
+    return _STATE["topology"] is not None
+
+
+
+
+def on_shutdown(hook) -> None:
+    """Register a callable run by ``shutdown()`` (layers above free their buffers this way)."""
+    _STATE["hooks"].append(hook)
+
+
+def shutdown() -> None:
+    """Destroy the process groups and free what ``init`` made. Safe to call twice."""
+    import torch.distributed as dist
+
+    if _STATE["topology"] is None:
+        return
+    while _STATE["hooks"]:
+        _STATE["hooks"].pop()()
+    if _STATE["owns_pg"] and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.update(topology=None, args=None, owns_pg=False, hooks=[])

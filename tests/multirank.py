@@ -1,0 +1,122 @@
+"""Run a test body on N ranks under a real launcher and collect every rank's result.
+
+    from tests.multirank import run_ranks
+    results = run_ranks(4, "tests.bodies.topology:check_grid", tp=2, pp=2)   # mpirun
+    run_ranks(2, some_body, launcher="torchrun")
+
+A body is a module-level function ``body(**kwargs)`` in an importable module; each rank calls it
+and its JSON-serialisable return value is collected. ``run_ranks`` raises ``RankFailure`` showing
+each failed rank's traceback, or, on the per-launch timeout, kills the whole job and names the
+ranks that never finished. Launching 4 Python+torch processes costs seconds on 2 cores, so a body
+should group several checks.
+
+Pass ``check=False`` to get the ``Launch`` back even when ranks fail (for tests of failures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)  # the venv's mpirun and torchrun live beside its python
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+@dataclasses.dataclass
+class Launch:
+    """The outcome of one launch: per-rank results, the job's exit status and output."""
+
+    nranks: int
+    launcher: str
+    returncode: int | None  # None when the job was killed on timeout
+    elapsed: float
+    output: str
+    results: dict[int, dict]  # rank -> {"ok": bool, "value": ..., "error": str, "traceback": str}
+
+    @property
+    def missing(self) -> list[int]:
+        return [r for r in range(self.nranks) if r not in self.results]
+
+    @property
+    def failed(self) -> list[int]:
+        return [r for r, res in sorted(self.results.items()) if not res["ok"]]
+
+    def values(self) -> list[Any]:
+        return [self.results[r]["value"] for r in range(self.nranks)]
+
+    def describe(self) -> str:
+        lines = [f"{self.launcher} launch of {self.nranks} ranks: exit {self.returncode}, "
+                 f"{self.elapsed:.1f} s"]
+        if self.missing:
+            lines.append(f"ranks that never finished: {self.missing}")
+        for r in self.failed:
+            lines.append(f"--- rank {r} failed ---\n{self.results[r]['traceback'].rstrip()}")
+        lines.append("--- job output (tail) ---\n" + self.output[-4000:])
+        return "\n".join(lines)
+
+
+def _target_name(body: str | Callable) -> str:
+    if isinstance(body, str):
+        return body
+    return f"{body.__module__}:{body.__qualname__}"
+
+
+def _command(launcher: str, nranks: int, worker_args: list[str]) -> list[str]:
+    if launcher == "mpirun":
+        return [os.path.join(BIN, "mpirun"), "-np", str(nranks), sys.executable, "-m",
+                "tests._rank_worker", *worker_args]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={nranks}", "--no-python", sys.executable, "-m",
+                "tests._rank_worker", *worker_args]
+    if launcher == "plain" and nranks == 1:
+        return [sys.executable, "-m", "tests._rank_worker", *worker_args]
+    raise ValueError(f"launcher must be 'mpirun', 'torchrun' or 'plain' (1 rank), got "
+                     f"{launcher!r} with {nranks} ranks")
+
+
+def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
+              timeout: float = 120.0, env: dict | None = None, check: bool = True,
+              **kwargs) -> Launch:
+    """Run ``body(**kwargs)`` on ``nranks`` ranks; see the module docstring."""
+    with tempfile.TemporaryDirectory(prefix="fastpar-ranks-") as outdir:
+        args = [outdir, _target_name(body), json.dumps(kwargs)]
+        full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    "OMP_NUM_THREADS": "1", **(env or {})}
+        out = open(os.path.join(outdir, "output.txt"), "w+")
+        start = time.monotonic()
+        proc = subprocess.Popen(_command(launcher, nranks, args), cwd=ROOT, env=full_env,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        elapsed = time.monotonic() - start
+        out.seek(0)
+        output = out.read()
+        out.close()
+        results = {}
+        for r in range(nranks):
+            path = os.path.join(outdir, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[r] = json.load(f)
+    launch = Launch(nranks, launcher, returncode, elapsed, output, results)
+    if check and (returncode != 0 or launch.missing or launch.failed):
+        why = "timed out after %.0f s" % timeout if returncode is None else "failed"
+        raise RankFailure(f"{why}: {launch.describe()}")
+    return launch
