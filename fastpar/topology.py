@@ -101,6 +101,7 @@ class Topology:
     device: torch.device
     backend: str
     launcher: str
+    hosts: tuple = ()  # host name of every global rank
     tp_group: Any = None
     pp_group: Any = None
     dp_group: Any = None
@@ -108,6 +109,8 @@ class Topology:
     embedding_group: Any = None
     mpi_comm: Any = None  # the MPI communicator kept as an out-of-band channel (None without MPI)
     store: Any = None  # the torch.distributed store every rank joined through
+    # Per-job state of the layers above (communicators, buffers), freed by fastpar.shutdown().
+    cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     world_size = property(lambda self: self.grid.world_size)
     tp_size = property(lambda self: self.grid.tp)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fastpar.runtime import launcher as _launcher
+from fastpar.runtime.watchdog import deadline
 from fastpar.topology import Grid, Topology, build_groups, validate_degrees
 
 # The one current Topology, plus what init needs to undo or repeat it. "generation" counts inits
@@ -33,10 +34,18 @@ _STATE: dict[str, Any] = {"topology": None, "args": None, "owns_pg": False, "hoo
                           "generation": 0}
 
 
-def _mpi_world():
-    """Import mpi4py lazily (torchrun and single-process use must not need an MPI library)."""
+def _mpi_world(info: _launcher.LaunchInfo, timeout: float):
+    """Import mpi4py lazily (torchrun and single-process use must not need an MPI library).
+
+    The import runs ``MPI_Init``, which waits without limit for every rank to start, so it runs
+    under a watchdog that ends this process with a message after ``timeout`` seconds.
+    """
+    who = f"rank {info.rank}" + (f" of {info.world_size}" if info.world_size > 0 else "")
+    message = (f"fastpar.init: {who} ({info.launcher} launcher): MPI_Init did not complete within "
+               f"{timeout:g} s; a rank never started or died before joining MPI. Exiting.")
     try:
-        from mpi4py import MPI
+        with deadline(timeout, message):
+            from mpi4py import MPI
     except ImportError as exc:
         raise RuntimeError(
             "this process was started by an MPI launcher but mpi4py cannot be imported "
@@ -115,8 +124,14 @@ def _rendezvous_env(rank: int, world_size: int, timeout: float):
     return _join_store(host, port, rank, world_size, rank == 0 and not agent_store, timeout)
 
 
-def _join_barrier(store, rank: int, world_size: int, timeout: float, generation: int) -> None:
-    """Wait until every rank has checked in; on the deadline, name the ranks that did not."""
+def _join_barrier(store, rank: int, world_size: int, timeout: float,
+                  generation: int) -> tuple[str, ...]:
+    """Wait until every rank has checked in and return every rank's host name; on the deadline,
+    name the ranks that did not arrive.
+
+    Rank 0 hosts the store, so on failure it stays until every rank that did arrive has read
+    the missing list (or a few seconds pass): they all fail with the same message.
+    """
     prefix = f"fastpar/join/{generation}"
     store.set(f"{prefix}/{rank}", socket.gethostname())
     arrived = store.add(f"{prefix}/count", 1)
@@ -125,12 +140,18 @@ def _join_barrier(store, rank: int, world_size: int, timeout: float, generation:
     while arrived < world_size:
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if not store.check([f"{prefix}/{r}"])]
+            gave_up = store.add(f"{prefix}/gave_up", 1)
+            linger = time.monotonic() + 5.0
+            while rank == 0 and gave_up < world_size - len(missing) and time.monotonic() < linger:
+                time.sleep(0.01)
+                gave_up = store.add(f"{prefix}/gave_up", 0)
             raise RuntimeError(
                 f"fastpar.init: rank {rank} waited {timeout:g} s for all {world_size} ranks to "
                 f"join; rank(s) {missing} never arrived (crashed, or cannot reach rank 0's store)")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
         arrived = store.add(f"{prefix}/count", 0)
+    return tuple(store.get(f"{prefix}/{r}").decode() for r in range(world_size))
 
 
 def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
@@ -168,9 +189,10 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     info = _launcher.detect(os.environ)
     mpi_comm = None
     if info.uses_mpi:
-        mpi_comm = _mpi_world().COMM_WORLD
+        MPI = _mpi_world(info, timeout)
+        mpi_comm = MPI.COMM_WORLD
         rank, world_size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        node = mpi_comm.Split_type(_mpi_world().COMM_TYPE_SHARED, key=rank)
+        node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local_rank, local_world_size = node.Get_rank(), node.Get_size()
         node.Free()
     else:
@@ -193,7 +215,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
             store = dist.HashStore()
         generation = _STATE["generation"]
         _STATE["generation"] += 1
-        _join_barrier(store, rank, world_size, timeout, generation)
+        hosts = _join_barrier(store, rank, world_size, timeout, generation)
         pg_store = dist.PrefixStore(f"fastpar/pg/{generation}", store)
         dist.init_process_group(backend, store=pg_store, rank=rank,
                                 world_size=world_size,
@@ -204,11 +226,14 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
             raise RuntimeError(f"torch.distributed is already initialised as rank "
                                f"{dist.get_rank()} of {dist.get_world_size()}, but the launcher "
                                f"says rank {rank} of {world_size}")
+        hosts = [None] * world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        hosts = tuple(hosts)
     groups = build_groups(grid, rank)
     topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
                     local_world_size=local_world_size, device=device,
-                    backend=dist.get_backend(), launcher=info.launcher, mpi_comm=mpi_comm,
-                    store=store, **groups)
+                    backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
+                    mpi_comm=mpi_comm, store=store, **groups)
     _STATE.update(topology=topo, args=args, owns_pg=owns_pg)
     return topo
 

@@ -1,0 +1,13 @@
+#pragma once
+// A process-exit watchdog for blocking calls that hold the Python GIL and have no timeout of
+// their own (MPI_Init waits forever for a rank that never started). Pure C++, no torch.
+#include <cstdint>
+#include <string>
+
+namespace fastpar {
+// Arm: unless disarmed within `seconds`, write `message` to stderr and _exit(exit_code).
+// Returns an id for watchdog_disarm.
+int64_t watchdog_arm(double seconds, const std::string& message, int64_t exit_code);
+// Disarm; returns false if that watchdog already fired or does not exist.
+bool watchdog_disarm(int64_t id);
+}  // namespace fastpar

@@ -1,0 +1,35 @@
+"""Bound a blocking call that holds the GIL and has no timeout of its own.
+
+``MPI_Init`` waits forever for a rank that never started, and holds the GIL while it waits, so no
+Python thread can time it out. The native watchdog (a C++ thread) can: unless disarmed in time, it
+prints the message and ends the process. Without the extension, ``faulthandler`` does the same
+with a traceback instead of the message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+
+from fastpar import _native
+
+EXIT_CODE = 124
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, message: str):
+    """Run the ``with`` body; if it takes over ``seconds``, print ``message`` and exit."""
+    if _native.available():
+        import torch
+
+        dog = torch.ops.fastpar.watchdog_arm(float(seconds), message, EXIT_CODE)
+        try:
+            yield
+        finally:
+            torch.ops.fastpar.watchdog_disarm(dog)
+    else:
+        faulthandler.dump_traceback_later(seconds, exit=True)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()

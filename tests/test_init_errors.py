@@ -1,0 +1,136 @@
+"""Bad input ends in a clear error on every rank, within seconds, never a hang."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.multirank import ROOT, run_ranks
+
+
+def body_init(tp=1, pp=1, init_timeout=30.0, die_rank=None):
+    import fastpar
+    from fastpar.runtime.launcher import detect
+
+    if die_rank is not None and detect(os.environ).rank == die_rank:
+        os._exit(3)  # a rank that dies before joining
+    fastpar.init(tp=tp, pp=pp, timeout=init_timeout)
+    return "joined"
+
+
+def body_bad_degrees():
+    """Every invalid tp/pp is rejected before any communication, with the numbers named."""
+    import fastpar
+
+    messages = []
+    for tp, pp in ((0, 1), (1, 0), (-1, 2), (3, 1), (1, 5), (2, 2)):
+        try:
+            fastpar.init(tp=tp, pp=pp, timeout=10)
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            raise AssertionError(f"tp={tp} pp={pp} accepted on 2 ranks")
+    try:
+        fastpar.init(timeout=0)
+    except ValueError as exc:
+        messages.append(str(exc))
+    fastpar.init()  # and the process is still usable afterwards
+    return messages
+
+
+def test_indivisible_world_fails_on_every_rank_quickly():
+    launch = run_ranks(3, body_init, tp=2, check=False, timeout=60)
+    assert launch.returncode not in (0, None), launch.describe()
+    assert sorted(launch.results) == [0, 1, 2], launch.describe()
+    for r in range(3):
+        assert launch.results[r]["error"] == \
+            "ValueError: world_size 3 is not divisible by tp 2 x pp 1", launch.describe()
+    assert launch.elapsed < 30, launch.describe()
+
+
+def test_bad_degrees_named():
+    (messages, _) = run_ranks(2, body_bad_degrees).values()
+    assert messages == [
+        "tp must be a positive integer, got 0",
+        "pp must be a positive integer, got 0",
+        "tp must be a positive integer, got -1",
+        "world_size 2 is not divisible by tp 3 x pp 1",
+        "world_size 2 is not divisible by tp 1 x pp 5",
+        "world_size 2 is not divisible by tp 2 x pp 2",
+        "timeout must be positive, got 0",
+    ]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_dead_rank_during_init_ends_the_job(launcher):
+    launch = run_ranks(3, body_init, launcher=launcher, die_rank=1, init_timeout=10.0,
+                        check=False, timeout=60)
+    assert launch.returncode not in (0, None), launch.describe()
+    assert 1 in launch.missing
+    assert launch.elapsed < 40, launch.describe()
+    if launcher == "mpirun":
+        # Survivors are stuck in MPI_Init (which holds the GIL); the native watchdog ends them.
+        assert "MPI_Init did not complete within 10 s" in launch.output, launch.describe()
+    else:
+        assert "exitcode  : 3" in launch.output or "exitcode: 3" in launch.output, launch.output
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_rank(rank, world, port, timeout):
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "PYTHONPATH": ROOT}
+    code = f"import fastpar; fastpar.init(timeout={timeout})"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_rank_that_cannot_reach_rank0():
+    port = _free_port()  # nobody listens there: rank 0 never started
+    start = time.monotonic()
+    proc = _spawn_rank(1, 2, port, timeout=3)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert f"rank 1 could not reach rank 0 at 127.0.0.1:{port} within 3 s" in out, out
+    assert time.monotonic() - start < 30
+
+
+def test_peer_that_never_arrives_is_named():
+    """Ranks 0 and 2 of 3 start, rank 1 never does: both fail naming rank 1, in about timeout."""
+    port = _free_port()
+    start = time.monotonic()
+    procs = [_spawn_rank(r, 3, port, timeout=4) for r in (0, 2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode != 0
+        assert "rank(s) [1] never arrived" in out, out
+    assert time.monotonic() - start < 30
+
+
+def body_store_port_taken(port):
+    import fastpar
+
+    try:
+        fastpar.init(timeout=5)
+    except RuntimeError as exc:
+        return str(exc)
+    raise AssertionError("init succeeded although the store port was taken")
+
+
+def test_mpi_rendezvous_failure_reaches_every_rank():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        launch = run_ranks(2, body_store_port_taken, port=port,
+                           env={"FASTPAR_MASTER_ADDR": "127.0.0.1",
+                                "FASTPAR_MASTER_PORT": str(port)})
+    for message in launch.values():
+        assert f"could not start the rendezvous store at 127.0.0.1:{port}" in message, message
