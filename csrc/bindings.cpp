@@ -4,9 +4,26 @@
 #include <torch/library.h>
 
 #include "build_info.h"
+#include "shm_ops.h"
+#include "watchdog.h"
 
 TORCH_LIBRARY(fastpar, m) {
   m.def("build_info() -> str", [] { return fastpar::build_info(); });
+  m.def("watchdog_arm(float seconds, str message, int exit_code) -> int",
+        [](double s, std::string msg, int64_t code) { return fastpar::watchdog_arm(s, msg, code); });
+  m.def("watchdog_disarm(int id) -> bool", &fastpar::watchdog_disarm);
+
+  // Shared-memory collectives (CPU). The segment at `base` is owned by fastpar/comm/shm.py.
+  m.def("shm_segment_bytes(int world, int slot_bytes) -> int", &fastpar::shm_segment_bytes);
+  m.def("shm_init_segment(int base, int world, int slot_bytes) -> ()", &fastpar::shm_init_segment);
+  m.def("shm_attach(int base, int rank, int world, int slot_bytes, float timeout_s) -> int",
+        &fastpar::shm_attach);
+  m.def("shm_detach(int comm) -> ()", &fastpar::shm_detach);
+  m.def("shm_all_reduce(int comm, Tensor(a!) t, str op) -> ()", &fastpar::shm_all_reduce);
+  m.def("shm_all_gather(int comm, Tensor inp, Tensor(a!) out) -> ()", &fastpar::shm_all_gather);
+  m.def("shm_reduce_scatter(int comm, Tensor inp, Tensor(a!) out, str op) -> ()",
+        &fastpar::shm_reduce_scatter);
+  m.def("shm_broadcast(int comm, Tensor(a!) t, int root) -> ()", &fastpar::shm_broadcast);
 }
 
 // Importing fastpar._C loads this library, which registers the ops above as torch.ops.fastpar.*.

@@ -1,0 +1,634 @@
+// fastpar shared-memory collectives: implementation. See shm_collectives.h and README.md.
+//
+// Protocol in one paragraph: each rank owns one control line (a monotonically increasing
+// `flag` plus two call descriptors) and one data slot split into two halves. A "round"
+// writes this rank's half number (round & 1), bumps `flag` (release), and waits until every
+// peer's flag reaches the same value (acquire); then it reads the peers' halves. Round n+1
+// reuses the half of round n-1; before writing it, this rank waited (in round n) for every
+// peer to publish round n, and a peer publishes round n only after it finished reading
+// round n-1. So a half is never overwritten while a peer may still read it, and no
+// second "done reading" flag is needed. Flags only grow, so nothing is ever reset.
+#include "shm_collectives.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FASTPAR_X86 1
+#endif
+
+namespace fastpar {
+namespace shm {
+namespace {
+
+constexpr uint64_t kMagic = 0x3130304d48535046ULL;  // "FPSHM001"
+constexpr uint32_t kVersion = 1;
+constexpr int kMaxWorld = 64;
+constexpr size_t kPage = 4096;
+// Pause-spins before a wait falls back to sched_yield: long enough to catch a peer running
+// on another core, short when ranks outnumber cores (then the peer needs our core).
+constexpr int kSpinIters = 2000;
+constexpr int kSpinItersOversubscribed = 50;
+
+enum class Kind : uint32_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4 };
+
+// What a rank passed to a call; compared across ranks in the call's first round.
+struct Desc {
+  uint32_t kind, dtype, op;
+  int32_t root;
+  uint64_t count;  // elements (reductions) or bytes (all_gather, broadcast)
+  uint64_t call;
+};
+
+struct alignas(128) Header {
+  std::atomic<uint64_t> magic;
+  uint32_t version, world;
+  uint64_t slot_bytes, small_max_bytes, chunk_bytes;
+  std::atomic<uint32_t> poison;  // 0 ok, 1 being poisoned, 2 poisoned + message written
+  char message[256];
+};
+
+// One cache line per rank, written only by its owner: flag and descriptors share the
+// line so a peer's acquire of `flag` brings the descriptor along in the same transfer.
+struct alignas(128) Ctrl {
+  std::atomic<uint64_t> flag;
+  Desc desc[2];  // indexed by round parity, like the data halves
+};
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
+static_assert(sizeof(Ctrl) == 128, "one control line per rank");
+
+size_t data_offset(int world) {
+  size_t h = sizeof(Header) + size_t(world) * sizeof(Ctrl);
+  return (h + kPage - 1) / kPage * kPage;
+}
+Header* header(const Comm& c) { return static_cast<Header*>(c.base); }
+Ctrl* ctrl(const Comm& c, int r) {
+  return reinterpret_cast<Ctrl*>(static_cast<char*>(c.base) + sizeof(Header)) + r;
+}
+size_t half_bytes(const Comm& c) { return c.slot_bytes / 2; }
+// Half (round & 1) of rank r's slot.
+char* half(const Comm& c, int r, uint64_t round) {
+  return static_cast<char*>(c.base) + data_offset(c.world) + size_t(r) * c.slot_bytes +
+         (round & 1) * half_bytes(c);
+}
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::AllReduce: return "all_reduce";
+    case Kind::AllGather: return "all_gather";
+    case Kind::ReduceScatter: return "reduce_scatter";
+    case Kind::Broadcast: return "broadcast";
+  }
+  return "?";
+}
+
+// ---- errors and poisoning ---------------------------------------------------------
+
+[[noreturn]] void fail(Comm& c, const std::string& msg) {
+  Header* h = header(c);
+  uint32_t expected = 0;
+  if (h->poison.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    std::strncpy(h->message, msg.c_str(), sizeof(h->message) - 1);
+    h->message[sizeof(h->message) - 1] = '\0';
+    h->poison.store(2, std::memory_order_release);
+  }
+  throw std::runtime_error(msg);
+}
+
+[[noreturn]] void throw_poisoned(const Comm& c, Kind k) {
+  throw std::runtime_error(std::string("fastpar shm ") + kind_name(k) + ": rank " +
+                           std::to_string(c.rank) +
+                           " cannot proceed, the segment was poisoned by an earlier error: " +
+                           poison_message(c));
+}
+
+// ---- waiting ----------------------------------------------------------------------
+
+inline void cpu_relax() {
+#if defined(FASTPAR_X86)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Waits until rank p's flag reaches `target`: a short pause-spin (cheap when the peer is
+// running on another core), then sched_yield so oversubscribed cores make progress.
+void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
+  const std::atomic<uint64_t>& f = ctrl(c, p)->flag;
+  for (int i = 0; i < c.spin_iters; ++i) {
+    if (f.load(std::memory_order_acquire) >= target) return;
+    cpu_relax();
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t it = 1;; ++it) {
+    sched_yield();
+    if (f.load(std::memory_order_acquire) >= target) return;
+    if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
+    if ((it & 63) == 0) {
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (s > c.timeout_s)
+        fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+                    std::to_string(c.rank) + " timed out after " + std::to_string(s) +
+                    " s waiting for rank " + std::to_string(p) + " (call " +
+                    std::to_string(c.calls) + "; rank " + std::to_string(p) +
+                    " is at signal " + std::to_string(f.load()) + ", expected " +
+                    std::to_string(target) + ")");
+    }
+  }
+}
+
+// Publish: everything written to this rank's half/descriptor before is visible to a peer
+// that acquires the new flag value. Then wait for every peer to publish the same value.
+void signal_and_wait(Comm& c, Kind k) {
+  ctrl(c, c.rank)->flag.store(++c.flag, std::memory_order_release);
+  for (int p = 0; p < c.world; ++p)
+    if (p != c.rank) wait_peer(c, p, c.flag, k);
+}
+
+// ---- call descriptors -------------------------------------------------------------
+
+std::string describe(const Desc& d, bool full) {
+  Kind k = Kind(d.kind);
+  bool elems = k == Kind::AllReduce || k == Kind::ReduceScatter;
+  std::string what = std::to_string(d.count) +
+                     (elems ? std::string(" ") + dtype_name(DType(d.dtype)) + " elements"
+                            : std::string(" bytes"));
+  if (!full) return what;
+  std::string s = std::string(kind_name(k)) + " of " + what;
+  if (elems) s += d.op == uint32_t(Op::Sum) ? " (sum)" : " (max)";
+  if (k == Kind::Broadcast) s += " from root " + std::to_string(d.root);
+  return s;
+}
+
+Desc begin_call(Comm& c, Kind k, DType dt, Op op, size_t count, int root) {
+  if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
+  ++c.calls;
+  return Desc{uint32_t(k), uint32_t(dt), uint32_t(op), root, count, c.calls};
+}
+
+// First round of a call: publish the descriptor with the data, then (after the wait)
+// compare every rank's descriptor with rank 0's. All ranks see the same descriptors, so
+// all of them throw the same message; none of them has read peer data yet.
+void first_round_sync(Comm& c, const Desc& mine) {
+  ctrl(c, c.rank)->desc[c.rounds & 1] = mine;
+  signal_and_wait(c, Kind(mine.kind));
+  const Desc& d0 = ctrl(c, 0)->desc[c.rounds & 1];
+  for (int r = 1; r < c.world; ++r) {
+    const Desc& d = ctrl(c, r)->desc[c.rounds & 1];
+    if (d.kind == d0.kind && d.dtype == d0.dtype && d.op == d0.op && d.root == d0.root &&
+        d.count == d0.count)
+      continue;
+    bool full = d.kind != d0.kind || d.op != d0.op || d.root != d0.root;
+    fail(c, std::string("fastpar shm ") + kind_name(Kind(mine.kind)) + ": rank " +
+                std::to_string(r) + " passed " + describe(d, full) + " but rank 0 passed " +
+                describe(d0, full));
+  }
+}
+
+// Rank r's share [begin, end) of n elements: equal slices rounded to 32 elements.
+void slice_of(size_t n, int world, int r, size_t* begin, size_t* end) {
+  size_t per = ((n + world - 1) / world + 31) / 32 * 32;
+  *begin = std::min(n, per * r);
+  *end = std::min(n, *begin + per);
+}
+
+}  // namespace
+
+// ---- dtype conversions: portable bit manipulation, F16C as a run-time fast path -------
+
+namespace {
+
+__attribute__((always_inline)) inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+__attribute__((always_inline)) inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+__attribute__((always_inline)) inline uint16_t bf16_round(float f) {
+  uint32_t u = bits_of(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return uint16_t(u >> 16);
+}
+__attribute__((always_inline)) inline float bf16_widen(uint16_t h) { return float_of(uint32_t(h) << 16); }
+
+inline float f16_widen(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, em = h & 0x7fffu;
+  // Normal: rebias the exponent by 127 - 15 = 112. Subnormal: m * 2^-24 (exact, and no
+  // float denormals involved, so DAZ/FTZ cannot change it). Inf/NaN: keep the payload.
+  const uint32_t normal = (em << 13) + (112u << 23);
+  const uint32_t sub = bits_of(float(int32_t(em)) * 0x1p-24f);
+  const uint32_t mant = em & 0x3ffu;  // NaNs come out quiet (as F16C does)
+  const uint32_t special = 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u);
+  return float_of(sign | (em >= 0x7c00u ? special : em >= 0x400u ? normal : sub));
+}
+
+inline uint16_t f16_round(float f) {
+  const uint32_t u = bits_of(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  uint32_t out;
+  if (a > 0x7f800000u) {
+    out = 0x7e00u | ((a >> 13) & 0x3ffu);  // NaN, quieted, payload kept
+  } else if (a >= 0x477ff000u) {
+    out = 0x7c00u;  // >= 65520 rounds (ties to even) to infinity
+  } else if (a >= 0x38800000u) {
+    // Normal half: rebias, then round to nearest even on the 13 dropped bits; a carry
+    // out of the mantissa correctly bumps the exponent.
+    out = (a - (112u << 23) + 0xfffu + ((a >> 13) & 1u)) >> 13;
+  } else {
+    // Subnormal half or zero: in [0.5, 1) the float ulp is 2^-24, the half subnormal
+    // step, so adding 0.5 lets the FPU's round-to-nearest-even do the rounding.
+    out = bits_of(float_of(a) + 0.5f) - 0x3f000000u;
+  }
+  return uint16_t(sign | out);
+}
+
+#ifdef FASTPAR_X86
+__attribute__((target("avx,f16c"))) void f16_widen_f16c(const uint16_t* in, float* out,
+                                                        size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
+  for (; i < n; ++i) out[i] = f16_widen(in[i]);
+}
+__attribute__((target("avx,f16c"))) void f16_round_f16c(const float* in, uint16_t* out,
+                                                        size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i*)(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = f16_round(in[i]);
+}
+bool detect_f16c() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+const bool kHaveF16C = detect_f16c();
+#else
+const bool kHaveF16C = false;
+#endif
+
+// ---- reduction kernels --------------------------------------------------------------
+// dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i], always in that order, so
+// every rank (and both protocols) produce bitwise identical results. Blocked so each
+// inner loop is a plain, auto-vectorised pass over an L1-resident accumulator. The whole
+// kernel is compiled twice: baseline x86-64 and (picked at run time) AVX2.
+
+#define FASTPAR_INLINE inline __attribute__((always_inline))
+
+// Codecs: storage type S, accumulator type A, element-wise ld/st; kBulk codecs widen a
+// block at a time instead (fp16: F16C when present).
+struct F32C {
+  using S = float;
+  using A = float;
+  static constexpr bool kBulk = false;
+  static FASTPAR_INLINE A ld(S x) { return x; }
+  static FASTPAR_INLINE S st(A x) { return x; }
+};
+struct F64C {
+  using S = double;
+  using A = double;
+  static constexpr bool kBulk = false;
+  static FASTPAR_INLINE A ld(S x) { return x; }
+  static FASTPAR_INLINE S st(A x) { return x; }
+};
+struct BF16C {
+  using S = uint16_t;
+  using A = float;
+  static constexpr bool kBulk = false;
+  static FASTPAR_INLINE A ld(S x) { return bf16_widen(x); }
+  static FASTPAR_INLINE S st(A x) { return bf16_round(x); }
+};
+struct F16C {
+  using S = uint16_t;
+  using A = float;
+  static constexpr bool kBulk = true;
+  static void widen(const S* s, A* a, size_t m) { f16_to_f32_n(s, a, m); }
+  static void narrow(const A* a, S* s, size_t m) { f32_to_f16_n(a, s, m); }
+};
+
+struct SumOp {
+  template <class A>
+  static FASTPAR_INLINE A apply(A acc, A x) { return acc + x; }
+};
+struct MaxOp {  // NaN-propagating, like torch.max
+  template <class A>
+  static FASTPAR_INLINE A apply(A acc, A x) { return (x > acc || x != x) ? x : acc; }
+};
+
+template <class C, class O>
+FASTPAR_INLINE void reduce_blocked(void* dst, const void* const* srcs, int nsrc, size_t n) {
+  using S = typename C::S;
+  using A = typename C::A;
+  constexpr size_t B = 1024;
+  alignas(64) A acc[B];
+  alignas(64) A tmp[B];
+  S* d = static_cast<S*>(dst);
+  for (size_t b = 0; b < n; b += B) {
+    const size_t m = std::min(B, n - b);
+    for (int r = 0; r < nsrc; ++r) {
+      const S* s = static_cast<const S*>(srcs[r]) + b;
+      if constexpr (C::kBulk) {
+        C::widen(s, r == 0 ? acc : tmp, m);
+        if (r > 0)
+          for (size_t i = 0; i < m; ++i) acc[i] = O::apply(acc[i], tmp[i]);
+      } else if (r == 0) {
+        for (size_t i = 0; i < m; ++i) acc[i] = C::ld(s[i]);
+      } else {
+        for (size_t i = 0; i < m; ++i) acc[i] = O::apply(acc[i], C::ld(s[i]));
+      }
+    }
+    if constexpr (C::kBulk) {
+      C::narrow(acc, d + b, m);
+    } else {
+      for (size_t i = 0; i < m; ++i) d[b + i] = C::st(acc[i]);
+    }
+  }
+}
+
+template <class O>
+FASTPAR_INLINE void reduce_dt(void* dst, const void* const* srcs, int nsrc, size_t n, DType dt) {
+  switch (dt) {
+    case DType::F32: return reduce_blocked<F32C, O>(dst, srcs, nsrc, n);
+    case DType::F64: return reduce_blocked<F64C, O>(dst, srcs, nsrc, n);
+    case DType::BF16: return reduce_blocked<BF16C, O>(dst, srcs, nsrc, n);
+    case DType::F16: return reduce_blocked<F16C, O>(dst, srcs, nsrc, n);
+  }
+}
+
+void reduce_base(void* dst, const void* const* srcs, int nsrc, size_t n, DType dt, Op op) {
+  if (op == Op::Max) return reduce_dt<MaxOp>(dst, srcs, nsrc, n, dt);
+  reduce_dt<SumOp>(dst, srcs, nsrc, n, dt);
+}
+
+#ifdef FASTPAR_X86
+__attribute__((target("avx2"))) void reduce_avx2(void* dst, const void* const* srcs, int nsrc,
+                                                 size_t n, DType dt, Op op) {
+  if (op == Op::Max) return reduce_dt<MaxOp>(dst, srcs, nsrc, n, dt);
+  reduce_dt<SumOp>(dst, srcs, nsrc, n, dt);
+}
+bool detect_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}
+const bool kHaveAVX2 = detect_avx2();
+#endif
+
+void reduce_into(void* dst, const void* const* srcs, int nsrc, size_t n, DType dt, Op op) {
+#ifdef FASTPAR_X86
+  if (kHaveAVX2) return reduce_avx2(dst, srcs, nsrc, n, dt, op);
+#endif
+  reduce_base(dst, srcs, nsrc, n, dt, op);
+}
+
+}  // namespace
+
+uint16_t f32_to_bf16(float f) { return bf16_round(f); }
+float bf16_to_f32(uint16_t h) { return bf16_widen(h); }
+uint16_t f32_to_f16(float f) { return f16_round(f); }
+float f16_to_f32(uint16_t h) { return f16_widen(h); }
+
+void f16_to_f32_n(const uint16_t* in, float* out, size_t n) {
+#ifdef FASTPAR_X86
+  if (kHaveF16C) return f16_widen_f16c(in, out, n);
+#endif
+  for (size_t i = 0; i < n; ++i) out[i] = f16_widen(in[i]);
+}
+
+void f32_to_f16_n(const float* in, uint16_t* out, size_t n) {
+#ifdef FASTPAR_X86
+  if (kHaveF16C) return f16_round_f16c(in, out, n);
+#endif
+  for (size_t i = 0; i < n; ++i) out[i] = f16_round(in[i]);
+}
+
+// ---- public API -------------------------------------------------------------------
+
+size_t dtype_size(DType dt) {
+  switch (dt) {
+    case DType::F32: return 4;
+    case DType::F64: return 8;
+    case DType::BF16: return 2;
+    case DType::F16: return 2;
+  }
+  throw std::runtime_error("fastpar shm: unknown dtype " + std::to_string(uint32_t(dt)));
+}
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::F32: return "float32";
+    case DType::F64: return "float64";
+    case DType::BF16: return "bfloat16";
+    case DType::F16: return "float16";
+  }
+  return "unknown-dtype";
+}
+
+size_t segment_bytes(int world, size_t slot_bytes) {
+  if (world < 1 || world > kMaxWorld)
+    throw std::runtime_error("fastpar shm: world " + std::to_string(world) +
+                             " outside 1.." + std::to_string(kMaxWorld));
+  if (slot_bytes < 2 * kPage || slot_bytes % kPage != 0)
+    throw std::runtime_error("fastpar shm: slot_bytes " + std::to_string(slot_bytes) +
+                             " must be a multiple of 4096 and at least 8192");
+  return data_offset(world) + size_t(world) * slot_bytes;
+}
+
+void init_segment(void* base, int world, size_t slot_bytes, size_t small_max_bytes,
+                  size_t chunk_bytes) {
+  segment_bytes(world, slot_bytes);  // validates
+  std::memset(base, 0, data_offset(world));
+  Header* h = new (base) Header;
+  h->version = kVersion;
+  h->world = uint32_t(world);
+  h->slot_bytes = slot_bytes;
+  h->small_max_bytes = std::min(small_max_bytes, slot_bytes / 2);
+  h->chunk_bytes = std::max<size_t>(kPage, std::min(chunk_bytes, slot_bytes / 2));
+  h->poison.store(0);
+  for (int r = 0; r < world; ++r) {
+    Ctrl* ct = new (static_cast<char*>(base) + sizeof(Header) + r * sizeof(Ctrl)) Ctrl;
+    ct->flag.store(0);
+  }
+  h->magic.store(kMagic, std::memory_order_release);  // last: attach checks it
+}
+
+Comm attach(void* base, int rank, int world, size_t slot_bytes) {
+  if (base == nullptr) throw std::runtime_error("fastpar shm attach: null segment base");
+  const Header* h = static_cast<const Header*>(base);
+  uint64_t magic = h->magic.load(std::memory_order_acquire);
+  if (magic != kMagic)
+    throw std::runtime_error("fastpar shm attach: bad magic " + std::to_string(magic) +
+                             " (expected " + std::to_string(kMagic) +
+                             "); was init_segment called before attach?");
+  if (h->version != kVersion)
+    throw std::runtime_error("fastpar shm attach: segment version " +
+                             std::to_string(h->version) + " but this build expects " +
+                             std::to_string(kVersion));
+  if (int(h->world) != world || h->slot_bytes != slot_bytes)
+    throw std::runtime_error("fastpar shm attach: segment was created for world " +
+                             std::to_string(h->world) + " with slot_bytes " +
+                             std::to_string(h->slot_bytes) + " but rank " +
+                             std::to_string(rank) + " attaches with world " +
+                             std::to_string(world) + " and slot_bytes " +
+                             std::to_string(slot_bytes));
+  if (rank < 0 || rank >= world)
+    throw std::runtime_error("fastpar shm attach: rank " + std::to_string(rank) +
+                             " outside 0.." + std::to_string(world - 1));
+  Comm c;
+  c.base = base;
+  c.rank = rank;
+  c.world = world;
+  c.slot_bytes = slot_bytes;
+  c.small_max_bytes = h->small_max_bytes;
+  c.chunk_bytes = h->chunk_bytes;
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  c.spin_iters = (cpus > 0 && world > cpus) ? kSpinItersOversubscribed : kSpinIters;
+  return c;
+}
+
+bool is_poisoned(const Comm& c) {
+  return header(c)->poison.load(std::memory_order_acquire) != 0;
+}
+
+const char* poison_message(const Comm& c) {
+  const Header* h = header(c);
+  uint32_t p = h->poison.load(std::memory_order_acquire);
+  if (p == 0) return "";
+  return p == 2 ? h->message : "(error message still being written)";
+}
+
+void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op) {
+  const Desc d = begin_call(c, Kind::AllReduce, dt, op, count, 0);
+  if (c.world == 1) return;
+  const size_t es = dtype_size(dt), bytes = count * es;
+  char* buf = static_cast<char*>(data);
+  const void* srcs[kMaxWorld];
+
+  if (bytes <= c.small_max_bytes) {
+    // Small: one round; every rank reduces all slots in rank order 0..world-1.
+    std::memcpy(half(c, c.rank, c.rounds), buf, bytes);
+    first_round_sync(c, d);
+    for (int r = 0; r < c.world; ++r) srcs[r] = half(c, r, c.rounds);
+    reduce_into(buf, srcs, c.world, count, dt, op);
+    ++c.rounds;
+    return;
+  }
+  // Large: per chunk, rank r reduces slice r of all slots into its own slot (same rank
+  // order, so bitwise identical), signals, then every rank copies out all slices.
+  const size_t chunk = c.chunk_bytes / es;
+  for (size_t off = 0; off < count; off += chunk, ++c.rounds) {
+    const size_t n = std::min(chunk, count - off);
+    char* mine = half(c, c.rank, c.rounds);
+    std::memcpy(mine, buf + off * es, n * es);
+    if (off == 0)
+      first_round_sync(c, d);
+    else
+      signal_and_wait(c, Kind::AllReduce);
+    size_t b, e;
+    slice_of(n, c.world, c.rank, &b, &e);
+    if (e > b) {
+      for (int r = 0; r < c.world; ++r) srcs[r] = half(c, r, c.rounds) + b * es;
+      reduce_into(mine + b * es, srcs, c.world, e - b, dt, op);
+    }
+    signal_and_wait(c, Kind::AllReduce);
+    for (int r = 0; r < c.world; ++r) {
+      slice_of(n, c.world, r, &b, &e);
+      std::memcpy(buf + (off + b) * es, half(c, r, c.rounds) + b * es, (e - b) * es);
+    }
+  }
+}
+
+void all_gather(Comm& c, const void* in, void* out, size_t bytes) {
+  const Desc d = begin_call(c, Kind::AllGather, DType::F32, Op::Sum, bytes, 0);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  if (c.world == 1) {
+    if (src != dst) std::memmove(dst, src, bytes);
+    return;
+  }
+  // One round per chunk; at least one round so that a 0-byte rank still meets the others.
+  size_t off = 0;
+  do {
+    const size_t n = std::min(c.chunk_bytes, bytes - off);
+    std::memcpy(half(c, c.rank, c.rounds), src + off, n);
+    if (off == 0)
+      first_round_sync(c, d);
+    else
+      signal_and_wait(c, Kind::AllGather);
+    // Own part comes from the slot too: `in` may alias out + rank * bytes.
+    for (int r = 0; r < c.world; ++r)
+      std::memcpy(dst + size_t(r) * bytes + off, half(c, r, c.rounds), n);
+    ++c.rounds;
+    off += n;
+  } while (off < bytes);
+}
+
+void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt, Op op) {
+  const Desc d = begin_call(c, Kind::ReduceScatter, dt, op, count, 0);
+  const size_t es = dtype_size(dt);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  if (c.world == 1) {
+    std::memmove(dst, src, count * es);
+    return;
+  }
+  // Per round, n elements of each of the world destination blocks: piece j of this
+  // rank's half holds in[j*count + off : +n]; rank r reduces piece r of every half.
+  const size_t per_round = std::max<size_t>(1, half_bytes(c) / (size_t(c.world) * es));
+  const void* srcs[kMaxWorld];
+  size_t off = 0;
+  do {
+    const size_t n = std::min(per_round, count - off);
+    char* mine = half(c, c.rank, c.rounds);
+    for (int j = 0; j < c.world; ++j)
+      std::memcpy(mine + j * n * es, src + (j * count + off) * es, n * es);
+    if (off == 0)
+      first_round_sync(c, d);
+    else
+      signal_and_wait(c, Kind::ReduceScatter);
+    for (int r = 0; r < c.world; ++r) srcs[r] = half(c, r, c.rounds) + c.rank * n * es;
+    reduce_into(dst + off * es, srcs, c.world, n, dt, op);
+    ++c.rounds;
+    off += n;
+  } while (off < count);
+}
+
+void broadcast(Comm& c, void* data, size_t bytes, int root) {
+  const Desc d = begin_call(c, Kind::Broadcast, DType::F32, Op::Sum, bytes, root);
+  if (root < 0 || root >= c.world)
+    fail(c, "fastpar shm broadcast: rank " + std::to_string(c.rank) + " passed root " +
+                std::to_string(root) + " outside 0.." + std::to_string(c.world - 1));
+  if (c.world == 1) return;
+  char* buf = static_cast<char*>(data);
+  size_t off = 0;
+  do {
+    const size_t n = std::min(c.chunk_bytes, bytes - off);
+    if (c.rank == root) std::memcpy(half(c, root, c.rounds), buf + off, n);
+    if (off == 0)
+      first_round_sync(c, d);
+    else
+      signal_and_wait(c, Kind::Broadcast);
+    if (c.rank != root) std::memcpy(buf + off, half(c, root, c.rounds), n);
+    ++c.rounds;
+    off += n;
+  } while (off < bytes);
+}
+
+}  // namespace shm
+}  // namespace fastpar

@@ -1,0 +1,98 @@
+// fastpar shared-memory collectives: the pure kernel layer.
+//
+// No torch, no Python, owns no memory: every function operates on a segment base
+// pointer that the caller mapped (shm_open + mmap) and on raw host pointers.
+// Protocol and segment layout: csrc/shm/README.md.
+//
+// Usage (one process per rank, all mapping the same segment):
+//   creator: init_segment(base, world, slot_bytes);   // once, before anyone attaches
+//   (out-of-band barrier, e.g. the torch store)
+//   each rank: Comm c = attach(base, rank, world, slot_bytes);
+//              all_reduce(c, ptr, count, DType::F32, Op::Sum);
+//
+// Every rank of the segment must issue the same sequence of calls with the same
+// op / dtype / count / root; a mismatch throws std::runtime_error on every rank.
+// Any error (mismatch, timeout) poisons the segment: later calls on it throw at once.
+// A Comm is thread-compatible: one thread at a time per Comm.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fastpar {
+namespace shm {
+
+enum class DType : uint32_t { F32 = 0, F64 = 1, BF16 = 2, F16 = 3 };
+enum class Op : uint32_t { Sum = 0, Max = 1 };
+
+size_t dtype_size(DType dt);
+const char* dtype_name(DType dt);
+
+// Defaults: a 4 MiB slot per rank (two 2 MiB halves, see README); messages up to
+// 32 KiB per rank use the one-round "everyone reduces everything" protocol, larger
+// ones the reduce-scatter + all-gather protocol in pipelined chunks of 1 MiB per rank.
+constexpr size_t kDefaultSlotBytes = size_t(4) << 20;
+constexpr size_t kDefaultSmallMaxBytes = size_t(32) << 10;
+constexpr size_t kDefaultChunkBytes = size_t(1) << 20;
+constexpr double kDefaultTimeoutS = 300.0;
+
+// Bytes the caller must map for `world` ranks with `slot_bytes` per rank
+// (slot_bytes: a multiple of 4096, at least 8192).
+size_t segment_bytes(int world, size_t slot_bytes);
+
+// Writes the header and zeroes the control blocks (not the data slots). Called once
+// by the creating process before any rank attaches. The protocol tuning knobs live in
+// the segment so that every rank necessarily uses the same ones.
+void init_segment(void* base, int world, size_t slot_bytes,
+                  size_t small_max_bytes = kDefaultSmallMaxBytes,
+                  size_t chunk_bytes = kDefaultChunkBytes);
+
+// Per-rank view of a segment. Plain value; holds no resources.
+struct Comm {
+  void* base = nullptr;
+  int rank = 0;
+  int world = 1;
+  size_t slot_bytes = 0;
+  size_t small_max_bytes = 0;  // copied from the segment header
+  size_t chunk_bytes = 0;      // copied from the segment header
+  uint64_t flag = 0;           // signals this rank has published so far
+  uint64_t rounds = 0;         // data rounds so far; parity picks the slot half
+  uint64_t calls = 0;          // collective calls so far
+  double timeout_s = kDefaultTimeoutS;  // per wait; set freely between calls
+  int spin_iters = 2000;  // pause-spins before sched_yield; attach lowers it if world > cpus
+};
+
+// Validates the header (magic, version, world, slot size) and returns a fresh Comm.
+// Throws std::runtime_error naming the expected and found numbers on mismatch.
+Comm attach(void* base, int rank, int world, size_t slot_bytes);
+
+// True once an error has poisoned the segment; poison_message() says why.
+bool is_poisoned(const Comm& c);
+const char* poison_message(const Comm& c);
+
+// In place: data[0:count] = op over ranks 0..world-1 (fixed order, bitwise identical
+// on every rank). 16-bit dtypes accumulate in float32, round to nearest-even once.
+void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op);
+
+// out[r*bytes:(r+1)*bytes] = in of rank r. `out` holds world*bytes; `in` may alias
+// out + rank*bytes.
+void all_gather(Comm& c, const void* in, void* out, size_t bytes);
+
+// in holds world*count elements; out[0:count] = op over ranks of in[rank*count:+count].
+// `out` must not overlap `in`.
+void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt, Op op);
+
+// In place: data[0:bytes] on every rank = data of rank `root`.
+void broadcast(Comm& c, void* data, size_t bytes, int root);
+
+// --- exposed for tests -------------------------------------------------------
+uint16_t f32_to_bf16(float f);
+float bf16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);  // portable bit manipulation, RNE, subnormals, inf, nan
+float f16_to_f32(uint16_t h);
+// Converts n values with the fastest available path (F16C when the CPU has it).
+void f16_to_f32_n(const uint16_t* in, float* out, size_t n);
+void f32_to_f16_n(const float* in, uint16_t* out, size_t n);
+
+}  // namespace shm
+}  // namespace fastpar

@@ -1,0 +1,418 @@
+// Standalone multi-process test + timing for the shm collectives kernel (no torch).
+//
+//   g++ -O3 -std=c++17 -pthread csrc/shm/shm_collectives.cpp csrc/shm/shm_selftest.cpp
+//       -o /tmp/shm_selftest
+//   /tmp/shm_selftest                          # conversions, worlds 1,2,3,4, then timing
+//   /tmp/shm_selftest --bench-only [--sweep]   # world-2 timing only
+//
+// Each world forks `world` children that share MAP_SHARED|MAP_ANONYMOUS segments mapped
+// (and initialised) by the parent before the fork. A child reports failure by exit code.
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "shm_collectives.h"
+
+using namespace fastpar::shm;
+
+namespace {
+
+#define CHECK(cond, ...)                                                      \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      char buf_[512];                                                         \
+      std::snprintf(buf_, sizeof buf_, __VA_ARGS__);                          \
+      throw std::runtime_error(std::string(#cond " failed: ") + buf_);        \
+    }                                                                         \
+  } while (0)
+
+void* map_segment(int world, size_t slot, size_t small_max = kDefaultSmallMaxBytes,
+                  size_t chunk = kDefaultChunkBytes) {
+  void* p = mmap(nullptr, segment_bytes(world, slot), PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
+  init_segment(p, world, slot, small_max, chunk);
+  return p;
+}
+
+// Runs fn(rank) in `world` forked children; true if all exit 0.
+bool run_ranks(int world, const std::function<void(int)>& fn) {
+  std::vector<pid_t> pids;
+  std::fflush(stdout);
+  for (int r = 0; r < world; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      try {
+        fn(r);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "  [world %d rank %d] FAIL: %s\n", world, r, e.what());
+        std::fflush(stderr);
+        _exit(1);
+      }
+      std::fflush(stdout);
+      _exit(0);
+    }
+    pids.push_back(pid);
+  }
+  bool ok = true;
+  for (pid_t pid : pids) {
+    int st = 0;
+    waitpid(pid, &st, 0);
+    ok = ok && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+  }
+  return ok;
+}
+
+// ---- typed values ----------------------------------------------------------------
+
+double load(DType dt, const void* p, size_t i) {
+  switch (dt) {
+    case DType::F32: return static_cast<const float*>(p)[i];
+    case DType::F64: return static_cast<const double*>(p)[i];
+    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0;
+}
+void store(DType dt, void* p, size_t i, double v) {
+  switch (dt) {
+    case DType::F32: static_cast<float*>(p)[i] = float(v); break;
+    case DType::F64: static_cast<double*>(p)[i] = v; break;
+    case DType::BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(float(v)); break;
+    case DType::F16: static_cast<uint16_t*>(p)[i] = f32_to_f16(float(v)); break;
+  }
+}
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+// Input of `rank` at index i, exactly representable in dt. Integers in [-3, 3] make sums
+// exact in every dtype; uniform floats in [-1, 1) exercise rounding.
+double gen(DType dt, bool integer, int rank, size_t i, uint64_t salt) {
+  uint64_t h = mix(i * 1315423911ULL + uint64_t(rank) * 2654435761ULL + salt);
+  double v = integer ? double(int(h % 7) - 3) : double(h >> 11) * 0x1p-52 - 1.0;
+  uint8_t tmp[8];
+  store(dt, tmp, 0, v);
+  return load(dt, tmp, 0);
+}
+double eps(DType dt) {
+  switch (dt) {
+    case DType::F32: return 0x1p-23;
+    case DType::F64: return 0x1p-52;
+    case DType::BF16: return 0x1p-7;
+    case DType::F16: return 0x1p-10;
+  }
+  return 0;
+}
+uint64_t hash_bytes(const void* p, size_t n) {
+  uint64_t h = 1469598103934665603ULL;
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ULL;
+  return h;
+}
+// Every rank's output must be bitwise identical: all_gather the hashes and compare.
+void check_identical(Comm& c, const void* p, size_t n, const char* what) {
+  uint64_t h = hash_bytes(p, n);
+  std::vector<uint64_t> all(c.world);
+  all_gather(c, &h, all.data(), sizeof h);
+  for (int r = 0; r < c.world; ++r)
+    CHECK(all[r] == all[0], "%s: rank %d output differs bitwise from rank 0", what, r);
+}
+
+const DType kDTypes[] = {DType::F32, DType::F64, DType::BF16, DType::F16};
+const Op kOps[] = {Op::Sum, Op::Max};
+const size_t kSizes[] = {1, 7, 4099, (size_t(1) << 20) + 3};
+
+void check_reduced(DType dt, Op op, bool integer, const void* out, size_t n, int world,
+                   const std::function<double(int, size_t)>& input, const char* what) {
+  for (size_t i = 0; i < n; ++i) {
+    double ref = input(0, i), mag = std::fabs(ref);
+    for (int r = 1; r < world; ++r) {
+      double x = input(r, i);
+      ref = op == Op::Sum ? ref + x : std::max(ref, x);
+      mag += std::fabs(x);
+    }
+    double got = load(dt, out, i);
+    double tol = (op == Op::Max || integer) ? 0.0 : 2 * eps(dt) * mag;
+    CHECK(std::fabs(got - ref) <= tol, "%s %s n=%zu i=%zu: got %.9g want %.9g", what,
+          dtype_name(dt), n, i, got, ref);
+  }
+}
+
+// ---- correctness per world ---------------------------------------------------------
+
+void test_reductions(Comm& c) {
+  const int w = c.world;
+  for (DType dt : kDTypes)
+    for (Op op : kOps)
+      for (size_t n : kSizes)
+        for (bool integer : {true, false}) {
+          uint64_t salt = n * 31 + uint64_t(dt) * 7 + uint64_t(op) + integer;
+          auto input = [&](int r, size_t i) { return gen(dt, integer, r, i, salt); };
+          const size_t es = dtype_size(dt);
+          // all_reduce
+          std::vector<uint8_t> buf(n * es);
+          for (size_t i = 0; i < n; ++i) store(dt, buf.data(), i, input(c.rank, i));
+          all_reduce(c, buf.data(), n, dt, op);
+          check_reduced(dt, op, integer, buf.data(), n, w, input, "all_reduce");
+          check_identical(c, buf.data(), buf.size(), "all_reduce");
+          // reduce_scatter: rank r's block j is input(r, j*n + i)
+          std::vector<uint8_t> in(w * n * es), out(n * es);
+          for (size_t i = 0; i < w * n; ++i) store(dt, in.data(), i, input(c.rank, i));
+          reduce_scatter(c, in.data(), out.data(), n, dt, op);
+          auto block = [&](int r, size_t i) { return input(r, c.rank * n + i); };
+          check_reduced(dt, op, integer, out.data(), n, w, block, "reduce_scatter");
+        }
+}
+
+void test_gather_broadcast(Comm& c) {
+  const int w = c.world;
+  for (size_t n : kSizes) {
+    auto byte = [&](int r, size_t i) { return uint8_t(mix(i * 977 + r * 131 + n)); };
+    std::vector<uint8_t> in(n), out(w * n);
+    for (size_t i = 0; i < n; ++i) in[i] = byte(c.rank, i);
+    all_gather(c, in.data(), out.data(), n);
+    for (int r = 0; r < w; ++r)
+      for (size_t i = 0; i < n; ++i)
+        CHECK(out[r * n + i] == byte(r, i), "all_gather n=%zu block %d byte %zu", n, r, i);
+    // in place: `in` aliases out + rank * n
+    std::fill(out.begin(), out.end(), 0);
+    std::memcpy(out.data() + c.rank * n, in.data(), n);
+    all_gather(c, out.data() + c.rank * n, out.data(), n);
+    for (int r = 0; r < w; ++r)
+      for (size_t i = 0; i < n; ++i)
+        CHECK(out[r * n + i] == byte(r, i), "in-place all_gather n=%zu block %d", n, r);
+    for (int root : {0, w - 1}) {
+      std::vector<uint8_t> b(n);
+      for (size_t i = 0; i < n; ++i) b[i] = byte(c.rank, i);
+      broadcast(c, b.data(), n, root);
+      for (size_t i = 0; i < n; ++i)
+        CHECK(b[i] == byte(root, i), "broadcast n=%zu root %d byte %zu", n, root, i);
+    }
+  }
+}
+
+void test_many_tiny(Comm& c) {
+  const int w = c.world, iters = 5000;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int it = 0; it < iters; ++it) {
+    float x = float(c.rank + it);
+    all_reduce(c, &x, 1, DType::F32, Op::Sum);
+    CHECK(x == float(w * it + w * (w - 1) / 2), "tiny call %d: got %g", it, x);
+  }
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (c.rank == 0) std::printf("  world %d: %d tiny all_reduces in %.1f ms\n", w, iters, s * 1e3);
+}
+
+// Segment a (all ranks) and b (even ranks, a tiny 16 KiB slot so big calls chunk a lot)
+// used alternately must not interfere.
+void test_two_segments(Comm& a, Comm* b) {
+  for (int it = 0; it < 1000; ++it) {
+    size_t na = it % 100 == 0 ? 70001 : 3, nb = it % 100 == 50 ? 50003 : 5;
+    std::vector<float> va(na, float(a.rank + it)), vb(nb, float(2 * it));
+    all_reduce(a, va.data(), na, DType::F32, Op::Sum);
+    float want = float(a.world * it + a.world * (a.world - 1) / 2);
+    CHECK(va[0] == want && va[na - 1] == want, "segment a iter %d", it);
+    if (b) {
+      vb[nb - 1] = float(b->rank);
+      all_reduce(*b, vb.data(), nb, DType::F32, Op::Max);
+      CHECK(vb[0] == float(2 * it) && vb[nb - 1] == float(b->world - 1), "segment b iter %d", it);
+    }
+  }
+}
+
+void expect_throw(const std::function<void()>& f, std::vector<std::string> needles,
+                  const char* what) {
+  try {
+    f();
+  } catch (const std::runtime_error& e) {
+    std::string msg = e.what();
+    for (const std::string& s : needles)
+      CHECK(msg.find(s) != std::string::npos, "%s: message lacks '%s': %s", what, s.c_str(),
+            msg.c_str());
+    return;
+  }
+  CHECK(false, "%s: expected an exception", what);
+}
+
+bool run_world(int world) {
+  const size_t slot = kDefaultSlotBytes, tiny_slot = 16384;
+  void* seg = map_segment(world, slot);
+  const int sub_world = (world + 1) / 2;
+  void* sub = map_segment(sub_world, tiny_slot, 2048, 4096);
+  void* mm[3] = {map_segment(world, slot), map_segment(world, slot), map_segment(world, slot)};
+  void* tmo = map_segment(world, slot);
+  auto t0 = std::chrono::steady_clock::now();
+  bool ok = run_ranks(world, [&](int rank) {
+    Comm c = attach(seg, rank, world, slot);
+    test_reductions(c);
+    test_gather_broadcast(c);
+    test_many_tiny(c);
+    Comm sc;
+    if (rank % 2 == 0) sc = attach(sub, rank / 2, sub_world, tiny_slot);
+    test_two_segments(c, rank % 2 == 0 ? &sc : nullptr);
+    if (world < 2) return;
+    // Mismatches: every rank must throw the same message, then fail fast.
+    struct Case { size_t n1; DType dt1; const char* want1; const char* want0; };
+    const Case cases[3] = {{1024, DType::F32, "1024 float32", "2048 float32"},
+                           {2048, DType::BF16, "2048 bfloat16", "2048 float32"},
+                           {size_t(1) << 20, DType::F32, "1048576 float32", "2048 float32"}};
+    for (int k = 0; k < 3; ++k) {
+      Comm m = attach(mm[k], rank, world, slot);
+      m.timeout_s = 20;
+      bool odd = rank == 1;
+      size_t n = odd ? cases[k].n1 : 2048;
+      DType dt = odd ? cases[k].dt1 : DType::F32;
+      std::vector<double> buf(size_t(1) << 20);
+      expect_throw([&] { all_reduce(m, buf.data(), n, dt, Op::Sum); },
+                   {"all_reduce", "rank 1 passed", cases[k].want1, "rank 0 passed",
+                    cases[k].want0}, "mismatch");
+      expect_throw([&] { all_reduce(m, buf.data(), 4, DType::F32, Op::Sum); }, {"poisoned"},
+                   "after mismatch");
+    }
+    // A peer that never arrives: the others time out naming it; it then fails fast.
+    Comm t = attach(tmo, rank, world, slot);
+    t.timeout_s = 0.3;
+    float x = 1;
+    if (rank == world - 1) {
+      usleep(1500 * 1000);
+      expect_throw([&] { all_reduce(t, &x, 1, DType::F32, Op::Sum); }, {"poisoned"}, "late");
+    } else {
+      std::string peer = "waiting for rank " + std::to_string(world - 1);
+      expect_throw([&] { all_reduce(t, &x, 1, DType::F32, Op::Sum); }, {"all_reduce", peer},
+                   "timeout");
+    }
+  });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("world %d: %s (%.1f s)\n", world, ok ? "PASS" : "FAIL", s);
+  return ok;
+}
+
+// ---- conversions (single process) ----------------------------------------------------
+
+bool same_float(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
+
+bool test_conversions() {
+  // fp16 -> fp32: portable scalar vs bulk (F16C where present), all 65536 inputs.
+  std::vector<uint16_t> h(65536);
+  std::vector<float> f(65536);
+  for (int i = 0; i < 65536; ++i) h[i] = uint16_t(i);
+  f16_to_f32_n(h.data(), f.data(), h.size());
+  for (int i = 0; i < 65536; ++i)
+    if (!same_float(f16_to_f32(uint16_t(i)), f[i])) {
+      std::printf("f16_to_f32 mismatch at 0x%04x\n", i);
+      return false;
+    }
+  // fp32 -> fp16: every half's value, the midpoints between neighbours (ties) and their
+  // float neighbours, plus a stride through all 2^32 bit patterns.
+  std::vector<float> xs;
+  for (int i = 0; i < 0x7c00; ++i) {
+    double lo = f16_to_f32(uint16_t(i)), hi = f16_to_f32(uint16_t(i + 1));
+    float mid = float((lo + hi) / 2);
+    for (float v : {float(lo), mid, std::nextafter(mid, 0.f), std::nextafter(mid, 1e9f)})
+      xs.insert(xs.end(), {v, -v});
+  }
+  for (uint64_t u = 0; u < (uint64_t(1) << 32); u += 9973) {
+    uint32_t b = uint32_t(u);
+    float v;
+    std::memcpy(&v, &b, 4);
+    xs.push_back(v);
+  }
+  std::vector<uint16_t> bulk(xs.size());
+  f32_to_f16_n(xs.data(), bulk.data(), xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (f32_to_f16(xs[i]) != bulk[i]) {
+      std::printf("f32_to_f16(%a) = 0x%04x, bulk 0x%04x\n", xs[i], f32_to_f16(xs[i]), bulk[i]);
+      return false;
+    }
+    // bf16: nearest of the two truncation neighbours, ties to even (finite inputs)
+    float x = xs[i];
+    if (!std::isfinite(x) || std::fabs(x) > 3e38f) continue;
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    uint16_t lo = uint16_t(b >> 16), got = f32_to_bf16(x);
+    double dlo = std::fabs(double(bf16_to_f32(lo)) - x);
+    double dhi = std::fabs(double(bf16_to_f32(uint16_t(lo + 1))) - x);
+    uint16_t want = dlo < dhi ? lo : dhi < dlo ? uint16_t(lo + 1) : (lo & 1 ? lo + 1 : lo);
+    if (got != want) {
+      std::printf("f32_to_bf16(%a) = 0x%04x, want 0x%04x\n", x, got, want);
+      return false;
+    }
+  }
+  std::printf("conversions: PASS (%zu fp32 inputs)\n", xs.size());
+  return true;
+}
+
+// ---- timing (world 2) --------------------------------------------------------------
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void bench(bool sweep) {
+  const int world = 2;
+  // Tuning overrides for experiments: FASTPAR_SHM_SMALL_MAX / FASTPAR_SHM_CHUNK (bytes).
+  auto env = [](const char* k, size_t d) { const char* v = getenv(k); return v ? size_t(atoll(v)) : d; };
+  void* seg = map_segment(world, kDefaultSlotBytes, env("FASTPAR_SHM_SMALL_MAX", kDefaultSmallMaxBytes),
+                          env("FASTPAR_SHM_CHUNK", kDefaultChunkBytes));
+  run_ranks(world, [&](int rank) {
+    Comm c = attach(seg, rank, world, kDefaultSlotBytes);
+    auto time_ar = [&](size_t bytes, DType dt, int reps) {
+      std::vector<uint8_t> buf(bytes, 0);
+      size_t n = bytes / dtype_size(dt);
+      std::vector<double> t;
+      for (int i = 0; i < reps + reps / 10 + 1; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        all_reduce(c, buf.data(), n, dt, Op::Sum);
+        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      t.erase(t.begin(), t.begin() + reps / 10 + 1);  // warm-up
+      if (rank == 0 && getenv("FASTPAR_SHM_SHOW_MIN"))
+        std::printf("  (min %.2f us)\n", *std::min_element(t.begin(), t.end()) * 1e6);
+      return median(t);
+    };
+    auto report = [&](const char* name, size_t bytes, double s) {
+      double busbw = 2.0 * (world - 1) / world * bytes / s / 1e9;
+      if (rank == 0)
+        std::printf("  %-22s %10zu B  %10.2f us  algbw %6.2f GB/s  busbw %6.2f GB/s\n", name,
+                    bytes, s * 1e6, bytes / s / 1e9, busbw);
+    };
+    report("all_reduce f32", 4096, time_ar(4096, DType::F32, 20000));
+    report("all_reduce f32", 16 << 20, time_ar(16 << 20, DType::F32, 30));
+    report("all_reduce bf16", 16 << 20, time_ar(16 << 20, DType::BF16, 30));
+    if (sweep)
+      for (size_t b = 1024; b <= (size_t(64) << 20); b *= 2)
+        report("sweep all_reduce f32", b, time_ar(b, DType::F32, b < (1 << 20) ? 2000 : 20));
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool bench_only = false, sweep = false;
+  for (int i = 1; i < argc; ++i) {
+    bench_only |= std::strcmp(argv[i], "--bench-only") == 0;
+    sweep |= std::strcmp(argv[i], "--sweep") == 0;
+  }
+  bool ok = true;
+  if (!bench_only) {
+    ok = test_conversions() && ok;
+    for (int world : {1, 2, 3, 4}) ok = run_world(world) && ok;
+  }
+  std::printf("timing, world 2 (median):\n");
+  bench(sweep);
+  std::printf("%s\n", ok ? "ALL PASS" : "SOME TESTS FAILED");
+  return ok ? 0 : 1;
+}

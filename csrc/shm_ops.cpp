@@ -1,0 +1,134 @@
+// Torch glue of the shared-memory collectives; see shm_ops.h.
+#include "shm_ops.h"
+
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+
+#include "shm/shm_collectives.h"
+
+namespace fastpar {
+namespace {
+
+namespace shm = fastpar::shm;
+
+std::mutex comms_mu;
+std::map<int64_t, std::unique_ptr<shm::Comm>> comms;
+int64_t next_comm = 1;
+
+shm::Comm& get(int64_t handle) {
+  std::lock_guard<std::mutex> lock(comms_mu);
+  auto it = comms.find(handle);
+  TORCH_CHECK(it != comms.end(), "fastpar shm: communicator ", handle,
+              " does not exist (already detached?)");
+  return *it->second;
+}
+
+shm::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return shm::DType::F32;
+    case at::kDouble: return shm::DType::F64;
+    case at::kBFloat16: return shm::DType::BF16;
+    case at::kHalf: return shm::DType::F16;
+    default:
+      TORCH_CHECK(false, "fastpar shm reduces float32, float64, bfloat16 and float16, not ",
+                  t.scalar_type());
+  }
+}
+
+shm::Op op_of(const std::string& op) {
+  if (op == "sum") return shm::Op::Sum;
+  if (op == "max") return shm::Op::Max;
+  TORCH_CHECK(false, "fastpar shm reduces with 'sum' or 'max', not '", op, "'");
+}
+
+void check_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "fastpar shm: ", what, " must be a CPU tensor, got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), "fastpar shm: ", what, " must be contiguous");
+}
+
+// The kernel reports mismatches and timeouts as std::runtime_error; re-raise as c10::Error
+// so Python sees a RuntimeError with the kernel's message.
+template <typename F>
+void run(F&& f) {
+  try {
+    f();
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace
+
+int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes) {
+  return static_cast<int64_t>(shm::segment_bytes(static_cast<int>(world), slot_bytes));
+}
+
+void shm_init_segment(int64_t base, int64_t world, int64_t slot_bytes) {
+  run([&] { shm::init_segment(reinterpret_cast<void*>(base), static_cast<int>(world), slot_bytes); });
+}
+
+int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes,
+                   double timeout_s) {
+  auto comm = std::make_unique<shm::Comm>();
+  run([&] {
+    *comm = shm::attach(reinterpret_cast<void*>(base), static_cast<int>(rank),
+                        static_cast<int>(world), slot_bytes);
+  });
+  comm->timeout_s = timeout_s;
+  std::lock_guard<std::mutex> lock(comms_mu);
+  comms[next_comm] = std::move(comm);
+  return next_comm++;
+}
+
+void shm_detach(int64_t handle) {
+  std::lock_guard<std::mutex> lock(comms_mu);
+  comms.erase(handle);
+}
+
+void shm_all_reduce(int64_t handle, at::Tensor& t, const std::string& op) {
+  check_cpu(t, "tensor");
+  auto& c = get(handle);
+  auto dt = dtype_of(t);
+  auto o = op_of(op);
+  run([&] { shm::all_reduce(c, t.data_ptr(), t.numel(), dt, o); });
+}
+
+void shm_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out) {
+  check_cpu(in, "input");
+  check_cpu(out, "output");
+  auto& c = get(handle);
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "fastpar shm all_gather: input is ",
+              in.scalar_type(), " but output is ", out.scalar_type());
+  TORCH_CHECK(out.numel() == in.numel() * c.world, "fastpar shm all_gather: output holds ",
+              out.numel(), " elements, expected ", c.world, " x ", in.numel());
+  run([&] { shm::all_gather(c, in.data_ptr(), out.data_ptr(), in.nbytes()); });
+}
+
+void shm_reduce_scatter(int64_t handle, const at::Tensor& in, at::Tensor& out,
+                        const std::string& op) {
+  check_cpu(in, "input");
+  check_cpu(out, "output");
+  auto& c = get(handle);
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "fastpar shm reduce_scatter: input is ",
+              in.scalar_type(), " but output is ", out.scalar_type());
+  TORCH_CHECK(in.numel() == out.numel() * c.world, "fastpar shm reduce_scatter: input holds ",
+              in.numel(), " elements, expected ", c.world, " x ", out.numel());
+  auto dt = dtype_of(in);
+  auto o = op_of(op);
+  run([&] { shm::reduce_scatter(c, in.data_ptr(), out.data_ptr(), out.numel(), dt, o); });
+}
+
+void shm_broadcast(int64_t handle, at::Tensor& t, int64_t root) {
+  check_cpu(t, "tensor");
+  auto& c = get(handle);
+  TORCH_CHECK(root >= 0 && root < c.world, "fastpar shm broadcast: root ", root,
+              " is outside the group of ", c.world);
+  run([&] { shm::broadcast(c, t.data_ptr(), t.nbytes(), static_cast<int>(root)); });
+}
+
+}  // namespace fastpar

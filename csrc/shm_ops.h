@@ -1,0 +1,23 @@
+#pragma once
+// Torch glue of the shared-memory collectives: tensors in, checks, then the pure kernel
+// (csrc/shm/shm_collectives.h). The segment itself is mapped and owned by the Python policy
+// class (fastpar/comm/shm.py); these functions only receive its address.
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace fastpar {
+
+int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes);
+void shm_init_segment(int64_t base, int64_t world, int64_t slot_bytes);
+// Returns a handle to a per-rank communicator over the segment at `base`.
+int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes,
+                   double timeout_s);
+void shm_detach(int64_t comm);
+void shm_all_reduce(int64_t comm, at::Tensor& t, const std::string& op);
+void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out);
+void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,
+                        const std::string& op);
+void shm_broadcast(int64_t comm, at::Tensor& t, int64_t root);
+
+}  // namespace fastpar

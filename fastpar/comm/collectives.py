@@ -1,0 +1,179 @@
+"""Raw collectives: ``fastpar.comm.all_reduce`` & co., each served by the engine the policy picks.
+
+Every call returns its result tensor, or with ``async_op=True`` a ``Handle`` whose ``wait()``
+returns it (the overlap building block). Synchronous engines (shm, mpi) complete before the
+handle is returned; torch.distributed engines really run in the background.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fastpar.comm import policy
+from fastpar.comm.engines import engines
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+              "prod": dist.ReduceOp.PRODUCT}
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` blocks until done and returns the result tensor."""
+
+    def __init__(self, result: torch.Tensor, work=None, finish=None):
+        self._result, self._work, self._finish = result, work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._finish is not None:
+                self._result = self._finish()
+                self._finish = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _check_op(op: str) -> None:
+    if op not in _TORCH_OPS:
+        raise ValueError(f"op must be one of {', '.join(_TORCH_OPS)}, got {op!r}")
+
+
+def _plan(name: str, t: torch.Tensor, group, op: str = "sum"):
+    reg = engines()
+    group, ranks, layout = reg.resolve(group)
+    if t.device.type == "cuda" and name == "all_reduce" and layout.size > 1:
+        layout = reg.with_ipc(group, ranks, layout, t.device)
+    forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
+    choice = policy.choose(name, t.device.type, layout, t.numel() * t.element_size(), t.dtype,
+                           reduce_op=op, forced=forced)
+    if choice.engine == "shm" and op not in ("sum", "max"):
+        choice = policy.Choice(layout.pg_backend, f"shm reduces sum/max only, not {op}")
+    return reg, group, ranks, choice.engine
+
+
+def _done(result, async_op):
+    return Handle(result) if async_op else result
+
+
+def _mpi_op(op: str):
+    from mpi4py import MPI
+
+    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = False):
+    """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``)."""
+    _check_op(op)
+    reg, group, ranks, engine = _plan("all_reduce", t, group, op)
+    if engine == "local":
+        return _done(t, async_op)
+    if engine in ("shm", "mpi", "cuda_ipc") and not t.is_contiguous():
+        buf = t.contiguous()
+        result = all_reduce(buf, group, op)
+        t.copy_(result)
+        return _done(t, async_op)
+    if engine == "shm":
+        reg.shm(group, ranks).all_reduce(t, op)
+    elif engine == "cuda_ipc":
+        reg.cuda_ipc(group, ranks, t.device).all_reduce(t)
+    elif engine == "mpi":
+        from mpi4py import MPI
+
+        reg.mpi(ranks).Allreduce(MPI.IN_PLACE, _np(t), op=_mpi_op(op))
+    else:
+        work = dist.all_reduce(t, op=_TORCH_OPS[op], group=group, async_op=async_op)
+        if async_op:
+            return Handle(t, work)
+    return _done(t, async_op)
+
+
+def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False):
+    """The concatenation along ``dim`` of ``t`` from every rank of the group, in group order."""
+    reg, group, ranks, engine = _plan("all_gather", t, group)
+    if engine == "local":
+        return _done(t, async_op)
+    n = len(ranks)
+    dim = dim % max(t.dim(), 1)
+    inp = t.contiguous()
+    stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]) if inp.dim() else (n,),
+                          dtype=t.dtype, device=t.device)
+    work = None
+    if engine == "shm":
+        reg.shm(group, ranks).all_gather(inp, stacked)
+    elif engine == "mpi":
+        reg.mpi(ranks).Allgather(_np(inp), _np(stacked))
+    else:
+        work = dist.all_gather_into_tensor(stacked, inp, group=group, async_op=async_op)
+
+    def finish():
+        if dim == 0 or inp.dim() == 0:
+            return stacked
+        # (n * d0, ...) -> n pieces of t's shape, joined along dim.
+        return torch.cat(stacked.chunk(n, dim=0), dim=dim)
+
+    if async_op and work is not None:
+        return Handle(stacked, work, finish)
+    return _done(finish(), async_op)
+
+
+def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
+                   async_op: bool = False):
+    """This rank's shard along ``dim`` of ``op`` over the group of ``t``."""
+    _check_op(op)
+    reg, group, ranks, engine = _plan("reduce_scatter", t, group, op)
+    if engine == "local":
+        return _done(t, async_op)
+    n, rank = len(ranks), ranks.index(reg.topo.rank)
+    dim = dim % t.dim()
+    if t.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by "
+                         f"the group size {n}")
+    # Move dim to the front so that each rank's shard is one contiguous block.
+    inp = t.movedim(dim, 0).contiguous()
+    out = torch.empty((inp.shape[0] // n, *inp.shape[1:]), dtype=t.dtype, device=t.device)
+    work = None
+    if engine == "shm":
+        reg.shm(group, ranks).reduce_scatter(inp, out, op)
+    elif engine == "mpi":
+        reg.mpi(ranks).Reduce_scatter_block(_np(inp), _np(out), op=_mpi_op(op))
+    else:
+        work = dist.reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=group,
+                                          async_op=async_op)
+    del rank
+    finish = lambda: out.movedim(0, dim)  # noqa: E731
+    if async_op and work is not None:
+        return Handle(out, work, finish)
+    return _done(finish(), async_op)
+
+
+def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
+    """In place: ``t`` of global rank ``src`` on every rank of the group. Returns ``t``."""
+    reg, group, ranks, engine = _plan("broadcast", t, group)
+    if src not in ranks:
+        raise ValueError(f"broadcast: src rank {src} is not in the group {ranks}")
+    if engine == "local":
+        return _done(t, async_op)
+    if engine in ("shm", "mpi") and not t.is_contiguous():
+        buf = t.contiguous()
+        broadcast(buf, src, group)
+        t.copy_(buf)
+        return _done(t, async_op)
+    if engine == "shm":
+        reg.shm(group, ranks).broadcast(t, ranks.index(src))
+    elif engine == "mpi":
+        reg.mpi(ranks).Bcast(_np(t), root=ranks.index(src))
+    else:
+        work = dist.broadcast(t, src=src, group=group, async_op=async_op)
+        if async_op:
+            return Handle(t, work)
+    return _done(t, async_op)

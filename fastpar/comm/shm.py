@@ -1,0 +1,90 @@
+"""Policy class of the shared-memory collectives: owns one segment per group, calls the kernel.
+
+The segment lives in ``/dev/shm`` under a name unique to the job (a random token chosen by the
+group's first rank and broadcast over the group), mode 0600. It is unlinked as soon as every
+member has mapped it, so a crash of any rank afterwards leaks nothing: the memory goes when the
+last mapping does. Kernel protocol: ``csrc/shm/README.md``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+
+import torch
+import torch.distributed as dist
+
+from fastpar import _native
+
+SLOT_BYTES = 4 << 20  # per rank; larger messages are chunked by the kernel
+
+
+def _posixshmem():
+    import _posixshmem  # CPython's shm_open/shm_unlink, without multiprocessing's tracker
+
+    return _posixshmem
+
+
+class ShmCommunicator:
+    """Collectives of one group whose members share a host.
+
+    Construction is collective over ``group`` (``ranks`` are its global ranks, in group order).
+    """
+
+    def __init__(self, group, ranks: list[int], rank: int, timeout: float,
+                 slot_bytes: int = SLOT_BYTES):
+        _native.require("the shm backend")
+        self.ranks = list(ranks)
+        self.world = len(ranks)
+        self.group_rank = self.ranks.index(rank)
+        self.slot_bytes = slot_bytes
+        self._ops = torch.ops.fastpar
+        nbytes = self._ops.shm_segment_bytes(self.world, slot_bytes)
+        shm = _posixshmem()
+        name = [None]
+        fd = -1
+        try:
+            if self.group_rank == 0:
+                name[0] = f"/fastpar-{os.getpid()}-{secrets.token_hex(8)}"
+                fd = shm.shm_open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+                os.ftruncate(fd, nbytes)
+            dist.broadcast_object_list(name, src=self.ranks[0], group=group)
+            self.name = name[0]
+            if self.group_rank != 0:
+                fd = shm.shm_open(self.name, os.O_RDWR, mode=0o600)
+            self._mmap = mmap.mmap(fd, nbytes)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self._mmap)  # keeps the address valid
+        base = ctypes.addressof(self._anchor)
+        if self.group_rank == 0:
+            self._ops.shm_init_segment(base, self.world, slot_bytes)
+        # Everyone has mapped the segment once this barrier passes: unlink the name now.
+        dist.barrier(group=group)
+        if self.group_rank == 0:
+            shm.shm_unlink(self.name)
+        self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
+                                          float(timeout))
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> None:
+        self._ops.shm_all_reduce(self._comm, t, op)
+
+    def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        self._ops.shm_all_gather(self._comm, inp, out)
+
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        self._ops.shm_reduce_scatter(self._comm, inp, out, op)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        self._ops.shm_broadcast(self._comm, t, root)
+
+    def close(self) -> None:
+        if self._comm is None:
+            return
+        self._ops.shm_detach(self._comm)
+        self._comm = None
+        del self._anchor
+        self._mmap.close()
