@@ -6,6 +6,9 @@
 #include "build_info.h"
 #include "shm_ops.h"
 #include "watchdog.h"
+#ifdef FASTPAR_WITH_CUDA
+#include "cuda/ipc_allreduce.h"
+#endif
 
 TORCH_LIBRARY(fastpar, m) {
   m.def("build_info() -> str", [] { return fastpar::build_info(); });
@@ -24,6 +27,21 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("shm_reduce_scatter(int comm, Tensor inp, Tensor(a!) out, str op) -> ()",
         &fastpar::shm_reduce_scatter);
   m.def("shm_broadcast(int comm, Tensor(a!) t, int root) -> ()", &fastpar::shm_broadcast);
+
+#ifdef FASTPAR_WITH_CUDA
+  // CUDA IPC all-reduce. Buffers and handles are owned by fastpar/comm/cuda_ipc.py.
+  namespace ipc = fastpar::ipc;
+  m.def("ipc_meta_size() -> int", &ipc::ipc_meta_size);
+  m.def("ipc_max_world() -> int", &ipc::ipc_max_world);
+  m.def("ipc_one_shot_max_bytes(int world) -> int", &ipc::ipc_one_shot_max_bytes);
+  m.def("ipc_init(int[] signal_ptrs, int[] buffer_ptrs, int rank, int world, int buffer_bytes)"
+        " -> int", &ipc::ipc_init);
+  m.def("ipc_all_reduce(int ctx, Tensor(a!) inp_out, int algo) -> ()", &ipc::ipc_all_reduce);
+  m.def("ipc_dispose(int ctx) -> ()", &ipc::ipc_dispose);
+  m.def("ipc_get_handle(Tensor buf) -> (Tensor, int)", &ipc::ipc_get_handle);
+  m.def("ipc_open_handle(Tensor handle, int device) -> int", &ipc::ipc_open_handle);
+  m.def("ipc_close_handle(int base_ptr) -> ()", &ipc::ipc_close_handle);
+#endif
 }
 
 // Importing fastpar._C loads this library, which registers the ops above as torch.ops.fastpar.*.

@@ -11,6 +11,7 @@
 #include "shm_collectives.h"
 
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,6 +40,8 @@ constexpr size_t kPage = 4096;
 // on another core, short when ranks outnumber cores (then the peer needs our core).
 constexpr int kSpinIters = 2000;
 constexpr int kSpinItersOversubscribed = 50;
+constexpr uint64_t kYieldsBeforeSleep = 128;
+constexpr long kSleepNs = 20000;
 
 enum class Kind : uint32_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4 };
 
@@ -133,7 +136,14 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
   }
   auto t0 = std::chrono::steady_clock::now();
   for (uint64_t it = 1;; ++it) {
-    sched_yield();
+    // Yield first; a peer still missing after many yields is descheduled (ranks outnumber
+    // cores), and CFS keeps running a yielding task, so sleep to hand it our core.
+    if (it < kYieldsBeforeSleep) {
+      sched_yield();
+    } else {
+      const timespec nap{0, kSleepNs};
+      nanosleep(&nap, nullptr);
+    }
     if (f.load(std::memory_order_acquire) >= target) return;
     if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
     if ((it & 63) == 0) {

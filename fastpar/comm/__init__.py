@@ -11,3 +11,6 @@
 from fastpar.comm.collectives import Handle, all_gather, all_reduce, broadcast, reduce_scatter
 
 __all__ = ["Handle", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
+from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,  # noqa: E402
+                                   gather_sequence, reduce_from_tp, reduce_scatter_sequence,
+                                   scatter_sequence, scatter_to_tp)

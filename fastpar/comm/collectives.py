@@ -52,8 +52,6 @@ def _plan(name: str, t: torch.Tensor, group, op: str = "sum"):
     forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
     choice = policy.choose(name, t.device.type, layout, t.numel() * t.element_size(), t.dtype,
                            reduce_op=op, forced=forced)
-    if choice.engine == "shm" and op not in ("sum", "max"):
-        choice = policy.Choice(layout.pg_backend, f"shm reduces sum/max only, not {op}")
     return reg, group, ranks, choice.engine
 
 

@@ -45,7 +45,8 @@ class Choice:
     reason: str
 
 
-def _shm_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype) -> str | None:
+def _shm_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
+                 reduce_op: str) -> str | None:
     if device != "cpu":
         return f"the tensor is on {device}, shm serves CPU tensors"
     if not layout.native:
@@ -54,6 +55,8 @@ def _shm_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype) -> st
         return "the group spans hosts"
     if op in REDUCE_OPS and dtype not in SHM_REDUCE_DTYPES:
         return f"shm reduces float32/float64/bfloat16/float16, not {dtype}"
+    if op in REDUCE_OPS and reduce_op not in ("sum", "max"):
+        return f"shm reduces with sum or max, not {reduce_op}"
     return None
 
 
@@ -79,7 +82,7 @@ def _ipc_refusal(op: str, device: str, layout: Layout, nbytes: int,
 def _refusal(engine: str, op: str, device: str, layout: Layout, nbytes: int,
              dtype: torch.dtype, reduce_op: str) -> str | None:
     if engine == "shm":
-        return _shm_refusal(op, device, layout, dtype)
+        return _shm_refusal(op, device, layout, dtype, reduce_op)
     if engine == "cuda_ipc":
         if reduce_op != "sum":
             return f"cuda_ipc reduces with sum only, not {reduce_op}"
@@ -112,7 +115,7 @@ def choose(op: str, device: str, layout: Layout, nbytes: int, dtype: torch.dtype
                              f"bytes of {dtype} on {device}: {why}")
         return Choice(forced, "forced by FASTPAR_COMM_BACKEND")
     if device == "cpu":
-        why = _shm_refusal(op, device, layout, dtype)
+        why = _shm_refusal(op, device, layout, dtype, reduce_op)
         if why is None:
             return Choice("shm", "CPU tensors on one host")
         return Choice(layout.pg_backend, f"not shm: {why}")

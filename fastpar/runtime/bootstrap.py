@@ -155,13 +155,21 @@ def _join_barrier(store, rank: int, world_size: int, timeout: float,
 
 
 def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is available, else CPU.
+
+    ``FASTPAR_SHARED_GPU=1`` lets several ranks share each GPU (``local_rank % gpus``): for
+    testing CUDA IPC on a one-GPU machine. NCCL refuses that, so such a job defaults to gloo.
+    """
     if not torch.cuda.is_available():
         return torch.device("cpu")
     visible = torch.cuda.device_count()
     if local_world_size > visible:
-        raise ValueError(f"{local_world_size} ranks on this host but only {visible} visible GPUs "
-                         f"(local rank {local_rank}); launch at most {visible} ranks per host or "
-                         "set CUDA_VISIBLE_DEVICES")
+        if os.environ.get("FASTPAR_SHARED_GPU") != "1":
+            raise ValueError(
+                f"{local_world_size} ranks on this host but only {visible} visible GPUs (local "
+                f"rank {local_rank}); launch at most {visible} ranks per host, or set "
+                "FASTPAR_SHARED_GPU=1 to share GPUs between ranks (testing only)")
+        local_rank %= visible
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -203,7 +211,8 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     validate_degrees(world_size, tp, pp)
     grid = Grid(world_size, tp, pp)
     device = _choose_device(local_rank, local_world_size)
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    shared_gpu = device.type == "cuda" and local_world_size > torch.cuda.device_count()
+    backend = backend or ("nccl" if device.type == "cuda" and not shared_gpu else "gloo")
 
     owns_pg = not dist.is_initialized()
     if owns_pg:

@@ -1,0 +1,223 @@
+"""Autograd collectives: the communication of tensor and sequence parallelism as differentiable ops.
+
+Megatron's paper names the two basic operators of a TP region ``f`` and ``g``::
+
+    copy_to_tp      (f)   forward: y = x                    backward: dx = all_reduce(dy)
+    reduce_from_tp  (g)   forward: y = all_reduce(x)        backward: dx = dy
+
+plus the moves along the last dim (a column-parallel output or a row-parallel input) and, for
+sequence parallelism, the moves along a sequence dim that replace ``f``/``g`` at the region edges.
+Every wrapper takes an explicit ``group`` (``None``: the world) and is the identity, without a copy,
+on a group of one rank. Collectives go through ``fastpar.comm`` so the engine policy applies.
+
+A collective that works in place never touches a tensor autograd may hand to someone else: gradients
+are cloned before an in-place all-reduce (one ``dy`` can feed several branches, e.g. a residual).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastpar.comm.collectives import all_gather, all_reduce, reduce_scatter
+
+
+def group_size(group) -> int:
+    """Number of ranks in ``group`` (1 when torch.distributed is not initialised)."""
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This process's index in ``group`` (0 when torch.distributed is not initialised)."""
+    if not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's equal chunk of ``x`` along ``dim`` (contiguous, so later collectives are cheap)."""
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over {n} ranks")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    # Clone first: the in-place all-reduce must not change a gradient shared with another branch.
+    return all_reduce(grad.clone(memory_format=torch.contiguous_format), group)
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _summed(dy, ctx.group), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward. ``inplace`` reduces ``x`` itself (callers pass it
+    only for a fresh tensor nobody saved, e.g. a matmul output)."""
+
+    @staticmethod
+    def forward(ctx, x, group, inplace):
+        if inplace:
+            ctx.mark_dirty(x)
+            return all_reduce(x, group)
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None, None
+
+
+class ScatterToTP(torch.autograd.Function):
+    """Keep this rank's chunk of the last dim forward; all-gather the last dim backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather(dy.contiguous(), ctx.group, dim=-1), None
+
+
+class GatherFromTP(torch.autograd.Function):
+    """All-gather the last dim forward; keep this rank's chunk backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x.contiguous(), group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _split(dy, ctx.group, -1), None
+
+
+class AllGatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` forward; reduce-scatter along ``dim`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x.contiguous(), group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter(dy.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` forward; all-gather along ``dim`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x.contiguous(), group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather(dy.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """Keep this rank's chunk along ``dim`` forward; all-gather along ``dim`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather(dy.contiguous(), ctx.group, dim=ctx.dim), None, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` forward; keep this rank's chunk along ``dim`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x.contiguous(), group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _split(dy, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a TP region (Megatron's f). forward: ``y = x``; backward: ``dx = all_reduce(dy)``."""
+    if group_size(group) == 1:
+        return x
+    return CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group, *, inplace: bool = False) -> torch.Tensor:
+    """Leave a TP region (Megatron's g). forward: ``y = all_reduce(x)``; backward: ``dx = dy``.
+
+    ``inplace=True`` reduces ``x``'s storage (only for a fresh tensor no other op saved)."""
+    if group_size(group) == 1:
+        return x
+    return ReduceFromTP.apply(x, group, inplace)
+
+
+def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """forward: ``y = x.chunk(n, -1)[rank]``; backward: ``dx = all_gather(dy, dim=-1)``."""
+    if group_size(group) == 1:
+        return x
+    return ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """forward: ``y = all_gather(x, dim=-1)``; backward: ``dx = dy.chunk(n, -1)[rank]``."""
+    if group_size(group) == 1:
+        return x
+    return GatherFromTP.apply(x, group)
+
+
+def all_gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Enter a TP region from a sequence-parallel one (replaces f).
+
+    forward: ``y = all_gather(x_shard, dim)``; backward: ``dx_shard = reduce_scatter(dy, dim)``
+    (each rank's ``dy`` is a partial sum from its weight shard)."""
+    if group_size(group) == 1:
+        return x
+    return AllGatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Leave a TP region into a sequence-parallel one (replaces g).
+
+    forward: ``y_shard = reduce_scatter(x, dim)``; backward: ``dx = all_gather(dy_shard, dim)``."""
+    if group_size(group) == 1:
+        return x
+    return ReduceScatterSequence.apply(x, group, dim)
+
+
+def scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Shard a replicated activation along ``dim`` (e.g. after the embedding).
+
+    forward: ``y_shard = x.chunk(n, dim)[rank]``; backward: ``dx = all_gather(dy_shard, dim)``."""
+    if group_size(group) == 1:
+        return x
+    return ScatterSequence.apply(x, group, dim)
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Rebuild a replicated activation from sequence shards (e.g. before a replicated head).
+
+    forward: ``y = all_gather(x_shard, dim)``; backward: ``dx_shard = dy.chunk(n, dim)[rank]``."""
+    if group_size(group) == 1:
+        return x
+    return GatherSequence.apply(x, group, dim)

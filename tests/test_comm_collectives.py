@@ -1,0 +1,243 @@
+"""fastpar.comm on real ranks: every op x dtype x engine against a float64 reference."""
+
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import zlib
+
+import pytest
+
+from tests.multirank import BIN, ROOT, run_ranks
+
+SIZES = [1, 7, 4099, (1 << 20) + 3]
+ENGINE_DTYPES = {
+    "shm": ["float32", "bfloat16", "float16", "float64"],
+    "gloo": ["float32", "bfloat16", "float64"],
+    "mpi": ["float32", "float64"],
+}
+TOL = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-2, "float16": 2e-3}
+
+
+def _input(rank, n, dtype, salt):
+    """Rank ``rank``'s input, reproducible on every rank (so each can build the reference)."""
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{n}/{salt}".encode()))
+    return torch.randn(n, generator=g, dtype=torch.float64).to(getattr(torch, dtype))
+
+
+def _check(name, got, want, dtype):
+    import torch
+
+    got = got.double()
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    bound = TOL[dtype] * max(1.0, want.abs().max().item() if want.numel() else 1.0)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+    return hashlib.sha1(got.numpy().tobytes()).hexdigest()[:12]
+
+
+def body_every_op(engines, sizes):
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=120)
+    n, rank = topo.world_size, topo.rank
+    digests = {}
+    for engine in engines:
+        os.environ["FASTPAR_COMM_BACKEND"] = engine
+        for dtype in ENGINE_DTYPES[engine]:
+            for size in sizes:
+                key = f"{engine}/{dtype}/{size}"
+                inputs = [_input(r, size, dtype, "x") for r in range(n)]
+                ref = [x.double() for x in inputs]
+                for op in ("sum", "max"):
+                    x = inputs[rank].clone()
+                    comm.all_reduce(x, op=op)
+                    want = torch.stack(ref).sum(0) if op == "sum" else torch.stack(ref).amax(0)
+                    digests[f"ar-{op}/{key}"] = _check(f"all_reduce {op} {key}", x, want, dtype)
+                out = comm.all_gather(inputs[rank])
+                digests[f"ag/{key}"] = _check(f"all_gather {key}", out, torch.cat(ref), dtype)
+                big = [_input(r, size * n, dtype, "rs") for r in range(n)]
+                shard = comm.reduce_scatter(big[rank])
+                want = torch.stack([b.double() for b in big]).sum(0).chunk(n)[rank]
+                _check(f"reduce_scatter {key}", shard, want, dtype)
+                b = inputs[rank].clone()
+                comm.broadcast(b, src=n - 1)
+                digests[f"bc/{key}"] = _check(f"broadcast {key}", b, ref[n - 1], dtype)
+    # Other dims, non-float dtypes (gather/broadcast carry bytes), non-contiguous input.
+    os.environ["FASTPAR_COMM_BACKEND"] = "shm"
+    t = torch.arange(6, dtype=torch.int64).reshape(2, 3) + 10 * rank
+    got = comm.all_gather(t, dim=1)
+    assert torch.equal(got, torch.cat([torch.arange(6).reshape(2, 3) + 10 * r
+                                       for r in range(n)], dim=1))
+    m = torch.ones(3, 2 * n).t()  # non-contiguous (2n, 3)
+    comm.all_reduce(m)
+    assert torch.equal(m, torch.full((2 * n, 3), float(n)))
+    rs = comm.reduce_scatter(torch.ones(3, 2 * n) * (rank + 1), dim=1)
+    assert torch.equal(rs, torch.full((3, 2), n * (n + 1) / 2))
+    os.environ.pop("FASTPAR_COMM_BACKEND")
+    h = comm.all_reduce(torch.ones(5), async_op=True)
+    assert torch.equal(h.wait(), torch.full((5,), float(n)))
+    return digests
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_op_dtype_engine(world):
+    launch = run_ranks(world, body_every_op, engines=list(ENGINE_DTYPES), sizes=SIZES,
+                       timeout=300)
+    digests = launch.values()
+    # shm reduces in a fixed rank order: every rank holds bitwise the same result.
+    for key in digests[0]:
+        if key.startswith(("ar-", "ag/", "bc/")) and "/shm/" in f"/{key.split('/', 1)[1]}":
+            assert len({d[key] for d in digests}) == 1, key
+
+
+def body_subgroups_and_many_calls():
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(tp=2, timeout=60)
+    for i in range(200):  # two different subgroups used alternately
+        for group, axis in ((topo.tp_group, "tp"), (topo.dp_group, "dp")):
+            x = torch.full((33,), float(topo.rank + i))
+            comm.all_reduce(x, group=group)
+            members = topo.ranks(axis)
+            assert x[0].item() == sum(r + i for r in members), (axis, i, x[0].item())
+    world = torch.zeros(1)
+    for i in range(5000):  # consecutive tiny calls on the world group
+        world.fill_(float(topo.rank))
+        comm.all_reduce(world)
+    assert world.item() == sum(range(topo.world_size))
+    return "ok"
+
+
+def test_subgroups_alternate_and_5000_tiny_calls():
+    run_ranks(4, body_subgroups_and_many_calls, timeout=180)
+
+
+def body_mismatch():
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=30)
+    x = torch.ones(1024 * (topo.rank + 1))
+    try:
+        comm.all_reduce(x)
+    except RuntimeError as exc:
+        return str(exc)
+    raise AssertionError("a size mismatch was not detected")
+
+
+def test_size_mismatch_raises_on_every_rank():
+    messages = run_ranks(2, body_mismatch, env={"FASTPAR_COMM_BACKEND": "shm"}).values()
+    for msg in messages:
+        assert "rank 1 passed 2048 float32 elements" in msg and "1024" in msg, msg
+
+
+def body_missing_peer():
+    import time
+
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=3)
+    x = torch.ones(4)
+    comm.all_reduce(x)  # creates the segment; both ranks take part
+    if topo.rank == 1:
+        time.sleep(6)  # never joins the next call
+        return "skipped"
+    try:
+        comm.all_reduce(x)
+    except RuntimeError as exc:
+        return str(exc)
+    raise AssertionError("a missing peer did not time out")
+
+
+def test_missing_peer_times_out_naming_it():
+    values = run_ranks(2, body_missing_peer, env={"FASTPAR_COMM_BACKEND": "shm"}).values()
+    assert "rank 1" in values[0] and "timed out" in values[0], values[0]
+
+
+def _segments():
+    return set(glob.glob("/dev/shm/fastpar-*"))
+
+
+def body_tagged_sums(tag, calls):
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=60)
+    for i in range(calls):
+        x = torch.full((4099,), float(tag * 1000 + topo.rank + i))
+        comm.all_reduce(x)
+        assert x.eq(sum(tag * 1000 + r + i for r in range(topo.world_size))).all(), (tag, i)
+    return sorted(_segments())
+
+
+def test_two_jobs_on_one_host_do_not_collide():
+    before = _segments()
+    results = {}
+
+    def job(tag):
+        results[tag] = run_ranks(2, body_tagged_sums, tag=tag, calls=2000, timeout=120,
+                                 env={"FASTPAR_COMM_BACKEND": "shm"})
+
+    threads = [threading.Thread(target=job, args=(tag,)) for tag in (1, 2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert set(results) == {1, 2}
+    # Segments are unlinked once mapped: none are visible even while the jobs run.
+    for launch in results.values():
+        for seen in launch.values():
+            assert not set(seen) - before, seen
+    assert _segments() == before
+
+
+def body_killed_rank():
+    import signal
+
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=30)
+    x = torch.ones(8)
+    comm.all_reduce(x)
+    if topo.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.all_reduce(x)
+    return "unreachable"
+
+
+def test_no_segment_left_after_a_rank_is_killed():
+    before = _segments()
+    launch = run_ranks(2, body_killed_rank, check=False, timeout=60,
+                       env={"FASTPAR_COMM_BACKEND": "shm"})
+    assert launch.returncode not in (0, None), launch.describe()
+    assert _segments() == before
+
+
+def test_forced_engine_that_cannot_serve_is_an_error():
+    env = {**os.environ, "PYTHONPATH": ROOT, "FASTPAR_COMM_BACKEND": "nccl"}
+    code = ("import torch, fastpar; from fastpar import comm\n"
+            "fastpar.init()\n"
+            "comm.all_reduce(torch.ones(2), group=fastpar.topology().dp_group)\n")
+    proc = subprocess.run([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c", code],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "FASTPAR_COMM_BACKEND=nccl cannot serve all_reduce" in proc.stderr, proc.stderr

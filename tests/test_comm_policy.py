@@ -1,0 +1,79 @@
+"""The engine policy as a table: (op, device, layout, bytes, dtype) -> engine, no devices needed."""
+
+import pytest
+import torch
+
+from fastpar.comm.policy import Layout, choose
+
+CPU1 = Layout(size=1, same_host=True)
+CPU = Layout(size=4, same_host=True)
+CPU_SPAN = Layout(size=4, same_host=False)
+CPU_NONATIVE = Layout(size=4, same_host=True, native=False)
+GPU_IPC = Layout(size=4, same_host=True, ipc_ready=True, ipc_max_bytes=8 << 20, pg_backend="nccl")
+GPU_NOIPC = Layout(size=4, same_host=True, ipc_ready=False, pg_backend="nccl")
+GPU_SPAN = Layout(size=8, same_host=False, ipc_ready=True, ipc_max_bytes=8 << 20,
+                  pg_backend="nccl")
+
+F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
+
+TABLE = [
+    # op, device, layout, bytes, dtype, expected engine, words in the reason
+    ("all_reduce", "cpu", CPU1, 4096, F32, "local", "one rank"),
+    ("all_reduce", "cuda", Layout(size=1, same_host=True), 4096, F32, "local", "one rank"),
+    ("all_reduce", "cpu", CPU, 4096, F32, "shm", "one host"),
+    ("all_reduce", "cpu", CPU, 64 << 20, BF16, "shm", "one host"),
+    ("all_gather", "cpu", CPU, 4096, I64, "shm", "one host"),
+    ("broadcast", "cpu", CPU, 4096, torch.uint8, "shm", "one host"),
+    ("all_reduce", "cpu", CPU, 4096, I64, "gloo", "int64"),
+    ("reduce_scatter", "cpu", CPU, 4096, torch.int32, "gloo", "int32"),
+    ("all_reduce", "cpu", CPU_SPAN, 4096, F32, "gloo", "spans hosts"),
+    ("all_reduce", "cpu", CPU_NONATIVE, 4096, F32, "gloo", "fastpar._C"),
+    ("all_reduce", "cuda", GPU_IPC, 4096, BF16, "cuda_ipc", "within one node"),
+    ("all_reduce", "cuda", GPU_IPC, 8 << 20, F32, "cuda_ipc", "within one node"),
+    ("all_reduce", "cuda", GPU_IPC, (8 << 20) + 16, F32, "nccl", "exceeds"),
+    ("all_reduce", "cuda", GPU_IPC, 4100, F32, "nccl", "multiple of 16"),
+    ("all_reduce", "cuda", GPU_IPC, 4096, torch.float64, "nccl", "float64"),
+    ("all_gather", "cuda", GPU_IPC, 4096, F32, "nccl", "all_reduce only"),
+    ("all_reduce", "cuda", GPU_NOIPC, 4096, F32, "nccl", "P2P"),
+    ("all_reduce", "cuda", GPU_SPAN, 4096, F32, "nccl", "spans nodes"),
+]
+
+
+@pytest.mark.parametrize("op, device, layout, nbytes, dtype, engine, why", TABLE)
+def test_policy_table(op, device, layout, nbytes, dtype, engine, why):
+    choice = choose(op, device, layout, nbytes, dtype)
+    assert choice.engine == engine, choice
+    assert why in choice.reason, choice
+
+
+def test_reduce_ops_each_engine_lacks():
+    assert choose("all_reduce", "cuda", GPU_IPC, 4096, F32, reduce_op="max").engine == "nccl"
+    assert choose("all_reduce", "cpu", CPU, 4096, F32, reduce_op="max").engine == "shm"
+    assert choose("all_reduce", "cpu", CPU, 4096, F32, reduce_op="min").engine == "gloo"
+    assert choose("broadcast", "cpu", CPU, 4096, F32, reduce_op="min").engine == "shm"
+
+
+@pytest.mark.parametrize("forced, device, layout, dtype, ok", [
+    ("shm", "cpu", CPU, F32, True),
+    ("shm", "cpu", CPU_SPAN, F32, False),
+    ("shm", "cuda", GPU_IPC, F32, False),
+    ("gloo", "cpu", CPU, I64, True),
+    ("mpi", "cpu", CPU, F32, True),
+    ("mpi", "cpu", CPU, BF16, False),
+    ("nccl", "cpu", CPU, F32, False),
+    ("cuda_ipc", "cuda", GPU_IPC, F32, True),
+    ("cuda_ipc", "cuda", GPU_NOIPC, F32, False),
+])
+def test_forced_engine(forced, device, layout, dtype, ok):
+    if ok:
+        assert choose("all_reduce", device, layout, 4096, dtype, forced=forced).engine == forced
+    else:
+        with pytest.raises(ValueError, match=f"FASTPAR_COMM_BACKEND={forced} cannot serve"):
+            choose("all_reduce", device, layout, 4096, dtype, forced=forced)
+
+
+def test_unknown_names():
+    with pytest.raises(ValueError, match="unknown engine 'smh'"):
+        choose("all_reduce", "cpu", CPU, 8, F32, forced="smh")
+    with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
+        choose("allreduce", "cpu", CPU, 8, F32)
