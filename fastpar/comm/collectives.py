@@ -45,14 +45,26 @@ def _check_op(op: str) -> None:
 
 
 def _plan(name: str, t: torch.Tensor, group, op: str = "sum"):
+    """``(engines, group, ranks, engine)`` for one call; decisions are cached per job.
+
+    The policy depends on bytes only for CUDA (IPC buffer size, 16-byte multiple), so CPU
+    decisions are cached per (group, op, dtype) and a hot loop pays one dict lookup.
+    """
     reg = engines()
-    group, ranks, layout = reg.resolve(group)
-    if t.device.type == "cuda" and name == "all_reduce" and layout.size > 1:
-        layout = reg.with_ipc(group, ranks, layout, t.device)
     forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
-    choice = policy.choose(name, t.device.type, layout, t.numel() * t.element_size(), t.dtype,
-                           reduce_op=op, forced=forced)
-    return reg, group, ranks, choice.engine
+    nbytes = t.numel() * t.element_size()
+    cuda = t.device.type == "cuda"
+    key = (id(group), name, op, t.dtype, t.device.type, forced, nbytes if cuda else None)
+    hit = reg.plans.get(key)
+    if hit is not None:
+        return hit
+    group, ranks, layout = reg.resolve(group)
+    if cuda and name == "all_reduce" and layout.size > 1:
+        layout = reg.with_ipc(group, ranks, layout, t.device)
+    choice = policy.choose(name, t.device.type, layout, nbytes, t.dtype, reduce_op=op,
+                           forced=forced)
+    hit = reg.plans[key] = (reg, group, ranks, choice.engine)
+    return hit
 
 
 def _done(result, async_op):

@@ -22,6 +22,7 @@ class Engines:
     def __init__(self, topo):
         self.topo = topo
         self._groups: dict = {}  # id(group) -> (group, ranks, layout)
+        self.plans: dict = {}  # call signature -> (self, group, ranks, engine); see _plan
         self._shm: dict = {}
         self._mpi: dict = {}
         self._ipc: dict = {}
@@ -94,10 +95,12 @@ class Engines:
                 comm.close()
         for sub in self._mpi.values():
             sub.Free()
-        self._shm.clear(), self._ipc.clear(), self._mpi.clear(), self._groups.clear()
+        for table in (self._shm, self._ipc, self._mpi, self._groups, self.plans):
+            table.clear()
 
 
 def engines() -> Engines:
+    """This job's engines (``RuntimeError`` before ``fastpar.init``)."""
     topo = topology()
     found = topo.cache.get("comm")
     if found is None:

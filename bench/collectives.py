@@ -1,0 +1,322 @@
+"""Collective microbenchmark in the style of nccl-tests: every engine, same run, same sizes.
+
+    mpirun -np 2 python bench/collectives.py --ops all_reduce --backends shm,gloo,mpi \\
+        -b 1K -e 64M -f 2 --dtype float32 [--check] [--json PATH] [--plot PATH]
+
+Sizes follow nccl-tests: the bytes of the all_reduce/broadcast/sendrecv buffer, of the gathered
+output for all_gather, of the input for reduce_scatter. Each point: ``-w`` warm-up calls, then
+``-n`` timed calls; the time is the median over calls of the slowest rank. busbw applies the
+nccl-tests factors (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and
+sendrecv 1). The ``memcpy`` line is this machine's copy of the same bytes on every rank at once;
+for all_reduce, ``bound`` is the fraction of that copy time each engine reaches (a rank must at
+least read its input and write its result: one copy).
+
+More ranks than cores (a laptop): set ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` so idle MPICH ranks sleep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import fastpar
+from fastpar import comm
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
+BACKENDS = ("shm", "gloo", "mpi", "nccl", "cuda_ipc")
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+              "sendrecv": lambda n: 1.0}
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def sizes(begin: int, end: int, factor: int) -> list[int]:
+    out, s = [], begin
+    while s <= end:
+        out.append(s)
+        s *= factor
+    return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def slowest(value: float, topo) -> float:
+    """The maximum over ranks (every rank gets it)."""
+    device = topo.device if topo.backend == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+
+def make_call(op, backend, count, dtype, topo, fill):
+    """A closure running one collective of ``count`` elements per rank's buffer (see sizes)."""
+    n, rank, device = topo.world_size, topo.rank, topo.device
+    if op == "sendrecv":
+        return make_sendrecv(backend, count, dtype, topo, fill)
+    per_rank = count // n if op == "all_gather" else count
+    x = fill(per_rank, rank).to(device)
+    if op == "all_reduce":
+        # In place, as nccl-tests: timed calls keep reducing the same buffer (no reset copy);
+        # --check uses a fresh closure.
+        return lambda: comm.all_reduce(x), x
+    if op == "all_gather":
+        return lambda: comm.all_gather(x), None
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x), None
+    return lambda: comm.broadcast(x, src=0), x
+
+
+def make_sendrecv(backend, count, dtype, topo, fill):
+    """A ring: every rank sends to rank+1 and receives from rank-1 (nccl-tests sendrecv)."""
+    n, rank = topo.world_size, topo.rank
+    x = fill(count, rank).to(topo.device)
+    out = torch.empty_like(x)
+    dst, src = (rank + 1) % n, (rank - 1) % n
+    if backend == "mpi":
+        world = topo.mpi_comm
+        xn, on = x.numpy(), out.numpy()
+        return lambda: world.Sendrecv(xn, dest=dst, recvbuf=on, source=src) or out, out
+    import torch.distributed as dist
+
+    def call():
+        ops = [dist.P2POp(dist.isend, x, dst), dist.P2POp(dist.irecv, out, src)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        return out
+    return call, out
+
+
+def reference(op, count, dtype, topo, fill):
+    n, rank = topo.world_size, topo.rank
+    if op == "sendrecv":
+        return fill(count, (rank - 1) % n).double()
+    if op == "broadcast":
+        return fill(count, 0).double()
+    per_rank = count // n if op == "all_gather" else count
+    inputs = [fill(per_rank, r).double() for r in range(n)]
+    if op == "all_reduce":
+        return torch.stack(inputs).sum(0)
+    if op == "all_gather":
+        return torch.cat(inputs)
+    return torch.stack(inputs).sum(0).chunk(n)[rank]
+
+
+def count_wrong(got, want, dtype) -> int:
+    got = got.detach().to("cpu").double()
+    if got.shape != want.shape:
+        return want.numel()
+    bound = TOL[dtype] * want.abs().clamp_min(1.0)
+    return int(((got - want).abs() > bound).sum().item())
+
+
+def time_calls(call, warmup, iters, topo):
+    for _ in range(warmup):
+        call()
+    sync(topo.device)
+    torch.distributed.barrier()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        call()
+        sync(topo.device)
+        samples.append(time.perf_counter() - t0)
+    return slowest(statistics.median(samples), topo)
+
+
+def memcpy_time(nbytes, warmup, iters, topo):
+    src = torch.empty(nbytes, dtype=torch.uint8, device=topo.device).fill_(1)
+    dst = torch.empty_like(src)
+    return time_calls(lambda: dst.copy_(src), warmup, iters, topo)
+
+
+def supported(op, backend, topo, dtype) -> str | None:
+    """None, or why this backend cannot run this op here (the row is skipped, saying so)."""
+    cuda = topo.device.type == "cuda"
+    if backend in ("nccl", "cuda_ipc") and not cuda:
+        return f"{backend} needs CUDA"
+    if backend in ("shm", "mpi", "gloo") and cuda:
+        return f"{backend} is benchmarked on CPU tensors only"
+    if backend == "cuda_ipc" and op != "all_reduce":
+        return "cuda_ipc implements all_reduce only"
+    if op == "sendrecv" and backend in ("shm", "cuda_ipc"):
+        return f"{backend} has no send/recv (pipeline P2P uses torch.distributed)"
+    if backend == "mpi" and topo.mpi_comm is None:
+        return "mpi needs an mpirun launch"
+    if backend == "mpi" and dtype not in (torch.float32, torch.float64):
+        return f"mpi through numpy cannot carry {dtype}"
+    return None
+
+
+def run(args, topo) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    esize = torch.empty((), dtype=dtype).element_size()
+    n = topo.world_size
+    records = []
+
+    def fill(count, rank):
+        g = torch.Generator().manual_seed(1000 + rank)
+        return torch.randn(count, generator=g).to(dtype)
+
+    for op in args.ops:
+        for backend in args.backends:
+            why = supported(op, backend, topo, dtype)
+            if why:
+                if topo.rank == 0:
+                    print(f"# {op} on {backend}: skipped, {why}")
+                continue
+            os.environ["FASTPAR_COMM_BACKEND"] = backend
+            if topo.rank == 0:
+                print(f"\n# {op}  backend {backend}  ranks {n}  dtype {args.dtype}")
+                print(f"{'size':>12} {'count':>12} {'type':>9} {'time(us)':>11} "
+                      f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
+            for nbytes in args.sizes:
+                count = max(nbytes // esize, 1)
+                count -= count % n if op in ("all_gather", "reduce_scatter") else 0
+                if count == 0:
+                    continue
+                call, _ = make_call(op, backend, count, dtype, topo, fill)
+                iters = args.iters if nbytes < (8 << 20) else max(5, args.iters // 5)
+                t = time_calls(call, args.warmup, iters, topo)
+                wrong = -1
+                if args.check:
+                    got = make_call(op, backend, count, dtype, topo, fill)[0]()
+                    wrong = count_wrong(got, reference(op, count, dtype, topo, fill), dtype)
+                    wrong = int(slowest(float(wrong), topo))
+                size = count * esize
+                algbw = size / t / 1e9
+                rec = {"op": op, "backend": backend, "bytes": size, "count": count,
+                       "dtype": args.dtype, "world_size": n, "time_us": t * 1e6,
+                       "algbw_gbps": algbw, "busbw_gbps": algbw * BUS_FACTOR[op](n),
+                       "wrong": wrong}
+                records.append(rec)
+                if topo.rank == 0:
+                    print(f"{size:>12} {count:>12} {args.dtype:>9} {t * 1e6:>11.1f} "
+                          f"{algbw:>12.3f} {rec['busbw_gbps']:>12.3f} "
+                          f"{wrong if wrong >= 0 else 'N/A':>7}", flush=True)
+            os.environ.pop("FASTPAR_COMM_BACKEND", None)
+    return records
+
+
+def memcpy_reference(args, topo) -> list[dict]:
+    out = []
+    if topo.rank == 0:
+        print(f"\n# memcpy reference: every rank copies the same bytes at once")
+        print(f"{'size':>12} {'time(us)':>11} {'GB/s':>8}")
+    for nbytes in args.sizes:
+        t = memcpy_time(nbytes, args.warmup, args.iters if nbytes < (8 << 20) else 5, topo)
+        out.append({"op": "memcpy", "backend": "memcpy", "bytes": nbytes, "count": nbytes,
+                    "dtype": "uint8", "world_size": topo.world_size, "time_us": t * 1e6,
+                    "algbw_gbps": nbytes / t / 1e9, "busbw_gbps": nbytes / t / 1e9,
+                    "wrong": 0})
+        if topo.rank == 0:
+            print(f"{nbytes:>12} {t * 1e6:>11.1f} {nbytes / t / 1e9:>8.2f}")
+    return out
+
+
+def summary(records: list[dict]) -> None:
+    """Ratios a reader wants: each engine against the others, and all_reduce against memcpy."""
+    copy = {r["bytes"]: r["time_us"] for r in records if r["op"] == "memcpy"}
+    table = {}
+    for r in records:
+        if r["op"] != "memcpy":
+            table.setdefault((r["op"], r["bytes"]), {})[r["backend"]] = r["time_us"]
+    print("\n# summary: time ratios (>1: the first is faster)")
+    for (op, nbytes), by in sorted(table.items()):
+        parts = []
+        if "shm" in by:
+            for other in ("mpi", "gloo"):
+                if other in by:
+                    parts.append(f"shm/{other} {by[other] / by['shm']:.1f}x")
+        if "cuda_ipc" in by and "nccl" in by:
+            parts.append(f"cuda_ipc/nccl {by['nccl'] / by['cuda_ipc']:.1f}x")
+        if op == "all_reduce" and nbytes in copy:
+            best = min(by, key=by.get)
+            parts.append(f"bound: {best} at {copy[nbytes] / by[best]:.0%} of memcpy")
+        if parts:
+            print(f"{op:>15} {nbytes:>10} B  " + "  ".join(parts))
+
+
+def plot(records: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("--plot needs matplotlib: pip install matplotlib")
+    ops = sorted({r["op"] for r in records if r["op"] != "memcpy"})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for backend in sorted({r["backend"] for r in records if r["op"] in (op, "memcpy")}):
+            rows = [r for r in records if r["backend"] == backend and r["op"] in (op, "memcpy")]
+            ax.plot([r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker="o",
+                    label=backend, linestyle="--" if backend == "memcpy" else "-")
+        ax.set(xscale="log", yscale="log", xlabel="bytes", ylabel="busbw (GB/s)",
+               title=f"{op}, {records[0]['world_size']} ranks, {records[0]['dtype']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="all_reduce", help=f"comma list of {', '.join(OPS)}")
+    p.add_argument("--backends", default="shm,gloo,mpi", help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("-b", "--minbytes", default="1K")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("-w", "--warmup", type=int, default=5)
+    p.add_argument("-n", "--iters", type=int, default=50)
+    p.add_argument("--check", action="store_true", help="count wrong elements vs float64")
+    p.add_argument("--json", help="write the records to this path")
+    p.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
+    args = p.parse_args()
+    args.ops = [o for o in args.ops.split(",") if o]
+    args.backends = [b for b in args.backends.split(",") if b]
+    for name, allowed, given in (("op", OPS, args.ops), ("backend", BACKENDS, args.backends)):
+        bad = [g for g in given if g not in allowed]
+        if bad:
+            p.error(f"unknown {name}(s) {bad}; choose from {', '.join(allowed)}")
+    if args.stepfactor < 2:
+        p.error(f"-f must be at least 2, got {args.stepfactor}")
+    args.sizes = sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    topo = fastpar.init()
+    if topo.rank == 0:
+        print(f"# fastpar {fastpar.__version__} collectives: {topo.world_size} ranks "
+              f"({topo.launcher}), device {topo.device}, torch {torch.__version__}")
+    records = run(args, topo) + memcpy_reference(args, topo)
+    if topo.rank == 0:
+        summary(records)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+            print(f"# wrote {args.json}")
+        if args.plot:
+            plot(records, args.plot)
+            print(f"# wrote {args.plot}")
+    fastpar.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
