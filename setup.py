@@ -43,14 +43,15 @@ def extension():
     cpp = sources("csrc/*.cpp") + sources("csrc/shm/*.cpp")
     cpp = [p for p in cpp if not p.endswith("_selftest.cpp")]
     macros = [("FASTPAR_VERSION_STRING", f'"{VERSION}"')]
-    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    # torch >= 2.10 headers use C++20 (bit-field initialisers); gcc >= 10 and nvcc 12+ take it.
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
     if want_cuda():
         macros.append(("FASTPAR_WITH_CUDA", "1"))
-        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr",
+        nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr",
                 "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
         return cpp_extension.CUDAExtension(
             "fastpar._C", cpp + sources("csrc/cuda/*.cu"), define_macros=macros,
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, libraries=["cuda"])
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     return cpp_extension.CppExtension("fastpar._C", cpp, define_macros=macros,
                                       extra_compile_args={"cxx": cxx}, libraries=["rt"])
 

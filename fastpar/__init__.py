@@ -11,3 +11,8 @@ from fastpar.topology import Grid, Topology
 from fastpar.version import __version__
 
 __all__ = ["Grid", "Topology", "__version__", "init", "is_initialized", "shutdown", "topology"]
+from fastpar import nn  # noqa: E402
+from fastpar.parallelize import parallelize  # noqa: E402
+from fastpar.state_dict import full_state_dict, load_full_state_dict  # noqa: E402
+
+__all__ += ["full_state_dict", "load_full_state_dict", "nn", "parallelize"]
