@@ -5,12 +5,18 @@
     out = comm.all_gather(t, group=g, dim=-1)         # concatenation along dim
     h = comm.all_reduce(t, async_op=True); ...; h.wait()
 
+Each collective exists twice: the raw call above (result or ``Handle``), and an autograd
+Function behind a wrapper (``copy_to_tp``, ``reduce_from_tp``, ... in ``autograd.py``) whose
+docstring states its forward and backward.
+
 ``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi`` forces one engine.
 """
 
-from fastpar.comm.collectives import Handle, all_gather, all_reduce, broadcast, reduce_scatter
-
-__all__ = ["Handle", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
-from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,  # noqa: E402
+from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                    gather_sequence, reduce_from_tp, reduce_scatter_sequence,
                                    scatter_sequence, scatter_to_tp)
+from fastpar.comm.collectives import Handle, all_gather, all_reduce, broadcast, reduce_scatter
+
+__all__ = ["Handle", "all_gather", "all_gather_sequence", "all_reduce", "broadcast",
+           "copy_to_tp", "gather_from_tp", "gather_sequence", "reduce_from_tp",
+           "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp"]

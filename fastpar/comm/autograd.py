@@ -37,7 +37,7 @@ def group_rank(group) -> int:
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's equal chunk of ``x`` along ``dim`` (contiguous, so later collectives are cheap)."""
+    """This rank's equal chunk of ``x`` along ``dim`` (contiguous for the collectives after)."""
     n = group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over {n} ranks")

@@ -143,7 +143,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
     reg, group, ranks, engine = _plan("reduce_scatter", t, group, op)
     if engine == "local":
         return _done(t, async_op)
-    n, rank = len(ranks), ranks.index(reg.topo.rank)
+    n = len(ranks)
     dim = dim % t.dim()
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by "
@@ -159,7 +159,6 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
     else:
         work = dist.reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=group,
                                           async_op=async_op)
-    del rank
     finish = lambda: out.movedim(0, dim)  # noqa: E731
     if async_op and work is not None:
         return Handle(out, work, finish)

@@ -1,0 +1,83 @@
+"""Causal self-attention with its heads split over the TP group (MHA and grouped-query).
+
+Each rank computes ``num_heads / tp`` query heads and ``num_kv_heads / tp`` key/value heads:
+q/k/v projections are column-parallel (a contiguous block of heads per rank, which keeps every
+query head with its kv head), the output projection row-parallel. Shapes, batch-first::
+
+    x (B, T, H) -> q (B, nh/tp, T, hd), k, v (B, nkv/tp, T, hd) -> sdpa -> (B, T, nh/tp * hd)
+                -> o_proj -> (B, T, H)           (sequence_parallel: x, y are (B, T/tp, H))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.comm.autograd import group_size
+from fastpar.nn import random as tp_random
+from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fastpar.nn.sharding import generator, resolve_group
+
+
+class ParallelSelfAttention(nn.Module):
+    """``num_kv_heads=None``: MHA. Projections ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` are
+    drawn in that order from ``seed``. ``attn_dropout`` runs on the per-TP-rank stream (heads are
+    sharded); ``dropout`` on the output as in ``ParallelMLP``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
+                 bias: bool = True, *, causal: bool = True, attn_dropout: float = 0.0,
+                 dropout: float = 0.0, sequence_parallel: bool = False, sequence_dim: int = 1,
+                 overlap=None, chunks=None, group=None, device=None, dtype=None, seed=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.group = resolve_group(group)
+        tp = group_size(self.group)
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads "
+                             f"{num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads "
+                             f"{num_kv_heads}")
+        if num_heads % tp or num_kv_heads % tp:
+            raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must both "
+                             f"be divisible by the tensor-parallel size {tp}")
+        if sequence_parallel and sequence_dim != 1:
+            raise ValueError(f"ParallelSelfAttention is batch-first: sequence_dim must be 1, got "
+                             f"{sequence_dim}")
+        self.head_dim = hidden_size // num_heads
+        self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads // tp
+        self.causal, self.attn_dropout, self.dropout = causal, attn_dropout, dropout
+        self.sequence_parallel = sequence_parallel
+        gen = generator(seed)
+        common = dict(sequence_parallel=sequence_parallel, sequence_dim=1, overlap=overlap,
+                      chunks=chunks, group=self.group, device=device, dtype=dtype, seed=gen)
+        kv_size = num_kv_heads * self.head_dim
+        self.q_proj = ColumnParallelLinear(hidden_size, hidden_size, bias, **common)
+        self.k_proj = ColumnParallelLinear(hidden_size, kv_size, bias, **common)
+        self.v_proj = ColumnParallelLinear(hidden_size, kv_size, bias, **common)
+        self.o_proj = RowParallelLinear(hidden_size, hidden_size, bias, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.q_proj.enter(x)  # (B, T, H), one entry communication for q, k and v
+        B, T, _ = x.shape
+        q = self.q_proj.local(x).view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj.local(x).view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj.local(x).view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        # q (B, nh/tp, T, hd); k, v (B, nkv/tp, T, hd)
+        p = self.attn_dropout if self.training else 0.0
+        gqa = self.local_heads != self.local_kv_heads
+        if p:
+            with tp_random.fork("tp", self.group):
+                h = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
+                                                   enable_gqa=gqa)
+        else:
+            h = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
+        h = h.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)  # (B, T, nh/tp*hd)
+        y = self.o_proj(h)
+        if self.dropout and self.training:
+            if self.sequence_parallel:
+                with tp_random.fork("tp", self.group):
+                    return F.dropout(y, self.dropout, training=True)
+            return F.dropout(y, self.dropout, training=True)
+        return y

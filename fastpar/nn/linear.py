@@ -1,0 +1,149 @@
+"""Column- and row-parallel linear layers (Megatron-LM's two halves of a TP region).
+
+With ``n`` ranks in the TP group and ``W`` the serial ``(out, in)`` weight::
+
+    ColumnParallelLinear  W_n = W.chunk(n, 0)[rank]     (out/n, in)
+        forward: y_n = x @ W_n.T + b_n            (gather_output: y = all_gather(y_n, -1))
+        dgrad:   dx = all_reduce(dy_n @ W_n)      wgrad: dW_n = dy_n.T @ x
+    RowParallelLinear     W_n = W.chunk(n, 1)[rank]     (out, in/n)
+        forward: y = all_reduce(x_n @ W_n.T) + b  (bias added once, after the reduction)
+        dgrad:   dx_n = dy @ W_n                  wgrad: dW_n = dy.T @ x_n
+
+Sequence parallelism (``sequence_parallel=True``): outside the TP region activations are sharded
+along ``sequence_dim``; the column layer all-gathers its input (reduce-scatter in backward) and
+the row layer reduce-scatters its output (all-gather in backward) instead of the all-reduces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp, group_size,
+                                   reduce_from_tp, reduce_scatter_sequence, scatter_to_tp)
+from fastpar.nn.sharding import ShardedModule, copy_into, full_linear, generator, resolve_group
+
+
+def check_overlap(overlap, chunks) -> None:
+    """``overlap=True`` is not implemented yet; say so rather than silently run the plain path."""
+    if overlap:
+        raise NotImplementedError("overlap=True: overlapped communication of parallel linear "
+                                  "layers comes in a later issue; pass overlap=None or False")
+    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"chunks must be a positive integer or None, got {chunks!r}")
+
+
+class _ParallelLinear(ShardedModule):
+    def __init__(self, in_features, out_features, bias, sharded_dim, *, sequence_parallel,
+                 sequence_dim, overlap, chunks, group, device, dtype, seed):
+        super().__init__()
+        check_overlap(overlap, chunks)
+        self.group = resolve_group(group)
+        self.tp = group_size(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.overlap, self.chunks = overlap, chunks
+        size = (out_features, in_features)[sharded_dim]
+        if size % self.tp:
+            kind = ("out_features", "in_features")[sharded_dim]
+            raise ValueError(f"{type(self).__name__}: {kind} {size} is not divisible by the "
+                             f"tensor-parallel size {self.tp}")
+        shape = [out_features, in_features]
+        shape[sharded_dim] //= self.tp
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        self.shard_dims = {"weight": sharded_dim}
+        bias_shape = shape[0]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_shape, **factory))
+            if sharded_dim == 0:
+                self.shard_dims["bias"] = 0
+        else:
+            self.register_parameter("bias", None)
+        if not self.weight.is_meta:
+            weight, b = full_linear(out_features, in_features, bias, generator(seed))
+            copy_into(self.weight, self.shard_full("weight", weight))
+            if bias:
+                copy_into(self.bias, self.shard_full("bias", b))
+
+    @classmethod
+    def from_serial(cls, linear: nn.Linear, group=None, **kwargs):
+        """A parallel layer holding this rank's shard of ``linear``'s weights."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group=group, device="meta", dtype=linear.weight.dtype, **kwargs)
+        layer.to_empty(device=linear.weight.device)
+        copy_into(layer.weight, layer.shard_full("weight", linear.weight.detach()))
+        if linear.bias is not None:
+            copy_into(layer.bias, layer.shard_full("bias", linear.bias.detach()))
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp={self.tp}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with ``W`` split along out_features; see the module docstring.
+
+    ``gather_output=False`` leaves ``y`` sharded along its last dim (the input of a
+    ``RowParallelLinear``); True all-gathers it (replicated, not sequence-sharded).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 sequence_dim: int = 1, overlap=None, chunks=None, group=None, device=None,
+                 dtype=None, seed=None):
+        super().__init__(in_features, out_features, bias, 0, sequence_parallel=sequence_parallel,
+                         sequence_dim=sequence_dim, overlap=overlap, chunks=chunks, group=group,
+                         device=device, dtype=dtype, seed=seed)
+        self.gather_output = gather_output
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the TP region sees it: full sequence, gradients summed over the group.
+        Blocks that feed one input to several column layers call it once and use ``local``."""
+        if self.sequence_parallel:
+            return all_gather_sequence(x, self.group, self.sequence_dim)
+        return copy_to_tp(x, self.group)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output shard of an input already inside the TP region."""
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(self.enter(x))
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with ``W`` split along in_features; see the module docstring.
+
+    ``input_is_parallel=True``: ``x`` is already this rank's shard of its last dim (the output of
+    a ``ColumnParallelLinear``); False scatters a replicated ``x`` first.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 sequence_dim: int = 1, overlap=None, chunks=None, group=None, device=None,
+                 dtype=None, seed=None):
+        super().__init__(in_features, out_features, bias, 1, sequence_parallel=sequence_parallel,
+                         sequence_dim=sequence_dim, overlap=overlap, chunks=chunks, group=group,
+                         device=device, dtype=dtype, seed=seed)
+        self.input_is_parallel = input_is_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group)
+        # The matmul output is fresh and saved by nobody, so it is reduced in place.
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
+            # The bias is replicated but meets only this rank's tokens: sum its grad over ranks.
+            bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
+        else:
+            y = reduce_from_tp(partial, self.group, inplace=True)
+            bias = self.bias
+        return y if bias is None else y + bias

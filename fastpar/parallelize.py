@@ -1,0 +1,226 @@
+"""``fastpar.parallelize``: turn an existing model's linear and embedding layers tensor-parallel.
+
+    model = LlamaForCausalLM(config)          # or any nn.Module, on every rank, same weights
+    fastpar.init(tp=2)
+    fastpar.parallelize(model)                # plan="auto": the model's declared plan, else one
+                                              # inferred from common transformer names
+    fastpar.parallelize(model, {"layers.*.mlp.up_proj": "column", "layers.*.mlp.down_proj": "row"})
+
+A plan maps fnmatch patterns on module names to styles. ``nn.Linear`` takes "column" (alias
+"colwise"), "column_gather" ("colwise_gather_output", "colwise_rep": output all-gathered) or "row"
+("rowwise", "rowwise_rep"); ``nn.Embedding`` takes "embedding" ("embedding_rowwise", or "rowwise"
+as Hugging Face writes it). Each module keeps its name and its existing weights, sharded, so
+``full_state_dict`` gives the serial keys back. The plan is validated whole before anything is
+replaced; the changes are printed on rank 0 and kept in ``model.fastpar_changes``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from fastpar.comm.autograd import group_rank, group_size
+from fastpar.nn.embedding import VocabParallelEmbedding
+from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fastpar.nn.sharding import ShardedModule, resolve_group
+
+STYLES = {"column": "column", "colwise": "column",
+          "column_gather": "column_gather", "colwise_gather_output": "column_gather",
+          "colwise_rep": "column_gather",
+          "row": "row", "rowwise": "row", "rowwise_rep": "row",
+          "embedding": "embedding", "embedding_rowwise": "embedding"}
+# Declared (Hugging Face) styles that leave a module replicated: nothing to replace.
+REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "sequence_parallel"}
+# Inferred plan: last component of a module name -> style (Llama/Mistral/Qwen/OPT/GPT-NeoX names).
+INFERRED = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "query": "column",
+            "key": "column", "value": "column", "gate_proj": "column", "up_proj": "column",
+            "fc1": "column", "w1": "column", "w3": "column",
+            "o_proj": "row", "out_proj": "row", "down_proj": "row", "fc2": "row", "w2": "row",
+            "embed_tokens": "embedding", "word_embeddings": "embedding", "wte": "embedding",
+            "tok_embeddings": "embedding", "lm_head": "column_gather"}
+ATTENTION_INPUTS = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj",
+                    "query_key_value", "c_attn", "Wqkv"}
+HEAD_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "n_heads", "n_kv_heads")
+
+
+def declared_plan(model: nn.Module) -> dict[str, str]:
+    """Hugging Face's plans: ``_tp_plan`` of any module, ``config.base_model_tp_plan`` of a base
+    model, with keys made relative to ``model``."""
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        own = getattr(module, "_tp_plan", None)
+        base = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if not isinstance(base, dict) or getattr(module, "base_model", None) is not module:
+            base = None
+        for part in (own, base):
+            for key, style in (part or {}).items() if isinstance(part, dict) else ():
+                plan.setdefault(prefix + key, style)
+    return plan
+
+
+def inferred_plan(model: nn.Module) -> dict[str, str]:
+    """One exact-name entry per nn.Linear / nn.Embedding whose last name component is known."""
+    plan = {}
+    for name, module in model.named_modules():
+        style = INFERRED.get(name.rsplit(".", 1)[-1])
+        if style is None or not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        if (style == "embedding") != isinstance(module, nn.Embedding):
+            continue
+        plan[name] = style
+    return plan
+
+
+def _normalise(style: str, module: nn.Module) -> str | None:
+    if isinstance(module, nn.Embedding) and style in ("rowwise", "embedding", "embedding_rowwise"):
+        return "embedding"
+    if style in REPLICATED_STYLES:
+        return None
+    return STYLES[style]
+
+
+def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
+    """``[(name, module, style)]`` to replace, ``{attention module: head attrs}`` to divide,
+    and every error found."""
+    modules = dict(model.named_modules())
+    errors, chosen = [], {}
+    for pattern, style in plan.items():
+        if style not in STYLES and style not in REPLICATED_STYLES:
+            errors.append(f"plan entry {pattern!r}: unknown style {style!r}; expected one of "
+                          f"{', '.join(sorted(STYLES))} (or "
+                          f"{', '.join(sorted(REPLICATED_STYLES))})")
+            continue
+        matched = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            errors.append(f"plan entry {pattern!r} ({style}) matches no module of "
+                          f"{type(model).__name__}")
+        for name in matched:
+            if name not in chosen:  # the first pattern that names a module decides its style
+                chosen[name] = (pattern, style)
+    work = []
+    for name, (pattern, style) in chosen.items():
+        module = modules[name]
+        kind = _normalise(style, module)
+        if kind is None:
+            continue
+        what = f"{name} ({type(module).__name__})"
+        if kind == "embedding":
+            if not isinstance(module, nn.Embedding):
+                errors.append(f"{what}: style {style!r} needs an nn.Embedding")
+                continue
+        elif not isinstance(module, nn.Linear) or isinstance(module, ShardedModule):
+            errors.append(f"{what}: style {style!r} needs an nn.Linear")
+            continue
+        elif kind == "row" and module.in_features % tp:
+            errors.append(f"{what}: in_features {module.in_features} is not divisible by "
+                          f"tp {tp} (style {style!r})")
+            continue
+        elif kind != "row" and module.out_features % tp:
+            errors.append(f"{what}: out_features {module.out_features} is not divisible by "
+                          f"tp {tp} (style {style!r})")
+            continue
+        work.append((name, module, kind))
+    heads = _head_changes(model, modules, work, tp, errors)
+    _check_ties(model, work, errors)
+    return work, heads, errors
+
+
+def _head_changes(model, modules, work, tp, errors):
+    """Attention modules whose column-sharded projections now hold 1/tp of the heads: check the
+    head counts they (or their config) declare and collect the attributes to divide."""
+    heads = {}
+    for name, _, kind in work:
+        if kind != "column" or "." not in name:
+            continue
+        parent_name, child = name.rsplit(".", 1)
+        parent = modules[parent_name]
+        if child not in ATTENTION_INPUTS and "attention" not in type(parent).__name__.lower():
+            continue
+        sources = [(parent_name, parent, True),
+                   (f"{parent_name}.config", getattr(parent, "config", None), False)]
+        for where, holder, adjust in sources:
+            for attr in HEAD_ATTRS:
+                value = getattr(holder, attr, None) if holder is not None else None
+                if not isinstance(value, int) or isinstance(value, bool):
+                    continue
+                if value % tp:
+                    message = (f"{where}.{attr} = {value} is not divisible by tp {tp}: "
+                               f"attention heads cannot be split evenly")
+                    if message not in errors:
+                        errors.append(message)
+                elif adjust:
+                    heads.setdefault(parent_name, {})[attr] = value
+    return heads
+
+
+def _check_ties(model, work, errors):
+    owners = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    for name, module, _ in work:
+        shared = owners.get(id(module.weight), [])
+        if len(shared) > 1:
+            others = ", ".join(s for s in shared if not s.startswith(name + "."))
+            errors.append(f"{name}.weight is tied to {others}; sharding it would untie them "
+                          f"(untie first, e.g. config.tie_word_embeddings=False, or leave it out "
+                          f"of the plan)")
+
+
+def _replacement(module, kind, group):
+    if kind == "embedding":
+        return VocabParallelEmbedding.from_serial(module, group)
+    if kind == "row":
+        return RowParallelLinear.from_serial(module, group)
+    return ColumnParallelLinear.from_serial(module, group, gather_output=kind == "column_gather")
+
+
+def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = True) -> nn.Module:
+    """Replace ``model``'s layers named by ``plan`` with tensor-parallel ones, in place; returns
+    ``model``. See the module docstring. Raises ``ValueError`` listing every problem before any
+    module is replaced. Call on every rank of the TP group, with identical weights."""
+    group = resolve_group(group)
+    tp = group_size(group)
+    source = "explicit"
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"plan must be 'auto' or a dict of pattern -> style, got {plan!r}")
+        plan, source = declared_plan(model), "declared"
+        if not plan:
+            plan, source = inferred_plan(model), "inferred"
+        if not plan:
+            raise ValueError(f"{type(model).__name__} declares no tensor-parallel plan and has "
+                             "no layers with known transformer names; pass plan={pattern: style}")
+    elif not isinstance(plan, dict) or not plan:
+        raise ValueError(f"plan must be 'auto' or a non-empty dict of pattern -> style, got "
+                         f"{plan!r}")
+    work, heads, errors = _resolve(model, plan, tp)
+    if errors:
+        raise ValueError(f"fastpar.parallelize({type(model).__name__}, tp={tp}, {source} plan): "
+                         + "; ".join(errors))
+    changes = []
+    modules = dict(model.named_modules())
+    for name, module, kind in work:
+        parent_name, _, child = name.rpartition(".")
+        new = _replacement(module, kind, group)
+        modules[parent_name]._modules[child] = new
+        changes.append({"module": name, "style": kind, "from": list(module.weight.shape),
+                        "to": list(new.weight.shape), "layer": type(new).__name__})
+    for parent_name, attrs in heads.items():
+        for attr, value in attrs.items():
+            setattr(modules[parent_name], attr, value // tp)
+            changes.append({"module": parent_name, "style": "heads", "attr": attr,
+                            "from": value, "to": value // tp})
+    model.fastpar_changes = changes
+    if verbose and group_rank(group) == 0:
+        print(f"fastpar.parallelize: {len(work)} layers of {type(model).__name__} sharded over "
+              f"tp={tp} ({source} plan)")
+        for c in changes:
+            if c["style"] == "heads":
+                print(f"  {c['module']}.{c['attr']}: {c['from']} -> {c['to']}")
+            else:
+                print(f"  {c['module']}: {c['style']:<13} weight {c['from']} -> {c['layer']} "
+                      f"{c['to']} per rank")
+    return model

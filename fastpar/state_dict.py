@@ -1,0 +1,65 @@
+"""Serial-shaped state dicts of models holding fastpar's sharded layers.
+
+    sd = fastpar.full_state_dict(model)        # same keys and shapes as the serial model,
+    torch.save(sd, "ckpt.pt")                  #   identical on every rank (collective call)
+    fastpar.load_full_state_dict(model, sd)    # each rank keeps its shard of every tensor
+
+Sharded layers (``fastpar.nn.ShardedModule``) say how each parameter is cut; everything else is
+replicated and taken as is. Both calls are collective over the TP groups: call them on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastpar.nn.sharding import ShardedModule
+
+
+def _module(obj) -> nn.Module:
+    if not isinstance(obj, nn.Module):
+        raise TypeError(f"expected an nn.Module holding fastpar layers, got {type(obj).__name__}")
+    return obj
+
+
+def _sharded_keys(model: nn.Module) -> dict[str, tuple[ShardedModule, str]]:
+    """State-dict key -> (layer, parameter name) for every sharded parameter."""
+    keys = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ShardedModule):
+            for name in module.shard_dims:
+                if getattr(module, name, None) is not None:
+                    keys[f"{prefix}.{name}" if prefix else name] = (module, name)
+    return keys
+
+
+def full_state_dict(obj) -> dict[str, torch.Tensor]:
+    """The state dict the serial model would have (detached tensors on the model's devices)."""
+    model = _module(obj)
+    sharded = _sharded_keys(model)
+    out = {}
+    for key, value in model.state_dict(keep_vars=False).items():
+        if key in sharded:
+            layer, name = sharded[key]
+            value = layer.gather_full(name, value)
+        out[key] = value.detach().clone()
+    return out
+
+
+def load_full_state_dict(obj, state_dict: dict[str, torch.Tensor], strict: bool = True):
+    """Load a serial-shaped ``state_dict`` into ``obj``: each rank copies its shard of every
+    sharded tensor and the whole of every replicated one. Returns ``load_state_dict``'s result."""
+    model = _module(obj)
+    sharded = _sharded_keys(model)
+    local = {}
+    for key, value in state_dict.items():
+        if key in sharded:
+            layer, name = sharded[key]
+            expected = getattr(layer, name).shape
+            value = layer.shard_full(name, value)
+            if value.shape != expected:
+                raise ValueError(f"{key}: a full tensor of shape {tuple(state_dict[key].shape)} "
+                                 f"gives a shard of {tuple(value.shape)}, this rank holds "
+                                 f"{tuple(expected)}")
+        local[key] = value
+    return model.load_state_dict(local, strict=strict)
