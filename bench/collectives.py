@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -181,7 +180,7 @@ def run(args, topo) -> list[dict]:
                 if topo.rank == 0:
                     print(f"# {op} on {backend}: skipped, {why}")
                 continue
-            os.environ["FASTPAR_COMM_BACKEND"] = backend
+            comm.use_backend(backend)
             if topo.rank == 0:
                 print(f"\n# {op}  backend {backend}  ranks {n}  dtype {args.dtype}")
                 print(f"{'size':>12} {'count':>12} {'type':>9} {'time(us)':>11} "
@@ -210,7 +209,7 @@ def run(args, topo) -> list[dict]:
                     print(f"{size:>12} {count:>12} {args.dtype:>9} {t * 1e6:>11.1f} "
                           f"{algbw:>12.3f} {rec['busbw_gbps']:>12.3f} "
                           f"{wrong if wrong >= 0 else 'N/A':>7}", flush=True)
-            os.environ.pop("FASTPAR_COMM_BACKEND", None)
+            comm.use_backend(None)
     return records
 
 

@@ -50,7 +50,7 @@ def body_every_op(engines, sizes):
     n, rank = topo.world_size, topo.rank
     digests = {}
     for engine in engines:
-        os.environ["FASTPAR_COMM_BACKEND"] = engine
+        comm.use_backend(engine)
         for dtype in ENGINE_DTYPES[engine]:
             for size in sizes:
                 key = f"{engine}/{dtype}/{size}"
@@ -71,7 +71,7 @@ def body_every_op(engines, sizes):
                 comm.broadcast(b, src=n - 1)
                 digests[f"bc/{key}"] = _check(f"broadcast {key}", b, ref[n - 1], dtype)
     # Other dims, non-float dtypes (gather/broadcast carry bytes), non-contiguous input.
-    os.environ["FASTPAR_COMM_BACKEND"] = "shm"
+    comm.use_backend("shm")
     t = torch.arange(6, dtype=torch.int64).reshape(2, 3) + 10 * rank
     got = comm.all_gather(t, dim=1)
     assert torch.equal(got, torch.cat([torch.arange(6).reshape(2, 3) + 10 * r
@@ -81,7 +81,7 @@ def body_every_op(engines, sizes):
     assert torch.equal(m, torch.full((2 * n, 3), float(n)))
     rs = comm.reduce_scatter(torch.ones(3, 2 * n) * (rank + 1), dim=1)
     assert torch.equal(rs, torch.full((3, 2), n * (n + 1) / 2))
-    os.environ.pop("FASTPAR_COMM_BACKEND")
+    comm.use_backend(None)
     h = comm.all_reduce(torch.ones(5), async_op=True)
     assert torch.equal(h.wait(), torch.full((5,), float(n)))
     return digests

@@ -8,8 +8,6 @@ pytestmark = pytest.mark.gpu
 
 
 def body_ipc_sweep():
-    import os
-
     import torch
 
     import fastpar
@@ -17,7 +15,7 @@ def body_ipc_sweep():
 
     topo = fastpar.init(timeout=120)
     n, rank = topo.world_size, topo.rank
-    os.environ["FASTPAR_COMM_BACKEND"] = "cuda_ipc"
+    comm.use_backend("cuda_ipc")
     checked = 0
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
         esize = torch.empty((), dtype=dtype).element_size()

@@ -329,20 +329,24 @@ void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op) {
     return;
   }
   // Large: per chunk, rank r reduces slice r of all slots into its own slot (same rank
-  // order, so bitwise identical), signals, then every rank copies out all slices.
+  // order, so bitwise identical), signals, then every rank copies out all slices. A rank's
+  // own slice is read from its input directly, so only the peers' slices are copied in.
   const size_t chunk = c.chunk_bytes / es;
   for (size_t off = 0; off < count; off += chunk, ++c.rounds) {
     const size_t n = std::min(chunk, count - off);
     char* mine = half(c, c.rank, c.rounds);
-    std::memcpy(mine, buf + off * es, n * es);
+    char* in = buf + off * es;
+    size_t b, e;
+    slice_of(n, c.world, c.rank, &b, &e);
+    std::memcpy(mine, in, b * es);
+    std::memcpy(mine + e * es, in + e * es, (n - e) * es);
     if (off == 0)
       first_round_sync(c, d);
     else
       signal_and_wait(c, Kind::AllReduce);
-    size_t b, e;
-    slice_of(n, c.world, c.rank, &b, &e);
     if (e > b) {
       for (int r = 0; r < c.world; ++r) srcs[r] = half(c, r, c.rounds) + b * es;
+      srcs[c.rank] = in + b * es;
       reduce_into(mine + b * es, srcs, c.world, e - b, dt, op);
     }
     signal_and_wait(c, Kind::AllReduce);

@@ -9,14 +9,17 @@ Each collective exists twice: the raw call above (result or ``Handle``), and an 
 Function behind a wrapper (``copy_to_tp``, ``reduce_from_tp``, ... in ``autograd.py``) whose
 docstring states its forward and backward.
 
-``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi`` forces one engine.
+``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi`` (read at the job's first collective) or
+``comm.use_backend(name)`` forces one engine; a forced engine that cannot serve a call raises.
 """
 
 from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                    gather_sequence, reduce_from_tp, reduce_scatter_sequence,
                                    scatter_sequence, scatter_to_tp)
-from fastpar.comm.collectives import Handle, all_gather, all_reduce, broadcast, reduce_scatter
+from fastpar.comm.collectives import (Handle, all_gather, all_reduce, broadcast, reduce_scatter,
+                                      use_backend)
 
 __all__ = ["Handle", "all_gather", "all_gather_sequence", "all_reduce", "broadcast",
            "copy_to_tp", "gather_from_tp", "gather_sequence", "reduce_from_tp",
-           "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp"]
+           "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp",
+           "use_backend"]

@@ -7,8 +7,6 @@ handle is returned; torch.distributed engines really run in the background.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -44,27 +42,53 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be one of {', '.join(_TORCH_OPS)}, got {op!r}")
 
 
-def _plan(name: str, t: torch.Tensor, group, op: str = "sum"):
-    """``(engines, group, ranks, engine)`` for one call; decisions are cached per job.
+class Route:
+    """Where one kind of call goes: the group, its ranks, the engine and its communicator."""
 
-    The policy depends on bytes only for CUDA (IPC buffer size, 16-byte multiple), so CPU
-    decisions are cached per (group, op, dtype) and a hot loop pays one dict lookup.
+    __slots__ = ("group", "ranks", "engine", "comm")
+
+    def __init__(self, group, ranks, engine, comm):
+        self.group, self.ranks, self.engine, self.comm = group, ranks, engine, comm
+
+
+def _route(name: str, t: torch.Tensor, group, op: str = "sum") -> Route:
+    """The route of one call; routes are cached per job, so a hot loop pays one dict lookup.
+
+    The policy depends on bytes only for CUDA (IPC buffer size, 16-byte multiple), so only CUDA
+    routes are keyed by size.
     """
     reg = engines()
-    forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
-    nbytes = t.numel() * t.element_size()
-    cuda = t.device.type == "cuda"
-    key = (id(group), name, op, t.dtype, t.device.type, forced, nbytes if cuda else None)
-    hit = reg.plans.get(key)
-    if hit is not None:
-        return hit
+    cuda = t.is_cuda
+    key = (id(group), name, op, t.dtype, cuda, reg.forced, t.numel() if cuda else 0)
+    route = reg.routes.get(key)
+    if route is not None:
+        return route
+    _check_op(op)
     group, ranks, layout = reg.resolve(group)
+    device = t.device
     if cuda and name == "all_reduce" and layout.size > 1:
-        layout = reg.with_ipc(group, ranks, layout, t.device)
-    choice = policy.choose(name, t.device.type, layout, nbytes, t.dtype, reduce_op=op,
-                           forced=forced)
-    hit = reg.plans[key] = (reg, group, ranks, choice.engine)
-    return hit
+        layout = reg.with_ipc(group, ranks, layout, device)
+    engine = policy.choose(name, device.type, layout, t.numel() * t.element_size(), t.dtype,
+                           reduce_op=op, forced=reg.forced).engine
+    comm = None
+    if engine == "shm":
+        comm = reg.shm(group, ranks)
+    elif engine == "mpi":
+        comm = reg.mpi(ranks)
+    elif engine == "cuda_ipc":
+        comm = reg.cuda_ipc(group, ranks, device)
+    route = reg.routes[key] = Route(group, ranks, engine, comm)
+    return route
+
+
+def use_backend(name: str | None) -> str | None:
+    """Force one engine for this job's following calls (``None``: the policy decides again), as
+    ``FASTPAR_COMM_BACKEND`` does from the environment; returns the previous setting."""
+    if name is not None and name not in policy.ENGINES:
+        raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(policy.ENGINES)}")
+    reg = engines()
+    previous, reg.forced = reg.forced, name
+    return previous
 
 
 def _done(result, async_op):
@@ -83,25 +107,23 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = False):
     """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``)."""
-    _check_op(op)
-    reg, group, ranks, engine = _plan("all_reduce", t, group, op)
+    route = _route("all_reduce", t, group, op)
+    engine = route.engine
     if engine == "local":
         return _done(t, async_op)
-    if engine in ("shm", "mpi", "cuda_ipc") and not t.is_contiguous():
-        buf = t.contiguous()
-        result = all_reduce(buf, group, op)
-        t.copy_(result)
+    if route.comm is not None and not t.is_contiguous():
+        t.copy_(all_reduce(t.contiguous(), group, op))
         return _done(t, async_op)
     if engine == "shm":
-        reg.shm(group, ranks).all_reduce(t, op)
+        route.comm.all_reduce(t, op)
     elif engine == "cuda_ipc":
-        reg.cuda_ipc(group, ranks, t.device).all_reduce(t)
+        route.comm.all_reduce(t)
     elif engine == "mpi":
         from mpi4py import MPI
 
-        reg.mpi(ranks).Allreduce(MPI.IN_PLACE, _np(t), op=_mpi_op(op))
+        route.comm.Allreduce(MPI.IN_PLACE, _np(t), op=_mpi_op(op))
     else:
-        work = dist.all_reduce(t, op=_TORCH_OPS[op], group=group, async_op=async_op)
+        work = dist.all_reduce(t, op=_TORCH_OPS[op], group=route.group, async_op=async_op)
         if async_op:
             return Handle(t, work)
     return _done(t, async_op)
@@ -109,21 +131,22 @@ def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = Fa
 
 def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False):
     """The concatenation along ``dim`` of ``t`` from every rank of the group, in group order."""
-    reg, group, ranks, engine = _plan("all_gather", t, group)
+    route = _route("all_gather", t, group)
+    engine = route.engine
     if engine == "local":
         return _done(t, async_op)
-    n = len(ranks)
+    n = len(route.ranks)
     dim = dim % max(t.dim(), 1)
     inp = t.contiguous()
     stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]) if inp.dim() else (n,),
                           dtype=t.dtype, device=t.device)
     work = None
     if engine == "shm":
-        reg.shm(group, ranks).all_gather(inp, stacked)
+        route.comm.all_gather(inp, stacked)
     elif engine == "mpi":
-        reg.mpi(ranks).Allgather(_np(inp), _np(stacked))
+        route.comm.Allgather(_np(inp), _np(stacked))
     else:
-        work = dist.all_gather_into_tensor(stacked, inp, group=group, async_op=async_op)
+        work = dist.all_gather_into_tensor(stacked, inp, group=route.group, async_op=async_op)
 
     def finish():
         if dim == 0 or inp.dim() == 0:
@@ -139,11 +162,11 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
                    async_op: bool = False):
     """This rank's shard along ``dim`` of ``op`` over the group of ``t``."""
-    _check_op(op)
-    reg, group, ranks, engine = _plan("reduce_scatter", t, group, op)
+    route = _route("reduce_scatter", t, group, op)
+    engine = route.engine
     if engine == "local":
         return _done(t, async_op)
-    n = len(ranks)
+    n = len(route.ranks)
     dim = dim % t.dim()
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by "
@@ -153,11 +176,11 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
     out = torch.empty((inp.shape[0] // n, *inp.shape[1:]), dtype=t.dtype, device=t.device)
     work = None
     if engine == "shm":
-        reg.shm(group, ranks).reduce_scatter(inp, out, op)
+        route.comm.reduce_scatter(inp, out, op)
     elif engine == "mpi":
-        reg.mpi(ranks).Reduce_scatter_block(_np(inp), _np(out), op=_mpi_op(op))
+        route.comm.Reduce_scatter_block(_np(inp), _np(out), op=_mpi_op(op))
     else:
-        work = dist.reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=group,
+        work = dist.reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=route.group,
                                           async_op=async_op)
     finish = lambda: out.movedim(0, dim)  # noqa: E731
     if async_op and work is not None:
@@ -167,22 +190,21 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """In place: ``t`` of global rank ``src`` on every rank of the group. Returns ``t``."""
-    reg, group, ranks, engine = _plan("broadcast", t, group)
+    route = _route("broadcast", t, group)
+    engine, ranks = route.engine, route.ranks
     if src not in ranks:
         raise ValueError(f"broadcast: src rank {src} is not in the group {ranks}")
     if engine == "local":
         return _done(t, async_op)
-    if engine in ("shm", "mpi") and not t.is_contiguous():
-        buf = t.contiguous()
-        broadcast(buf, src, group)
-        t.copy_(buf)
+    if route.comm is not None and not t.is_contiguous():
+        t.copy_(broadcast(t.contiguous(), src, group))
         return _done(t, async_op)
     if engine == "shm":
-        reg.shm(group, ranks).broadcast(t, ranks.index(src))
+        route.comm.broadcast(t, ranks.index(src))
     elif engine == "mpi":
-        reg.mpi(ranks).Bcast(_np(t), root=ranks.index(src))
+        route.comm.Bcast(_np(t), root=ranks.index(src))
     else:
-        work = dist.broadcast(t, src=src, group=group, async_op=async_op)
+        work = dist.broadcast(t, src=src, group=route.group, async_op=async_op)
         if async_op:
             return Handle(t, work)
     return _done(t, async_op)

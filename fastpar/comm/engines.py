@@ -22,7 +22,9 @@ class Engines:
     def __init__(self, topo):
         self.topo = topo
         self._groups: dict = {}  # id(group) -> (group, ranks, layout)
-        self.plans: dict = {}  # call signature -> (self, group, ranks, engine); see _plan
+        self.routes: dict = {}  # call signature -> Route; see collectives._route
+        # FASTPAR_COMM_BACKEND is read once per job; comm.use_backend() changes it in code.
+        self.forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
         self._shm: dict = {}
         self._mpi: dict = {}
         self._ipc: dict = {}
@@ -95,7 +97,7 @@ class Engines:
                 comm.close()
         for sub in self._mpi.values():
             sub.Free()
-        for table in (self._shm, self._ipc, self._mpi, self._groups, self.plans):
+        for table in (self._shm, self._ipc, self._mpi, self._groups, self.routes):
             table.clear()
 
 

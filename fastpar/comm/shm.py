@@ -68,18 +68,23 @@ class ShmCommunicator:
             shm.shm_unlink(self.name)
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
                                           float(timeout))
+        # Bound overloads: skips the op-packet lookup on every call (~1 us of a ~3 us call).
+        self._all_reduce = self._ops.shm_all_reduce.default
+        self._all_gather = self._ops.shm_all_gather.default
+        self._reduce_scatter = self._ops.shm_reduce_scatter.default
+        self._broadcast = self._ops.shm_broadcast.default
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
-        self._ops.shm_all_reduce(self._comm, t, op)
+        self._all_reduce(self._comm, t, op)
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
-        self._ops.shm_all_gather(self._comm, inp, out)
+        self._all_gather(self._comm, inp, out)
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
-        self._ops.shm_reduce_scatter(self._comm, inp, out, op)
+        self._reduce_scatter(self._comm, inp, out, op)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
-        self._ops.shm_broadcast(self._comm, t, root)
+        self._broadcast(self._comm, t, root)
 
     def close(self) -> None:
         if self._comm is None:
