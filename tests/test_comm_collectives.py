@@ -15,7 +15,7 @@ from tests.multirank import BIN, ROOT, run_ranks
 SIZES = [1, 7, 4099, (1 << 20) + 3]
 ENGINE_DTYPES = {
     "shm": ["float32", "bfloat16", "float16", "float64"],
-    "gloo": ["float32", "bfloat16", "float64"],
+    "gloo": ["float32", "bfloat16", "float16", "float64"],
     "mpi": ["float32", "float64"],
 }
 TOL = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-2, "float16": 2e-3}

@@ -105,7 +105,7 @@ def test_layouts_under_mpirun(world):
         assert value["local"] == [r, world]  # from MPI_Comm_split_type(COMM_TYPE_SHARED)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_layouts_under_torchrun(world):
     launch = run_ranks(world, body_check_layouts, launcher="torchrun", layouts=LAYOUTS[world])
     for r, value in enumerate(launch.values()):
