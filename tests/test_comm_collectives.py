@@ -145,6 +145,46 @@ def test_size_mismatch_raises_on_every_rank():
 
 
 def body_missing_peer():
+    """A peer of a subgroup skips a call: its partner fails within the timeout, naming it by
+    its global rank (the kernel numbers ranks within the group)."""
+    import time
+
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(tp=2, timeout=3)  # dp groups: global ranks [0, 2] and [1, 3]
+    x = torch.ones(4)
+    comm.all_reduce(x, group=topo.dp_group)  # creates the segments; everyone takes part
+    if topo.rank == 2:
+        time.sleep(6)  # never joins the next call
+        return "skipped"
+    if topo.rank in (1, 3):
+        return "other group"
+    try:
+        comm.all_reduce(x, group=topo.dp_group)
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a missing peer did not time out")
+    try:  # the segment stays poisoned: the next call fails at once, with the first error
+        comm.all_reduce(x, group=topo.dp_group)
+    except RuntimeError as exc:
+        return [message, str(exc)]
+    raise AssertionError("a poisoned segment served a call")
+
+
+def test_missing_peer_times_out_naming_it():
+    values = run_ranks(4, body_missing_peer, env={"FASTPAR_COMM_BACKEND": "shm"}).values()
+    first, second = values[0]
+    assert "timed out" in first and "waiting for rank 1 (global rank 2)" in first, first
+    assert "shm group of global ranks [0, 2]" in first, first
+    assert "poisoned" in second and "global rank 2" in second, second
+
+
+def body_setup_failure():
+    """A peer that never reaches the segment setup: the creator fails in time and unlinks."""
     import time
 
     import torch
@@ -153,21 +193,14 @@ def body_missing_peer():
     from fastpar import comm
 
     topo = fastpar.init(timeout=3)
-    x = torch.ones(4)
-    comm.all_reduce(x)  # creates the segment; both ranks take part
     if topo.rank == 1:
-        time.sleep(6)  # never joins the next call
-        return "skipped"
+        time.sleep(8)
+        return "late"
     try:
-        comm.all_reduce(x)
+        comm.all_reduce(torch.ones(4))
     except RuntimeError as exc:
         return str(exc)
-    raise AssertionError("a missing peer did not time out")
-
-
-def test_missing_peer_times_out_naming_it():
-    values = run_ranks(2, body_missing_peer, env={"FASTPAR_COMM_BACKEND": "shm"}).values()
-    assert "rank 1" in values[0] and "timed out" in values[0], values[0]
+    raise AssertionError("setup with a missing peer did not fail")
 
 
 def _segments():
@@ -230,6 +263,47 @@ def test_no_segment_left_after_a_rank_is_killed():
                        env={"FASTPAR_COMM_BACKEND": "shm"})
     assert launch.returncode not in (0, None), launch.describe()
     assert _segments() == before
+
+
+def test_no_segment_left_when_setup_fails():
+    before = _segments()
+    launch = run_ranks(2, body_setup_failure, env={"FASTPAR_COMM_BACKEND": "shm"}, timeout=90,
+                       check=False)
+    message = launch.results[0]["value"]
+    assert "setting up the shared segment of the group of global ranks [0, 1] failed" in message
+    assert _segments() == before
+
+
+def body_bad_dims():
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    fastpar.init(timeout=30)
+    errors = []
+    for call in (lambda: comm.all_gather(torch.ones(2, 3), dim=2),
+                 lambda: comm.all_gather(torch.ones(2, 3), dim=-3),
+                 lambda: comm.reduce_scatter(torch.ones(2, 4), dim=2),
+                 lambda: comm.reduce_scatter(torch.tensor(1.0)),
+                 lambda: comm.reduce_scatter(torch.ones(3, 2))):
+        try:
+            call()
+            errors.append(None)
+        except (IndexError, ValueError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bad_dims_are_errors_at_any_world_size(world):
+    errors = run_ranks(world, body_bad_dims).values()[0]
+    assert errors[0] == "all_gather: dim 2 is out of range for a tensor of shape (2, 3) (2 dims)"
+    assert errors[1].startswith("all_gather: dim -3 is out of range")
+    assert errors[2].startswith("reduce_scatter: dim 2 is out of range")
+    assert "0-dim" in errors[3]
+    assert errors[4] == (None if world == 1 else
+                         "reduce_scatter: dim 0 of size 3 is not divisible by the group size 2")
 
 
 def test_forced_engine_that_cannot_serve_is_an_error():

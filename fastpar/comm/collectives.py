@@ -91,6 +91,14 @@ def use_backend(name: str | None) -> str | None:
     return previous
 
 
+def _check_dim(name: str, t: torch.Tensor, dim: int) -> int:
+    """``dim`` made non-negative; ``IndexError`` naming the shape when it is out of range."""
+    if not -t.dim() <= dim < t.dim():
+        raise IndexError(f"{name}: dim {dim} is out of range for a tensor of shape "
+                         f"{tuple(t.shape)} ({t.dim()} dims)")
+    return dim % t.dim()
+
+
 def _done(result, async_op):
     return Handle(result) if async_op else result
 
@@ -111,7 +119,7 @@ def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = Fa
     engine = route.engine
     if engine == "local":
         return _done(t, async_op)
-    if route.comm is not None and not t.is_contiguous():
+    if not t.is_contiguous():  # every engine wants contiguous memory (NCCL, ours); gloo copies
         t.copy_(all_reduce(t.contiguous(), group, op))
         return _done(t, async_op)
     if engine == "shm":
@@ -131,12 +139,12 @@ def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = Fa
 
 def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False):
     """The concatenation along ``dim`` of ``t`` from every rank of the group, in group order."""
+    dim = _check_dim("all_gather", t, dim) if t.dim() else 0
     route = _route("all_gather", t, group)
     engine = route.engine
     if engine == "local":
         return _done(t, async_op)
     n = len(route.ranks)
-    dim = dim % max(t.dim(), 1)
     inp = t.contiguous()
     stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]) if inp.dim() else (n,),
                           dtype=t.dtype, device=t.device)
@@ -162,12 +170,15 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
                    async_op: bool = False):
     """This rank's shard along ``dim`` of ``op`` over the group of ``t``."""
+    if t.dim() == 0:
+        raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
+                         "0-dim tensor")
+    dim = _check_dim("reduce_scatter", t, dim)
     route = _route("reduce_scatter", t, group, op)
     engine = route.engine
     if engine == "local":
         return _done(t, async_op)
     n = len(route.ranks)
-    dim = dim % t.dim()
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by "
                          f"the group size {n}")
@@ -196,7 +207,7 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False)
         raise ValueError(f"broadcast: src rank {src} is not in the group {ranks}")
     if engine == "local":
         return _done(t, async_op)
-    if route.comm is not None and not t.is_contiguous():
+    if not t.is_contiguous():
         t.copy_(broadcast(t.contiguous(), src, group))
         return _done(t, async_op)
     if engine == "shm":

@@ -84,6 +84,14 @@ class CudaIpcCommunicator:
         return None
 
     def all_reduce(self, t: torch.Tensor) -> None:
+        # The kernel loads 16 bytes at a time. A view at an odd offset (a slice of a flat
+        # gradient bucket) goes through an aligned copy: a rank-local choice, so every rank
+        # still runs the same kernel.
+        if t.data_ptr() % 16:
+            aligned = t.clone()
+            self._ops.ipc_all_reduce(self._ctx, aligned, 0)
+            t.copy_(aligned)
+            return
         self._ops.ipc_all_reduce(self._ctx, t, 0)
 
     def close(self) -> None:

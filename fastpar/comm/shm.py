@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import secrets
 
 import torch
@@ -51,21 +52,24 @@ class ShmCommunicator:
                 fd = shm.shm_open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
                 os.ftruncate(fd, nbytes)
             dist.broadcast_object_list(name, src=self.ranks[0], group=group)
-            self.name = name[0]
             if self.group_rank != 0:
-                fd = shm.shm_open(self.name, os.O_RDWR, mode=0o600)
+                fd = shm.shm_open(name[0], os.O_RDWR, mode=0o600)
             self._mmap = mmap.mmap(fd, nbytes)
+            self._anchor = ctypes.c_char.from_buffer(self._mmap)  # keeps the address valid
+            base = ctypes.addressof(self._anchor)
+            if self.group_rank == 0:
+                self._ops.shm_init_segment(base, self.world, slot_bytes)
+            # Everyone has mapped the segment once this barrier passes: unlink the name now.
+            dist.barrier(group=group)
+        except Exception as exc:
+            raise RuntimeError(f"fastpar shm: setting up the shared segment of the group of global "
+                               f"ranks {self.ranks} failed on global rank {rank} (a peer died, "
+                               f"or did not reach this collective in time): {exc}") from exc
         finally:
             if fd >= 0:
                 os.close(fd)
-        self._anchor = ctypes.c_char.from_buffer(self._mmap)  # keeps the address valid
-        base = ctypes.addressof(self._anchor)
-        if self.group_rank == 0:
-            self._ops.shm_init_segment(base, self.world, slot_bytes)
-        # Everyone has mapped the segment once this barrier passes: unlink the name now.
-        dist.barrier(group=group)
-        if self.group_rank == 0:
-            shm.shm_unlink(self.name)
+            if self.group_rank == 0 and name[0] is not None:
+                shm.shm_unlink(name[0])  # after the barrier, or on failure: nothing leaks
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
                                           float(timeout))
         # Bound overloads: skips the op-packet lookup on every call (~1 us of a ~3 us call).
@@ -74,17 +78,41 @@ class ShmCommunicator:
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
 
+    def _failed(self, exc: RuntimeError) -> RuntimeError:
+        """The kernel numbers ranks within the group; name the global ranks where they differ."""
+        def globalise(m):
+            k = int(m.group(1))
+            if k >= self.world or self.ranks[k] == k:
+                return m.group(0)
+            return f"rank {k} (global rank {self.ranks[k]})"
+
+        text = re.sub(r"\brank (\d+)", globalise, str(exc))
+        return RuntimeError(f"{text} [shm group of global ranks {self.ranks}; after an error "
+                            "the group's segment is unusable and later calls on it fail too]")
+
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
-        self._all_reduce(self._comm, t, op)
+        try:
+            self._all_reduce(self._comm, t, op)
+        except RuntimeError as exc:
+            raise self._failed(exc) from None
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
-        self._all_gather(self._comm, inp, out)
+        try:
+            self._all_gather(self._comm, inp, out)
+        except RuntimeError as exc:
+            raise self._failed(exc) from None
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
-        self._reduce_scatter(self._comm, inp, out, op)
+        try:
+            self._reduce_scatter(self._comm, inp, out, op)
+        except RuntimeError as exc:
+            raise self._failed(exc) from None
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
-        self._broadcast(self._comm, t, root)
+        try:
+            self._broadcast(self._comm, t, root)
+        except RuntimeError as exc:
+            raise self._failed(exc) from None
 
     def close(self) -> None:
         if self._comm is None:
