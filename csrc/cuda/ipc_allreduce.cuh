@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 
 namespace fastpar {
 namespace ipc {
@@ -34,6 +35,9 @@ constexpr int kMaxBlocks = 64;  // flag slots per rank; also the launch cap
 constexpr int kThreads = 512;
 constexpr int kDefaultBlocks = 36;
 constexpr int kPackBytes = 16;  // one uint4 load/store
+// A barrier that waits longer than this for a peer (dead, or skipped the call) traps the kernel:
+// the process then gets a CUDA error at its next synchronisation instead of spinning forever.
+constexpr uint64_t kBarrierTimeoutNs = 120ull * 1000 * 1000 * 1000;
 
 // The signal block of one rank. Rank p's block b writes flag[b][p] of every
 // peer's Signal (including its own) when it reaches a barrier; rank r's block b
@@ -113,6 +117,12 @@ __device__ __forceinline__ P* pick(P* const (&arr)[W], int i) {
   return reinterpret_cast<P*>(out);
 }
 
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // All threads of the block call this. Thread t < W tells rank t that this
 // block arrived (release, so the block's earlier loads/stores are ordered
 // before it via the preceding __syncthreads), then waits until rank t's same
@@ -124,7 +134,19 @@ __device__ __forceinline__ void block_barrier(const RankView<W>& view, int rank,
     const int peer = threadIdx.x;
     store_release_sys(&pick<W>(view.signals, peer)->flag[blockIdx.x][rank], value);
     const uint64_t* mine = &pick<W>(view.signals, rank)->flag[blockIdx.x][peer];
-    while (load_acquire_sys(mine) < value) {
+    uint64_t start = 0;
+    for (uint32_t spin = 0; load_acquire_sys(mine) < value; ++spin) {
+      if ((spin & 1023u) != 1023u) continue;  // read the clock now and then
+      const uint64_t now = global_timer_ns();
+      if (start == 0) {
+        start = now;
+      } else if (now - start > kBarrierTimeoutNs) {
+        printf("fastpar cuda_ipc all_reduce: rank %d (block %d) waited over %llu s for rank %d "
+               "at barrier value %llu; a peer died or skipped the call. Trapping.\n",
+               rank, int(blockIdx.x), (unsigned long long)(kBarrierTimeoutNs / 1000000000ull),
+               peer, (unsigned long long)value);
+        __trap();
+      }
     }
   }
   __syncthreads();
