@@ -84,6 +84,18 @@ def body_every_op(engines, sizes):
     comm.use_backend(None)
     h = comm.all_reduce(torch.ones(5), async_op=True)
     assert torch.equal(h.wait(), torch.full((5,), float(n)))
+    # Async calls unpack as the raw (tensor, handle) pair; the tensor is final after wait().
+    for engine in ("gloo", "shm"):
+        comm.use_backend(engine)
+        x = torch.arange(6.0).reshape(2, 3) + 10 * rank
+        out, h = comm.all_gather(x, dim=1, async_op=True)
+        assert h.wait() is out
+        assert torch.equal(out, torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * r
+                                           for r in range(n)], dim=1)), (engine, out)
+        out, h = comm.reduce_scatter(torch.ones(3, 2 * n) * (rank + 1), dim=1, async_op=True)
+        h.wait()
+        assert torch.equal(out, torch.full((3, 2), n * (n + 1) / 2)), (engine, out)
+    comm.use_backend(None)
     return digests
 
 

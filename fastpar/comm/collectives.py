@@ -1,8 +1,9 @@
 """Raw collectives: ``fastpar.comm.all_reduce`` & co., each served by the engine the policy picks.
 
-Every call returns its result tensor, or with ``async_op=True`` a ``Handle`` whose ``wait()``
-returns it (the overlap building block). Synchronous engines (shm, mpi) complete before the
-handle is returned; torch.distributed engines really run in the background.
+Every call returns its result tensor, or with ``async_op=True`` a ``Handle``: ``wait()`` returns
+the result, and the handle unpacks as the raw ``(tensor, handle)`` pair for overlap. Synchronous
+engines (shm, mpi) complete before the handle is returned; torch.distributed engines really run
+in the background.
 """
 
 from __future__ import annotations
@@ -19,19 +20,27 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 
 
 class Handle:
-    """An in-flight collective; ``wait()`` blocks until done and returns the result tensor."""
+    """An in-flight collective. ``wait()`` blocks until it is done and returns the result.
+
+    ``result`` is the output tensor itself, allocated up front and valid once ``wait()``
+    returns, so a handle also unpacks as the raw pair: ``out, handle = all_gather(x,
+    async_op=True)``; compute that does not read ``out``; ``handle.wait()``.
+    """
 
     def __init__(self, result: torch.Tensor, work=None, finish=None):
-        self._result, self._work, self._finish = result, work, finish
+        self.result, self._work, self._finish = result, work, finish
+
+    def __iter__(self):
+        return iter((self.result, self))
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            if self._finish is not None:
-                self._result = self._finish()
+            if self._finish is not None:  # fills self.result in place (a layout change)
+                self._finish()
                 self._finish = None
-        return self._result
+        return self.result
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
@@ -156,15 +165,15 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     else:
         work = dist.all_gather_into_tensor(stacked, inp, group=route.group, async_op=async_op)
 
-    def finish():
-        if dim == 0 or inp.dim() == 0:
-            return stacked
-        # (n * d0, ...) -> n pieces of t's shape, joined along dim.
-        return torch.cat(stacked.chunk(n, dim=0), dim=dim)
-
-    if async_op and work is not None:
-        return Handle(stacked, work, finish)
-    return _done(finish(), async_op)
+    if dim == 0 or inp.dim() == 0:
+        return Handle(stacked, work) if async_op else stacked
+    # (n * d0, ...) -> n pieces of t's shape, joined along dim.
+    if work is None:
+        return _done(torch.cat(stacked.chunk(n, dim=0), dim=dim), async_op)
+    shape = list(inp.shape)
+    shape[dim] *= n
+    result = torch.empty(shape, dtype=t.dtype, device=t.device)
+    return Handle(result, work, lambda: torch.cat(stacked.chunk(n, dim=0), dim=dim, out=result))
 
 
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
@@ -193,10 +202,8 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
     else:
         work = dist.reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=route.group,
                                           async_op=async_op)
-    finish = lambda: out.movedim(0, dim)  # noqa: E731
-    if async_op and work is not None:
-        return Handle(out, work, finish)
-    return _done(finish(), async_op)
+    result = out.movedim(0, dim)  # a view: filled when out is
+    return Handle(result, work) if async_op else result
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
