@@ -7,9 +7,14 @@
     fastpar.parallelize(model, {"layers.*.mlp.up_proj": "column", "layers.*.mlp.down_proj": "row"})
 
 A plan maps fnmatch patterns on module names to styles. ``nn.Linear`` takes "column" (alias
-"colwise"), "column_gather" ("colwise_gather_output", "colwise_rep": output all-gathered) or "row"
-("rowwise", "rowwise_rep"); ``nn.Embedding`` takes "embedding" ("embedding_rowwise", or "rowwise"
-as Hugging Face writes it). Each module keeps its name and its existing weights, sharded, so
+"colwise"), "column_gather" ("colwise_gather_output", "colwise_rep": output all-gathered), "row"
+("rowwise": input already sharded along its last dim) or "row_scatter" ("rowwise_rep",
+"rowwise_split_input": input replicated, scattered first); ``nn.Embedding`` takes "embedding"
+("embedding_rowwise", or "rowwise" as Hugging Face writes it). The aliases mean what they mean in
+transformers' ``ALL_PARALLEL_STYLES``. Only modules of exactly these types are replaced (a subclass
+may change forward), and embeddings without max_norm, scale_grad_by_freq or sparse.
+
+Each module keeps its name, its existing weights (sharded) and their ``requires_grad``, so
 ``full_state_dict`` gives the serial keys back. The plan is validated whole before anything is
 replaced; the changes are printed on rank 0 and kept in ``model.fastpar_changes``.
 """
@@ -21,14 +26,16 @@ import fnmatch
 from torch import nn
 
 from fastpar.comm.autograd import group_rank, group_size
-from fastpar.nn.embedding import VocabParallelEmbedding
+from fastpar.nn.embedding import VocabParallelEmbedding, unsupported_options
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
-from fastpar.nn.sharding import ShardedModule, resolve_group
+from fastpar.nn.sharding import resolve_group
 
 STYLES = {"column": "column", "colwise": "column",
           "column_gather": "column_gather", "colwise_gather_output": "column_gather",
           "colwise_rep": "column_gather",
-          "row": "row", "rowwise": "row", "rowwise_rep": "row",
+          "row": "row", "rowwise": "row",
+          "row_scatter": "row_scatter", "rowwise_rep": "row_scatter",
+          "rowwise_split_input": "row_scatter",
           "embedding": "embedding", "embedding_rowwise": "embedding"}
 # Declared (Hugging Face) styles that leave a module replicated: nothing to replace.
 REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "sequence_parallel"}
@@ -106,18 +113,25 @@ def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
         if kind is None:
             continue
         what = f"{name} ({type(module).__name__})"
-        if kind == "embedding":
-            if not isinstance(module, nn.Embedding):
-                errors.append(f"{what}: style {style!r} needs an nn.Embedding")
-                continue
-        elif not isinstance(module, nn.Linear) or isinstance(module, ShardedModule):
-            errors.append(f"{what}: style {style!r} needs an nn.Linear")
+        base = nn.Embedding if kind == "embedding" else nn.Linear
+        if not isinstance(module, base):
+            errors.append(f"{what}: style {style!r} needs an nn.{base.__name__}")
             continue
-        elif kind == "row" and module.in_features % tp:
+        if type(module) is not base:
+            errors.append(f"{what}: a subclass of nn.{base.__name__}, whose forward the parallel "
+                          f"layer cannot reproduce; only exact nn.{base.__name__} is replaced")
+            continue
+        if kind == "embedding":
+            options = unsupported_options(module)
+            if options:
+                errors.append(f"{what}: {', '.join(options)} is not supported by a "
+                              f"vocab-parallel embedding")
+                continue
+        elif kind.startswith("row") and module.in_features % tp:
             errors.append(f"{what}: in_features {module.in_features} is not divisible by "
                           f"tp {tp} (style {style!r})")
             continue
-        elif kind != "row" and module.out_features % tp:
+        elif not kind.startswith("row") and module.out_features % tp:
             errors.append(f"{what}: out_features {module.out_features} is not divisible by "
                           f"tp {tp} (style {style!r})")
             continue
@@ -172,8 +186,8 @@ def _check_ties(model, work, errors):
 def _replacement(module, kind, group):
     if kind == "embedding":
         return VocabParallelEmbedding.from_serial(module, group)
-    if kind == "row":
-        return RowParallelLinear.from_serial(module, group)
+    if kind in ("row", "row_scatter"):
+        return RowParallelLinear.from_serial(module, group, input_is_parallel=kind == "row")
     return ColumnParallelLinear.from_serial(module, group, gather_output=kind == "column_gather")
 
 

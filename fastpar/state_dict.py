@@ -51,15 +51,24 @@ def load_full_state_dict(obj, state_dict: dict[str, torch.Tensor], strict: bool 
     sharded tensor and the whole of every replicated one. Returns ``load_state_dict``'s result."""
     model = _module(obj)
     sharded = _sharded_keys(model)
+    # Every sharded tensor is checked against its serial shape before anything is sliced or
+    # copied: a slice of a too-large tensor would otherwise load silently.
+    mismatches = []
+    for key, value in state_dict.items():
+        if key in sharded:
+            layer, name = sharded[key]
+            want = layer.full_shape(name)
+            if tuple(value.shape) != want:
+                mismatches.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
+                                  f"model is {want}")
+    if mismatches:
+        raise ValueError(f"load_full_state_dict({type(model).__name__}): " + "; ".join(mismatches))
     local = {}
     for key, value in state_dict.items():
         if key in sharded:
             layer, name = sharded[key]
-            expected = getattr(layer, name).shape
             value = layer.shard_full(name, value)
-            if value.shape != expected:
-                raise ValueError(f"{key}: a full tensor of shape {tuple(state_dict[key].shape)} "
-                                 f"gives a shard of {tuple(value.shape)}, this rank holds "
-                                 f"{tuple(expected)}")
+            assert value.shape == getattr(layer, name).shape, (key, value.shape)
         local[key] = value
     return model.load_state_dict(local, strict=strict)

@@ -77,6 +77,18 @@ def body_autograd(tp, seed):
         y, dx = run(lambda x: x + comm.copy_to_tp(x, g), xs[0], dys[0])
         close("copy_to_tp.residual", dx, (dys[0].float() * (1 + n)).to(dtype), dtype_name)
 
+    # The split paths return fresh tensors, not views of their input: an in-place op after them
+    # works (a chunk along dim 0, or along the last dim of a 1-D tensor, is already contiguous).
+    splits = (("scatter_sequence.dim0", lambda t: comm.scatter_sequence(t, g, 0), (4 * n, 3), 0),
+              ("scatter_to_tp.1d", lambda t: comm.scatter_to_tp(t, g), (4 * n,), -1))
+    for name, fn, shape, dim in splits:
+        x = torch.randn(*shape, requires_grad=True)
+        y = fn(x * 1)
+        y.mul_(2)
+        y.sum().backward()
+        close(f"{name}.inplace.fwd", y, 2 * shard(x.detach(), dim), "float32")
+        close(f"{name}.inplace.bwd", x.grad, torch.full_like(x, 2.0), "float32")
+
     if n == 1:  # group of one: the very same tensor, no copy, no graph node
         x = torch.randn(3, requires_grad=True)
         for fn in (comm.copy_to_tp, comm.reduce_from_tp, comm.scatter_to_tp, comm.gather_from_tp):

@@ -210,6 +210,18 @@ def body_layers(tp, seed):
                 close(f"{name}.none", none, F.cross_entropy(
                     logits.float(), target, reduction="none", label_smoothing=smoothing), tol)
 
+    # Targets outside [0, vocab) that are not ignore_index raise, as F.cross_entropy does.
+    shard = torch.randn(B * T, 32 // n)
+    for bad in (32, -5):
+        target = torch.randint(32, (B * T,), generator=data)
+        target[3] = bad
+        try:
+            pnn.vocab_parallel_cross_entropy(shard, target)
+            raise AssertionError(f"target {bad} did not raise")
+        except ValueError as exc:
+            assert f"Target {bad} is out of bounds" in str(exc) and "vocab_size 32" in str(exc), exc
+    checked.append("ce.target_bounds")
+
     # Errors and options.
     try:
         pnn.ColumnParallelLinear(8, 8, overlap=True)
@@ -217,6 +229,11 @@ def body_layers(tp, seed):
     except NotImplementedError as exc:
         assert "later issue" in str(exc)
     pnn.RowParallelLinear(8, 8, overlap=False, chunks=2)
+    try:
+        pnn.VocabParallelEmbedding.from_serial(nn.Embedding(8, 4, max_norm=1.0, sparse=True))
+        raise AssertionError("from_serial of an embedding with max_norm did not raise")
+    except ValueError as exc:
+        assert "max_norm=1.0, sparse=True" in str(exc), exc
     if n == 4:
         for heads, kv in ((6, 6), (8, 2)):
             try:

@@ -37,11 +37,14 @@ def group_rank(group) -> int:
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's equal chunk of ``x`` along ``dim`` (contiguous for the collectives after)."""
+    """A fresh contiguous copy of this rank's equal chunk of ``x`` along ``dim``.
+
+    Always a copy, never a view: a chunk along dim 0 is already contiguous, so ``.contiguous()``
+    would return a view, and autograd forbids in-place ops on views made by a custom Function."""
     n = group_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over {n} ranks")
-    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+    return x.chunk(n, dim=dim)[group_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _summed(grad: torch.Tensor, group) -> torch.Tensor:

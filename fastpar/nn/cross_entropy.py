@@ -76,7 +76,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     """``F.cross_entropy(full_logits, target, ...)`` from this rank's vocab shard of the logits.
 
     ``logits_shard``: ``(..., V / n)``, rank r holding columns ``[r * V/n, (r + 1) * V/n)``;
-    ``target``: ``(...)`` of full-vocab ids. ``vocab_size``: the real vocabulary when the shards
+    ``target``: ``(...)`` of full-vocab ids in ``[0, vocab_size)`` or ``ignore_index`` (others
+    raise ValueError). ``vocab_size``: the real vocabulary when the shards
     are of a padded one (columns ``>= vocab_size`` are ignored). ``reduction``: "mean" (over
     non-ignored tokens, as F.cross_entropy), "sum" or "none". The loss is float32.
     """
@@ -95,6 +96,15 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if not 0 < vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size {vocab_size} does not fit {n} shards of {shard_size} "
                          f"columns (padded vocabulary {padded_vocab})")
+    # Every rank holds the same targets, so all raise together, before any collective. On a GPU
+    # the check is a device-side assert (as F.cross_entropy's): no host sync in the hot path.
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if target.is_cuda:
+        torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a target is out of "
+                            f"bounds [0, vocab_size {vocab_size}) and not ignore_index")
+    elif bad.any():
+        raise ValueError(f"Target {target[bad][0].item()} is out of bounds: targets must be in "
+                         f"[0, vocab_size {vocab_size}) or ignore_index {ignore_index}")
     losses = _VocabParallelCrossEntropy.apply(logits_shard, target, group, rank * shard_size,
                                               vocab_size, ignore_index, float(label_smoothing))
     if reduction == "none":

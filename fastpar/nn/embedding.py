@@ -21,6 +21,20 @@ from fastpar.nn.sharding import (ShardedModule, copy_into, full_embedding, gener
                                  resolve_group, vocab_range)
 
 
+def unsupported_options(embedding: nn.Embedding) -> list[str]:
+    """The options of ``embedding`` a vocab-sharded table cannot reproduce, as ``name=value``:
+    max_norm renormalises looked-up rows in place, scale_grad_by_freq counts ids per batch, and
+    sparse gradients are not reduced by the collectives."""
+    options = []
+    if embedding.max_norm is not None:
+        options.append(f"max_norm={embedding.max_norm}")
+    if embedding.scale_grad_by_freq:
+        options.append("scale_grad_by_freq=True")
+    if embedding.sparse:
+        options.append("sparse=True")
+    return options
+
+
 class VocabParallelEmbedding(ShardedModule):
     """``nn.Embedding`` with its rows split over the TP group; output replicated (or
     sequence-sharded along ``sequence_dim`` when ``sequence_parallel``)."""
@@ -51,11 +65,19 @@ class VocabParallelEmbedding(ShardedModule):
     @classmethod
     def from_serial(cls, embedding: nn.Embedding, group=None, **kwargs):
         """A parallel embedding holding this rank's rows of ``embedding``."""
+        options = unsupported_options(embedding)
+        if options:
+            raise ValueError(f"VocabParallelEmbedding.from_serial: {', '.join(options)} is not "
+                             "supported by a vocab-parallel embedding")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
                     group=group, device="meta", dtype=embedding.weight.dtype, **kwargs)
         layer.to_empty(device=embedding.weight.device)
         copy_into(layer.weight, layer.shard_full("weight", embedding.weight.detach()))
+        layer.weight.requires_grad_(embedding.weight.requires_grad)  # frozen stays frozen
         return layer
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.num_embeddings, self.embedding_dim)
 
     def shard_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return full[self.vocab_start:self.vocab_end]

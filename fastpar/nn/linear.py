@@ -74,8 +74,10 @@ class _ParallelLinear(ShardedModule):
                     group=group, device="meta", dtype=linear.weight.dtype, **kwargs)
         layer.to_empty(device=linear.weight.device)
         copy_into(layer.weight, layer.shard_full("weight", linear.weight.detach()))
+        layer.weight.requires_grad_(linear.weight.requires_grad)  # frozen stays frozen
         if linear.bias is not None:
             copy_into(layer.bias, layer.shard_full("bias", linear.bias.detach()))
+            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
 
     def extra_repr(self) -> str:

@@ -93,6 +93,14 @@ class ShardedModule(nn.Module):
 
     shard_dims: dict[str, int] = {}
 
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The serial shape of parameter ``name``: the one ``shard_full`` takes."""
+        shape = list(getattr(self, name).shape)
+        dim = self.shard_dims.get(name)
+        if dim is not None:
+            shape[dim] *= group_size(self.group)
+        return tuple(shape)
+
     def shard_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         dim = self.shard_dims.get(name)
         return full if dim is None else even_shard(full, dim, self.group)
