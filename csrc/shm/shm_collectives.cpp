@@ -41,7 +41,7 @@ constexpr size_t kPage = 4096;
 // on another core, short when ranks outnumber cores (then the peer needs our core).
 constexpr int kSpinIters = 2000;
 constexpr int kSpinItersOversubscribed = 50;
-constexpr uint64_t kYieldsBeforeSleep = 128;
+constexpr uint64_t kYieldsBeforeSleepOversubscribed = 128;
 constexpr long kSleepNs = 20000;
 
 enum class Kind : uint32_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4 };
@@ -139,7 +139,7 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
   for (uint64_t it = 1;; ++it) {
     // Yield first; a peer still missing after many yields is descheduled (ranks outnumber
     // cores), and CFS keeps running a yielding task, so sleep to hand it our core.
-    if (it < kYieldsBeforeSleep) {
+    if (it < c.yields_before_sleep) {
       sched_yield();
     } else {
       const timespec nap{0, kSleepNs};
@@ -297,7 +297,9 @@ Comm attach(void* base, int rank, int world, size_t slot_bytes) {
   c.small_max_bytes = h->small_max_bytes;
   c.chunk_bytes = h->chunk_bytes;
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  c.spin_iters = (cpus > 0 && world > cpus) ? kSpinItersOversubscribed : kSpinIters;
+  const bool oversubscribed = cpus > 0 && world > cpus;
+  c.spin_iters = oversubscribed ? kSpinItersOversubscribed : kSpinIters;
+  if (oversubscribed) c.yields_before_sleep = kYieldsBeforeSleepOversubscribed;
   return c;
 }
 

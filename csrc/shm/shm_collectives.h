@@ -60,6 +60,9 @@ struct Comm {
   uint64_t calls = 0;          // collective calls so far
   double timeout_s = kDefaultTimeoutS;  // per wait; set freely between calls
   int spin_iters = 2000;  // pause-spins before sched_yield; attach lowers it if world > cpus
+  // sched_yields before a wait starts sleeping (20 us naps): short when ranks outnumber cores
+  // (the late peer needs our core), long otherwise (a nap oversleeps by tens of us per sync).
+  uint64_t yields_before_sleep = 16384;
 };
 
 // Validates the header (magic, version, world, slot size) and returns a fresh Comm.
