@@ -74,12 +74,12 @@ def make_call(op, backend, count, dtype, topo, fill):
     if op == "all_reduce":
         # In place, as nccl-tests: timed calls keep reducing the same buffer (no reset copy);
         # --check uses a fresh closure.
-        return lambda: comm.all_reduce(x), x
+        return lambda: comm.all_reduce(x)
     if op == "all_gather":
-        return lambda: comm.all_gather(x), None
+        return lambda: comm.all_gather(x)
     if op == "reduce_scatter":
-        return lambda: comm.reduce_scatter(x), None
-    return lambda: comm.broadcast(x, src=0), x
+        return lambda: comm.reduce_scatter(x)
+    return lambda: comm.broadcast(x, src=0)
 
 
 def make_sendrecv(backend, count, dtype, topo, fill):
@@ -91,7 +91,7 @@ def make_sendrecv(backend, count, dtype, topo, fill):
     if backend == "mpi":
         world = topo.mpi_comm
         xn, on = x.numpy(), out.numpy()
-        return lambda: world.Sendrecv(xn, dest=dst, recvbuf=on, source=src) or out, out
+        return lambda: world.Sendrecv(xn, dest=dst, recvbuf=on, source=src) or out
     import torch.distributed as dist
 
     def call():
@@ -99,7 +99,7 @@ def make_sendrecv(backend, count, dtype, topo, fill):
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         return out
-    return call, out
+    return call
 
 
 def reference(op, count, dtype, topo, fill):
@@ -190,12 +190,12 @@ def run(args, topo) -> list[dict]:
                 count -= count % n if op in ("all_gather", "reduce_scatter") else 0
                 if count == 0:
                     continue
-                call, _ = make_call(op, backend, count, dtype, topo, fill)
+                call = make_call(op, backend, count, dtype, topo, fill)
                 iters = args.iters if nbytes < (8 << 20) else max(5, args.iters // 5)
                 t = time_calls(call, args.warmup, iters, topo)
                 wrong = -1
                 if args.check:
-                    got = make_call(op, backend, count, dtype, topo, fill)[0]()
+                    got = make_call(op, backend, count, dtype, topo, fill)()
                     wrong = count_wrong(got, reference(op, count, dtype, topo, fill), dtype)
                     wrong = int(slowest(float(wrong), topo))
                 size = count * esize

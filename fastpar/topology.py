@@ -102,6 +102,7 @@ class Topology:
     backend: str
     launcher: str
     hosts: tuple = ()  # host name of every global rank
+    timeout: float = 300.0  # seconds: fastpar.init's bound on rendezvous and every collective
     tp_group: Any = None
     pp_group: Any = None
     dp_group: Any = None

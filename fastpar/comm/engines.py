@@ -56,7 +56,7 @@ class Engines:
         if key not in self._shm:
             from fastpar.comm.shm import ShmCommunicator
 
-            self._shm[key] = ShmCommunicator(group, ranks, self.topo.rank, self._timeout())
+            self._shm[key] = ShmCommunicator(group, ranks, self.topo.rank, self.topo.timeout)
         return self._shm[key]
 
     def mpi(self, ranks):
@@ -83,11 +83,6 @@ class Engines:
                              dist.get_backend(group), why)
             self._ipc[key] = comm
         return self._ipc[key]
-
-    def _timeout(self) -> float:
-        from fastpar.runtime.bootstrap import _STATE
-
-        return _STATE["args"][3] if _STATE["args"] else 300.0
 
     def close(self):
         for comm in self._shm.values():

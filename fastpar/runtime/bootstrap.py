@@ -241,7 +241,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     groups = build_groups(grid, rank)
     topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
                     local_world_size=local_world_size, device=device,
-                    backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
+                    backend=dist.get_backend(), launcher=info.launcher, hosts=hosts, timeout=float(timeout),
                     mpi_comm=mpi_comm, store=store, **groups)
     _STATE.update(topology=topo, args=args, owns_pg=owns_pg)
     return topo
