@@ -19,10 +19,14 @@ step() {  # step NAME TIMEOUT CMD...: run, record pass/fail and seconds
   return $rc
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "no CUDA device visible to $PY: this script is for a GPU machine (nothing was run)"
+  exit 2
+fi
 step build 240 env FASTPAR_CUDA=1 $PY setup.py build_ext --inplace
 step info 60 $PY -m fastpar info
 step cuda-compile-tests 120 $PY -m pytest -q tests/test_cuda_compile.py
-step gpu-tests 240 $PY -m pytest -q -m gpu tests
+step gpu-tests 240 $PY -m pytest -q -rs -m gpu tests
 LAUNCH="mpirun -np"
 command -v mpirun >/dev/null || LAUNCH="$PY -m torch.distributed.run --standalone --nproc-per-node"
 for n in 2 4; do

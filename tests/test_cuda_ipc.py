@@ -36,6 +36,7 @@ def body_ipc_sweep():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cuda_ipc_every_dtype_and_size(world):
-    counts = run_ranks(world, body_ipc_sweep, env={"FASTPAR_SHARED_GPU": "1"},
-                       timeout=240).values()
+    # torchrun: it comes with torch, while a GPU machine's image may have no mpirun.
+    counts = run_ranks(world, body_ipc_sweep, launcher="torchrun",
+                       env={"FASTPAR_SHARED_GPU": "1"}, timeout=240).values()
     assert counts[0] == 3 * 10
