@@ -174,6 +174,23 @@ def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _this_process(info: _launcher.LaunchInfo, timeout: float):
+    """``(mpi_comm, rank, world_size, local_rank, local_world_size)``; MPI is the truth under an
+    MPI launcher (local ranks from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``, not host names)."""
+    if info.uses_mpi:
+        MPI = _mpi_world(info, timeout)
+        comm = MPI.COMM_WORLD
+        rank = comm.Get_rank()
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        local = (node.Get_rank(), node.Get_size())
+        node.Free()
+        return comm, rank, comm.Get_size(), *local
+    # torchrun always sets LOCAL_WORLD_SIZE; a hand-made RANK/WORLD_SIZE environment that does
+    # not is taken as one host.
+    local_world_size = info.local_world_size if info.local_world_size > 0 else info.world_size
+    return None, info.rank, info.world_size, max(info.local_rank, 0), local_world_size
+
+
 def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
          timeout: float = 300.0) -> Topology:
     """Join the job started by any launcher and return this rank's ``Topology``.
@@ -195,19 +212,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         raise ValueError(f"timeout must be positive, got {timeout}")
 
     info = _launcher.detect(os.environ)
-    mpi_comm = None
-    if info.uses_mpi:
-        MPI = _mpi_world(info, timeout)
-        mpi_comm = MPI.COMM_WORLD
-        rank, world_size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        local_rank, local_world_size = node.Get_rank(), node.Get_size()
-        node.Free()
-    else:
-        rank, world_size = info.rank, info.world_size
-        local_rank = max(info.local_rank, 0)
-        local_world_size = info.local_world_size if info.local_world_size > 0 else (
-            1 if world_size == 1 else world_size)  # torchrun always sets it; plain env: assume one host
+    mpi_comm, rank, world_size, local_rank, local_world_size = _this_process(info, timeout)
     validate_degrees(world_size, tp, pp)
     grid = Grid(world_size, tp, pp)
     device = _choose_device(local_rank, local_world_size)
@@ -241,8 +246,8 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     groups = build_groups(grid, rank)
     topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
                     local_world_size=local_world_size, device=device,
-                    backend=dist.get_backend(), launcher=info.launcher, hosts=hosts, timeout=float(timeout),
-                    mpi_comm=mpi_comm, store=store, **groups)
+                    backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
+                    timeout=float(timeout), mpi_comm=mpi_comm, store=store, **groups)
     _STATE.update(topology=topo, args=args, owns_pg=owns_pg)
     return topo
 
