@@ -15,7 +15,9 @@ Pass ``check=False`` to get the ``Launch`` back even when ranks fail (for tests 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import json
 import os
 import signal
@@ -99,6 +101,7 @@ def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
             # (100 s instead of 5 s for the collective tests); make them sleep when idle.
             full_env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
         out = open(os.path.join(outdir, "output.txt"), "w+")
+        mpich_before = set(glob.glob("/dev/shm/mpich_shm_*"))
         start = time.monotonic()
         proc = subprocess.Popen(_command(launcher, nranks, args), cwd=ROOT, env=full_env,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -110,6 +113,12 @@ def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         elapsed = time.monotonic() - start
+        if returncode != 0:
+            # MPICH unlinks its own segment only in MPI_Finalize: a killed or failed job (tests
+            # of failures do this on purpose) would leave ~3 MB in /dev/shm per launch.
+            for path in set(glob.glob("/dev/shm/mpich_shm_*")) - mpich_before:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         out.seek(0)
         output = out.read()
         out.close()
