@@ -86,6 +86,8 @@ def _route(name: str, t: torch.Tensor, group, op: str = "sum") -> Route:
         comm = reg.mpi(ranks)
     elif engine == "cuda_ipc":
         comm = reg.cuda_ipc(group, ranks, device)
+    if len(reg.routes) >= 4096:  # CUDA keys carry sizes: varying shapes must not grow it forever
+        reg.routes.clear()
     route = reg.routes[key] = Route(group, ranks, engine, comm)
     return route
 
