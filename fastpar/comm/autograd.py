@@ -81,43 +81,17 @@ class ReduceFromTP(torch.autograd.Function):
         return dy, None, None
 
 
-class ScatterToTP(torch.autograd.Function):
-    """Keep this rank's chunk of the last dim forward; all-gather the last dim backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group, -1)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return all_gather(dy.contiguous(), ctx.group, dim=-1), None
-
-
-class GatherFromTP(torch.autograd.Function):
-    """All-gather the last dim forward; keep this rank's chunk backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x.contiguous(), group, dim=-1)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _split(dy, ctx.group, -1), None
-
-
 class AllGatherSequence(torch.autograd.Function):
     """All-gather along ``dim`` forward; reduce-scatter along ``dim`` backward."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return all_gather(x.contiguous(), group, dim=dim)
+        return all_gather(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, dy):
-        return reduce_scatter(dy.contiguous(), ctx.group, dim=ctx.dim), None, None
+        return reduce_scatter(dy, ctx.group, dim=ctx.dim), None, None
 
 
 class ReduceScatterSequence(torch.autograd.Function):
@@ -126,14 +100,14 @@ class ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x.contiguous(), group, dim=dim)
+        return reduce_scatter(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather(dy.contiguous(), ctx.group, dim=ctx.dim), None, None
+        return all_gather(dy, ctx.group, dim=ctx.dim), None, None
 
 
-class ScatterSequence(torch.autograd.Function):
+class Scatter(torch.autograd.Function):
     """Keep this rank's chunk along ``dim`` forward; all-gather along ``dim`` backward."""
 
     @staticmethod
@@ -143,16 +117,16 @@ class ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return all_gather(dy.contiguous(), ctx.group, dim=ctx.dim), None, None
+        return all_gather(dy, ctx.group, dim=ctx.dim), None, None
 
 
-class GatherSequence(torch.autograd.Function):
+class Gather(torch.autograd.Function):
     """All-gather along ``dim`` forward; keep this rank's chunk along ``dim`` backward."""
 
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return all_gather(x.contiguous(), group, dim=dim)
+        return all_gather(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, dy):
@@ -179,14 +153,14 @@ def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """forward: ``y = x.chunk(n, -1)[rank]``; backward: ``dx = all_gather(dy, dim=-1)``."""
     if group_size(group) == 1:
         return x
-    return ScatterToTP.apply(x, group)
+    return Scatter.apply(x, group, -1)
 
 
 def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """forward: ``y = all_gather(x, dim=-1)``; backward: ``dx = dy.chunk(n, -1)[rank]``."""
     if group_size(group) == 1:
         return x
-    return GatherFromTP.apply(x, group)
+    return Gather.apply(x, group, -1)
 
 
 def all_gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
@@ -214,7 +188,7 @@ def scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     forward: ``y_shard = x.chunk(n, dim)[rank]``; backward: ``dx = all_gather(dy_shard, dim)``."""
     if group_size(group) == 1:
         return x
-    return ScatterSequence.apply(x, group, dim)
+    return Scatter.apply(x, group, dim)
 
 
 def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
@@ -223,4 +197,4 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     forward: ``y = all_gather(x_shard, dim)``; backward: ``dx_shard = dy.chunk(n, dim)[rank]``."""
     if group_size(group) == 1:
         return x
-    return GatherSequence.apply(x, group, dim)
+    return Gather.apply(x, group, dim)
