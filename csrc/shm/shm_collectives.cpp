@@ -10,6 +10,7 @@
 // second "done reading" flag is needed. Flags only grow, so nothing is ever reset.
 #include "shm_collectives.h"
 #include "shm_reduce.h"
+#include "x86_simd.h"
 
 #include <sched.h>
 #include <time.h>
@@ -22,12 +23,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define FASTPAR_X86 1
-#endif
+#include <thread>
 
 namespace fastpar {
 namespace shm {
@@ -111,6 +107,13 @@ const char* kind_name(Kind k) {
 }
 
 [[noreturn]] void throw_poisoned(const Comm& c, Kind k) {
+  // The poisoning rank writes its message right after marking the segment; give it up to a
+  // second to finish (it may have been descheduled in between on an oversubscribed host) so
+  // that every rank reports the cause, not a placeholder.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (header(c)->poison.load(std::memory_order_acquire) == 1 &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1))
+    std::this_thread::yield();
   throw std::runtime_error(std::string("fastpar shm ") + kind_name(k) + ": rank " +
                            std::to_string(c.rank) +
                            " cannot proceed, the segment was poisoned by an earlier error: " +
@@ -119,16 +122,9 @@ const char* kind_name(Kind k) {
 
 // ---- waiting ----------------------------------------------------------------------
 
-inline void cpu_relax() {
-#if defined(FASTPAR_X86)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // Waits until rank p's flag reaches `target`: a short pause-spin (cheap when the peer is
-// running on another core), then sched_yield so oversubscribed cores make progress.
+// running on another core), then sched_yield so oversubscribed cores make progress, then
+// 20 us naps (after c.yields_before_sleep yields), checking poison and the deadline.
 void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
   const std::atomic<uint64_t>& f = ctrl(c, p)->flag;
   for (int i = 0; i < c.spin_iters; ++i) {

@@ -28,9 +28,14 @@ enum class Op : uint32_t { Sum = 0, Max = 1 };
 size_t dtype_size(DType dt);
 const char* dtype_name(DType dt);
 
-// Defaults: a 4 MiB slot per rank (two 2 MiB halves, see README); messages up to
-// 32 KiB per rank use the one-round "everyone reduces everything" protocol, larger
-// ones the reduce-scatter + all-gather protocol in pipelined chunks of 1 MiB per rank.
+// Defaults: a 4 MiB slot per rank, used as two 2 MiB halves (see README).
+// all_reduce of up to small_max_bytes (32 KiB) takes one round in which every rank reduces
+// everything. A larger one goes chunk_bytes (1 MiB) of the message at a time (not per
+// rank): each rank copies the chunk, less its own 1/world slice, into its half and
+// signals; reduces its slice across all ranks into its half and signals; then copies
+// every rank's reduced slice out. all_gather and broadcast also move chunk_bytes per
+// round; reduce_scatter fills a whole half per round. init_segment caps both knobs at
+// half a slot and raises chunk_bytes to at least 4096.
 constexpr size_t kDefaultSlotBytes = size_t(4) << 20;
 constexpr size_t kDefaultSmallMaxBytes = size_t(32) << 10;
 constexpr size_t kDefaultChunkBytes = size_t(1) << 20;

@@ -3,14 +3,12 @@
 // Plain loops the compiler vectorises for the baseline ISA, plus AVX2/F16C versions chosen
 // at run time (no -march=native in a shipped build).
 #include "shm_reduce.h"
+#include "x86_simd.h"
 
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define FASTPAR_X86 1
-#endif
+#define FASTPAR_INLINE inline __attribute__((always_inline))
 
 namespace fastpar {
 namespace shm {
@@ -19,24 +17,24 @@ namespace shm {
 
 namespace {
 
-__attribute__((always_inline)) inline uint32_t bits_of(float f) {
+FASTPAR_INLINE uint32_t bits_of(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
 }
-__attribute__((always_inline)) inline float float_of(uint32_t u) {
+FASTPAR_INLINE float float_of(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
-__attribute__((always_inline)) inline uint16_t bf16_round(float f) {
+FASTPAR_INLINE uint16_t bf16_round(float f) {
   uint32_t u = bits_of(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return uint16_t(u >> 16);
 }
-__attribute__((always_inline)) inline float bf16_widen(uint16_t h) { return float_of(uint32_t(h) << 16); }
+FASTPAR_INLINE float bf16_widen(uint16_t h) { return float_of(uint32_t(h) << 16); }
 
 inline float f16_widen(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16, em = h & 0x7fffu;
@@ -69,26 +67,20 @@ inline uint16_t f16_round(float f) {
 }
 
 #ifdef FASTPAR_X86
-__attribute__((target("avx,f16c"))) void f16_widen_f16c(const uint16_t* in, float* out,
-                                                        size_t n) {
+FASTPAR_TARGET_F16C void f16_widen_f16c(const uint16_t* in, float* out, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
   for (; i < n; ++i) out[i] = f16_widen(in[i]);
 }
-__attribute__((target("avx,f16c"))) void f16_round_f16c(const float* in, uint16_t* out,
-                                                        size_t n) {
+FASTPAR_TARGET_F16C void f16_round_f16c(const float* in, uint16_t* out, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128((__m128i*)(out + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) out[i] = f16_round(in[i]);
 }
-bool detect_f16c() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-}
-const bool kHaveF16C = detect_f16c();
+const bool kHaveF16C = cpu_has_f16c();
 #else
 const bool kHaveF16C = false;
 #endif
@@ -99,38 +91,30 @@ const bool kHaveF16C = false;
 // inner loop is a plain, auto-vectorised pass over an L1-resident accumulator. The whole
 // kernel is compiled twice: baseline x86-64 and (picked at run time) AVX2.
 
-#define FASTPAR_INLINE inline __attribute__((always_inline))
+// A dtype's codec: storage type S, accumulator type A, and the element conversions
+// Ld: S -> A and St: A -> S (rounds once). A codec also given block conversions WidenN /
+// NarrowN (kBulk) converts a whole block per call instead, so fp16 can use F16C when
+// present; its Ld / St are the portable element conversions those must match.
+template <class S_, class A_, A_ (*Ld)(S_), S_ (*St)(A_),
+          void (*WidenN)(const S_*, A_*, size_t) = nullptr,
+          void (*NarrowN)(const A_*, S_*, size_t) = nullptr>
+struct Codec {
+  using S = S_;
+  using A = A_;
+  static constexpr bool kBulk = WidenN != nullptr;
+  static FASTPAR_INLINE A ld(S x) { return Ld(x); }
+  static FASTPAR_INLINE S st(A x) { return St(x); }
+  static void widen(const S* s, A* a, size_t m) { WidenN(s, a, m); }
+  static void narrow(const A* a, S* s, size_t m) { NarrowN(a, s, m); }
+};
 
-// Codecs: storage type S, accumulator type A, element-wise ld/st; kBulk codecs widen a
-// block at a time instead (fp16: F16C when present).
-struct F32C {
-  using S = float;
-  using A = float;
-  static constexpr bool kBulk = false;
-  static FASTPAR_INLINE A ld(S x) { return x; }
-  static FASTPAR_INLINE S st(A x) { return x; }
-};
-struct F64C {
-  using S = double;
-  using A = double;
-  static constexpr bool kBulk = false;
-  static FASTPAR_INLINE A ld(S x) { return x; }
-  static FASTPAR_INLINE S st(A x) { return x; }
-};
-struct BF16C {
-  using S = uint16_t;
-  using A = float;
-  static constexpr bool kBulk = false;
-  static FASTPAR_INLINE A ld(S x) { return bf16_widen(x); }
-  static FASTPAR_INLINE S st(A x) { return bf16_round(x); }
-};
-struct F16C {
-  using S = uint16_t;
-  using A = float;
-  static constexpr bool kBulk = true;
-  static void widen(const S* s, A* a, size_t m) { f16_to_f32_n(s, a, m); }
-  static void narrow(const A* a, S* s, size_t m) { f32_to_f16_n(a, s, m); }
-};
+template <class T>
+FASTPAR_INLINE T same(T x) { return x; }
+
+using F32Codec = Codec<float, float, same<float>, same<float>>;
+using F64Codec = Codec<double, double, same<double>, same<double>>;
+using BF16Codec = Codec<uint16_t, float, bf16_widen, bf16_round>;
+using F16Codec = Codec<uint16_t, float, f16_widen, f16_round, f16_to_f32_n, f32_to_f16_n>;
 
 struct SumOp {
   template <class A>
@@ -174,10 +158,10 @@ FASTPAR_INLINE void reduce_blocked(void* dst, const void* const* srcs, int nsrc,
 template <class O>
 FASTPAR_INLINE void reduce_dt(void* dst, const void* const* srcs, int nsrc, size_t n, DType dt) {
   switch (dt) {
-    case DType::F32: return reduce_blocked<F32C, O>(dst, srcs, nsrc, n);
-    case DType::F64: return reduce_blocked<F64C, O>(dst, srcs, nsrc, n);
-    case DType::BF16: return reduce_blocked<BF16C, O>(dst, srcs, nsrc, n);
-    case DType::F16: return reduce_blocked<F16C, O>(dst, srcs, nsrc, n);
+    case DType::F32: return reduce_blocked<F32Codec, O>(dst, srcs, nsrc, n);
+    case DType::F64: return reduce_blocked<F64Codec, O>(dst, srcs, nsrc, n);
+    case DType::BF16: return reduce_blocked<BF16Codec, O>(dst, srcs, nsrc, n);
+    case DType::F16: return reduce_blocked<F16Codec, O>(dst, srcs, nsrc, n);
   }
 }
 
@@ -187,16 +171,12 @@ void reduce_base(void* dst, const void* const* srcs, int nsrc, size_t n, DType d
 }
 
 #ifdef FASTPAR_X86
-__attribute__((target("avx2"))) void reduce_avx2(void* dst, const void* const* srcs, int nsrc,
-                                                 size_t n, DType dt, Op op) {
+FASTPAR_TARGET_AVX2 void reduce_avx2(void* dst, const void* const* srcs, int nsrc, size_t n,
+                                     DType dt, Op op) {
   if (op == Op::Max) return reduce_dt<MaxOp>(dst, srcs, nsrc, n, dt);
   reduce_dt<SumOp>(dst, srcs, nsrc, n, dt);
 }
-bool detect_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-}
-const bool kHaveAVX2 = detect_avx2();
+const bool kHaveAVX2 = cpu_has_avx2();
 #endif
 
 }  // namespace

@@ -1,9 +1,9 @@
 // Standalone multi-process test + timing for the shm collectives kernel (no torch).
 //
-//   g++ -O3 -std=c++17 -pthread csrc/shm/shm_collectives.cpp csrc/shm/shm_selftest.cpp
-//       -o /tmp/shm_selftest
+//   g++ -O3 -std=c++17 -pthread csrc/shm/*.cpp -o /tmp/shm_selftest   # from the repo root
 //   /tmp/shm_selftest                          # conversions, worlds 1,2,3,4, then timing
 //   /tmp/shm_selftest --bench-only [--sweep]   # world-2 timing only
+//   /tmp/shm_selftest --no-bench               # correctness only (tests/test_shm_kernel.py)
 //
 // Each world forks `world` children that share MAP_SHARED|MAP_ANONYMOUS segments mapped
 // (and initialised) by the parent before the fork. A child reports failure by exit code.

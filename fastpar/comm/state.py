@@ -1,0 +1,150 @@
+"""The communication state of one job: the engine setting, cached routes and every communicator.
+
+``fastpar.init`` builds one ``CommState`` beside the ``Topology`` (``fastpar.runtime.job().comm``)
+and ``fastpar.shutdown`` closes it, so a second ``init`` starts clean. Building it communicates
+nothing: a group's shm segment, MPI sub-communicator or CUDA IPC buffers are created at the
+group's first collective that the policy sends to that engine (a collective over the group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from fastpar import _native
+from fastpar.comm import policy
+from fastpar.comm.policy import Layout
+
+log = logging.getLogger("fastpar.comm")
+
+
+class CommState:
+    def __init__(self, topo):
+        self.topo = topo
+        # FASTPAR_COMM_BACKEND is read once per job; comm.use_backend() changes it in code.
+        self.forced: str | None = os.environ.get("FASTPAR_COMM_BACKEND") or None
+        self.routes: dict = {}  # call signature -> Route; see collectives._route
+        self._groups: dict = {}  # id(group) -> (group, global ranks in group order, Layout)
+        self._shm: dict = {}  # global ranks -> ShmCommunicator
+        self._mpi: dict = {}  # global ranks -> MPI communicator
+        self._ipc: dict = {}  # global ranks -> CudaIpcCommunicator, or None where IPC is off
+
+    def resolve(self, group):
+        """``(group, global ranks in group order, Layout)`` for a ``group=`` argument
+        (``None``: the world)."""
+        if group is None:
+            group = dist.group.WORLD
+        entry = self._groups.get(id(group))
+        if entry is None:
+            try:
+                ranks = dist.get_process_group_ranks(group)
+            except (ValueError, RuntimeError) as exc:
+                raise ValueError(f"group {group!r} is not a process group of this job, or this "
+                                 f"rank ({self.topo.rank}) is not in it: {exc}") from None
+            hosts = {self.topo.hosts[r] for r in ranks} if self.topo.hosts else {None, 0}
+            layout = Layout(size=len(ranks), same_host=len(hosts) == 1,
+                            native=_native.available(), pg_backend=dist.get_backend(group))
+            entry = (group, ranks, layout)
+            self._groups[id(group)] = entry
+        return entry
+
+    def choose(self, op: str, t: torch.Tensor, group, reduce_op: str = "sum"):
+        """``(group, ranks, Choice)`` for one call; builds nothing but the CUDA IPC communicator
+        that the decision needs (only when no other engine is forced)."""
+        group, ranks, layout = self.resolve(group)
+        if (t.is_cuda and op == "all_reduce" and layout.size > 1 and layout.same_host
+                and self.forced in (None, "cuda_ipc")):
+            comm = self.cuda_ipc(group, ranks, t.device)
+            if comm is not None:
+                layout = Layout(**{**layout.__dict__, "ipc_ready": True,
+                                   "ipc_max_bytes": comm.max_bytes})
+        choice = policy.choose(op, t.device.type, layout, t.numel() * t.element_size(), t.dtype,
+                               reduce_op=reduce_op, forced=self.forced)
+        return group, ranks, choice
+
+    def communicator(self, engine: str, group, ranks, device):
+        """The engine's communicator for the group (``None`` for torch.distributed engines)."""
+        if engine == "shm":
+            return self.shm(group, ranks)
+        if engine == "mpi":
+            return self.mpi(ranks)
+        if engine == "cuda_ipc":
+            return self.cuda_ipc(group, ranks, device)
+        return None
+
+    def shm(self, group, ranks):
+        key = tuple(ranks)
+        if key not in self._shm:
+            from fastpar.comm.shm import ShmCommunicator
+
+            self._shm[key] = ShmCommunicator(group, ranks, self.topo.rank, self.topo.timeout)
+        return self._shm[key]
+
+    def mpi(self, ranks):
+        key = tuple(ranks)
+        if key not in self._mpi:
+            if self.topo.mpi_comm is None:
+                raise ValueError("the mpi engine needs an MPI launch (mpirun), but this job "
+                                 f"was started by {self.topo.launcher}")
+            world = self.topo.mpi_comm
+            self._mpi[key] = world.Create_group(world.group.Incl(list(ranks)))
+        return self._mpi[key]
+
+    def cuda_ipc(self, group, ranks, device):
+        key = tuple(ranks)
+        if key not in self._ipc:
+            comm = None
+            if os.environ.get("FASTPAR_CUDA_IPC", "1") != "0":
+                from fastpar.comm.cuda_ipc import CudaIpcCommunicator
+
+                comm, why = CudaIpcCommunicator.create(group, ranks, self.topo.rank, device)
+                if comm is None:
+                    log.info("cuda_ipc off for group %s, falling back to %s: %s", ranks,
+                             dist.get_backend(group), why)
+            self._ipc[key] = comm
+        return self._ipc[key]
+
+    def engine_table(self, groups: dict, device_type: str, nbytes: int,
+                     dtype: torch.dtype = torch.float32) -> list[dict]:
+        """What the policy would choose for each op on each of ``groups`` (``{name: group}``),
+        without creating any communicator: rows ``{"group", "ranks", "op", "engine",
+        "reason"}``. CUDA IPC is reported as undecided: it needs its collective probe."""
+        rows = []
+        for name, group in groups.items():
+            if group is None:
+                continue
+            _, ranks, layout = self.resolve(group)
+            for op in policy.OPS:
+                try:
+                    choice = policy.choose(op, device_type, layout, nbytes, dtype,
+                                           forced=self.forced)
+                    engine, reason = choice.engine, choice.reason
+                except ValueError as exc:
+                    engine, reason = "error", str(exc)
+                if device_type == "cuda" and op == "all_reduce" and engine != "local" \
+                        and self.forced in (None, "cuda_ipc"):
+                    reason += " (cuda_ipc is probed at the group's first all_reduce)"
+                rows.append({"group": name, "ranks": ranks, "op": op, "engine": engine,
+                             "reason": reason})
+        return rows
+
+    def close(self):
+        for comm in self._shm.values():
+            comm.close()
+        for comm in self._ipc.values():
+            if comm is not None:
+                comm.close()
+        for sub in self._mpi.values():
+            sub.Free()
+        for table in (self._shm, self._ipc, self._mpi, self._groups, self.routes):
+            table.clear()
+
+
+def current() -> CommState:
+    """This job's communication state (``RuntimeError`` before ``fastpar.init``)."""
+    from fastpar.runtime import job
+
+    return job().comm

@@ -1,0 +1,148 @@
+"""The TP x PP x DP rank grid: coordinates, groups and pipeline neighbours.
+
+Rank order follows Megatron-LM: tp varies fastest, then dp, then pp::
+
+    tp_rank = rank % tp
+    dp_rank = (rank // tp) % dp
+    pp_rank = rank // (tp * dp)
+
+``Grid`` is the pure arithmetic (no torch.distributed), so every layout is unit-tested without
+processes. ``Topology`` is the grid seen from one rank, with the process groups that
+``fastpar.init`` builds once (``fastpar.runtime.groups.build_groups``) and that are passed down
+explicitly (``group=``) to everything else. Nothing here does I/O or communicates.
+
+(The module is ``fastpar.grid``, not ``fastpar.topology``: that name is the function
+``fastpar.topology()`` that returns the current ``Topology``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+AXES = ("tp", "pp", "dp", "mp", "embedding")
+
+
+def validate_degrees(world_size: int, tp: int, pp: int) -> None:
+    """Raise ``ValueError`` naming every factor when ``world_size`` cannot hold ``tp x pp``."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size {world_size} is not divisible by tp {tp} x pp {pp}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The rank grid of a job: ``world_size = tp * dp * pp``."""
+
+    world_size: int
+    tp: int
+    pp: int
+
+    def __post_init__(self):
+        validate_degrees(self.world_size, self.tp, self.pp)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world_size {self.world_size}")
+        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of one axis, each a sorted list of global ranks, in a fixed order.
+
+        ``tp``, ``dp``, ``pp``: ranks differing only in that coordinate. ``mp`` (model parallel):
+        ranks sharing a dp coordinate (tp x pp of them). ``embedding``: the first and last pipeline
+        stage of each (tp, dp) column, which hold the tied input and output embeddings.
+        """
+        tp, dp, pp = self.tp, self.dp, self.pp
+        if axis == "tp":
+            return [[self.rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+        if axis == "dp":
+            return [[self.rank_of(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        if axis == "pp":
+            return [[self.rank_of(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+        if axis == "mp":
+            return [sorted(self.rank_of(t, d, p) for p in range(pp) for t in range(tp))
+                    for d in range(dp)]
+        if axis == "embedding":
+            stages = sorted({0, pp - 1})
+            return [[self.rank_of(t, d, p) for p in stages] for d in range(dp) for t in range(tp)]
+        raise ValueError(f"unknown axis {axis!r}; expected one of {', '.join(AXES)}")
+
+    def group_of(self, axis: str, rank: int) -> list[int] | None:
+        """The ranks of ``rank``'s group on ``axis`` (``None`` if it is in none: embedding)."""
+        for ranks in self.groups(axis):
+            if rank in ranks:
+                return ranks
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """One rank's view of the grid, with its process groups.
+
+    ``*_group`` are ``torch.distributed`` process groups (``None`` for ``embedding_group`` on a rank
+    that is in no embedding group); ``ranks(axis)`` gives the global ranks of the same groups.
+    Immutable: per-job state of the layers above (communicators, RNG streams) lives in the
+    ``Job`` that ``fastpar.init`` builds beside it (``fastpar.runtime.job()``).
+    """
+
+    grid: Grid
+    rank: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    launcher: str
+    hosts: tuple = ()  # host name of every global rank
+    timeout: float = 300.0  # seconds: fastpar.init's bound on rendezvous and every collective
+    tp_group: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+    mp_group: Any = None
+    embedding_group: Any = None
+    mpi_comm: Any = None  # the MPI communicator kept as an out-of-band channel (None without MPI)
+    store: Any = None  # the torch.distributed store every rank joined through
+
+    world_size = property(lambda self: self.grid.world_size)
+    tp_size = property(lambda self: self.grid.tp)
+    pp_size = property(lambda self: self.grid.pp)
+    dp_size = property(lambda self: self.grid.dp)
+    tp_rank = property(lambda self: self.grid.coords(self.rank)[0])
+    dp_rank = property(lambda self: self.grid.coords(self.rank)[1])
+    pp_rank = property(lambda self: self.grid.coords(self.rank)[2])
+    is_first_stage = property(lambda self: self.pp_rank == 0)
+    is_last_stage = property(lambda self: self.pp_rank == self.grid.pp - 1)
+
+    def ranks(self, axis: str) -> list[int] | None:
+        """Global ranks of this rank's group on ``axis``."""
+        return self.grid.group_of(axis, self.rank)
+
+    @property
+    def pp_prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage, ``None`` on the first stage."""
+        return None if self.is_first_stage else self.ranks("pp")[self.pp_rank - 1]
+
+    @property
+    def pp_next_rank(self) -> int | None:
+        """Global rank of the next pipeline stage, ``None`` on the last stage."""
+        return None if self.is_last_stage else self.ranks("pp")[self.pp_rank + 1]
+
+    def __repr__(self) -> str:
+        return (f"Topology(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+                f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+                f"device={self.device}, backend={self.backend}, launcher={self.launcher})")
+
