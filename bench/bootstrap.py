@@ -30,6 +30,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json")
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     times = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()

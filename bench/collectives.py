@@ -5,11 +5,12 @@
 
 Sizes follow nccl-tests: the bytes of the all_reduce/broadcast/sendrecv buffer, of the gathered
 output for all_gather, of the input for reduce_scatter. Each point: ``-w`` warm-up calls, then
-``-n`` timed calls; the time is the median over calls of the slowest rank. busbw applies the
-nccl-tests factors (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and
-sendrecv 1). The ``memcpy`` line is this machine's copy of the same bytes on every rank at once;
-for all_reduce, ``bound`` is the fraction of that copy time each engine reaches (a rank must at
-least read its input and write its result: one copy).
+``-n`` timed calls (from 8 MiB up: a fifth of them, at least 5, and 5 for memcpy); the time is
+the slowest rank's median over its calls. busbw applies the nccl-tests factors (all_reduce
+2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and sendrecv 1). The ``memcpy``
+line is this machine's copy of the same bytes on every rank at once; for all_reduce, the
+summary's ``bound`` is that copy time as a fraction of the fastest engine's time (a rank must
+at least read its input and write its result: one copy).
 
 More ranks than cores (a laptop): set ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` so idle MPICH ranks sleep.
 """

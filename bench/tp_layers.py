@@ -15,10 +15,9 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import fastpar
+from fastpar.testing import SerialMLP
 
 # Configuration.
 BATCH, SEQ, HIDDEN, FFN = 4, 64, 256, 1024
@@ -26,24 +25,6 @@ ACTIVATIONS = ("gelu", "swiglu")
 DTYPE = torch.float32
 WARMUP, REPS = 5, 50
 THREADS = 1
-
-
-class LinearMLP(nn.Module):
-    """The reference: the same block from nn.Linear (parameter names as ParallelMLP's)."""
-
-    def __init__(self, hidden, ffn, act):
-        super().__init__()
-        self.act = act
-        if act == "gelu":
-            self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
-        else:
-            self.gate_proj, self.up_proj = nn.Linear(hidden, ffn), nn.Linear(hidden, ffn)
-            self.down_proj = nn.Linear(ffn, hidden)
-
-    def forward(self, x):
-        if self.act == "gelu":
-            return self.fc2(F.gelu(self.fc1(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def fwd_bwd_seconds(module, x, dy) -> float:
@@ -70,7 +51,8 @@ def interleaved_medians(runs, barrier) -> list:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the records to this path (rank 0)")
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--ffn", type=int, default=FFN)
@@ -97,7 +79,7 @@ def main():
         x = torch.randn(BATCH, SEQ, hidden, generator=gen, dtype=DTYPE).requires_grad_(True)
         dy = torch.randn(BATCH, SEQ, hidden, generator=gen, dtype=DTYPE)
         torch.manual_seed(0)
-        serial = LinearMLP(hidden, ffn, act).to(DTYPE)
+        serial = SerialMLP(hidden, ffn, act).to(DTYPE)
         single = fastpar.nn.ParallelMLP(hidden, ffn, act, group=alone, seed=0, dtype=DTYPE)
         runs = [(serial, x, dy, rank == 0), (single, x, dy, rank == 0)]  # tp=1: rank 0 alone
         if tp > 1:

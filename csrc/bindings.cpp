@@ -1,4 +1,4 @@
-// The one bindings file: op schemas of every native op (`Tensor!` marks a mutated argument)
+// The one bindings file: op schemas of every native op (`Tensor(a!)` marks a mutated argument)
 // and the Python module `fastpar._C`. Kernels and torch glue live in their own files.
 #include <Python.h>
 #include <torch/library.h>

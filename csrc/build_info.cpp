@@ -1,4 +1,5 @@
-// Build facts of the native extension, reported by `python -m fastpar info`.
+// Build facts of the native extension, parsed by fastpar._native.status() (`python -m fastpar
+// info` shows the cuda flag: "built (cpu)" or "built (cpu+cuda)").
 // Pure C++ (no torch): the bindings file exposes it as the op fastpar::build_info.
 #include "build_info.h"
 

@@ -8,6 +8,7 @@ namespace fastpar {
 // Arm: unless disarmed within `seconds`, write `message` to stderr and _exit(exit_code).
 // Returns an id for watchdog_disarm.
 int64_t watchdog_arm(double seconds, const std::string& message, int64_t exit_code);
-// Disarm; returns false if that watchdog already fired or does not exist.
+// Disarm; returns false if `id` is unknown or already disarmed (a watchdog that fired has
+// already ended the process).
 bool watchdog_disarm(int64_t id);
 }  // namespace fastpar

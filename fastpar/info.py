@@ -32,16 +32,14 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _mpi_library(load: bool) -> str | None:
-    """The MPI library behind mpi4py; only loaded when asked (it initialises MPI)."""
-    if not load:
-        return None
-    try:
-        from mpi4py import MPI
+def _mpi_library(topo) -> str | None:
+    """The MPI library behind mpi4py, asked only of a job MPI launched: importing ``mpi4py.MPI``
+    runs ``MPI_Init``, which torchrun and single-process jobs must never need."""
+    if topo.mpi_comm is None:
+        return f"not loaded ({topo.launcher} launch)"
+    from mpi4py import MPI
 
-        return " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
-        return f"unavailable ({type(exc).__name__}: {exc})"
+    return " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
 
 
 def versions(topo) -> dict:
@@ -59,7 +57,7 @@ def versions(topo) -> dict:
         "nccl": nccl,
         "triton": _dist_version("triton"),
         "mpi4py": _dist_version("mpi4py"),
-        "mpi_library": _mpi_library(topo.mpi_comm is not None or _dist_version("mpi4py")),
+        "mpi_library": _mpi_library(topo),
         "native": "built (" + ("cpu+cuda" if native["cuda"] else "cpu") + ")"
                   if native["built"] else f"NOT BUILT: {native['error']}",
         "launcher": topo.launcher,
@@ -70,6 +68,19 @@ def rank_entry(topo) -> dict:
     return {"rank": topo.rank, "host": socket.gethostname(), "local_rank": topo.local_rank,
             "device": str(topo.device), "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
             "dp_rank": topo.dp_rank}
+
+
+ENGINE_TABLE_BYTES = 1 << 20  # the message size the engine table is shown for
+
+
+def engine_table(topo) -> list[dict]:
+    """The engine the policy picks for each collective on each of this rank's groups (float32,
+    1 MiB, this rank's device), with the reason; creates no communicator."""
+    from fastpar.comm.state import current
+
+    groups = {"world": dist.group.WORLD, "tp": topo.tp_group, "dp": topo.dp_group,
+              "pp": topo.pp_group}
+    return current().engine_table(groups, topo.device.type, ENGINE_TABLE_BYTES)
 
 
 def report(topo) -> dict | None:
@@ -84,7 +95,7 @@ def report(topo) -> dict | None:
         return None
     return {"world_size": topo.world_size, "tp": topo.tp_size, "pp": topo.pp_size,
             "dp": topo.dp_size, "backend": topo.backend, "versions": versions(topo),
-            "ranks": entries}
+            "ranks": entries, "engines": engine_table(topo)}
 
 
 def format_report(rep: dict) -> str:
@@ -101,6 +112,20 @@ def format_report(rep: dict) -> str:
     lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths)))
     for row in rows:
         lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    lines.append("")
+    lines.append(f"engines on rank 0's groups (float32, {ENGINE_TABLE_BYTES >> 20} MiB; "
+                 "FASTPAR_COMM_BACKEND or comm.use_backend() force one):")
+    cols = ["group", "ranks", "op", "engine", "reason"]
+    rows = []
+    for group in dict.fromkeys(r["group"] for r in rep["engines"]):
+        mine = [r for r in rep["engines"] if r["group"] == group]
+        if len({(r["engine"], r["reason"]) for r in mine}) == 1:  # one line when all ops agree
+            mine = [{**mine[0], "op": "every op"}]
+        rows += [[str(r[c]) for c in cols] for r in mine]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip())
+    for row in rows:
+        lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
 
 

@@ -12,23 +12,27 @@ A plan maps fnmatch patterns on module names to styles. ``nn.Linear`` takes "col
 "rowwise_split_input": input replicated, scattered first); ``nn.Embedding`` takes "embedding"
 ("embedding_rowwise", or "rowwise" as Hugging Face writes it). The aliases mean what they mean in
 transformers' ``ALL_PARALLEL_STYLES``. Only modules of exactly these types are replaced (a subclass
-may change forward), and embeddings without max_norm, scale_grad_by_freq or sparse.
+may change forward), and embeddings without max_norm, scale_grad_by_freq or sparse; a plan entry
+that would replace any other module is an error.
 
 Each module keeps its name, its existing weights (sharded) and their ``requires_grad``, so
 ``full_state_dict`` gives the serial keys back. The plan is validated whole before anything is
-replaced; the changes are printed on rank 0 and kept in ``model.fastpar_changes``.
+replaced. The changes are kept in ``model.fastpar_changes`` and logged as a table on the
+group's first rank by ``logging.getLogger("fastpar.parallelize")``: at INFO level with
+``verbose=True``, at DEBUG otherwise (``logging.basicConfig(level=logging.INFO)`` shows it).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 
 from torch import nn
 
-from fastpar.comm.autograd import group_rank, group_size
 from fastpar.nn.embedding import VocabParallelEmbedding, unsupported_options
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.sharding import resolve_group
+from fastpar.runtime import group_rank, group_size
 
 STYLES = {"column": "column", "colwise": "column",
           "column_gather": "column_gather", "colwise_gather_output": "column_gather",
@@ -39,16 +43,23 @@ STYLES = {"column": "column", "colwise": "column",
           "embedding": "embedding", "embedding_rowwise": "embedding"}
 # Declared (Hugging Face) styles that leave a module replicated: nothing to replace.
 REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "sequence_parallel"}
-# Inferred plan: last component of a module name -> style (Llama/Mistral/Qwen/OPT/GPT-NeoX names).
-INFERRED = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "query": "column",
-            "key": "column", "value": "column", "gate_proj": "column", "up_proj": "column",
+# Inferred plan: last component of a module name -> style (Llama/Mistral/Qwen/OPT names, Meta
+# Llama's w1/w2/w3/tok_embeddings, GPT-2's wte). Only names whose row-parallel partner is known
+# too: BERT's query/key/value are not here, as its attention output ("dense") is not.
+INFERRED = {"q_proj": "column", "k_proj": "column", "v_proj": "column",
+            "gate_proj": "column", "up_proj": "column",
             "fc1": "column", "w1": "column", "w3": "column",
             "o_proj": "row", "out_proj": "row", "down_proj": "row", "fc2": "row", "w2": "row",
             "embed_tokens": "embedding", "word_embeddings": "embedding", "wte": "embedding",
             "tok_embeddings": "embedding", "lm_head": "column_gather"}
 ATTENTION_INPUTS = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj",
                     "query_key_value", "c_attn", "Wqkv"}
+# Fused projections: one weight stacking q, k and v (or gate and up). Contiguous column shards of
+# it would hand a rank all of q and part of k: refused rather than silently wrong.
+FUSED = {"qkv_proj", "query_key_value", "c_attn", "Wqkv", "gate_up_proj"}
 HEAD_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "n_heads", "n_kv_heads")
+
+log = logging.getLogger("fastpar.parallelize")
 
 
 def declared_plan(model: nn.Module) -> dict[str, str]:
@@ -89,8 +100,8 @@ def _normalise(style: str, module: nn.Module) -> str | None:
 
 
 def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
-    """``[(name, module, style)]`` to replace, ``{attention module: head attrs}`` to divide,
-    and every error found."""
+    """``[(name, module, kind)]`` to replace (kind: the normalised style), ``{attention module
+    name: {head attr: value}}`` to divide, and every error found."""
     modules = dict(model.named_modules())
     errors, chosen = [], {}
     for pattern, style in plan.items():
@@ -127,6 +138,11 @@ def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
                 errors.append(f"{what}: {', '.join(options)} is not supported by a "
                               f"vocab-parallel embedding")
                 continue
+        elif kind.startswith("column") and name.rsplit(".", 1)[-1] in FUSED:
+            errors.append(f"{what}: a fused projection (q, k and v, or gate and up, stacked in "
+                          f"one weight) cannot be column-sharded in contiguous blocks; split it "
+                          f"into separate layers first (style {style!r})")
+            continue
         elif kind.startswith("row") and module.in_features % tp:
             errors.append(f"{what}: in_features {module.in_features} is not divisible by "
                           f"tp {tp} (style {style!r})")
@@ -191,7 +207,7 @@ def _replacement(module, kind, group):
     return ColumnParallelLinear.from_serial(module, group, gather_output=kind == "column_gather")
 
 
-def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = True) -> nn.Module:
+def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = False) -> nn.Module:
     """Replace ``model``'s layers named by ``plan`` with tensor-parallel ones, in place; returns
     ``model``. See the module docstring. Raises ``ValueError`` listing every problem before any
     module is replaced. Call on every rank of the TP group, with identical weights."""
@@ -228,13 +244,21 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Tr
             changes.append({"module": parent_name, "style": "heads", "attr": attr,
                             "from": value, "to": value // tp})
     model.fastpar_changes = changes
-    if verbose and group_rank(group) == 0:
-        print(f"fastpar.parallelize: {len(work)} layers of {type(model).__name__} sharded over "
-              f"tp={tp} ({source} plan)")
-        for c in changes:
-            if c["style"] == "heads":
-                print(f"  {c['module']}.{c['attr']}: {c['from']} -> {c['to']}")
-            else:
-                print(f"  {c['module']}: {c['style']:<13} weight {c['from']} -> {c['layer']} "
-                      f"{c['to']} per rank")
+    level = logging.INFO if verbose else logging.DEBUG
+    if group_rank(group) == 0 and log.isEnabledFor(level):
+        log.log(level, "%s", changes_table(changes, f"{len(work)} layers of "
+                                          f"{type(model).__name__} sharded over tp={tp} "
+                                          f"({source} plan)"))
     return model
+
+
+def changes_table(changes: list[dict], title: str) -> str:
+    """``model.fastpar_changes`` as the text table ``parallelize`` logs."""
+    lines = [f"fastpar.parallelize: {title}"]
+    for c in changes:
+        if c["style"] == "heads":
+            lines.append(f"  {c['module']}.{c['attr']}: {c['from']} -> {c['to']}")
+        else:
+            lines.append(f"  {c['module']}: {c['style']:<13} weight {c['from']} -> "
+                         f"{c['layer']} {c['to']} per rank")
+    return "\n".join(lines)

@@ -5,7 +5,8 @@
     fastpar.load_full_state_dict(model, sd)    # each rank keeps its shard of every tensor
 
 Sharded layers (``fastpar.nn.ShardedModule``) say how each parameter is cut; everything else is
-replicated and taken as is. Both calls are collective over the TP groups: call them on every rank.
+replicated and taken as is. ``full_state_dict`` is collective over the TP groups: call it on every
+rank. ``load_full_state_dict`` communicates nothing: each rank slices its own shards.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Run a test body on N ranks under a real launcher and collect every rank's result.
 
     from tests.multirank import run_ranks
-    results = run_ranks(4, "tests.bodies.topology:check_grid", tp=2, pp=2)   # mpirun
-    run_ranks(2, some_body, launcher="torchrun")
+    launch = run_ranks(4, "tests.test_topology:body_check_layouts", layouts=[[2, 2]])  # mpirun
+    launch = run_ranks(2, body_autograd, launcher="torchrun", tp=2, seed=0)
+    launch.values()            # every rank's return value, in rank order
 
 A body is a module-level function ``body(**kwargs)`` in an importable module; each rank calls it
 and its JSON-serialisable return value is collected. ``run_ranks`` raises ``RankFailure`` showing
@@ -88,37 +89,47 @@ def _command(launcher: str, nranks: int, worker_args: list[str]) -> list[str]:
                      f"{launcher!r} with {nranks} ranks")
 
 
+@contextlib.contextmanager
+def mpich_segments_removed():
+    """Remove the /dev/shm segments MPICH creates inside the block: MPICH unlinks its own segment
+    only in MPI_Finalize, so a killed, aborted or failed job (tests of failures do this on
+    purpose) would leave ~3 MB behind per launch."""
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    try:
+        yield
+    finally:
+        for path in set(glob.glob("/dev/shm/mpich_shm_*")) - before:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
               timeout: float = 120.0, env: dict | None = None, check: bool = True,
               **kwargs) -> Launch:
     """Run ``body(**kwargs)`` on ``nranks`` ranks; see the module docstring."""
     with tempfile.TemporaryDirectory(prefix="fastpar-ranks-") as outdir:
         args = [outdir, _target_name(body), json.dumps(kwargs)]
+        # One intra-op thread per rank unless the caller's environment says otherwise
+        # (OMP_NUM_THREADS=2 bash scripts/test.sh runs every rank's kernels on two threads).
         full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    "OMP_NUM_THREADS": "1", **(env or {})}
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         if nranks > (os.cpu_count() or 1):
             # More ranks than cores: MPICH's busy-polling ranks would starve the working ones
             # (100 s instead of 5 s for the collective tests); make them sleep when idle.
             full_env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
         out = open(os.path.join(outdir, "output.txt"), "w+")
-        mpich_before = set(glob.glob("/dev/shm/mpich_shm_*"))
         start = time.monotonic()
-        proc = subprocess.Popen(_command(launcher, nranks, args), cwd=ROOT, env=full_env,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        with mpich_segments_removed():
+            proc = subprocess.Popen(_command(launcher, nranks, args), cwd=ROOT, env=full_env,
+                                    stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                returncode = None
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         elapsed = time.monotonic() - start
-        if returncode != 0:
-            # MPICH unlinks its own segment only in MPI_Finalize: a killed or failed job (tests
-            # of failures do this on purpose) would leave ~3 MB in /dev/shm per launch.
-            for path in set(glob.glob("/dev/shm/mpich_shm_*")) - mpich_before:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
         out.seek(0)
         output = out.read()
         out.close()

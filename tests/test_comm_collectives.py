@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from tests.multirank import BIN, ROOT, run_ranks
+from tests.multirank import BIN, ROOT, mpich_segments_removed, run_ranks
 
 SIZES = [1, 7, 4099, (1 << 20) + 3]
 ENGINE_DTYPES = {
@@ -286,36 +286,76 @@ def test_no_segment_left_when_setup_fails():
     assert _segments() == before
 
 
-def body_bad_dims():
+def body_edges():
+    """Bad dims, 0-dim tensors, ReduceOp values, non-tensors, non-contiguous async calls: the same
+    rule at every world size and on every engine."""
+    import math
+
     import torch
+    import torch.distributed as dist
 
     import fastpar
     from fastpar import comm
 
-    fastpar.init(timeout=30)
+    topo = fastpar.init(timeout=30)
+    n, rank = topo.world_size, topo.rank
     errors = []
     for call in (lambda: comm.all_gather(torch.ones(2, 3), dim=2),
                  lambda: comm.all_gather(torch.ones(2, 3), dim=-3),
                  lambda: comm.reduce_scatter(torch.ones(2, 4), dim=2),
                  lambda: comm.reduce_scatter(torch.tensor(1.0)),
-                 lambda: comm.reduce_scatter(torch.ones(3, 2))):
+                 lambda: comm.reduce_scatter(torch.ones(3, 2)),
+                 lambda: comm.all_reduce(torch.ones(2), op="avg"),
+                 lambda: comm.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG),
+                 lambda: comm.all_reduce([1.0, 2.0])):
         try:
             call()
             errors.append(None)
-        except (IndexError, ValueError) as exc:
-            errors.append(str(exc))
+        except (IndexError, ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    for engine in ("shm", "gloo") if n > 1 else (None,):
+        comm.use_backend(engine)
+        # A 0-dim tensor gathers into (n,) at every world size.
+        got = comm.all_gather(torch.tensor(float(rank)))
+        assert got.shape == (n,) and got.tolist() == [float(r) for r in range(n)], got
+        # torch.distributed's ReduceOp names the same ops as the strings.
+        for op, want in ((dist.ReduceOp.SUM, n * (n + 1) // 2), (dist.ReduceOp.MAX, n),
+                         (dist.ReduceOp.MIN, 1), (dist.ReduceOp.PRODUCT, math.factorial(n))):
+            if engine == "shm" and op in (dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+                continue  # shm reduces with sum and max only (the policy refuses the others)
+            x = torch.full((3,), float(rank + 1))
+            assert comm.all_reduce(x, op=op)[0].item() == want, (engine, op)
+        shard = comm.reduce_scatter(torch.full((n, 2), float(rank)), op=dist.ReduceOp.SUM)
+        assert shard.tolist() == [[float(sum(range(n)))] * 2], shard
+        # Non-contiguous inputs, asynchronously: the result lands in the input's layout.
+        m = torch.arange(6.0).reshape(2, 3).t() + rank  # (3, 2), non-contiguous
+        handle = comm.all_reduce(m, async_op=True)
+        out, same = handle
+        assert out is m and same is handle
+        assert torch.equal(handle.wait(), torch.arange(6.0).reshape(2, 3).t() * n
+                           + sum(range(n))), m
+        b = torch.zeros(2, 3).t()
+        if rank == n - 1:
+            b.copy_(torch.arange(6.0).reshape(2, 3).t())
+        assert torch.equal(comm.broadcast(b, src=n - 1, async_op=True).wait(),
+                           torch.arange(6.0).reshape(2, 3).t())
     return errors
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_bad_dims_are_errors_at_any_world_size(world):
-    errors = run_ranks(world, body_bad_dims).values()[0]
-    assert errors[0] == "all_gather: dim 2 is out of range for a tensor of shape (2, 3) (2 dims)"
-    assert errors[1].startswith("all_gather: dim -3 is out of range")
-    assert errors[2].startswith("reduce_scatter: dim 2 is out of range")
+def test_edges_follow_one_rule_at_any_world_size(world):
+    errors = run_ranks(world, body_edges).values()[0]
+    assert errors[0] == ("IndexError: all_gather: dim 2 is out of range for a tensor of shape "
+                         "(2, 3) (2 dims)")
+    assert errors[1].startswith("IndexError: all_gather: dim -3 is out of range")
+    assert errors[2].startswith("IndexError: reduce_scatter: dim 2 is out of range")
     assert "0-dim" in errors[3]
-    assert errors[4] == (None if world == 1 else
-                         "reduce_scatter: dim 0 of size 3 is not divisible by the group size 2")
+    assert errors[4] == (None if world == 1 else "ValueError: reduce_scatter: dim 0 of size 3 is "
+                         "not divisible by the group size 2")
+    assert errors[5].startswith("ValueError: op must be one of 'sum', 'max', 'min', 'prod' or the "
+                                "torch.distributed.ReduceOp of the same name, got 'avg'")
+    assert "got <RedOpType.AVG" in errors[6] or "AVG" in errors[6], errors[6]
+    assert errors[7] == "TypeError: all_reduce: expected a torch.Tensor, got list"
 
 
 def test_forced_engine_that_cannot_serve_is_an_error():
@@ -323,7 +363,8 @@ def test_forced_engine_that_cannot_serve_is_an_error():
     code = ("import torch, fastpar; from fastpar import comm\n"
             "fastpar.init()\n"
             "comm.all_reduce(torch.ones(2), group=fastpar.topology().dp_group)\n")
-    proc = subprocess.run([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c", code],
-                          env=env, capture_output=True, text=True, timeout=120)
+    with mpich_segments_removed():  # the failed job leaves MPICH's segment
+        proc = subprocess.run([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c",
+                               code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "FASTPAR_COMM_BACKEND=nccl cannot serve all_reduce" in proc.stderr, proc.stderr

@@ -5,15 +5,17 @@ import os
 import subprocess
 import sys
 
-from tests.multirank import BIN, ROOT
+from tests.multirank import BIN, ROOT, mpich_segments_removed
 
-KEYS = {"world_size", "tp", "pp", "dp", "backend", "versions", "ranks"}
+KEYS = {"world_size", "tp", "pp", "dp", "backend", "versions", "ranks", "engines"}
 RANK_KEYS = {"rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank"}
 
 
 def run(cmd, timeout=120):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    with mpich_segments_removed():  # a failed MPI job leaves MPICH's segment
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
 
 
 def test_info_json_under_mpirun():
@@ -33,18 +35,31 @@ def test_info_json_under_mpirun():
         rank = r["rank"]
         assert (r["tp_rank"], r["dp_rank"], r["pp_rank"]) == (rank % 2, 0, rank // 2)
         assert r["local_rank"] == rank and r["device"] == "cpu"
+    # The engine decisions and their reasons, per group and op.
+    engines = {(e["group"], e["op"]): e for e in rep["engines"]}
+    assert engines[("tp", "all_reduce")]["engine"] == "shm", rep["engines"]
+    assert engines[("tp", "all_reduce")]["ranks"] == [0, 1]
+    assert engines[("tp", "all_reduce")]["reason"] == "CPU tensors on one host"
+    assert engines[("dp", "broadcast")]["engine"] == "local"
+    assert engines[("world", "all_gather")]["ranks"] == [0, 1, 2, 3]
 
 
 def test_info_text_single_process_and_torchrun():
     proc = run([sys.executable, "-m", "fastpar", "info"])
     assert proc.returncode == 0, proc.stderr
-    for word in ("torch", "mpi4py", "native", "built", "launcher", "single", "rank map"):
-        assert word in proc.stdout
+    for word in ("torch", "mpi4py", "native", "built", "launcher", "single", "rank map",
+                 "engines on rank 0's groups", "every op  local   group of one rank"):
+        assert word in proc.stdout, proc.stdout
+    assert "not loaded (single launch)" in proc.stdout
+    # Under torchrun (and alone) info never initialises MPI, even with mpi4py installed.
+    code = ("import sys; from fastpar import info; rc = info.main(['--tp', '2', '--json']); "
+            "assert 'mpi4py.MPI' not in sys.modules, 'info imported mpi4py.MPI'; sys.exit(rc)")
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node=2", "-m", "fastpar", "info", "--tp", "2", "--json"])
+                "--nproc-per-node=2", "--no-python", sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["versions"]["launcher"] == "torchrun" and rep["tp"] == 2
+    assert rep["versions"]["mpi_library"] == "not loaded (torchrun launch)"
 
 
 def test_info_bad_layout_names_the_numbers():

@@ -33,11 +33,35 @@ def body_bad_degrees():
             messages.append(str(exc))
         else:
             raise AssertionError(f"tp={tp} pp={pp} accepted on 2 ranks")
-    try:
-        fastpar.init(timeout=0)
-    except ValueError as exc:
-        messages.append(str(exc))
     fastpar.init()  # and the process is still usable afterwards
+    return messages
+
+
+def body_timeouts():
+    """Bad timeouts are a ValueError before any communication; math.inf means no limit (the
+    first init, so MPI_Init runs under it), and a huge finite one works too."""
+    import math
+
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    messages = []
+    for bad in (0, -1.0, math.nan, "soon", None, True):
+        try:
+            fastpar.init(timeout=bad)
+            raise AssertionError(f"timeout={bad!r} accepted")
+        except ValueError as exc:
+            messages.append(str(exc))
+    for timeout in (math.inf, 1e30):
+        topo = fastpar.init(timeout=timeout)
+        assert topo.timeout == timeout
+        for group in (None, topo.dp_group):
+            x = torch.ones(3)
+            comm.all_reduce(x, group=group)
+            assert x.tolist() == [2.0] * 3
+        fastpar.shutdown()
     return messages
 
 
@@ -60,8 +84,17 @@ def test_bad_degrees_named():
         "world_size 2 is not divisible by tp 3 x pp 1",
         "world_size 2 is not divisible by tp 1 x pp 5",
         "world_size 2 is not divisible by tp 2 x pp 2",
-        "timeout must be positive, got 0",
     ]
+
+
+def test_timeouts_no_limit_and_bad_values():
+    (messages, _) = run_ranks(2, body_timeouts, timeout=90).values()
+    assert messages[:3] == [
+        f"timeout must be a positive number of seconds (math.inf for no limit), got {v}"
+        for v in ("0", "-1.0", "nan")]
+    assert messages[3:5] == ["timeout must be a number of seconds, got 'soon'",
+                             "timeout must be a number of seconds, got None"]
+    assert messages[5].endswith("got True")
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])

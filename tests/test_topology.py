@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from fastpar.topology import Grid
+from fastpar.grid import Grid
 from tests.multirank import run_ranks
 
 LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4), (1, 1)]}

@@ -1,16 +1,32 @@
 """fastpar.parallelize on a model we did not write (Hugging Face LlamaForCausalLM, random init, no
-downloads) and on a plain module, at tp = 1, 2, 4: logits and one optimizer step against the
-untouched model through full_state_dict, load_full_state_dict, and every bad-plan error."""
+downloads) and on a plain module: logits, loss, every parameter gradient (gathered to its serial
+shape) and one SGD step against the untouched model, through full_state_dict,
+load_full_state_dict, the table parallelize logs, and every bad-plan error.
 
+Every result is checked with ``fastpar.testing.assert_close`` against the serial model run in
+float64 on the same weights and data, the error bounded by a multiple of the serial float32
+model's own. (Hugging Face's RMSNorm and rotary embedding compute in float32 even in a float64
+model, so that reference rounds like float32 at every norm: about a quarter of the serial error,
+measured, which moves serial and parallel errors alike.) Layouts: tp = world (1, 2, 4) and tp 2
+on 4 ranks (dp 2), where each dp replica builds its own random model and data and checks against
+its own serial model: a layer that talks over the world instead of its tp group fails there.
+"""
+
+import contextlib
 import importlib.util
+import io
+import logging
+from logging.handlers import BufferingHandler
 
 import pytest
+import torch
 
 from tests.multirank import run_ranks
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-TOL = 2e-5
+LAYOUTS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world, tp)
+DP_STRIDE = 7919  # seed offset of each dp replica: same model and data within a tp group only
 EXPLICIT_PLAN = {
     "model.embed_tokens": "embedding",
     "model.layers.*.self_attn.[qkv]_proj": "column",
@@ -32,10 +48,53 @@ def tiny_llama(**overrides):
     return LlamaForCausalLM(LlamaConfig(**config)).eval()
 
 
-def close(name, got, want, tol=TOL):
-    assert tuple(got.shape) == tuple(want.shape), (name, tuple(got.shape), tuple(want.shape))
-    err = ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-3)).item()
-    assert err <= tol, f"{name}: relative error {err:.3g} > {tol}"
+class Checks:
+    """``close``: assert_close, keeping the worst error / bound seen; ``grads``: every parameter
+    gradient of a parallel model, gathered to its serial shape. Arguments in assert_close's
+    order: parallel, float64 reference, serial."""
+
+    def __init__(self, topo):
+        self.where = f"tp={topo.tp_size}, tp rank {topo.tp_rank}, dp rank {topo.dp_rank}"
+        self.count, self.worst = 0, (0.0, "")
+
+    def close(self, name, got, ref, serial):
+        from fastpar.testing import assert_close
+
+        assert ref.dtype == torch.float64 != serial.dtype, (name, ref.dtype, serial.dtype)
+        ratio = assert_close(f"{name} ({self.where})", got, ref, serial)
+        self.worst = max(self.worst, (ratio, name))
+        self.count += 1
+
+    def grads(self, tag, model, ref, serial):
+        from fastpar.nn import ShardedModule
+
+        got = {}
+        for name, p in model.named_parameters():  # the same order on every rank: collective
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            g = p.grad
+            if isinstance(module, ShardedModule) and g is not None:
+                g = module.gather_full(leaf, g)
+            got[name] = g
+        want = dict(serial.named_parameters())
+        assert got.keys() == want.keys(), (tag, sorted(got.keys() ^ want.keys()))
+        for name, p in ref.named_parameters():
+            self.close(f"{tag}.grad.{name}", got[name], p.grad, want[name].grad)
+
+
+@contextlib.contextmanager
+def quiet_and_logged():
+    """Capture stdout and the records of ``fastpar.parallelize`` at every level."""
+    logger, keep = logging.getLogger("fastpar.parallelize"), BufferingHandler(capacity=1000)
+    level = logger.level
+    logger.addHandler(keep)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            yield keep.buffer, out
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
 
 
 def body_hf(tp, seed):
@@ -47,17 +106,41 @@ def body_hf(tp, seed):
     import fastpar
     from fastpar import nn as pnn
 
-    fastpar.init(tp=tp, timeout=60)
+    topo = fastpar.init(tp=tp, timeout=60)
+    check = Checks(topo)
     report = {}
-    torch.manual_seed(seed)  # the same random model on every rank
-    ref = tiny_llama()
+    seed += DP_STRIDE * topo.dp_rank
+    torch.manual_seed(seed)  # the same random model and data on every rank of this tp group
+    base = tiny_llama()
     ids = torch.randint(128, (2, 16))
     labels = torch.randint(128, (2, 16))
+
+    def forward_backward(model):
+        model.zero_grad()
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        return logits.detach(), loss.detach()
+
     for plan_name, plan in (("declared", "auto"), ("explicit", EXPLICIT_PLAN)):
-        model = fastpar.parallelize(copy.deepcopy(ref), plan, verbose=plan_name == "declared")
-        serial = copy.deepcopy(ref)
+        verbose = plan_name == "declared"
+        with quiet_and_logged() as (records, out):
+            model = fastpar.parallelize(copy.deepcopy(base), plan, verbose=verbose)
         changed = {c["module"]: c["style"] for c in model.fastpar_changes
                    if c["style"] != "heads"}
+        # The table goes to logger "fastpar.parallelize" on tp rank 0 only (INFO when verbose,
+        # DEBUG otherwise), never to stdout.
+        assert out.getvalue() == "", f"parallelize printed: {out.getvalue()!r}"
+        assert len(records) == (topo.tp_rank == 0), [r.getMessage() for r in records]
+        if records:
+            assert records[0].levelno == (logging.INFO if verbose else logging.DEBUG)
+            text = records[0].getMessage()
+            title = (f"fastpar.parallelize: {len(changed)} layers of LlamaForCausalLM sharded "
+                     f"over tp={tp} ({plan_name} plan)")
+            assert text.startswith(title), text
+            assert all(f"  {name}: " in text for name in changed), text
+        report[f"{plan_name}.logged"] = len(records)
+
         assert changed["model.embed_tokens"] == "embedding", changed
         assert changed["lm_head"] == "column_gather", changed
         assert changed["model.layers.1.self_attn.k_proj"] == "column", changed
@@ -66,48 +149,53 @@ def body_hf(tp, seed):
         assert model.model.layers[0].self_attn.q_proj.weight.shape == (64 // tp, 64)
         report[plan_name] = len(changed)
 
+        serial, ref = copy.deepcopy(base), copy.deepcopy(base).double()
         sd = fastpar.full_state_dict(model)
         assert sd.keys() == serial.state_dict().keys()
         for k, v in serial.state_dict().items():
             assert torch.equal(sd[k], v), f"{plan_name}: {k} differs before training"
 
-        # Logits, loss and one optimizer step, parallel against serial. SGD, whose update is
-        # linear in the gradient: Adam's m / sqrt(v) turns rounding noise in near-zero
-        # gradients into full-size updates, which says nothing about the parallel gradients.
+        # Logits, loss and every gradient, then one SGD step and the same again: parallel and
+        # serial float32 against float64. SGD, whose update is linear in the gradient: Adam's
+        # m / sqrt(v) turns rounding noise in near-zero gradients into full-size updates.
         before = {k: v.clone() for k, v in serial.state_dict().items()}
-        optims = [torch.optim.SGD(m.parameters(), lr=2.0) for m in (model, serial)]
+        optims = [torch.optim.SGD(m.parameters(), lr=2.0) for m in (model, serial, ref)]
         for step in range(2):
-            out = [m(input_ids=ids).logits for m in (model, serial)]
-            close(f"{plan_name}.logits.step{step}", out[0], out[1].detach())
-            losses = [F.cross_entropy(o.flatten(0, 1), labels.flatten()) for o in out]
-            close(f"{plan_name}.loss.step{step}", losses[0].detach(), losses[1].detach())
+            (y_p, l_p), (y_s, l_s), (y_r, l_r) = map(forward_backward, (model, serial, ref))
+            tag = f"{plan_name}.step{step}"
+            check.close(f"{tag}.logits", y_p, y_r, y_s)
+            check.close(f"{tag}.loss", l_p, l_r, l_s)
+            check.grads(tag, model, ref, serial)
             if step == 1:
                 break
-            for loss, opt in zip(losses, optims):
-                opt.zero_grad()
-                loss.backward()
+            for opt in optims:
                 opt.step()
-            sd = fastpar.full_state_dict(model)
+            sd, sd_ref = fastpar.full_state_dict(model), ref.state_dict()
             for k, v in serial.state_dict().items():
-                close(f"{plan_name}.{k}.after_step", sd[k], v)
+                check.close(f"{plan_name}.{k}.after_step", sd[k], sd_ref[k], v)
+                # A step that moved a weight by no more than its rounding (eps) would make the
+                # check above say nothing about the gradient.
                 moved = ((v - before[k]).norm() / before[k].norm()).item()
-                assert moved > 10 * TOL, f"{k}: the step barely moved it ({moved:.2g})"
+                assert moved > 1000 * torch.finfo(v.dtype).eps, \
+                    f"{k}: the step barely moved it ({moved:.2g})"
             assert sd["model.embed_tokens.weight"].shape == (128, 64)
 
     # load_full_state_dict: a freshly parallelized copy of another random model takes the serial
     # weights and then computes what they compute.
     torch.manual_seed(seed + 1)
     other = fastpar.parallelize(tiny_llama(), "auto", verbose=False)
-    fastpar.load_full_state_dict(other, ref.state_dict())
-    close("loaded.logits", other(input_ids=ids).logits, ref(input_ids=ids).logits.detach())
+    fastpar.load_full_state_dict(other, base.state_dict())
+    with torch.no_grad():
+        check.close("loaded.logits", *(m(input_ids=ids).logits
+                                       for m in (other, copy.deepcopy(base).double(), base)))
     report["loaded"] = True
     report["errors"] = check_errors(tp)
+    report["checks"], report["worst"] = check.count, check.worst
     return report
 
 
 def check_errors(tp):
     """Every bad plan fails with a ValueError naming the problem, before anything is replaced."""
-    import torch
     from torch import nn
 
     import fastpar
@@ -150,6 +238,11 @@ def check_errors(tp):
                            "1 (Embedding): sparse=True", "2 (Embedding): scale_grad_by_freq=True"))
     tied = tiny_llama(tie_word_embeddings=True)
     messages.append(expect(tied, EXPLICIT_PLAN, "tied"))
+    # A fused q/k/v weight cannot be cut into contiguous column shards.
+    fused = nn.Module()
+    fused.qkv_proj = nn.Linear(8, 24 * tp)
+    messages.append(expect(fused, {"qkv_proj": "column"}, "qkv_proj (Linear): a fused projection",
+                           "split it"))
     if tp > 1:
         odd = nn.Sequential(nn.Linear(8, 6 * tp + 1), nn.Linear(6 * tp + 1, 8))
         messages.append(expect(odd, {"0": "column", "1": "row"},
@@ -161,7 +254,6 @@ def check_errors(tp):
         heads = tiny_llama(hidden_size=48, num_attention_heads=6, num_key_value_heads=kv)
         messages.append(expect(heads, "auto", f"num_key_value_heads = {kv} is not divisible by "
                                f"tp {tp}", "heads"))
-    del torch
     return messages
 
 
@@ -174,7 +266,9 @@ def body_inferred(tp, seed):
 
     import fastpar
 
-    fastpar.init(tp=tp, timeout=60)
+    topo = fastpar.init(tp=tp, timeout=60)
+    check = Checks(topo)
+    seed += DP_STRIDE * topo.dp_rank
 
     class Block(nn.Module):
         def __init__(self):
@@ -187,28 +281,35 @@ def body_inferred(tp, seed):
             h = self.embed_tokens(ids)
             return self.lm_head(h + self.down_proj(F.gelu(self.up_proj(h))))
 
-    torch.manual_seed(seed)
-    ref = Block()
+    torch.manual_seed(seed)  # the same random model and data on every rank of this tp group
+    serial = Block()
+    ref = copy.deepcopy(serial).double()
     model = fastpar.parallelize(Block(), "auto", verbose=False)
-    fastpar.load_full_state_dict(model, ref.state_dict())
+    fastpar.load_full_state_dict(model, serial.state_dict())
     styles = {c["module"]: c["style"] for c in model.fastpar_changes}
     assert styles == {"embed_tokens": "embedding", "up_proj": "column", "down_proj": "row",
                       "lm_head": "column_gather"}, styles
     ids = torch.randint(50, (3, 5))
-    close("inferred.logits", model(ids), ref(ids).detach())
+    dy = torch.randn(3, 5, 52)
+    outs = [m(ids) for m in (model, ref, serial)]
+    for out in outs:
+        out.backward(dy.to(out.dtype))
+    check.close("inferred.logits", *(o.detach() for o in outs))
+    check.grads("inferred", model, ref, serial)
 
     # A serial tensor of the wrong shape is refused, naming the key and both shapes, before
     # anything is copied (a too-long vocabulary used to be silently truncated).
     for key, shape in (("embed_tokens.weight", (52, 16)), ("up_proj.weight", (33, 16)),
                        ("lm_head.bias", (50,))):
         try:
-            fastpar.load_full_state_dict(model, {**ref.state_dict(), key: torch.zeros(shape)})
+            fastpar.load_full_state_dict(model, {**serial.state_dict(), key: torch.zeros(shape)})
             raise AssertionError(f"{key} of shape {shape} was loaded")
         except ValueError as exc:
-            want = tuple(ref.state_dict()[key].shape)
+            want = tuple(serial.state_dict()[key].shape)
             assert (f"size mismatch for {key}: copying a param with shape {shape}" in str(exc)
                     and f"the shape in current model is {want}" in str(exc)), exc
-    close("inferred.logits.after_refused_loads", model(ids), ref(ids).detach())
+    with torch.no_grad():
+        check.close("inferred.logits.after_refused_loads", model(ids), ref(ids), serial(ids))
 
     # Frozen parameters stay frozen.
     frozen = Block()
@@ -228,27 +329,33 @@ def body_inferred(tp, seed):
     mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     x = torch.randn(3, 8)
     for plan in ({"2": "rowwise_rep"}, {"0": "colwise_rep", "2": "rowwise_split_input"}):
-        par = fastpar.parallelize(copy.deepcopy(mlp), plan, verbose=False)
-        xs = [x.clone().requires_grad_(True) for _ in range(2)]
-        outs = [m(xi) for m, xi in zip((par, mlp), xs)]
-        close(f"{plan}.out", outs[0], outs[1].detach())
+        mods = (fastpar.parallelize(copy.deepcopy(mlp), plan, verbose=False),
+                copy.deepcopy(mlp).double(), copy.deepcopy(mlp))
+        xs = [x.to(next(m.parameters()).dtype, copy=True).requires_grad_(True) for m in mods]
+        outs = [m(xi) for m, xi in zip(mods, xs)]
         for o in outs:
             o.square().sum().backward()
-        close(f"{plan}.dx", xs[0].grad, xs[1].grad)
-    return styles
+        check.close(f"{plan}.out", *(o.detach() for o in outs))
+        check.close(f"{plan}.dx", *(xi.grad for xi in xs))
+        check.grads(f"{plan}", *mods)
+    return {"styles": styles, "checks": check.count, "worst": check.worst}
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed "
                     "(pip install transformers) - the Hugging Face parallelize test needs it")
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_parallelize_hf_llama(world):
-    launch = run_ranks(world, body_hf, tp=world, seed=3000 + world, env=ENV, timeout=300)
-    for value in launch.values():
+@pytest.mark.parametrize("world, tp", LAYOUTS)
+def test_parallelize_hf_llama(world, tp):
+    launch = run_ranks(world, body_hf, tp=tp, seed=3000 + 10 * world + tp, env=ENV, timeout=300)
+    for rank, value in enumerate(launch.values()):
         assert value["declared"] == value["explicit"] == 16  # 2 x 7 projections, embed, head
+        logged = int(rank % tp == 0)  # tp rank 0 of each replica logs each table, once
+        assert value["declared.logged"] == value["explicit.logged"] == logged, (rank, value)
         assert value["loaded"]
-        assert len(value["errors"]) == (8 if world == 1 else 10)
+        assert len(value["errors"]) == (9 if tp == 1 else 11)
+        assert value["checks"] == launch.values()[0]["checks"]
 
 
-@pytest.mark.parametrize("world", [2])
-def test_parallelize_inferred_plan(world):
-    run_ranks(world, body_inferred, tp=world, seed=4000)
+@pytest.mark.parametrize("world, tp", LAYOUTS)
+def test_parallelize_inferred_plan(world, tp):
+    launch = run_ranks(world, body_inferred, tp=tp, seed=4000 + 10 * world + tp)
+    assert len({v["checks"] for v in launch.values()}) == 1

@@ -7,8 +7,9 @@ Megatron's paper names the two basic operators of a TP region ``f`` and ``g``::
 
 plus the moves along the last dim (a column-parallel output or a row-parallel input) and, for
 sequence parallelism, the moves along a sequence dim that replace ``f``/``g`` at the region edges.
-Every wrapper takes an explicit ``group`` (``None``: the world) and is the identity, without a copy,
-on a group of one rank. Collectives go through ``fastpar.comm`` so the engine policy applies.
+Every wrapper takes an explicit ``group`` (``None`` is an error, not the world: these run inside a
+TP region, whose group the caller holds) and is the identity, without a copy, on a group of one
+rank. Collectives go through ``fastpar.comm`` so the engine policy applies.
 
 A collective that works in place never touches a tensor autograd may hand to someone else: gradients
 are cloned before an in-place all-reduce (one ``dy`` can feed several branches, e.g. a residual).
@@ -17,23 +18,9 @@ are cloned before an in-place all-reduce (one ``dy`` can feed several branches, 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from fastpar.comm.collectives import all_gather, all_reduce, reduce_scatter
-
-
-def group_size(group) -> int:
-    """Number of ranks in ``group`` (1 when torch.distributed is not initialised)."""
-    if not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    """This process's index in ``group`` (0 when torch.distributed is not initialised)."""
-    if not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
+from fastpar.runtime import group_rank, group_size
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -135,7 +122,7 @@ class Gather(torch.autograd.Function):
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a TP region (Megatron's f). forward: ``y = x``; backward: ``dx = all_reduce(dy)``."""
-    if group_size(group) == 1:
+    if group_size(group, "copy_to_tp") == 1:
         return x
     return CopyToTP.apply(x, group)
 
@@ -144,21 +131,21 @@ def reduce_from_tp(x: torch.Tensor, group, *, inplace: bool = False) -> torch.Te
     """Leave a TP region (Megatron's g). forward: ``y = all_reduce(x)``; backward: ``dx = dy``.
 
     ``inplace=True`` reduces ``x``'s storage (only for a fresh tensor no other op saved)."""
-    if group_size(group) == 1:
+    if group_size(group, "reduce_from_tp") == 1:
         return x
     return ReduceFromTP.apply(x, group, inplace)
 
 
 def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """forward: ``y = x.chunk(n, -1)[rank]``; backward: ``dx = all_gather(dy, dim=-1)``."""
-    if group_size(group) == 1:
+    if group_size(group, "scatter_to_tp") == 1:
         return x
     return Scatter.apply(x, group, -1)
 
 
 def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """forward: ``y = all_gather(x, dim=-1)``; backward: ``dx = dy.chunk(n, -1)[rank]``."""
-    if group_size(group) == 1:
+    if group_size(group, "gather_from_tp") == 1:
         return x
     return Gather.apply(x, group, -1)
 
@@ -168,7 +155,7 @@ def all_gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 
     forward: ``y = all_gather(x_shard, dim)``; backward: ``dx_shard = reduce_scatter(dy, dim)``
     (each rank's ``dy`` is a partial sum from its weight shard)."""
-    if group_size(group) == 1:
+    if group_size(group, "all_gather_sequence") == 1:
         return x
     return AllGatherSequence.apply(x, group, dim)
 
@@ -177,7 +164,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tenso
     """Leave a TP region into a sequence-parallel one (replaces g).
 
     forward: ``y_shard = reduce_scatter(x, dim)``; backward: ``dx = all_gather(dy_shard, dim)``."""
-    if group_size(group) == 1:
+    if group_size(group, "reduce_scatter_sequence") == 1:
         return x
     return ReduceScatterSequence.apply(x, group, dim)
 
@@ -186,7 +173,7 @@ def scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Shard a replicated activation along ``dim`` (e.g. after the embedding).
 
     forward: ``y_shard = x.chunk(n, dim)[rank]``; backward: ``dx = all_gather(dy_shard, dim)``."""
-    if group_size(group) == 1:
+    if group_size(group, "scatter_sequence") == 1:
         return x
     return Scatter.apply(x, group, dim)
 
@@ -195,6 +182,6 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Rebuild a replicated activation from sequence shards (e.g. before a replicated head).
 
     forward: ``y = all_gather(x_shard, dim)``; backward: ``dx_shard = dy.chunk(n, dim)[rank]``."""
-    if group_size(group) == 1:
+    if group_size(group, "gather_sequence") == 1:
         return x
     return Gather.apply(x, group, dim)

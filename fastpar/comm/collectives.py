@@ -2,18 +2,28 @@
 
 Every call returns its result tensor, or with ``async_op=True`` a ``Handle``: ``wait()`` returns
 the result, and the handle unpacks as the raw ``(tensor, handle)`` pair for overlap. Synchronous
-engines (shm, mpi) complete before the handle is returned; torch.distributed engines really run
-in the background.
+engines (shm, mpi) complete before the handle is returned; torch.distributed engines (gloo,
+NCCL) really run in the background, non-contiguous inputs included (the result is copied back
+into the input's layout in ``wait()``).
+
+``group=None`` means the world (``torch.distributed.group.WORLD``) here, as in
+torch.distributed. (The layers of ``fastpar.nn`` take ``group=None`` to mean the topology's tp
+group; the autograd collectives take no ``None`` at all.) ``op``: "sum", "max", "min", "prod" or
+the ``torch.distributed.ReduceOp`` of the same name.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from fastpar.comm import policy
-from fastpar.comm.engines import engines
+from fastpar.comm.state import current
+
+log = logging.getLogger("fastpar.comm")
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "prod": dist.ReduceOp.PRODUCT}
@@ -46,11 +56,6 @@ class Handle:
         return self._work is None or self._work.is_completed()
 
 
-def _check_op(op: str) -> None:
-    if op not in _TORCH_OPS:
-        raise ValueError(f"op must be one of {', '.join(_TORCH_OPS)}, got {op!r}")
-
-
 class Route:
     """Where one kind of call goes: the group, its ranks, the engine and its communicator."""
 
@@ -60,35 +65,47 @@ class Route:
         self.group, self.ranks, self.engine, self.comm = group, ranks, engine, comm
 
 
+def _op_name(op) -> str:
+    """``"sum"`` & co. from a string or a ``torch.distributed.ReduceOp``."""
+    if isinstance(op, str):
+        if op in _TORCH_OPS:
+            return op
+    else:
+        for name, red in _TORCH_OPS.items():
+            if op == red:
+                return name
+    raise ValueError(f"op must be one of {', '.join(map(repr, _TORCH_OPS))} or the "
+                     f"torch.distributed.ReduceOp of the same name, got {op!r}")
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}; "
+                        "call .to_dense() first")
+
+
 def _route(name: str, t: torch.Tensor, group, op: str = "sum") -> Route:
     """The route of one call; routes are cached per job, so a hot loop pays one dict lookup.
 
     The policy depends on bytes only for CUDA (IPC buffer size, 16-byte multiple), so only CUDA
-    routes are keyed by size.
+    routes are keyed by size. Each new route logs its engine and the reason at debug level
+    (``logging.getLogger("fastpar.comm")``).
     """
-    reg = engines()
+    st = current()
     cuda = t.is_cuda
-    key = (id(group), name, op, t.dtype, cuda, reg.forced, t.numel() if cuda else 0)
-    route = reg.routes.get(key)
+    key = (id(group), name, op, t.dtype, cuda, st.forced, t.numel() if cuda else 0)
+    route = st.routes.get(key)
     if route is not None:
         return route
-    _check_op(op)
-    group, ranks, layout = reg.resolve(group)
-    device = t.device
-    if cuda and name == "all_reduce" and layout.size > 1:
-        layout = reg.with_ipc(group, ranks, layout, device)
-    engine = policy.choose(name, device.type, layout, t.numel() * t.element_size(), t.dtype,
-                           reduce_op=op, forced=reg.forced).engine
-    comm = None
-    if engine == "shm":
-        comm = reg.shm(group, ranks)
-    elif engine == "mpi":
-        comm = reg.mpi(ranks)
-    elif engine == "cuda_ipc":
-        comm = reg.cuda_ipc(group, ranks, device)
-    if len(reg.routes) >= 4096:  # CUDA keys carry sizes: varying shapes must not grow it forever
-        reg.routes.clear()
-    route = reg.routes[key] = Route(group, ranks, engine, comm)
+    group, ranks, choice = st.choose(name, t, group, op)
+    comm = st.communicator(choice.engine, group, ranks, t.device)
+    log.debug("%s (%s, %s, %s) on global ranks %s -> %s: %s", name, op, t.dtype, t.device.type,
+              ranks, choice.engine, choice.reason)
+    if len(st.routes) >= 4096:  # CUDA keys carry sizes: varying shapes must not grow it forever
+        st.routes.clear()
+    route = st.routes[key] = Route(group, ranks, choice.engine, comm)
     return route
 
 
@@ -97,8 +114,8 @@ def use_backend(name: str | None) -> str | None:
     ``FASTPAR_COMM_BACKEND`` does from the environment; returns the previous setting."""
     if name is not None and name not in policy.ENGINES:
         raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(policy.ENGINES)}")
-    reg = engines()
-    previous, reg.forced = reg.forced, name
+    st = current()
+    previous, st.forced = st.forced, name
     return previous
 
 
@@ -124,15 +141,27 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = False):
+def _through_contiguous(t: torch.Tensor, call, async_op: bool):
+    """Run ``call`` (an in-place collective) on a contiguous copy of ``t`` and copy the result
+    back: at once for synchronous engines, in ``wait()`` for asynchronous ones."""
+    c = t.contiguous()
+    inner = call(c)
+    if async_op and inner._work is not None:
+        return Handle(t, inner._work, lambda: t.copy_(c))
+    t.copy_(c)
+    return _done(t, async_op)
+
+
+def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
     """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``)."""
+    _check_tensor("all_reduce", t)
+    op = _op_name(op)
     route = _route("all_reduce", t, group, op)
     engine = route.engine
     if engine == "local":
         return _done(t, async_op)
     if not t.is_contiguous():  # every engine wants contiguous memory (NCCL, ours); gloo copies
-        t.copy_(all_reduce(t.contiguous(), group, op))
-        return _done(t, async_op)
+        return _through_contiguous(t, lambda c: all_reduce(c, group, op, True), async_op)
     if engine == "shm":
         route.comm.all_reduce(t, op)
     elif engine == "cuda_ipc":
@@ -149,16 +178,21 @@ def all_reduce(t: torch.Tensor, group=None, op: str = "sum", async_op: bool = Fa
 
 
 def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False):
-    """The concatenation along ``dim`` of ``t`` from every rank of the group, in group order."""
-    dim = _check_dim("all_gather", t, dim) if t.dim() else 0
+    """The concatenation along ``dim`` of ``t`` from every rank of the group, in group order.
+
+    A 0-dim tensor is gathered into shape ``(n,)`` for a group of ``n`` ranks (``(1,)`` alone,
+    a view)."""
+    _check_tensor("all_gather", t)
+    if t.dim() == 0:
+        t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
+    dim = _check_dim("all_gather", t, dim)
     route = _route("all_gather", t, group)
     engine = route.engine
     if engine == "local":
         return _done(t, async_op)
     n = len(route.ranks)
     inp = t.contiguous()
-    stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]) if inp.dim() else (n,),
-                          dtype=t.dtype, device=t.device)
+    stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]), dtype=t.dtype, device=t.device)
     work = None
     if engine == "shm":
         route.comm.all_gather(inp, stacked)
@@ -167,7 +201,7 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     else:
         work = dist.all_gather_into_tensor(stacked, inp, group=route.group, async_op=async_op)
 
-    if dim == 0 or inp.dim() == 0:
+    if dim == 0:
         return Handle(stacked, work) if async_op else stacked
     # (n * d0, ...) -> n pieces of t's shape, joined along dim.
     if work is None:
@@ -178,9 +212,11 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     return Handle(result, work, lambda: torch.cat(stacked.chunk(n, dim=0), dim=dim, out=result))
 
 
-def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
+def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
                    async_op: bool = False):
     """This rank's shard along ``dim`` of ``op`` over the group of ``t``."""
+    _check_tensor("reduce_scatter", t)
+    op = _op_name(op)
     if t.dim() == 0:
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
                          "0-dim tensor")
@@ -210,6 +246,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op: str = "sum",
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """In place: ``t`` of global rank ``src`` on every rank of the group. Returns ``t``."""
+    _check_tensor("broadcast", t)
     route = _route("broadcast", t, group)
     engine, ranks = route.engine, route.ranks
     if src not in ranks:
@@ -217,8 +254,7 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False)
     if engine == "local":
         return _done(t, async_op)
     if not t.is_contiguous():
-        t.copy_(broadcast(t.contiguous(), src, group))
-        return _done(t, async_op)
+        return _through_contiguous(t, lambda c: broadcast(c, src, group, True), async_op)
     if engine == "shm":
         route.comm.broadcast(t, ranks.index(src))
     elif engine == "mpi":

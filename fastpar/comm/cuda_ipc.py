@@ -5,7 +5,8 @@ holding its signal block (``ipc_meta_size()`` bytes) followed by its buffer, exp
 handle for it, and maps every peer's; the kernels (``csrc/cuda/``) then read peers' buffers
 directly. ``create`` returns ``(None, reason)`` instead of a communicator when IPC cannot work
 (no native CUDA build, world outside 2..8, a handle that does not open, a probe that gives a
-wrong sum), and the caller falls back to NCCL, logging the reason. The decision is taken on
+wrong sum), and the caller falls back to the group's torch.distributed engine (NCCL, or gloo
+under ``FASTPAR_SHARED_GPU``), logging the reason. The decision is taken on
 every rank together (an all-reduce of the local verdicts), so no rank uses IPC alone.
 """
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from fastpar import _native
 
-BUFFER_BYTES = 8 << 20  # messages above this go to NCCL
+BUFFER_BYTES = 8 << 20  # messages above this go to the group's torch.distributed engine (NCCL)
 
 
 class CudaIpcCommunicator:
@@ -72,7 +73,8 @@ class CudaIpcCommunicator:
         return comm, None
 
     def _probe(self, world, device) -> str | None:
-        """Each algorithm, each dtype: a sum whose exact result is known."""
+        """One-shot and two-shot (algo 1, 2), float32 and bfloat16: a sum whose exact result is
+        known."""
         expect = world * (world + 1) / 2
         for dtype in (torch.float32, torch.bfloat16):
             for algo in (1, 2):

@@ -8,11 +8,13 @@ last mapping does. Kernel protocol: ``csrc/shm/README.md``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import re
 import secrets
+import threading
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,9 @@ class ShmCommunicator:
     """Collectives of one group whose members share a host.
 
     Construction is collective over ``group`` (``ranks`` are its global ranks, in group order).
+    One call at a time: the ranks of a group must issue its collectives in the same order, which
+    two threads of one rank cannot promise, so a call made while another thread is inside one
+    on the same communicator raises at once (different groups may run in different threads).
     """
 
     def __init__(self, group, ranks: list[int], rank: int, timeout: float,
@@ -62,6 +67,11 @@ class ShmCommunicator:
             # Everyone has mapped the segment once this barrier passes: unlink the name now.
             dist.barrier(group=group)
         except Exception as exc:
+            anchor = getattr(self, "_anchor", None)
+            self._anchor = None
+            del anchor  # the buffer export, before the mapping can close
+            if getattr(self, "_mmap", None) is not None:
+                self._mmap.close()
             raise RuntimeError(f"fastpar shm: setting up the shared segment of the group of global "
                                f"ranks {self.ranks} failed on global rank {rank} (a peer died, "
                                f"or did not reach this collective in time): {exc}") from exc
@@ -69,9 +79,13 @@ class ShmCommunicator:
             if fd >= 0:
                 os.close(fd)
             if self.group_rank == 0 and name[0] is not None:
-                shm.shm_unlink(name[0])  # after the barrier, or on failure: nothing leaks
+                # After the barrier, or on failure (also when shm_open itself failed): nothing
+                # leaks, and a missing name does not hide the error above.
+                with contextlib.suppress(FileNotFoundError):
+                    shm.shm_unlink(name[0])
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
                                           float(timeout))
+        self._busy = threading.Lock()
         # Bound overloads: skips the op-packet lookup on every call (~1 us of a ~3 us call).
         self._all_reduce = self._ops.shm_all_reduce.default
         self._all_gather = self._ops.shm_all_gather.default
@@ -90,34 +104,37 @@ class ShmCommunicator:
         return RuntimeError(f"{text} [shm group of global ranks {self.ranks}; after an error "
                             "the group's segment is unusable and later calls on it fail too]")
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> None:
+    def _call(self, name: str, kernel, *args) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"fastpar shm: {name} on the group of global ranks {self.ranks} was called "
+                f"while another thread of this rank is inside a collective on the same group; "
+                f"a group's collectives must be issued one at a time, in the same order on "
+                f"every rank (use one thread per group, or a group per thread)")
         try:
-            self._all_reduce(self._comm, t, op)
+            kernel(self._comm, *args)
         except RuntimeError as exc:
             raise self._failed(exc) from None
+        finally:
+            self._busy.release()
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> None:
+        self._call("all_reduce", self._all_reduce, t, op)
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
-        try:
-            self._all_gather(self._comm, inp, out)
-        except RuntimeError as exc:
-            raise self._failed(exc) from None
+        self._call("all_gather", self._all_gather, inp, out)
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
-        try:
-            self._reduce_scatter(self._comm, inp, out, op)
-        except RuntimeError as exc:
-            raise self._failed(exc) from None
+        self._call("reduce_scatter", self._reduce_scatter, inp, out, op)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
-        try:
-            self._broadcast(self._comm, t, root)
-        except RuntimeError as exc:
-            raise self._failed(exc) from None
+        self._call("broadcast", self._broadcast, t, root)
 
     def close(self) -> None:
         if self._comm is None:
             return
-        self._ops.shm_detach(self._comm)
+        with self._busy:  # a collective in flight on another thread ends first (or times out)
+            self._ops.shm_detach(self._comm)
         self._comm = None
         del self._anchor
         self._mmap.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -28,9 +29,12 @@ class CommState:
         self.forced: str | None = os.environ.get("FASTPAR_COMM_BACKEND") or None
         self.routes: dict = {}  # call signature -> Route; see collectives._route
         self._groups: dict = {}  # id(group) -> (group, global ranks in group order, Layout)
-        self._shm: dict = {}  # global ranks -> ShmCommunicator
-        self._mpi: dict = {}  # global ranks -> MPI communicator
-        self._ipc: dict = {}  # global ranks -> CudaIpcCommunicator, or None where IPC is off
+        # Each process group owns its communicators, keyed by id(group) (the group stays alive
+        # in _groups): two groups with the same members (the world and the dp group at
+        # tp = pp = 1) never share one, so threads may drive different groups at once.
+        self._shm: dict = {}  # id(group) -> ShmCommunicator
+        self._mpi: dict = {}  # id(group) -> MPI communicator
+        self._ipc: dict = {}  # id(group) -> CudaIpcCommunicator, or None where IPC is off
 
     def resolve(self, group):
         """``(group, global ranks in group order, Layout)`` for a ``group=`` argument
@@ -39,11 +43,17 @@ class CommState:
             group = dist.group.WORLD
         entry = self._groups.get(id(group))
         if entry is None:
+            if group is dist.GroupMember.NON_GROUP_MEMBER:
+                raise ValueError(f"global rank {self.topo.rank} is not a member of this group "
+                                 "(torch.distributed.new_group returned NON_GROUP_MEMBER here); "
+                                 "call collectives only on the ranks of the group")
             try:
                 ranks = dist.get_process_group_ranks(group)
-            except (ValueError, RuntimeError) as exc:
+            except (ValueError, RuntimeError, KeyError, TypeError) as exc:
                 raise ValueError(f"group {group!r} is not a process group of this job, or this "
-                                 f"rank ({self.topo.rank}) is not in it: {exc}") from None
+                                 f"rank ({self.topo.rank}) is not in it ({type(exc).__name__}: "
+                                 f"{exc}); pass one of the Topology's *_group or a group from "
+                                 "torch.distributed.new_group") from None
             hosts = {self.topo.hosts[r] for r in ranks} if self.topo.hosts else {None, 0}
             layout = Layout(size=len(ranks), same_host=len(hosts) == 1,
                             native=_native.available(), pg_backend=dist.get_backend(group))
@@ -70,31 +80,35 @@ class CommState:
         if engine == "shm":
             return self.shm(group, ranks)
         if engine == "mpi":
-            return self.mpi(ranks)
+            return self.mpi(group, ranks)
         if engine == "cuda_ipc":
             return self.cuda_ipc(group, ranks, device)
         return None
 
     def shm(self, group, ranks):
-        key = tuple(ranks)
+        key = id(group)
         if key not in self._shm:
             from fastpar.comm.shm import ShmCommunicator
 
             self._shm[key] = ShmCommunicator(group, ranks, self.topo.rank, self.topo.timeout)
         return self._shm[key]
 
-    def mpi(self, ranks):
-        key = tuple(ranks)
+    def mpi(self, group, ranks):
+        key = id(group)
         if key not in self._mpi:
             if self.topo.mpi_comm is None:
                 raise ValueError("the mpi engine needs an MPI launch (mpirun), but this job "
                                  f"was started by {self.topo.launcher}")
             world = self.topo.mpi_comm
-            self._mpi[key] = world.Create_group(world.group.Incl(list(ranks)))
+            # MPI_Comm_create_group is collective over the members only; the tag (alike on
+            # every member: torch names groups in creation order) keeps creations of different
+            # groups apart when threads make them at once.
+            tag = zlib.crc32(group.group_name.encode()) % 32768
+            self._mpi[key] = world.Create_group(world.group.Incl(list(ranks)), tag)
         return self._mpi[key]
 
     def cuda_ipc(self, group, ranks, device):
-        key = tuple(ranks)
+        key = id(group)
         if key not in self._ipc:
             comm = None
             if os.environ.get("FASTPAR_CUDA_IPC", "1") != "0":

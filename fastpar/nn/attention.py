@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.comm.autograd import group_size
 from fastpar.nn import random as tp_random
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.sharding import generator, resolve_group
+from fastpar.runtime import group_size
 
 
 class ParallelSelfAttention(nn.Module):

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from fastpar.comm.autograd import group_rank, group_size
 from fastpar.comm.collectives import all_reduce
 from fastpar.nn.sharding import resolve_group
+from fastpar.runtime import group_rank, group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index, smoothing):
         shard_size = logits.shape[-1]
+        out_shape = target.shape  # (...): one loss per token, as the target
         z = logits.reshape(-1, shard_size).float()  # (N, V_n)
         target = target.reshape(-1)
         valid_cols = min(max(vocab_size - vocab_start, 0), shard_size)  # the rest is padding
@@ -54,7 +55,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(softmax, safe_t, in_shard & keep, keep)
         ctx.smoothing, ctx.valid_cols, ctx.vocab_size = smoothing, valid_cols, vocab_size
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
-        return loss.view(target.shape)
+        return loss.view(out_shape)
 
     @staticmethod
     def backward(ctx, dloss):
@@ -77,7 +78,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
 
     ``logits_shard``: ``(..., V / n)``, rank r holding columns ``[r * V/n, (r + 1) * V/n)``;
     ``target``: ``(...)`` of full-vocab ids in ``[0, vocab_size)`` or ``ignore_index`` (others
-    raise ValueError). ``vocab_size``: the real vocabulary when the shards
+    raise ValueError; on a GPU, a device-side assert). ``vocab_size``: the real vocabulary when the
+    shards
     are of a padded one (columns ``>= vocab_size`` are ignored). ``reduction``: "mean" (over
     non-ignored tokens, as F.cross_entropy), "sum" or "none". The loss is float32.
     """

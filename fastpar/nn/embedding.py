@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.comm.autograd import group_rank, group_size, reduce_from_tp, reduce_scatter_sequence
+from fastpar.comm.autograd import reduce_from_tp, reduce_scatter_sequence
 from fastpar.comm.collectives import all_gather
 from fastpar.nn.sharding import (ShardedModule, copy_into, full_embedding, generator,
                                  resolve_group, vocab_range)
+from fastpar.runtime import group_rank, group_size
 
 
 def unsupported_options(embedding: nn.Embedding) -> list[str]:

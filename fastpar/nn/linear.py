@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp, group_size,
+from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                    reduce_from_tp, reduce_scatter_sequence, scatter_to_tp)
 from fastpar.nn.sharding import ShardedModule, copy_into, full_linear, generator, resolve_group
+from fastpar.runtime import group_size
 
 
 def check_overlap(overlap, chunks) -> None:

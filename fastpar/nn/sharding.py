@@ -22,15 +22,17 @@ import math
 import torch
 from torch import nn
 
-from fastpar.comm.autograd import group_rank, group_size
+from fastpar.runtime import group_rank, group_size, is_initialized, topology
 
 
 def resolve_group(group):
-    """``group`` itself, or the current topology's tp group when ``None``."""
+    """``group`` itself, or the current topology's tp group when ``None``.
+
+    In ``fastpar.nn`` (layers, cross-entropy, RNG streams, ``parallelize``) ``group=None`` means
+    the tp group, the group a tensor-parallel layer shards over. (The raw collectives of
+    ``fastpar.comm`` take ``None`` to mean the world, as torch.distributed does.)"""
     if group is not None:
         return group
-    from fastpar.runtime import is_initialized, topology
-
     if not is_initialized():
         raise RuntimeError("a fastpar parallel layer needs group= or fastpar.init() first")
     return topology().tp_group
@@ -88,7 +90,7 @@ class ShardedModule(nn.Module):
     """Base of the layers that hold shards: maps a full tensor to the local one and back.
 
     Subclasses set ``self.group`` and ``self.shard_dims`` (parameter name -> sharded dim); dim 0
-    of a vocab-sharded embedding is uneven and handled by overriding the two methods.
+    of a vocab-sharded embedding is uneven and handled by overriding the three methods.
     """
 
     shard_dims: dict[str, int] = {}

@@ -2,20 +2,23 @@
 
 Steps, identical under every launcher:
 
-1. ``launcher.detect`` reads rank and world size from the environment (mpi4py for MPI launchers).
-2. The tp/pp degrees are validated on every rank before any communication, so a bad layout fails
+1. ``launcher.detect`` reads the launcher, rank and world size from the environment; under an MPI
+   launcher mpi4py (``MPI_Init``) then gives rank, world size and local ranks.
+2. The tp/pp degrees are validated on every rank before the rendezvous, so a bad layout fails
    everywhere at once with the same ``ValueError``.
 3. Rendezvous on a TCP store. Under MPI, rank 0 starts the store on a free port and broadcasts its
    address over MPI; under torchrun the store comes from ``MASTER_ADDR``/``MASTER_PORT``.
-4. A join barrier on the store with a deadline: a rank that cannot reach the store, or a peer that
-   never arrives, ends in an error naming the ranks and the address on every rank that is alive,
-   instead of a wait that lasts until the collective timeout.
+4. A join barrier on the store with a deadline: a rank that cannot reach the store (its error
+   names the address), or a peer that never arrives, ends in an error naming the missing ranks on
+   every rank that is alive, instead of a wait that lasts until the collective timeout.
 5. ``torch.distributed.init_process_group`` on that store, then every group of the grid.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import math
 import os
 import socket
 import time
@@ -23,15 +26,57 @@ from typing import Any
 
 import torch
 
+from fastpar.grid import Grid, Topology, validate_degrees
 from fastpar.runtime import launcher as _launcher
+from fastpar.runtime.groups import build_groups
+from fastpar.runtime.rng import RNGTracker
 from fastpar.runtime.watchdog import deadline
-from fastpar.topology import Grid, Topology, build_groups, validate_degrees
 
-# The one current Topology, plus what init needs to undo or repeat it. "generation" counts inits
-# in this process (ranks init in lockstep), so a store that outlives one init (torchrun's agent
-# store) never mixes keys of two inits.
-_STATE: dict[str, Any] = {"topology": None, "args": None, "owns_pg": False, "hooks": [],
-                          "generation": 0}
+
+@dataclasses.dataclass
+class Job:
+    """Everything one ``fastpar.init`` made, freed by ``fastpar.shutdown``.
+
+    ``topology``: the immutable grid and groups. ``comm``: the communication state
+    (``fastpar.comm.state.CommState``: forced engine, cached routes, the shm / MPI / CUDA IPC
+    communicators of each group). ``rng``: the named random streams of tensor parallelism
+    (``fastpar.nn.random``).
+    """
+
+    topology: Topology
+    comm: Any
+    rng: RNGTracker
+    args: tuple  # (tp, pp, backend, timeout) as init was called
+    owns_pg: bool  # init created the default process group (and so destroys it)
+
+
+# What timeout=math.inf ("no limit") becomes where a finite duration is needed (a store's or a
+# process group's timedelta); the MPI_Init watchdog is not armed at all at or above it.
+NO_LIMIT_S = 10 * 365 * 86400.0
+
+
+def check_timeout(timeout) -> float:
+    """``timeout`` as float seconds: positive, ``math.inf`` for no limit; ``ValueError`` for
+    anything else (nan, zero, negative, not a number)."""
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout must be a number of seconds, got {timeout!r}") from None
+    if math.isnan(seconds) or seconds <= 0 or isinstance(timeout, bool):
+        raise ValueError(f"timeout must be a positive number of seconds (math.inf for no "
+                         f"limit), got {timeout!r}")
+    return seconds
+
+
+def as_timedelta(seconds: float) -> datetime.timedelta:
+    """``seconds`` for torch.distributed (no limit: ``NO_LIMIT_S``)."""
+    return datetime.timedelta(seconds=min(seconds, NO_LIMIT_S))
+
+
+# The one current Job (None outside init/shutdown). "generation" counts inits in this process
+# (ranks init in lockstep), so a store that outlives one init (torchrun's agent store) never mixes
+# keys of two inits.
+_STATE: dict[str, Any] = {"job": None, "generation": 0}
 
 
 def _mpi_world(info: _launcher.LaunchInfo, timeout: float):
@@ -44,7 +89,7 @@ def _mpi_world(info: _launcher.LaunchInfo, timeout: float):
     message = (f"fastpar.init: {who} ({info.launcher} launcher): MPI_Init did not complete within "
                f"{timeout:g} s; a rank never started or died before joining MPI. Exiting.")
     try:
-        with deadline(timeout, message):
+        with deadline(timeout if timeout < NO_LIMIT_S else None, message):
             from mpi4py import MPI
     except ImportError as exc:
         raise RuntimeError(
@@ -77,7 +122,7 @@ def _join_store(host: str, port: int, rank: int, world_size: int, is_master: boo
 
     try:
         return dist.TCPStore(host, port, world_size, is_master,
-                             timeout=datetime.timedelta(seconds=timeout),
+                             timeout=as_timedelta(timeout),
                              wait_for_workers=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with the context a user needs
         what = "could not start the rendezvous store" if is_master else "could not reach rank 0"
@@ -129,8 +174,9 @@ def _join_barrier(store, rank: int, world_size: int, timeout: float,
     """Wait until every rank has checked in and return every rank's host name; on the deadline,
     name the ranks that did not arrive.
 
-    Rank 0 hosts the store, so on failure it stays until every rank that did arrive has read
-    the missing list (or a few seconds pass): they all fail with the same message.
+    Rank 0 hosts the store (unless torchrun's agent does), so on failure it stays until every
+    rank that did arrive has read the missing list (or 5 s pass): they all fail with the same
+    message.
     """
     prefix = f"fastpar/join/{generation}"
     store.set(f"{prefix}/{rank}", socket.gethostname())
@@ -174,6 +220,36 @@ def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _abort_job_on_uncaught_exception(comm, rank: int) -> None:
+    """Under MPI, an exception nobody catches on one rank ends the whole job at once, with its
+    traceback, instead of leaving the other ranks waiting in a collective until the timeout (as
+    ``python -m mpi4py`` does). Installed once per process, for the main and other threads.
+
+    The traceback goes straight to file descriptor 2: torch.distributed's own excepthook, which
+    init_process_group stacks on top of this one, captures ``sys.stderr`` while it calls the
+    hook below it, and the abort would lose that capture."""
+    import sys
+    import threading
+    import traceback
+
+    if _STATE.get("abort_hook"):
+        return
+    _STATE["abort_hook"] = True
+
+    def abort(exc_type, exc, tb):
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        os.write(2, (f"fastpar: uncaught exception on rank {rank}; aborting the MPI job so that "
+                     f"no rank waits for it:\n{text}").encode(errors="replace"))
+        # The launcher forwards output asynchronously, and the abort ends every rank's output
+        # stream: leave it a moment to carry the traceback out first.
+        time.sleep(0.5)
+        comm.Abort(1)
+
+    sys.excepthook = abort
+    threading.excepthook = lambda args: abort(args.exc_type, args.exc_value,
+                                              args.exc_traceback)
+
+
 def _this_process(info: _launcher.LaunchInfo, timeout: float):
     """``(mpi_comm, rank, world_size, local_rank, local_world_size)``; MPI is the truth under an
     MPI launcher (local ranks from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``, not host names)."""
@@ -196,23 +272,26 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     """Join the job started by any launcher and return this rank's ``Topology``.
 
     Idempotent for the same arguments; calling it again with different ones is an error (call
-    ``shutdown()`` first). ``timeout`` (seconds) bounds the rendezvous and every later collective.
+    ``shutdown()`` first). ``timeout`` (seconds; ``math.inf``: no limit) bounds the rendezvous and
+    every later collective on every group of the grid.
     """
     import torch.distributed as dist
 
-    args = (tp, pp, backend, float(timeout))
-    if _STATE["topology"] is not None:
-        if _STATE["args"] == args:
-            return _STATE["topology"]
-        old = dict(zip(("tp", "pp", "backend", "timeout"), _STATE["args"]))
+    timeout = check_timeout(timeout)
+    args = (tp, pp, backend, timeout)
+    current = _STATE["job"]
+    if current is not None:
+        if current.args == args:
+            return current.topology
+        old = dict(zip(("tp", "pp", "backend", "timeout"), current.args))
         new = dict(zip(("tp", "pp", "backend", "timeout"), args))
         raise RuntimeError(f"fastpar.init was already called with {old}; called again with "
                            f"{new}. Call fastpar.shutdown() first to change the layout.")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
 
     info = _launcher.detect(os.environ)
     mpi_comm, rank, world_size, local_rank, local_world_size = _this_process(info, timeout)
+    if mpi_comm is not None:
+        _abort_job_on_uncaught_exception(mpi_comm, rank)
     validate_degrees(world_size, tp, pp)
     grid = Grid(world_size, tp, pp)
     device = _choose_device(local_rank, local_world_size)
@@ -233,7 +312,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         pg_store = dist.PrefixStore(f"fastpar/pg/{generation}", store)
         dist.init_process_group(backend, store=pg_store, rank=rank,
                                 world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=as_timedelta(timeout))
     else:
         store = None
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
@@ -243,41 +322,53 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         hosts = [None] * world_size
         dist.all_gather_object(hosts, socket.gethostname())
         hosts = tuple(hosts)
-    groups = build_groups(grid, rank)
-    topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
-                    local_world_size=local_world_size, device=device,
-                    backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
-                    timeout=float(timeout), mpi_comm=mpi_comm, store=store, **groups)
-    _STATE.update(topology=topo, args=args, owns_pg=owns_pg)
+    try:
+        groups = build_groups(grid, rank, as_timedelta(timeout))
+        topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
+                        local_world_size=local_world_size, device=device,
+                        backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
+                        timeout=timeout, mpi_comm=mpi_comm, store=store, **groups)
+        # The job's communication state. The one import of a layer above the runtime: the state
+        # is built here so that it has one owner and one lifetime (init to shutdown). Building it
+        # communicates nothing; communicators are created at a group's first collective.
+        from fastpar.comm.state import CommState
+
+        comm = CommState(topo)
+    except BaseException:
+        if owns_pg:  # no half-made job: the next init starts from scratch
+            dist.destroy_process_group()
+        raise
+    _STATE["job"] = Job(topology=topo, comm=comm, rng=RNGTracker(), args=args, owns_pg=owns_pg)
     return topo
+
+
+def job() -> Job:
+    """The current ``Job``; ``RuntimeError`` if ``fastpar.init`` was not called."""
+    if _STATE["job"] is None:
+        raise RuntimeError("fastpar.init() has not been called in this process")
+    return _STATE["job"]
 
 
 def topology() -> Topology:
     """The ``Topology`` of this process; ``RuntimeError`` if ``fastpar.init`` was not called."""
-    if _STATE["topology"] is None:
-        raise RuntimeError("fastpar.init() has not been called in this process")
-    return _STATE["topology"]
+    return job().topology
 
 
 def is_initialized() -> bool:
-    return _STATE["topology"] is not None
-
-
-
-
-def on_shutdown(hook) -> None:
-    """Register a callable run by ``shutdown()`` (layers above free their buffers this way)."""
-    _STATE["hooks"].append(hook)
+    return _STATE["job"] is not None
 
 
 def shutdown() -> None:
-    """Destroy the process groups and free what ``init`` made. Safe to call twice."""
+    """Free the job's communicators, destroy the process groups init created. Safe to call
+    twice."""
     import torch.distributed as dist
 
-    if _STATE["topology"] is None:
+    current = _STATE["job"]
+    if current is None:
         return
-    while _STATE["hooks"]:
-        _STATE["hooks"].pop()()
-    if _STATE["owns_pg"] and dist.is_initialized():
-        dist.destroy_process_group()
-    _STATE.update(topology=None, args=None, owns_pg=False, hooks=[])
+    _STATE["job"] = None
+    try:
+        current.comm.close()
+    finally:
+        if current.owns_pg and dist.is_initialized():
+            dist.destroy_process_group()

@@ -2,8 +2,8 @@
 
 ``MPI_Init`` waits forever for a rank that never started, and holds the GIL while it waits, so no
 Python thread can time it out. The native watchdog (a C++ thread) can: unless disarmed in time, it
-prints the message and ends the process. Without the extension, ``faulthandler`` does the same
-with a traceback instead of the message.
+prints the message and ends the process with status ``EXIT_CODE`` (124). Without the extension,
+``faulthandler`` ends it: a traceback instead of the message, exit status 1.
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ EXIT_CODE = 124
 
 
 @contextlib.contextmanager
-def deadline(seconds: float, message: str):
-    """Run the ``with`` body; if it takes over ``seconds``, print ``message`` and exit."""
-    if _native.available():
+def deadline(seconds: float | None, message: str):
+    """Run the ``with`` body; if it takes over ``seconds``, print ``message`` and exit with
+    ``EXIT_CODE`` (without the native extension: a traceback, exit status 1). ``None``: no
+    limit."""
+    if seconds is None:
+        yield
+    elif _native.available():
         import torch
 
         dog = torch.ops.fastpar.watchdog_arm(float(seconds), message, EXIT_CODE)
