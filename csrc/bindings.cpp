@@ -18,15 +18,19 @@ TORCH_LIBRARY(fastpar, m) {
 
   // Shared-memory collectives (CPU). The segment at `base` is owned by fastpar/comm/shm.py.
   m.def("shm_segment_bytes(int world, int slot_bytes) -> int", &fastpar::shm_segment_bytes);
+  m.def("shm_guard_name(str name) -> int", &fastpar::shm_guard_name);
+  m.def("shm_unguard(int slot) -> ()", &fastpar::shm_unguard);
   m.def("shm_init_segment(int base, int world, int slot_bytes) -> ()", &fastpar::shm_init_segment);
   m.def("shm_attach(int base, int rank, int world, int slot_bytes, float timeout_s) -> int",
         &fastpar::shm_attach);
   m.def("shm_detach(int comm) -> ()", &fastpar::shm_detach);
   m.def("shm_all_reduce(int comm, Tensor(a!) t, str op) -> ()", &fastpar::shm_all_reduce);
-  m.def("shm_all_gather(int comm, Tensor inp, Tensor(a!) out) -> ()", &fastpar::shm_all_gather);
+  m.def("shm_all_gather(int comm, Tensor inp, Tensor(a!) out, int sig) -> ()",
+        &fastpar::shm_all_gather);
   m.def("shm_reduce_scatter(int comm, Tensor inp, Tensor(a!) out, str op) -> ()",
         &fastpar::shm_reduce_scatter);
-  m.def("shm_broadcast(int comm, Tensor(a!) t, int root) -> ()", &fastpar::shm_broadcast);
+  m.def("shm_broadcast(int comm, Tensor(a!) t, int root, int sig) -> ()",
+        &fastpar::shm_broadcast);
 
 #ifdef FASTPAR_WITH_CUDA
   // CUDA IPC all-reduce. Buffers and handles are owned by fastpar/comm/cuda_ipc.py.

@@ -1,8 +1,14 @@
 // Torch glue of the shared-memory collectives; see shm_ops.h.
+#include <Python.h>  // first, as Python requires
+
 #include "shm_ops.h"
 
 #include <c10/util/Exception.h>
 
+#include <signal.h>
+#include <sys/mman.h>
+
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,6 +57,24 @@ void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), "fastpar shm: ", what, " must be contiguous");
 }
 
+// The kernel's poll hook: runs Python's signal handlers from inside a long wait, so that
+// Ctrl-C ends a collective within ~10 ms instead of after the timeout. A handler that raised
+// ends the wait (the kernel poisons the segment and throws); its exception is cleared here,
+// and fastpar/comm/shm.py raises KeyboardInterrupt again from the message.
+const char* poll_python_signals(void*) {
+  if (!Py_IsInitialized()) return nullptr;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  const char* why = nullptr;
+  if (PyErr_CheckSignals() != 0) {  // only the main thread runs handlers; others get 0
+    why = PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)
+              ? "was interrupted (KeyboardInterrupt)"
+              : "was interrupted (a signal handler raised)";
+    PyErr_Clear();
+  }
+  PyGILState_Release(gil);
+  return why;
+}
+
 // The kernel reports mismatches and timeouts as std::runtime_error; re-raise as c10::Error
 // so Python sees a RuntimeError with the kernel's message.
 template <typename F>
@@ -62,7 +86,55 @@ void run(F&& f) {
   }
 }
 
+// ---- names of segments still being set up -----------------------------------------
+// Between shm_open and the moment every member has mapped it, a segment has a name in
+// /dev/shm; a SIGTERM (or SIGHUP) then would leave it behind. While any name is guarded, a
+// handler for those signals unlinks every guarded name (unlink is async-signal-safe) and then
+// hands the signal to what was there before (the default action: the process ends).
+constexpr int kGuardSlots = 16;
+constexpr int kGuardChars = 96;
+char guarded[kGuardSlots][kGuardChars];
+volatile sig_atomic_t guard_used[kGuardSlots];
+struct sigaction previous_term, previous_hup;
+std::once_flag guard_installed;
+
+void unlink_guarded(int sig) {
+  for (int i = 0; i < kGuardSlots; ++i)
+    if (guard_used[i]) ::shm_unlink(guarded[i]);
+  const struct sigaction& prev = sig == SIGTERM ? previous_term : previous_hup;
+  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN &&
+      !(prev.sa_flags & SA_SIGINFO)) {
+    prev.sa_handler(sig);
+    return;
+  }
+  ::sigaction(sig, &prev, nullptr);
+  ::raise(sig);
+}
+
 }  // namespace
+
+int64_t shm_guard_name(const std::string& name) {
+  TORCH_CHECK(name.size() < size_t(kGuardChars), "fastpar shm: segment name too long: ", name);
+  std::call_once(guard_installed, [] {
+    struct sigaction act {};
+    act.sa_handler = &unlink_guarded;
+    sigemptyset(&act.sa_mask);
+    ::sigaction(SIGTERM, &act, &previous_term);
+    ::sigaction(SIGHUP, &act, &previous_hup);
+  });
+  std::lock_guard<std::mutex> lock(comms_mu);
+  for (int i = 0; i < kGuardSlots; ++i) {
+    if (guard_used[i]) continue;
+    std::memcpy(guarded[i], name.c_str(), name.size() + 1);
+    guard_used[i] = 1;
+    return i;
+  }
+  return -1;  // every slot busy: this segment goes unguarded (still unlinked on every exit path)
+}
+
+void shm_unguard(int64_t slot) {
+  if (slot >= 0 && slot < kGuardSlots) guard_used[slot] = 0;
+}
 
 int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes) {
   return static_cast<int64_t>(shm::segment_bytes(static_cast<int>(world), slot_bytes));
@@ -80,6 +152,7 @@ int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes
                         static_cast<int>(world), slot_bytes);
   });
   comm->timeout_s = timeout_s;
+  comm->poll = &poll_python_signals;
   std::lock_guard<std::mutex> lock(comms_mu);
   comms[next_comm] = std::move(comm);
   return next_comm++;
@@ -98,7 +171,7 @@ void shm_all_reduce(int64_t handle, at::Tensor& t, const std::string& op) {
   run([&] { shm::all_reduce(c, t.data_ptr(), t.numel(), dt, o); });
 }
 
-void shm_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out) {
+void shm_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out, int64_t sig) {
   check_cpu(in, "input");
   check_cpu(out, "output");
   auto& c = get(handle);
@@ -106,7 +179,7 @@ void shm_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out) {
               in.scalar_type(), " but output is ", out.scalar_type());
   TORCH_CHECK(out.numel() == in.numel() * c.world, "fastpar shm all_gather: output holds ",
               out.numel(), " elements, expected ", c.world, " x ", in.numel());
-  run([&] { shm::all_gather(c, in.data_ptr(), out.data_ptr(), in.nbytes()); });
+  run([&] { shm::all_gather(c, in.data_ptr(), out.data_ptr(), in.nbytes(), uint64_t(sig)); });
 }
 
 void shm_reduce_scatter(int64_t handle, const at::Tensor& in, at::Tensor& out,
@@ -123,12 +196,14 @@ void shm_reduce_scatter(int64_t handle, const at::Tensor& in, at::Tensor& out,
   run([&] { shm::reduce_scatter(c, in.data_ptr(), out.data_ptr(), out.numel(), dt, o); });
 }
 
-void shm_broadcast(int64_t handle, at::Tensor& t, int64_t root) {
+void shm_broadcast(int64_t handle, at::Tensor& t, int64_t root, int64_t sig) {
   check_cpu(t, "tensor");
   auto& c = get(handle);
   TORCH_CHECK(root >= 0 && root < c.world, "fastpar shm broadcast: root ", root,
               " is outside the group of ", c.world);
-  run([&] { shm::broadcast(c, t.data_ptr(), t.nbytes(), static_cast<int>(root)); });
+  run([&] {
+    shm::broadcast(c, t.data_ptr(), t.nbytes(), static_cast<int>(root), uint64_t(sig));
+  });
 }
 
 }  // namespace fastpar

@@ -9,15 +9,20 @@
 namespace fastpar {
 
 int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes);
+// While guarded, a segment name is unlinked if SIGTERM or SIGHUP arrives (set-up window).
+// Returns the slot to pass to shm_unguard, or -1 when every slot is in use.
+int64_t shm_guard_name(const std::string& name);
+void shm_unguard(int64_t slot);
 void shm_init_segment(int64_t base, int64_t world, int64_t slot_bytes);
 // Returns a handle to a per-rank communicator over the segment at `base`.
 int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes,
                    double timeout_s);
 void shm_detach(int64_t comm);
 void shm_all_reduce(int64_t comm, at::Tensor& t, const std::string& op);
-void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out);
+// sig: the caller's dtype/shape signature, compared across ranks (fastpar/comm/shm.py).
+void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t sig);
 void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,
                         const std::string& op);
-void shm_broadcast(int64_t comm, at::Tensor& t, int64_t root);
+void shm_broadcast(int64_t comm, at::Tensor& t, int64_t root, int64_t sig);
 
 }  // namespace fastpar

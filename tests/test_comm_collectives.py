@@ -141,19 +141,39 @@ def body_mismatch():
     import fastpar
     from fastpar import comm
 
+    import torch.distributed as dist
+
     topo = fastpar.init(timeout=30)
-    x = torch.ones(1024 * (topo.rank + 1))
-    try:
-        comm.all_reduce(x)
-    except RuntimeError as exc:
-        return str(exc)
-    raise AssertionError("a size mismatch was not detected")
+    r = topo.rank
+    messages = []
+    # A size, then a dtype and a shape of the same byte count (all_gather and broadcast move
+    # bytes: only the signature tells float32 x 4 from int32 x 4), each on a fresh group.
+    calls = [lambda g: comm.all_reduce(torch.ones(1024 * (r + 1)), group=g),
+             lambda g: comm.broadcast(torch.ones(4, dtype=torch.int32 if r else torch.float32),
+                                      group=g),
+             lambda g: comm.all_gather(torch.ones(4, dtype=torch.int32 if r else torch.float32),
+                                       group=g),
+             lambda g: comm.all_gather(torch.ones((3, 2) if r else (2, 3)), group=g)]
+    for call in calls:
+        try:
+            call(dist.new_group([0, 1]))
+        except RuntimeError as exc:
+            messages.append(str(exc))
+            continue
+        raise AssertionError("a mismatch was not detected")
+    return messages
 
 
-def test_size_mismatch_raises_on_every_rank():
-    messages = run_ranks(2, body_mismatch, env={"FASTPAR_COMM_BACKEND": "shm"}).values()
-    for msg in messages:
-        assert "rank 1 passed 2048 float32 elements" in msg and "1024" in msg, msg
+def test_mismatches_raise_on_every_rank():
+    for rank, msgs in enumerate(run_ranks(2, body_mismatch,
+                                          env={"FASTPAR_COMM_BACKEND": "shm"}).values()):
+        assert "rank 1 passed 2048 float32 elements" in msgs[0] and "1024" in msgs[0], msgs[0]
+        for msg, op in zip(msgs[1:3], ("broadcast", "all_gather")):
+            mine = "int32 (4,)" if rank else "float32 (4,)"
+            other = "float32 with 1 dims" if rank else "int32 with 1 dims"
+            assert msg.startswith(f"fastpar shm {op}: rank 1 passed 16 bytes of "), msg
+            assert mine in msg and other in msg, msg
+        assert "(3, 2)" in msgs[3] if rank else "(2, 3)" in msgs[3], msgs[3]
 
 
 def body_missing_peer():

@@ -176,3 +176,190 @@ def test_uncaught_exception_on_one_rank_ends_the_mpi_job_at_once():
         proc.stderr
     assert "ValueError: boom on rank 1" in proc.stderr
     assert elapsed < 30, elapsed
+
+
+def body_peer_dies(how):
+    """Rank 1 leaves in the middle of the job (exit without a word, or SIGKILL); rank 0, waiting
+    for it in an shm all_reduce, reports it dead within a second, naming it."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=120)
+    comm.use_backend("shm")
+    comm.all_reduce(torch.ones(2))
+    if topo.rank == 1:
+        time.sleep(0.5)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(2))
+    except RuntimeError as exc:
+        return [time.monotonic() - start, str(exc)]
+    raise AssertionError("all_reduce with a dead peer returned")
+
+
+@pytest.mark.parametrize("how", ["exit"])  # a SIGKILL ends the whole job (torchrun, mpirun)
+def test_dead_peer_is_named_at_once(how):
+    launch = run_ranks(2, body_peer_dies, how=how, launcher="torchrun", check=False, timeout=90)
+    assert 0 in launch.results and launch.results[0]["ok"], launch.describe()
+    elapsed, message = launch.results[0]["value"]
+    assert "found rank 1 dead" in message and "has exited" in message, message
+    assert elapsed < 5, (elapsed, message)
+
+
+def body_ctrl_c(rounds):
+    """Every rank waits inside the shm kernel (rank 0 on one group, rank 1 on another with the
+    same members: neither call can complete) and gets SIGINT: a KeyboardInterrupt within a
+    fraction of a second, not at the timeout; the group is then poisoned and says so; teardown
+    after that is clean (the job exits 0). Several rounds, on fresh groups each time."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=120)
+    comm.use_backend("shm")
+    results = []
+    for _ in range(rounds):
+        a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+        for g in (a, b):
+            comm.all_reduce(torch.ones(2), group=g)  # sets up both segments
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(2), group=a if topo.rank == 0 else b)
+            raise AssertionError("no KeyboardInterrupt")
+        except KeyboardInterrupt as exc:
+            results.append([time.monotonic() - start, str(exc)])
+        try:
+            comm.all_reduce(torch.ones(2), group=a if topo.rank == 0 else b)
+            raise AssertionError("a poisoned group served a call")
+        except RuntimeError as exc:
+            assert "poisoned" in str(exc), exc
+    return results
+
+
+def test_ctrl_c_inside_a_collective():
+    for rank_results in run_ranks(2, body_ctrl_c, rounds=5, timeout=90).values():
+        for waited, message in rank_results:
+            assert 0.4 < waited < 3, rank_results
+            assert "was interrupted (KeyboardInterrupt)" in message, message
+
+
+def test_no_segment_left_when_the_job_is_terminated_during_setup():
+    """Rank 1 sleeps before the group's first collective, so rank 0 waits with the segment's
+    name still in /dev/shm; the job gets SIGTERM (as from a scheduler): the name goes too."""
+    import glob
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.multirank import BIN, ROOT, mpich_segments_removed
+
+    code = ("import time, torch, fastpar\n"
+            "from fastpar import comm\n"
+            "topo = fastpar.init(timeout=120)\n"
+            "comm.use_backend('shm')\n"
+            "print('ready', topo.rank, flush=True)\n"
+            "if topo.rank == 1:\n"
+            "    time.sleep(60)\n"
+            "comm.all_reduce(torch.ones(2))\n")
+    before = set(glob.glob("/dev/shm/fastpar-*"))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    with mpich_segments_removed():
+        proc = subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c",
+                                 code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and set(glob.glob("/dev/shm/fastpar-*")) == before:
+            time.sleep(0.05)
+        pending = set(glob.glob("/dev/shm/fastpar-*")) - before
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+    assert pending, f"the segment never appeared:\n{output}"
+    time.sleep(0.5)
+    assert set(glob.glob("/dev/shm/fastpar-*")) - before == set(), output
+
+
+def body_soak(calls, seed):
+    """Thousands of mixed calls (every op, sync and async, shm and gloo, odd sizes) on
+    overlapping groups, every result checked against what the inputs make it."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(tp=2, timeout=60)
+    twins = [dist.new_group(ranks) for ranks in topo.grid.groups("tp")]
+    groups = {"world": (None, list(range(topo.world_size))),
+              "tp": (topo.tp_group, topo.ranks("tp")),
+              "tp_twin": (twins[topo.dp_rank], topo.ranks("tp")),
+              "dp": (topo.dp_group, topo.ranks("dp"))}
+    plan = random.Random(seed)  # the same choices on every rank
+    pending, counts = [], {}
+
+    def value(rank, i, n):
+        return torch.arange(n, dtype=torch.float32) + 1000 * rank + i
+
+    for i in range(calls):
+        name = plan.choice(sorted(groups))
+        group, members = groups[name]
+        op = plan.choice(["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
+        engine = plan.choice(["shm", "shm", "gloo"])
+        n = plan.choice([1, 3, 64, 1000, 4099]) * len(members)
+        asynchronous = plan.random() < 0.5
+        comm.use_backend(engine)
+        me = topo.rank
+        if op == "all_reduce":
+            out = comm.all_reduce(value(me, i, n), group=group, async_op=asynchronous)
+            want = sum(value(r, i, n) for r in members)
+        elif op == "all_gather":
+            out = comm.all_gather(value(me, i, n), group=group, async_op=asynchronous)
+            want = torch.cat([value(r, i, n) for r in members])
+        elif op == "reduce_scatter":
+            out = comm.reduce_scatter(value(me, i, n), group=group, async_op=asynchronous)
+            want = sum(value(r, i, n) for r in members).chunk(len(members))[members.index(me)]
+        else:
+            src = members[i % len(members)]
+            out = comm.broadcast(value(me, i, n), src=src, group=group, async_op=asynchronous)
+            want = value(src, i, n)
+        pending.append((out, want, f"{i}: {op} on {name} via {engine}"))
+        if plan.random() < 0.2 or len(pending) > 16:
+            for got, want, what in pending:
+                got = got.wait() if isinstance(got, comm.Handle) else got
+                assert torch.equal(got, want), what
+            pending.clear()
+        counts[engine] = counts.get(engine, 0) + 1
+    for got, want, what in pending:
+        got = got.wait() if isinstance(got, comm.Handle) else got
+        assert torch.equal(got, want), what
+    return counts
+
+
+def test_soak_mixed_calls_on_overlapping_groups():
+    counts = run_ranks(4, body_soak, calls=5000, seed=11, timeout=120).values()
+    assert counts[0]["shm"] + counts[0]["gloo"] == 5000 and counts[0]["gloo"] > 1000

@@ -13,8 +13,12 @@
 #include "x86_simd.h"
 
 #include <sched.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
 
 #include <algorithm>
 #include <atomic>
@@ -30,7 +34,7 @@ namespace shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x3130304d48535046ULL;  // "FPSHM001"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: process identity in the control lines, signatures
 constexpr int kMaxWorld = 64;
 constexpr size_t kPage = 4096;
 // Pause-spins before a wait falls back to sched_yield: long enough to catch a peer running
@@ -39,6 +43,10 @@ constexpr int kSpinIters = 2000;
 constexpr int kSpinItersOversubscribed = 50;
 constexpr uint64_t kYieldsBeforeSleepOversubscribed = 128;
 constexpr long kSleepNs = 20000;
+// Inside a wait that has passed its spin phase: how often Comm::poll runs (signals) and how
+// often the awaited peer's process is checked for life.
+constexpr double kPollS = 0.01;
+constexpr double kLivenessS = 0.1;
 
 enum class Kind : uint32_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4 };
 
@@ -48,6 +56,7 @@ struct Desc {
   int32_t root;
   uint64_t count;  // elements (reductions) or bytes (all_gather, broadcast)
   uint64_t call;
+  uint64_t sig;  // the caller's description of the bytes (dtype, shape); 0: none
 };
 
 struct alignas(128) Header {
@@ -58,11 +67,21 @@ struct alignas(128) Header {
   char message[256];
 };
 
+// Who a rank is, for liveness checks: written once by its owner at attach, before its first
+// signal (the flag's release publishes it).
+struct Ident {
+  int32_t pid;
+  uint32_t pad;
+  uint64_t start;  // process start time (field 22 of /proc/<pid>/stat), against pid reuse
+  uint64_t pidns;  // inode of /proc/self/ns/pid: pids compare only within one namespace
+};
+
 // One cache line per rank, written only by its owner: flag and descriptors share the
 // line so a peer's acquire of `flag` brings the descriptor along in the same transfer.
 struct alignas(128) Ctrl {
   std::atomic<uint64_t> flag;
   Desc desc[2];  // indexed by round parity, like the data halves
+  Ident ident;
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
@@ -120,6 +139,48 @@ const char* kind_name(Kind k) {
                            poison_message(c));
 }
 
+// ---- liveness -----------------------------------------------------------------------
+
+// Start time and state of process `pid`; false if it does not exist.
+bool read_stat(int pid, uint64_t* start, char* state) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char buf[1024];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // "pid (comm) state ppid ...": comm may hold spaces and parentheses; skip to the last ')'.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return false;
+  *state = p[2];
+  // After ')': state is field 3, start time field 22.
+  const char* q = p + 2;
+  for (int field = 3; field < 22 && q != nullptr; ++field) {
+    q = std::strchr(q, ' ');
+    if (q != nullptr) ++q;
+  }
+  *start = q != nullptr ? std::strtoull(q, nullptr, 10) : 0;
+  return true;
+}
+
+uint64_t own_pidns() {
+  struct stat st;
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
+}
+
+// Whether rank p's process has died. Only when that is certain: p attached (pid known), it
+// lives in our pid namespace, and /proc says its process is gone, a zombie, or a newer one.
+bool peer_dead(const Comm& c, int p) {
+  const Ident& id = ctrl(c, p)->ident;
+  if (id.pid <= 0 || id.pidns == 0 || id.pidns != own_pidns()) return false;
+  uint64_t start = 0;
+  char state = '?';
+  if (!read_stat(id.pid, &start, &state)) return true;
+  return state == 'Z' || state == 'X' || (id.start != 0 && start != id.start);
+}
+
 // ---- waiting ----------------------------------------------------------------------
 
 // Waits until rank p's flag reaches `target`: a short pause-spin (cheap when the peer is
@@ -132,6 +193,7 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
     cpu_relax();
   }
   auto t0 = std::chrono::steady_clock::now();
+  double next_poll = kPollS, next_liveness = kLivenessS;
   for (uint64_t it = 1;; ++it) {
     // Yield first; a peer still missing after many yields is descheduled (ranks outnumber
     // cores), and CFS keeps running a yielding task, so sleep to hand it our core.
@@ -145,6 +207,22 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
     if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
     if ((it & 63) == 0) {
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (c.poll != nullptr && s >= next_poll) {
+        next_poll = s + kPollS;
+        if (const char* why = c.poll(c.poll_arg))
+          fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+                      std::to_string(c.rank) + " " + why + " while waiting for rank " +
+                      std::to_string(p) + " (call " + std::to_string(c.calls) + ")");
+      }
+      if (s >= next_liveness) {
+        next_liveness = s + kLivenessS;
+        if (f.load(std::memory_order_acquire) < target && peer_dead(c, p))
+          fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+                      std::to_string(c.rank) + " found rank " + std::to_string(p) +
+                      " dead (pid " + std::to_string(ctrl(c, p)->ident.pid) +
+                      " has exited) while waiting for it (call " + std::to_string(c.calls) +
+                      ")");
+      }
       if (s > c.timeout_s)
         fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
                     std::to_string(c.rank) + " timed out after " + std::to_string(s) +
@@ -172,6 +250,11 @@ std::string describe(const Desc& d, bool full) {
   std::string what = std::to_string(d.count) +
                      (elems ? std::string(" ") + dtype_name(DType(d.dtype)) + " elements"
                             : std::string(" bytes"));
+  if (d.sig != 0) {
+    char sig[32];
+    std::snprintf(sig, sizeof(sig), " [sig 0x%016llx]", static_cast<unsigned long long>(d.sig));
+    what += sig;
+  }
   if (!full) return what;
   std::string s = std::string(kind_name(k)) + " of " + what;
   if (elems) s += d.op == uint32_t(Op::Sum) ? " (sum)" : " (max)";
@@ -179,10 +262,10 @@ std::string describe(const Desc& d, bool full) {
   return s;
 }
 
-Desc begin_call(Comm& c, Kind k, DType dt, Op op, size_t count, int root) {
+Desc begin_call(Comm& c, Kind k, DType dt, Op op, size_t count, int root, uint64_t sig = 0) {
   if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
   ++c.calls;
-  return Desc{uint32_t(k), uint32_t(dt), uint32_t(op), root, count, c.calls};
+  return Desc{uint32_t(k), uint32_t(dt), uint32_t(op), root, count, c.calls, sig};
 }
 
 // First round of a call: publish the descriptor with the data, then (after the wait)
@@ -195,7 +278,7 @@ void first_round_sync(Comm& c, const Desc& mine) {
   for (int r = 1; r < c.world; ++r) {
     const Desc& d = ctrl(c, r)->desc[c.rounds & 1];
     if (d.kind == d0.kind && d.dtype == d0.dtype && d.op == d0.op && d.root == d0.root &&
-        d.count == d0.count)
+        d.count == d0.count && d.sig == d0.sig)
       continue;
     bool full = d.kind != d0.kind || d.op != d0.op || d.root != d0.root;
     fail(c, std::string("fastpar shm ") + kind_name(Kind(mine.kind)) + ": rank " +
@@ -296,6 +379,11 @@ Comm attach(void* base, int rank, int world, size_t slot_bytes) {
   const bool oversubscribed = cpus > 0 && world > cpus;
   c.spin_iters = oversubscribed ? kSpinItersOversubscribed : kSpinIters;
   if (oversubscribed) c.yields_before_sleep = kYieldsBeforeSleepOversubscribed;
+  Ident& me = ctrl(c, rank)->ident;
+  me.pid = int32_t(::getpid());
+  char state = '?';
+  if (!read_stat(me.pid, &me.start, &state)) me.start = 0;
+  me.pidns = own_pidns();
   return c;
 }
 
@@ -355,8 +443,8 @@ void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op) {
   }
 }
 
-void all_gather(Comm& c, const void* in, void* out, size_t bytes) {
-  const Desc d = begin_call(c, Kind::AllGather, DType::F32, Op::Sum, bytes, 0);
+void all_gather(Comm& c, const void* in, void* out, size_t bytes, uint64_t sig) {
+  const Desc d = begin_call(c, Kind::AllGather, DType::F32, Op::Sum, bytes, 0, sig);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   if (c.world == 1) {
@@ -410,8 +498,8 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt, 
   } while (off < count);
 }
 
-void broadcast(Comm& c, void* data, size_t bytes, int root) {
-  const Desc d = begin_call(c, Kind::Broadcast, DType::F32, Op::Sum, bytes, root);
+void broadcast(Comm& c, void* data, size_t bytes, int root, uint64_t sig) {
+  const Desc d = begin_call(c, Kind::Broadcast, DType::F32, Op::Sum, bytes, root, sig);
   if (root < 0 || root >= c.world)
     fail(c, "fastpar shm broadcast: rank " + std::to_string(c.rank) + " passed root " +
                 std::to_string(root) + " outside 0.." + std::to_string(c.world - 1));

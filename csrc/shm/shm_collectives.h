@@ -68,10 +68,19 @@ struct Comm {
   // sched_yields before a wait starts sleeping (20 us naps): short when ranks outnumber cores
   // (the late peer needs our core), long otherwise (a nap oversleeps by tens of us per sync).
   uint64_t yields_before_sleep = 16384;
+  // Called from inside long waits, at most every 10 ms: a non-null message ends the
+  // call with that message (and poisons the segment, as any error). The torch glue uses it to
+  // let Ctrl-C through; the kernel itself stays free of Python.
+  const char* (*poll)(void* arg) = nullptr;
+  void* poll_arg = nullptr;
 };
 
 // Validates the header (magic, version, world, slot size) and returns a fresh Comm.
 // Throws std::runtime_error naming the expected and found numbers on mismatch.
+// Records this process's identity (pid, start time, pid namespace) in its control line, so
+// that a peer waiting for it can tell a dead rank from a slow one: a wait for a rank whose
+// process is gone (same pid namespace, /proc/<pid> missing, a zombie, or a reused pid) fails
+// at once naming it, instead of after the timeout.
 Comm attach(void* base, int rank, int world, size_t slot_bytes);
 
 // True once an error has poisoned the segment; poison_message() says why.
@@ -84,14 +93,17 @@ void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op);
 
 // out[r*bytes:(r+1)*bytes] = in of rank r. `out` holds world*bytes; `in` may alias
 // out + rank*bytes.
-void all_gather(Comm& c, const void* in, void* out, size_t bytes);
+// `sig`: what the bytes are (the caller's dtype and shape, packed into 64 bits; 0 if it has
+// none); ranks that pass different signatures get the mismatch error, as for a size.
+void all_gather(Comm& c, const void* in, void* out, size_t bytes, uint64_t sig = 0);
 
 // in holds world*count elements; out[0:count] = op over ranks of in[rank*count:+count].
 // `out` must not overlap `in`.
 void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt, Op op);
 
 // In place: data[0:bytes] on every rank = data of rank `root`.
-void broadcast(Comm& c, void* data, size_t bytes, int root);
+// `sig` as for all_gather.
+void broadcast(Comm& c, void* data, size_t bytes, int root, uint64_t sig = 0);
 
 // --- exposed for tests -------------------------------------------------------
 uint16_t f32_to_bf16(float f);

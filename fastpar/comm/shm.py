@@ -22,6 +22,31 @@ import torch.distributed as dist
 from fastpar import _native
 
 SLOT_BYTES = 4 << 20  # per rank; larger messages are chunked by the kernel
+# The dtype/shape signature that byte-moving calls (all_gather, broadcast) pass to the kernel,
+# so ranks that disagree on what the bytes are fail as ranks that disagree on their number do:
+# bits 56-63 the dtype (index + 1 here), 48-55 the number of dims, 0-47 a hash of the shape.
+_SIG_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+               torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+               torch.complex64, torch.complex128)
+_SIG = re.compile(r" \[sig 0x([0-9a-f]{16})\]")
+
+
+def signature(t: torch.Tensor) -> int:
+    code = _SIG_DTYPES.index(t.dtype) + 1 if t.dtype in _SIG_DTYPES else 255
+    return (code << 56) | (min(t.dim(), 255) << 48) | (hash(tuple(t.shape)) & (1 << 48) - 1)
+
+
+def _describe(sig: int, mine: dict) -> str:
+    """A signature in words; this rank's own ones with their shapes."""
+    if sig in mine:
+        return f" of {mine[sig]}"
+    code, ndim = sig >> 56, (sig >> 48) & 0xFF
+    dtype = str(_SIG_DTYPES[code - 1]).removeprefix("torch.") if 1 <= code <= len(
+        _SIG_DTYPES) else "another dtype"
+    return f" of {dtype} with {ndim} dims (shape hash {sig & (1 << 48) - 1:012x})"
+
+
+_INTERRUPTED = re.compile(r"fastpar shm \w+: rank \d+ was interrupted \(KeyboardInterrupt\)")
 
 
 def _posixshmem():
@@ -50,10 +75,12 @@ class ShmCommunicator:
         nbytes = self._ops.shm_segment_bytes(self.world, slot_bytes)
         shm = _posixshmem()
         name = [None]
-        fd = -1
+        fd, guard, failed = -1, -1, False
         try:
             if self.group_rank == 0:
                 name[0] = f"/fastpar-{os.getpid()}-{secrets.token_hex(8)}"
+                # Until the barrier below the name exists: a SIGTERM meanwhile unlinks it.
+                guard = self._ops.shm_guard_name(name[0])
                 fd = shm.shm_open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
                 os.ftruncate(fd, nbytes)
             dist.broadcast_object_list(name, src=self.ranks[0], group=group)
@@ -66,7 +93,10 @@ class ShmCommunicator:
                 self._ops.shm_init_segment(base, self.world, slot_bytes)
             # Everyone has mapped the segment once this barrier passes: unlink the name now.
             dist.barrier(group=group)
-        except Exception as exc:
+        except BaseException as exc:
+            failed = True
+            if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: cleaned up, re-raised
+                raise
             anchor = getattr(self, "_anchor", None)
             self._anchor = None
             del anchor  # the buffer export, before the mapping can close
@@ -78,11 +108,12 @@ class ShmCommunicator:
         finally:
             if fd >= 0:
                 os.close(fd)
-            if self.group_rank == 0 and name[0] is not None:
-                # After the barrier, or on failure (also when shm_open itself failed): nothing
-                # leaks, and a missing name does not hide the error above.
+            # After the barrier, or on failure on any rank (the creator may be the one that
+            # died): nothing leaks, and a missing name does not hide the error above.
+            if name[0] is not None and (self.group_rank == 0 or failed):
                 with contextlib.suppress(FileNotFoundError):
                     shm.shm_unlink(name[0])
+            self._ops.shm_unguard(guard)
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
                                           float(timeout))
         self._busy = threading.Lock()
@@ -92,19 +123,23 @@ class ShmCommunicator:
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
 
-    def _failed(self, exc: RuntimeError) -> RuntimeError:
-        """The kernel numbers ranks within the group; name the global ranks where they differ."""
+    def _failed(self, exc: RuntimeError, t: torch.Tensor | None = None) -> RuntimeError:
+        """The kernel numbers ranks within the group; name the global ranks where they differ,
+        and the dtypes and shapes behind signatures (``t``: this rank's tensor)."""
         def globalise(m):
             k = int(m.group(1))
             if k >= self.world or self.ranks[k] == k:
                 return m.group(0)
             return f"rank {k} (global rank {self.ranks[k]})"
 
-        text = re.sub(r"\brank (\d+)", globalise, str(exc))
+        mine = {} if t is None else {
+            signature(t): f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"}
+        text = _SIG.sub(lambda m: _describe(int(m.group(1), 16), mine), str(exc))
+        text = re.sub(r"\brank (\d+)", globalise, text)
         return RuntimeError(f"{text} [shm group of global ranks {self.ranks}; after an error "
                             "the group's segment is unusable and later calls on it fail too]")
 
-    def _call(self, name: str, kernel, *args) -> None:
+    def _call(self, name: str, kernel, *args, t: torch.Tensor | None = None) -> None:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"fastpar shm: {name} on the group of global ranks {self.ranks} was called "
@@ -114,7 +149,10 @@ class ShmCommunicator:
         try:
             kernel(self._comm, *args)
         except RuntimeError as exc:
-            raise self._failed(exc) from None
+            error = self._failed(exc, t)
+            if _INTERRUPTED.match(str(exc)):  # Ctrl-C inside this wait (not an earlier one)
+                raise KeyboardInterrupt(str(error)) from None
+            raise error from None
         finally:
             self._busy.release()
 
@@ -122,13 +160,13 @@ class ShmCommunicator:
         self._call("all_reduce", self._all_reduce, t, op)
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
-        self._call("all_gather", self._all_gather, inp, out)
+        self._call("all_gather", self._all_gather, inp, out, signature(inp), t=inp)
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
         self._call("reduce_scatter", self._reduce_scatter, inp, out, op)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
-        self._call("broadcast", self._broadcast, t, root)
+        self._call("broadcast", self._broadcast, t, root, signature(t), t=t)
 
     def close(self) -> None:
         if self._comm is None:
