@@ -6,7 +6,8 @@
 Sizes follow nccl-tests: the bytes of the all_reduce/broadcast/sendrecv buffer, of the gathered
 output for all_gather, of the input for reduce_scatter. Each point: ``-w`` warm-up calls, then
 ``-n`` timed calls (from 8 MiB up: a fifth of them, at least 5, and 5 for memcpy); the time is
-the slowest rank's median over its calls. busbw applies the nccl-tests factors (all_reduce
+the slowest rank's median over its calls (``p99``: the slowest rank's 99th percentile, the
+spread a job sees from call to call). busbw applies the nccl-tests factors (all_reduce
 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and sendrecv 1). The ``memcpy``
 line is this machine's copy of the same bytes on every rank at once; for all_reduce, the
 summary's ``bound`` is that copy time as a fraction of the fastest engine's time (a rank must
@@ -127,6 +128,7 @@ def count_wrong(got, want, dtype) -> int:
 
 
 def time_calls(call, warmup, iters, topo):
+    """``(p50, p99)`` seconds over ``iters`` calls, each the slowest rank's."""
     for _ in range(warmup):
         call()
     sync(topo.device)
@@ -137,7 +139,9 @@ def time_calls(call, warmup, iters, topo):
         call()
         sync(topo.device)
         samples.append(time.perf_counter() - t0)
-    return slowest(statistics.median(samples), topo)
+    samples.sort()
+    p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+    return slowest(statistics.median(samples), topo), slowest(p99, topo)
 
 
 def memcpy_time(nbytes, warmup, iters, topo):
@@ -185,7 +189,7 @@ def run(args, topo) -> list[dict]:
             if topo.rank == 0:
                 print(f"\n# {op}  backend {backend}  ranks {n}  dtype {args.dtype}")
                 print(f"{'size':>12} {'count':>12} {'type':>9} {'time(us)':>11} "
-                      f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
+                      f"{'p99(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
             for nbytes in args.sizes:
                 count = max(nbytes // esize, 1)
                 count -= count % n if op in ("all_gather", "reduce_scatter") else 0
@@ -193,7 +197,7 @@ def run(args, topo) -> list[dict]:
                     continue
                 call = make_call(op, backend, count, dtype, topo, fill)
                 iters = args.iters if nbytes < (8 << 20) else max(5, args.iters // 5)
-                t = time_calls(call, args.warmup, iters, topo)
+                t, p99 = time_calls(call, args.warmup, iters, topo)
                 wrong = -1
                 if args.check:
                     got = make_call(op, backend, count, dtype, topo, fill)()
@@ -203,12 +207,12 @@ def run(args, topo) -> list[dict]:
                 algbw = size / t / 1e9
                 rec = {"op": op, "backend": backend, "bytes": size, "count": count,
                        "dtype": args.dtype, "world_size": n, "time_us": t * 1e6,
-                       "algbw_gbps": algbw, "busbw_gbps": algbw * BUS_FACTOR[op](n),
+                       "p99_us": p99 * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * BUS_FACTOR[op](n),
                        "wrong": wrong}
                 records.append(rec)
                 if topo.rank == 0:
                     print(f"{size:>12} {count:>12} {args.dtype:>9} {t * 1e6:>11.1f} "
-                          f"{algbw:>12.3f} {rec['busbw_gbps']:>12.3f} "
+                          f"{p99 * 1e6:>10.1f} {algbw:>12.3f} {rec['busbw_gbps']:>12.3f} "
                           f"{wrong if wrong >= 0 else 'N/A':>7}", flush=True)
             comm.use_backend(None)
     return records
@@ -220,9 +224,10 @@ def memcpy_reference(args, topo) -> list[dict]:
         print(f"\n# memcpy reference: every rank copies the same bytes at once")
         print(f"{'size':>12} {'time(us)':>11} {'GB/s':>8}")
     for nbytes in args.sizes:
-        t = memcpy_time(nbytes, args.warmup, args.iters if nbytes < (8 << 20) else 5, topo)
+        t, p99 = memcpy_time(nbytes, args.warmup, args.iters if nbytes < (8 << 20) else 5, topo)
         out.append({"op": "memcpy", "backend": "memcpy", "bytes": nbytes, "count": nbytes,
                     "dtype": "uint8", "world_size": topo.world_size, "time_us": t * 1e6,
+                    "p99_us": p99 * 1e6,
                     "algbw_gbps": nbytes / t / 1e9, "busbw_gbps": nbytes / t / 1e9,
                     "wrong": 0})
         if topo.rank == 0:

@@ -8,8 +8,8 @@ import sys
 
 from tests.multirank import BIN, ROOT
 
-RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "algbw_gbps",
-               "busbw_gbps", "wrong"}
+RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
+               "algbw_gbps", "busbw_gbps", "wrong"}
 
 
 def mpirun(n, *args, timeout=180):
@@ -32,6 +32,7 @@ def test_collectives_bench_checks_every_result(tmp_path):
     assert len(measured) == 4 * 3 * 2 + 2 * 2  # shm has no send/recv; nccl skipped on CPU
     for r in records:
         assert set(r) == RECORD_KEYS, r
+        assert r["p99_us"] >= r["time_us"] > 0, r
     assert all(r["wrong"] == 0 for r in measured), [r for r in measured if r["wrong"]]
     assert {r["busbw_gbps"] / r["algbw_gbps"] for r in measured if r["op"] == "all_reduce"} \
         == {1.0}  # 2(n-1)/n at n = 2
