@@ -5,14 +5,18 @@
 
 #include <c10/util/Exception.h>
 
-#include <signal.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <vector>
 
 #include "shm/shm_collectives.h"
 
@@ -88,52 +92,47 @@ void run(F&& f) {
 
 // ---- names of segments still being set up -----------------------------------------
 // Between shm_open and the moment every member has mapped it, a segment has a name in
-// /dev/shm; a SIGTERM (or SIGHUP) then would leave it behind. While any name is guarded, a
-// handler for those signals unlinks every guarded name (unlink is async-signal-safe) and then
-// hands the signal to what was there before (the default action: the process ends).
-constexpr int kGuardSlots = 16;
-constexpr int kGuardChars = 96;
-char guarded[kGuardSlots][kGuardChars];
-volatile sig_atomic_t guard_used[kGuardSlots];
-struct sigaction previous_term, previous_hup;
-std::once_flag guard_installed;
-
-void unlink_guarded(int sig) {
-  for (int i = 0; i < kGuardSlots; ++i)
-    if (guard_used[i]) ::shm_unlink(guarded[i]);
-  const struct sigaction& prev = sig == SIGTERM ? previous_term : previous_hup;
-  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN &&
-      !(prev.sa_flags & SA_SIGINFO)) {
-    prev.sa_handler(sig);
-    return;
-  }
-  ::sigaction(sig, &prev, nullptr);
-  ::raise(sig);
-}
+// /dev/shm. If its creator dies in that window, SIGKILL included, a reaper unlinks it: a
+// child forked at shm_open that waits on a pipe; the creator writes to it once the name is
+// gone, and if the creator dies first the pipe closes and the child unlinks the name. The
+// child only calls async-signal-safe functions (safe after fork in a threaded process) and
+// leaves the process group, so a launcher that kills the job's group does not take it along.
 
 }  // namespace
 
-int64_t shm_guard_name(const std::string& name) {
-  TORCH_CHECK(name.size() < size_t(kGuardChars), "fastpar shm: segment name too long: ", name);
-  std::call_once(guard_installed, [] {
-    struct sigaction act {};
-    act.sa_handler = &unlink_guarded;
-    sigemptyset(&act.sa_mask);
-    ::sigaction(SIGTERM, &act, &previous_term);
-    ::sigaction(SIGHUP, &act, &previous_hup);
-  });
-  std::lock_guard<std::mutex> lock(comms_mu);
-  for (int i = 0; i < kGuardSlots; ++i) {
-    if (guard_used[i]) continue;
-    std::memcpy(guarded[i], name.c_str(), name.size() + 1);
-    guard_used[i] = 1;
-    return i;
+std::vector<int64_t> shm_reaper_start(const std::string& name) {
+  char path[256];
+  TORCH_CHECK(name.size() < sizeof(path), "fastpar shm: segment name too long: ", name);
+  std::memcpy(path, name.c_str(), name.size() + 1);
+  int fds[2];
+  TORCH_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "fastpar shm: pipe2 failed: ", std::strerror(errno));
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setsid();
+    ::close(fds[1]);
+    char c;
+    ssize_t n;
+    do {
+      n = ::read(fds[0], &c, 1);
+    } while (n < 0 && errno == EINTR);
+    if (n <= 0) ::shm_unlink(path);  // the creator died before the name was removed
+    ::_exit(0);
   }
-  return -1;  // every slot busy: this segment goes unguarded (still unlinked on every exit path)
+  ::close(fds[0]);
+  if (pid < 0) {
+    ::close(fds[1]);
+    TORCH_CHECK(false, "fastpar shm: fork of the segment reaper failed: ", std::strerror(errno));
+  }
+  return {fds[1], pid};
 }
 
-void shm_unguard(int64_t slot) {
-  if (slot >= 0 && slot < kGuardSlots) guard_used[slot] = 0;
+void shm_reaper_stop(int64_t fd, int64_t pid) {
+  ssize_t ignored = ::write(static_cast<int>(fd), "d", 1);
+  (void)ignored;
+  ::close(static_cast<int>(fd));
+  int status;
+  while (::waitpid(static_cast<pid_t>(pid), &status, 0) < 0 && errno == EINTR) {
+  }
 }
 
 int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes) {

@@ -108,6 +108,7 @@ class Topology:
     backend: str
     launcher: str
     hosts: tuple = ()  # host name of every global rank
+    cpus: str = ""  # the CPUs this rank runs on and who chose them (fastpar.runtime.binding)
     timeout: float = 300.0  # seconds: fastpar.init's bound on rendezvous and every collective
     tp_group: Any = None
     pp_group: Any = None

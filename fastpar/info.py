@@ -66,7 +66,7 @@ def versions(topo) -> dict:
 
 def rank_entry(topo) -> dict:
     return {"rank": topo.rank, "host": socket.gethostname(), "local_rank": topo.local_rank,
-            "device": str(topo.device), "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
+            "device": str(topo.device), "cpus": topo.cpus, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
             "dp_rank": topo.dp_rank}
 
 
@@ -106,7 +106,7 @@ def format_report(rep: dict) -> str:
     lines.append("")
     lines.append(f"rank map: world {rep['world_size']} = tp {rep['tp']} x pp {rep['pp']} x "
                  f"dp {rep['dp']}, backend {rep['backend']}")
-    cols = ["rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank"]
+    cols = ["rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank", "cpus"]
     rows = [[str(r[c]) for c in cols] for r in rep["ranks"]]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths)))

@@ -8,7 +8,7 @@ import sys
 from tests.multirank import BIN, ROOT, mpich_segments_removed
 
 KEYS = {"world_size", "tp", "pp", "dp", "backend", "versions", "ranks", "engines"}
-RANK_KEYS = {"rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank"}
+RANK_KEYS = {"rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank", "cpus"}
 
 
 def run(cmd, timeout=120):

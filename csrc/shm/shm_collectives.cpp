@@ -41,6 +41,7 @@ constexpr size_t kPage = 4096;
 // on another core, short when ranks outnumber cores (then the peer needs our core).
 constexpr int kSpinIters = 2000;
 constexpr int kSpinItersOversubscribed = 50;
+constexpr int kSpinItersMin = 16;
 constexpr uint64_t kYieldsBeforeSleepOversubscribed = 128;
 constexpr long kSleepNs = 20000;
 // Inside a wait that has passed its spin phase: how often Comm::poll runs (signals) and how
@@ -188,10 +189,14 @@ bool peer_dead(const Comm& c, int p) {
 // 20 us naps (after c.yields_before_sleep yields), checking poison and the deadline.
 void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
   const std::atomic<uint64_t>& f = ctrl(c, p)->flag;
-  for (int i = 0; i < c.spin_iters; ++i) {
-    if (f.load(std::memory_order_acquire) >= target) return;
+  for (int i = 0; i < c.spin_now; ++i) {
+    if (f.load(std::memory_order_acquire) >= target) {
+      c.spin_now = std::min(c.spin_iters, c.spin_now + c.spin_now / 8 + 1);
+      return;
+    }
     cpu_relax();
   }
+  c.spin_now = std::max(kSpinItersMin, c.spin_now / 2);
   auto t0 = std::chrono::steady_clock::now();
   double next_poll = kPollS, next_liveness = kLivenessS;
   for (uint64_t it = 1;; ++it) {
@@ -375,9 +380,13 @@ Comm attach(void* base, int rank, int world, size_t slot_bytes) {
   c.slot_bytes = slot_bytes;
   c.small_max_bytes = h->small_max_bytes;
   c.chunk_bytes = h->chunk_bytes;
-  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  // The CPUs this process may run on (a launcher's binding, taskset), else all online ones.
+  cpu_set_t allowed;
+  long cpus = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                  ? long(CPU_COUNT(&allowed))
+                  : sysconf(_SC_NPROCESSORS_ONLN);
   const bool oversubscribed = cpus > 0 && world > cpus;
-  c.spin_iters = oversubscribed ? kSpinItersOversubscribed : kSpinIters;
+  c.spin_iters = c.spin_now = oversubscribed ? kSpinItersOversubscribed : kSpinIters;
   if (oversubscribed) c.yields_before_sleep = kYieldsBeforeSleepOversubscribed;
   Ident& me = ctrl(c, rank)->ident;
   me.pid = int32_t(::getpid());

@@ -65,6 +65,11 @@ struct Comm {
   uint64_t calls = 0;          // collective calls so far
   double timeout_s = kDefaultTimeoutS;  // per wait; set freely between calls
   int spin_iters = 2000;  // pause-spins before sched_yield; attach lowers it if world > cpus
+  // The spin budget in force: halved by every wait whose spin found nothing, grown back
+  // slowly by waits that it served. Two ranks that the scheduler put on one core spin
+  // against each other (each pause-spin keeps the peer it waits for off the core: ~100 us a
+  // call with 2000 pauses); the budget then falls to a few pauses within a few calls.
+  int spin_now = 2000;
   // sched_yields before a wait starts sleeping (20 us naps): short when ranks outnumber cores
   // (the late peer needs our core), long otherwise (a nap oversleeps by tens of us per sync).
   uint64_t yields_before_sleep = 16384;

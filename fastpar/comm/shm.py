@@ -75,12 +75,13 @@ class ShmCommunicator:
         nbytes = self._ops.shm_segment_bytes(self.world, slot_bytes)
         shm = _posixshmem()
         name = [None]
-        fd, guard, failed = -1, -1, False
+        fd, reaper, failed = -1, None, False
         try:
             if self.group_rank == 0:
                 name[0] = f"/fastpar-{os.getpid()}-{secrets.token_hex(8)}"
-                # Until the barrier below the name exists: a SIGTERM meanwhile unlinks it.
-                guard = self._ops.shm_guard_name(name[0])
+                # Until the barrier below the name exists: if this process dies meanwhile (any
+                # signal, SIGKILL too), a reaper child unlinks it.
+                reaper = self._ops.shm_reaper_start(name[0])
                 fd = shm.shm_open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
                 os.ftruncate(fd, nbytes)
             dist.broadcast_object_list(name, src=self.ranks[0], group=group)
@@ -113,7 +114,8 @@ class ShmCommunicator:
             if name[0] is not None and (self.group_rank == 0 or failed):
                 with contextlib.suppress(FileNotFoundError):
                     shm.shm_unlink(name[0])
-            self._ops.shm_unguard(guard)
+            if reaper is not None:
+                self._ops.shm_reaper_stop(*reaper)
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
                                           float(timeout))
         self._busy = threading.Lock()

@@ -28,6 +28,7 @@ import torch
 
 from fastpar.grid import Grid, Topology, validate_degrees
 from fastpar.runtime import launcher as _launcher
+from fastpar.runtime.binding import bind_cpus
 from fastpar.runtime.groups import build_groups
 from fastpar.runtime.rng import RNGTracker
 from fastpar.runtime.watchdog import deadline
@@ -295,6 +296,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     validate_degrees(world_size, tp, pp)
     grid = Grid(world_size, tp, pp)
     device = _choose_device(local_rank, local_world_size)
+    cpus = bind_cpus(local_rank, local_world_size)
     shared_gpu = device.type == "cuda" and local_world_size > torch.cuda.device_count()
     backend = backend or ("nccl" if device.type == "cuda" and not shared_gpu else "gloo")
 
@@ -327,7 +329,8 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
                         local_world_size=local_world_size, device=device,
                         backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
-                        timeout=timeout, mpi_comm=mpi_comm, store=store, **groups)
+                        timeout=timeout, mpi_comm=mpi_comm, store=store, cpus=cpus,
+                        **groups)
         # The job's communication state. The one import of a layer above the runtime: the state
         # is built here so that it has one owner and one lifetime (init to shutdown). Building it
         # communicates nothing; communicators are created at a group's first collective.
