@@ -18,8 +18,6 @@ TORCH_LIBRARY(fastpar, m) {
 
   // Shared-memory collectives (CPU). The segment at `base` is owned by fastpar/comm/shm.py.
   m.def("shm_segment_bytes(int world, int slot_bytes) -> int", &fastpar::shm_segment_bytes);
-  m.def("shm_reaper_start(str name) -> int[]", &fastpar::shm_reaper_start);
-  m.def("shm_reaper_stop(int fd, int pid) -> ()", &fastpar::shm_reaper_stop);
   m.def("shm_init_segment(int base, int world, int slot_bytes) -> ()", &fastpar::shm_init_segment);
   m.def("shm_attach(int base, int rank, int world, int slot_bytes, float timeout_s) -> int",
         &fastpar::shm_attach);

@@ -5,18 +5,10 @@
 
 #include <c10/util/Exception.h>
 
-#include <errno.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
-#include <vector>
 
 #include "shm/shm_collectives.h"
 
@@ -61,22 +53,17 @@ void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), "fastpar shm: ", what, " must be contiguous");
 }
 
-// The kernel's poll hook: runs Python's signal handlers from inside a long wait, so that
-// Ctrl-C ends a collective within ~10 ms instead of after the timeout. A handler that raised
-// ends the wait (the kernel poisons the segment and throws); its exception is cleared here,
-// and fastpar/comm/shm.py raises KeyboardInterrupt again from the message.
-const char* poll_python_signals(void*) {
+// The kernel's poll hook: ends a long wait when SIGINT (Ctrl-C) has arrived, within ~10 ms
+// instead of after the timeout. No Python handler runs here (this is inside a collective):
+// PyOS_InterruptOccurred only takes the pending SIGINT (main thread only), the kernel
+// poisons the segment and throws, and fastpar/comm/shm.py, once out of the call, raises
+// SIGINT again so that the program's own handler runs (by default: KeyboardInterrupt).
+const char* poll_sigint() {
   if (!Py_IsInitialized()) return nullptr;
   PyGILState_STATE gil = PyGILState_Ensure();
-  const char* why = nullptr;
-  if (PyErr_CheckSignals() != 0) {  // only the main thread runs handlers; others get 0
-    why = PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)
-              ? "was interrupted (KeyboardInterrupt)"
-              : "was interrupted (a signal handler raised)";
-    PyErr_Clear();
-  }
+  const bool interrupted = PyOS_InterruptOccurred() != 0;
   PyGILState_Release(gil);
-  return why;
+  return interrupted ? "was interrupted (SIGINT)" : nullptr;
 }
 
 // The kernel reports mismatches and timeouts as std::runtime_error; re-raise as c10::Error
@@ -90,50 +77,7 @@ void run(F&& f) {
   }
 }
 
-// ---- names of segments still being set up -----------------------------------------
-// Between shm_open and the moment every member has mapped it, a segment has a name in
-// /dev/shm. If its creator dies in that window, SIGKILL included, a reaper unlinks it: a
-// child forked at shm_open that waits on a pipe; the creator writes to it once the name is
-// gone, and if the creator dies first the pipe closes and the child unlinks the name. The
-// child only calls async-signal-safe functions (safe after fork in a threaded process) and
-// leaves the process group, so a launcher that kills the job's group does not take it along.
-
 }  // namespace
-
-std::vector<int64_t> shm_reaper_start(const std::string& name) {
-  char path[256];
-  TORCH_CHECK(name.size() < sizeof(path), "fastpar shm: segment name too long: ", name);
-  std::memcpy(path, name.c_str(), name.size() + 1);
-  int fds[2];
-  TORCH_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "fastpar shm: pipe2 failed: ", std::strerror(errno));
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::setsid();
-    ::close(fds[1]);
-    char c;
-    ssize_t n;
-    do {
-      n = ::read(fds[0], &c, 1);
-    } while (n < 0 && errno == EINTR);
-    if (n <= 0) ::shm_unlink(path);  // the creator died before the name was removed
-    ::_exit(0);
-  }
-  ::close(fds[0]);
-  if (pid < 0) {
-    ::close(fds[1]);
-    TORCH_CHECK(false, "fastpar shm: fork of the segment reaper failed: ", std::strerror(errno));
-  }
-  return {fds[1], pid};
-}
-
-void shm_reaper_stop(int64_t fd, int64_t pid) {
-  ssize_t ignored = ::write(static_cast<int>(fd), "d", 1);
-  (void)ignored;
-  ::close(static_cast<int>(fd));
-  int status;
-  while (::waitpid(static_cast<pid_t>(pid), &status, 0) < 0 && errno == EINTR) {
-  }
-}
 
 int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes) {
   return static_cast<int64_t>(shm::segment_bytes(static_cast<int>(world), slot_bytes));
@@ -151,7 +95,7 @@ int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes
                         static_cast<int>(world), slot_bytes);
   });
   comm->timeout_s = timeout_s;
-  comm->poll = &poll_python_signals;
+  comm->poll = &poll_sigint;
   std::lock_guard<std::mutex> lock(comms_mu);
   comms[next_comm] = std::move(comm);
   return next_comm++;

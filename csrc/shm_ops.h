@@ -9,10 +9,6 @@
 namespace fastpar {
 
 int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes);
-// A reaper for a segment name during set-up: unlinks it if this process dies (even by
-// SIGKILL) before shm_reaper_stop. Returns {fd, pid} for shm_reaper_stop.
-std::vector<int64_t> shm_reaper_start(const std::string& name);
-void shm_reaper_stop(int64_t fd, int64_t pid);
 void shm_init_segment(int64_t base, int64_t world, int64_t slot_bytes);
 // Returns a handle to a per-rank communicator over the segment at `base`.
 int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes,

@@ -166,6 +166,15 @@ bool read_stat(int pid, uint64_t* start, char* state) {
   return true;
 }
 
+// Whether /proc/self is /proc/<pid> (same pid namespace as the mounted /proc).
+bool own_pid_in_proc(int pid) {
+  char buf[64];
+  ssize_t n = ::readlink("/proc/self", buf, sizeof(buf) - 1);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  return std::strtol(buf, nullptr, 10) == pid;
+}
+
 uint64_t own_pidns() {
   struct stat st;
   return ::stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
@@ -175,7 +184,7 @@ uint64_t own_pidns() {
 // lives in our pid namespace, and /proc says its process is gone, a zombie, or a newer one.
 bool peer_dead(const Comm& c, int p) {
   const Ident& id = ctrl(c, p)->ident;
-  if (id.pid <= 0 || id.pidns == 0 || id.pidns != own_pidns()) return false;
+  if (id.pid <= 0 || id.start == 0 || id.pidns == 0 || id.pidns != own_pidns()) return false;
   uint64_t start = 0;
   char state = '?';
   if (!read_stat(id.pid, &start, &state)) return true;
@@ -196,7 +205,6 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
     }
     cpu_relax();
   }
-  c.spin_now = std::max(kSpinItersMin, c.spin_now / 2);
   auto t0 = std::chrono::steady_clock::now();
   double next_poll = kPollS, next_liveness = kLivenessS;
   for (uint64_t it = 1;; ++it) {
@@ -208,13 +216,19 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
       const timespec nap{0, kSleepNs};
       nanosleep(&nap, nullptr);
     }
-    if (f.load(std::memory_order_acquire) >= target) return;
+    if (f.load(std::memory_order_acquire) >= target) {
+      // The peer came as soon as we gave up the core: it was waiting for that core (two
+      // ranks on one CPU), so spinning only delays it. A peer that was merely late (load
+      // imbalance) arrives after many yields and leaves the budget alone.
+      if (it <= 2) c.spin_now = std::max(kSpinItersMin, c.spin_now / 2);
+      return;
+    }
     if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
     if ((it & 63) == 0) {
       double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (c.poll != nullptr && s >= next_poll) {
         next_poll = s + kPollS;
-        if (const char* why = c.poll(c.poll_arg))
+        if (const char* why = c.poll())
           fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
                       std::to_string(c.rank) + " " + why + " while waiting for rank " +
                       std::to_string(p) + " (call " + std::to_string(c.calls) + ")");
@@ -388,11 +402,15 @@ Comm attach(void* base, int rank, int world, size_t slot_bytes) {
   const bool oversubscribed = cpus > 0 && world > cpus;
   c.spin_iters = c.spin_now = oversubscribed ? kSpinItersOversubscribed : kSpinIters;
   if (oversubscribed) c.yields_before_sleep = kYieldsBeforeSleepOversubscribed;
+  // Liveness checks of this rank stay off (pid 0) unless /proc shows this very process under
+  // its pid (a pid namespace without its own /proc mount would not).
   Ident& me = ctrl(c, rank)->ident;
-  me.pid = int32_t(::getpid());
+  uint64_t start = 0;
   char state = '?';
-  if (!read_stat(me.pid, &me.start, &state)) me.start = 0;
+  const int pid = int(::getpid());
+  me.start = read_stat(pid, &start, &state) && own_pid_in_proc(pid) ? start : 0;
   me.pidns = own_pidns();
+  me.pid = me.start != 0 ? pid : 0;
   return c;
 }
 

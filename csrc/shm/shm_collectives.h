@@ -65,19 +65,19 @@ struct Comm {
   uint64_t calls = 0;          // collective calls so far
   double timeout_s = kDefaultTimeoutS;  // per wait; set freely between calls
   int spin_iters = 2000;  // pause-spins before sched_yield; attach lowers it if world > cpus
-  // The spin budget in force: halved by every wait whose spin found nothing, grown back
-  // slowly by waits that it served. Two ranks that the scheduler put on one core spin
-  // against each other (each pause-spin keeps the peer it waits for off the core: ~100 us a
-  // call with 2000 pauses); the budget then falls to a few pauses within a few calls.
-  int spin_now = 2000;
+  // The spin budget in force: halved by a wait whose spin found nothing but whose peer came
+  // at the first yield (it was waiting for our core), grown back slowly by waits the spin
+  // served. Two ranks that the scheduler put on one core spin against each other (each
+  // pause-spin keeps the peer it waits for off the core: ~100 us a call with 2000 pauses);
+  // the budget then falls to a few pauses within a few calls.
+  int spin_now = spin_iters;
   // sched_yields before a wait starts sleeping (20 us naps): short when ranks outnumber cores
   // (the late peer needs our core), long otherwise (a nap oversleeps by tens of us per sync).
   uint64_t yields_before_sleep = 16384;
   // Called from inside long waits, at most every 10 ms: a non-null message ends the
   // call with that message (and poisons the segment, as any error). The torch glue uses it to
   // let Ctrl-C through; the kernel itself stays free of Python.
-  const char* (*poll)(void* arg) = nullptr;
-  void* poll_arg = nullptr;
+  const char* (*poll)() = nullptr;
 };
 
 // Validates the header (magic, version, world, slot size) and returns a fresh Comm.

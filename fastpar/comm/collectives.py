@@ -59,10 +59,11 @@ class Handle:
 class Route:
     """Where one kind of call goes: the group, its ranks, the engine and its communicator."""
 
-    __slots__ = ("group", "ranks", "engine", "comm")
+    __slots__ = ("group", "ranks", "engine", "comm", "op")
 
-    def __init__(self, group, ranks, engine, comm):
+    def __init__(self, group, ranks, engine, comm, op):
         self.group, self.ranks, self.engine, self.comm = group, ranks, engine, comm
+        self.op = op  # the reduce op's name ("sum", ...), whatever form the caller gave
 
 
 def _op_name(op) -> str:
@@ -86,26 +87,35 @@ def _check_tensor(name: str, t) -> None:
                         "call .to_dense() first")
 
 
-def _route(name: str, t: torch.Tensor, group, op: str = "sum") -> Route:
-    """The route of one call; routes are cached per job, so a hot loop pays one dict lookup.
+def _route(name: str, t: torch.Tensor, group, op="sum") -> Route:
+    """The route of one call; routes are cached per job, so a hot loop pays one dict lookup
+    (the tensor and the op are checked only when a call misses the cache).
 
     The policy depends on bytes only for CUDA (IPC buffer size, 16-byte multiple), so only CUDA
     routes are keyed by size. Each new route logs its engine and the reason at debug level
     (``logging.getLogger("fastpar.comm")``).
     """
     st = current()
-    cuda = t.is_cuda
-    key = (id(group), name, op, t.dtype, cuda, st.forced, t.numel() if cuda else 0)
-    route = st.routes.get(key)
+    try:
+        cuda = t.is_cuda
+        key = (id(group), name, op, t.dtype, t.layout, cuda, st.forced,
+               t.numel() if cuda else 0)
+        route = st.routes.get(key)
+    except (AttributeError, TypeError):  # not a tensor, or an unhashable op
+        key, route = None, None
     if route is not None:
         return route
+    _check_tensor(name, t)
+    op = _op_name(op)
     group, ranks, choice = st.choose(name, t, group, op)
     comm = st.communicator(choice.engine, group, ranks, t.device)
     log.debug("%s (%s, %s, %s) on global ranks %s -> %s: %s", name, op, t.dtype, t.device.type,
               ranks, choice.engine, choice.reason)
-    if len(st.routes) >= 4096:  # CUDA keys carry sizes: varying shapes must not grow it forever
-        st.routes.clear()
-    route = st.routes[key] = Route(group, ranks, choice.engine, comm)
+    route = Route(group, ranks, choice.engine, comm, op)
+    if key is not None:
+        if len(st.routes) >= 4096:  # CUDA keys carry sizes: varying shapes must not grow it
+            st.routes.clear()
+        st.routes[key] = route
     return route
 
 
@@ -154,10 +164,8 @@ def _through_contiguous(t: torch.Tensor, call, async_op: bool):
 
 def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
     """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``)."""
-    _check_tensor("all_reduce", t)
-    op = _op_name(op)
     route = _route("all_reduce", t, group, op)
-    engine = route.engine
+    engine, op = route.engine, route.op
     if engine == "local":
         return _done(t, async_op)
     if not t.is_contiguous():  # every engine wants contiguous memory (NCCL, ours); gloo copies
@@ -182,7 +190,7 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
 
     A 0-dim tensor is gathered into shape ``(n,)`` for a group of ``n`` ranks (``(1,)`` alone,
     a view)."""
-    _check_tensor("all_gather", t)
+    _check_tensor("all_gather", t)  # arguments are checked before any communication
     if t.dim() == 0:
         t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
     dim = _check_dim("all_gather", t, dim)
@@ -215,14 +223,13 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
                    async_op: bool = False):
     """This rank's shard along ``dim`` of ``op`` over the group of ``t``."""
-    _check_tensor("reduce_scatter", t)
-    op = _op_name(op)
+    _check_tensor("reduce_scatter", t)  # arguments are checked before any communication
     if t.dim() == 0:
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
                          "0-dim tensor")
     dim = _check_dim("reduce_scatter", t, dim)
     route = _route("reduce_scatter", t, group, op)
-    engine = route.engine
+    engine, op = route.engine, route.op
     if engine == "local":
         return _done(t, async_op)
     n = len(route.ranks)
@@ -246,7 +253,6 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """In place: ``t`` of global rank ``src`` on every rank of the group. Returns ``t``."""
-    _check_tensor("broadcast", t)
     route = _route("broadcast", t, group)
     engine, ranks = route.engine, route.ranks
     if src not in ranks:

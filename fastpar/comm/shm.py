@@ -14,6 +14,8 @@ import mmap
 import os
 import re
 import secrets
+import signal
+import subprocess
 import threading
 
 import torch
@@ -31,9 +33,23 @@ _SIG_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torc
 _SIG = re.compile(r" \[sig 0x([0-9a-f]{16})\]")
 
 
+_SIG_CODES = {dtype: i + 1 for i, dtype in enumerate(_SIG_DTYPES)}
+
+
 def signature(t: torch.Tensor) -> int:
-    code = _SIG_DTYPES.index(t.dtype) + 1 if t.dtype in _SIG_DTYPES else 255
-    return (code << 56) | (min(t.dim(), 255) << 48) | (hash(tuple(t.shape)) & (1 << 48) - 1)
+    code = _SIG_CODES.get(t.dtype, 255)
+    return (code << 56) | (min(t.dim(), 255) << 48) | (hash(t.shape) & (1 << 48) - 1)
+
+
+def _reaper(name: str) -> subprocess.Popen:
+    """A shell in its own session that removes ``/dev/shm<name>`` unless told otherwise: it
+    reads its stdin, whose only writer is this process, and removes the name if the read ends
+    without a line (this process died, by any signal). Closing stdin without writing is the
+    same as dying, so the caller closes it after unlinking the name itself; a posix_spawn-like
+    start (no fork of this process's memory, no atfork handlers)."""
+    return subprocess.Popen(["/bin/sh", "-c", 'read -r _ || rm -f "$0"', f"/dev/shm{name}"],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
 
 
 def _describe(sig: int, mine: dict) -> str:
@@ -46,7 +62,7 @@ def _describe(sig: int, mine: dict) -> str:
     return f" of {dtype} with {ndim} dims (shape hash {sig & (1 << 48) - 1:012x})"
 
 
-_INTERRUPTED = re.compile(r"fastpar shm \w+: rank \d+ was interrupted \(KeyboardInterrupt\)")
+_INTERRUPTED = re.compile(r"fastpar shm \w+: rank \d+ was interrupted \(SIGINT\)")
 
 
 def _posixshmem():
@@ -80,8 +96,8 @@ class ShmCommunicator:
             if self.group_rank == 0:
                 name[0] = f"/fastpar-{os.getpid()}-{secrets.token_hex(8)}"
                 # Until the barrier below the name exists: if this process dies meanwhile (any
-                # signal, SIGKILL too), a reaper child unlinks it.
-                reaper = self._ops.shm_reaper_start(name[0])
+                # signal, SIGKILL too), the reaper unlinks it.
+                reaper = _reaper(name[0])
                 fd = shm.shm_open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
                 os.ftruncate(fd, nbytes)
             dist.broadcast_object_list(name, src=self.ranks[0], group=group)
@@ -114,8 +130,10 @@ class ShmCommunicator:
             if name[0] is not None and (self.group_rank == 0 or failed):
                 with contextlib.suppress(FileNotFoundError):
                     shm.shm_unlink(name[0])
-            if reaper is not None:
-                self._ops.shm_reaper_stop(*reaper)
+            if reaper is not None:  # the name is gone: the reaper may go
+                with contextlib.suppress(OSError):
+                    reaper.stdin.close()
+                reaper.wait()
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
                                           float(timeout))
         self._busy = threading.Lock()
@@ -150,13 +168,17 @@ class ShmCommunicator:
                 f"every rank (use one thread per group, or a group per thread)")
         try:
             kernel(self._comm, *args)
+            return
         except RuntimeError as exc:
             error = self._failed(exc, t)
-            if _INTERRUPTED.match(str(exc)):  # Ctrl-C inside this wait (not an earlier one)
-                raise KeyboardInterrupt(str(error)) from None
-            raise error from None
+            interrupted = _INTERRUPTED.match(str(exc))  # SIGINT in this wait, not an earlier one
         finally:
             self._busy.release()
+        if interrupted:  # the kernel took the pending SIGINT: the program's handler runs now
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                raise KeyboardInterrupt(str(error))
+            signal.raise_signal(signal.SIGINT)
+        raise error
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         self._call("all_reduce", self._all_reduce, t, op)

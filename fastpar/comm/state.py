@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fastpar import _native
 from fastpar.comm import policy
 from fastpar.comm.policy import Layout
+from fastpar.runtime.bootstrap import job
 
 log = logging.getLogger("fastpar.comm")
 
@@ -159,6 +160,4 @@ class CommState:
 
 def current() -> CommState:
     """This job's communication state (``RuntimeError`` before ``fastpar.init``)."""
-    from fastpar.runtime import job
-
     return job().comm

@@ -1,12 +1,14 @@
-"""Each local rank on its own CPUs, unless the launcher already chose.
+"""Each local rank of a CPU job on its own CPUs, unless the launcher already chose.
 
 Ranks that busy-wait for each other (the shm collectives do, for microsecond latency) must not
 share a core: two of them on one core take turns instead of running together, and a 4 KB
-all_reduce costs ~20 us instead of ~4.5 us (measured on this project's 2-core machine, where
-the scheduler left both ranks of a job on one core in about one job in ten). So when the
-launcher left every rank free to run anywhere, init gives local rank r the r-th equal share of
-the CPUs (and caps torch's intra-op threads at that share unless OMP_NUM_THREADS says
-otherwise). A launcher's own binding (``mpirun --bind-to``, ``taskset``, Slurm) is kept;
+all_reduce costs ~20 us instead of ~4.5 us (65-100 us before the shm wait learned to yield
+early). On this project's 2-core machine the scheduler left both ranks of a 2-rank job on one
+core in one job of three to ten. So when every local rank may run on the same CPUs (the
+launcher bound nothing; a container's cpuset counts as the machine), init gives local rank r
+the r-th equal share of them and caps torch's intra-op threads at that share unless
+OMP_NUM_THREADS says otherwise; shutdown undoes both. A launcher's own binding
+(``mpirun --bind-to``, ``taskset``, Slurm) is kept, GPU jobs are left alone, and
 ``FASTPAR_BIND=0`` keeps whatever there is.
 """
 
@@ -17,9 +19,9 @@ import os
 import torch
 
 
-def _compact(cpus: list[int]) -> str:
+def _compact(cpus) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    runs, start = [], None
+    cpus, runs, start = sorted(cpus), [], None
     for i, c in enumerate(cpus):
         if start is None:
             start = c
@@ -35,27 +37,45 @@ def share(cpus: list[int], local_rank: int, local_world_size: int) -> list[int]:
     return cpus[local_rank * per:(local_rank + 1) * per]
 
 
-def bind_cpus(local_rank: int, local_world_size: int) -> str:
-    """Bind this process as the module docstring says; returns what it runs on, and why."""
-    if not hasattr(os, "sched_setaffinity"):
-        return "any (no CPU affinity on this platform)"
-    mine = sorted(os.sched_getaffinity(0))
-    every = os.cpu_count() or len(mine)
-    if os.environ.get("FASTPAR_BIND", "1") == "0":
-        return f"{_compact(mine)} (FASTPAR_BIND=0)"
-    if len(mine) < every:
-        return f"{_compact(mine)} (bound by the launcher)"
-    if local_world_size < 2:
-        return f"{_compact(mine)} (one rank on this host)"
-    if local_world_size > len(mine):
-        return f"{_compact(mine)} (shared: {local_world_size} ranks on {len(mine)} CPUs)"
-    cpus = share(mine, local_rank, local_world_size)
-    # Every thread of the process (affinity is per thread; later threads inherit it).
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+def affinity() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _set_all_threads(cpus) -> None:
+    """Affinity is per thread (later threads inherit it): set it on every thread."""
+    for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:  # a thread that just ended
             pass
-    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > len(cpus):
+
+
+def bind_cpus(local_rank: int, local_world_size: int, device: torch.device,
+              local_affinities: list[list[int]]):
+    """Bind this process as the module docstring says. ``local_affinities``: every local
+    rank's CPUs before binding. Returns ``(what it runs on and why, undo)``; ``undo`` is
+    ``None`` when nothing was changed."""
+    mine = affinity()
+    if not mine or not os.path.isdir("/proc/self/task"):
+        return "any (no CPU affinity on this platform)", None
+    if os.environ.get("FASTPAR_BIND", "1") == "0":
+        return f"{_compact(mine)} (FASTPAR_BIND=0)", None
+    if device.type != "cpu":
+        return f"{_compact(mine)} (a {device.type} job: not bound)", None
+    if local_world_size < 2:
+        return f"{_compact(mine)} (one rank on this host)", None
+    if any(a != mine for a in local_affinities):
+        return f"{_compact(mine)} (bound by the launcher)", None
+    if local_world_size > len(mine):
+        return f"{_compact(mine)} (shared: {local_world_size} ranks on {len(mine)} CPUs)", None
+    cpus = share(mine, local_rank, local_world_size)
+    threads = torch.get_num_threads()
+    _set_all_threads(cpus)
+    if "OMP_NUM_THREADS" not in os.environ and threads > len(cpus):
         torch.set_num_threads(len(cpus))
-    return f"{_compact(cpus)} (fastpar: local rank {local_rank} of {local_world_size})"
+
+    def undo():
+        _set_all_threads(mine)
+        torch.set_num_threads(threads)
+
+    return f"{_compact(cpus)} (fastpar: local rank {local_rank} of {local_world_size})", undo

@@ -28,7 +28,7 @@ import torch
 
 from fastpar.grid import Grid, Topology, validate_degrees
 from fastpar.runtime import launcher as _launcher
-from fastpar.runtime.binding import bind_cpus
+from fastpar.runtime.binding import affinity, bind_cpus
 from fastpar.runtime.groups import build_groups
 from fastpar.runtime.rng import RNGTracker
 from fastpar.runtime.watchdog import deadline
@@ -49,6 +49,7 @@ class Job:
     rng: RNGTracker
     args: tuple  # (tp, pp, backend, timeout) as init was called
     owns_pg: bool  # init created the default process group (and so destroys it)
+    undo_binding: Any = None  # restores the CPU affinity init changed (runtime.binding)
 
 
 # What timeout=math.inf ("no limit") becomes where a finite duration is needed (a store's or a
@@ -224,20 +225,22 @@ def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
 def _abort_job_on_uncaught_exception(comm, rank: int) -> None:
     """Under MPI, an exception nobody catches on one rank ends the whole job at once, with its
     traceback, instead of leaving the other ranks waiting in a collective until the timeout (as
-    ``python -m mpi4py`` does). Installed once per process, for the main and other threads.
+    ``python -m mpi4py`` does). The main thread's exceptions only (a background thread's may
+    be meant to end that thread alone); removed again by ``shutdown``.
 
     The traceback goes straight to file descriptor 2: torch.distributed's own excepthook, which
     init_process_group stacks on top of this one, captures ``sys.stderr`` while it calls the
     hook below it, and the abort would lose that capture."""
     import sys
-    import threading
     import traceback
 
-    if _STATE.get("abort_hook"):
+    if _STATE.get("abort_hook") is not None:
         return
-    _STATE["abort_hook"] = True
+    previous = sys.excepthook
 
     def abort(exc_type, exc, tb):
+        if _STATE.get("abort_hook") is None:  # removed by shutdown, but still in torch's chain
+            return previous(exc_type, exc, tb)
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         os.write(2, (f"fastpar: uncaught exception on rank {rank}; aborting the MPI job so that "
                      f"no rank waits for it:\n{text}").encode(errors="replace"))
@@ -246,9 +249,16 @@ def _abort_job_on_uncaught_exception(comm, rank: int) -> None:
         time.sleep(0.5)
         comm.Abort(1)
 
+    _STATE["abort_hook"] = abort
     sys.excepthook = abort
-    threading.excepthook = lambda args: abort(args.exc_type, args.exc_value,
-                                              args.exc_traceback)
+
+
+def _remove_abort_hook() -> None:
+    import sys
+
+    hook, _STATE["abort_hook"] = _STATE.get("abort_hook"), None
+    if hook is not None and sys.excepthook is hook:
+        sys.excepthook = sys.__excepthook__
 
 
 def _this_process(info: _launcher.LaunchInfo, timeout: float):
@@ -296,7 +306,6 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     validate_degrees(world_size, tp, pp)
     grid = Grid(world_size, tp, pp)
     device = _choose_device(local_rank, local_world_size)
-    cpus = bind_cpus(local_rank, local_world_size)
     shared_gpu = device.type == "cuda" and local_world_size > torch.cuda.device_count()
     backend = backend or ("nccl" if device.type == "cuda" and not shared_gpu else "gloo")
 
@@ -326,6 +335,8 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         hosts = tuple(hosts)
     try:
         groups = build_groups(grid, rank, as_timedelta(timeout))
+        cpus, undo_binding = _bind(rank, world_size, local_rank, local_world_size, device,
+                                   hosts)
         topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
                         local_world_size=local_world_size, device=device,
                         backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
@@ -341,8 +352,22 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         if owns_pg:  # no half-made job: the next init starts from scratch
             dist.destroy_process_group()
         raise
-    _STATE["job"] = Job(topology=topo, comm=comm, rng=RNGTracker(), args=args, owns_pg=owns_pg)
+    _STATE["job"] = Job(topology=topo, comm=comm, rng=RNGTracker(), args=args, owns_pg=owns_pg,
+                        undo_binding=undo_binding)
     return topo
+
+
+def _bind(rank, world_size, local_rank, local_world_size, device, hosts):
+    """``runtime.binding.bind_cpus`` with every local rank's CPUs (a collective when the job
+    is a multi-rank CPU job that may be bound; the condition is alike on every rank)."""
+    import torch.distributed as dist
+
+    if device.type != "cpu" or world_size == 1 or os.environ.get("FASTPAR_BIND", "1") == "0":
+        return bind_cpus(local_rank, local_world_size, device, [])
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, affinity())
+    local = [cpus for cpus, host in zip(everyone, hosts) if host == hosts[rank]]
+    return bind_cpus(local_rank, local_world_size, device, local)
 
 
 def job() -> Job:
@@ -372,6 +397,9 @@ def shutdown() -> None:
     _STATE["job"] = None
     try:
         current.comm.close()
+        if current.undo_binding is not None:
+            current.undo_binding()
     finally:
+        _remove_abort_hook()
         if current.owns_pg and dist.is_initialized():
             dist.destroy_process_group()
