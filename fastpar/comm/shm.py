@@ -120,8 +120,9 @@ class ShmCommunicator:
             if getattr(self, "_mmap", None) is not None:
                 self._mmap.close()
             raise RuntimeError(f"fastpar shm: setting up the shared segment of the group of global "
-                               f"ranks {self.ranks} failed on global rank {rank} (a peer died, "
-                               f"or did not reach this collective in time): {exc}") from exc
+                               f"ranks {self.ranks} failed on global rank {rank} (a peer died "
+                               f"or did not reach this collective in time, or /dev/shm refused "
+                               f"the segment): {exc}") from exc
         finally:
             if fd >= 0:
                 os.close(fd)

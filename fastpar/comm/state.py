@@ -147,15 +147,21 @@ class CommState:
         return rows
 
     def close(self):
-        for comm in self._shm.values():
-            comm.close()
-        for comm in self._ipc.values():
-            if comm is not None:
-                comm.close()
-        for sub in self._mpi.values():
-            sub.Free()
+        """Close every communicator; one that fails does not keep the others open (the first
+        error is raised once all were tried)."""
+        closers = [c.close for c in self._shm.values()]
+        closers += [c.close for c in self._ipc.values() if c is not None]
+        closers += [sub.Free for sub in self._mpi.values()]
         for table in (self._shm, self._ipc, self._mpi, self._groups, self.routes):
             table.clear()
+        first = None
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the others
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def current() -> CommState:

@@ -249,6 +249,7 @@ def _abort_job_on_uncaught_exception(comm, rank: int) -> None:
         time.sleep(0.5)
         comm.Abort(1)
 
+    abort.previous = previous
     _STATE["abort_hook"] = abort
     sys.excepthook = abort
 
@@ -258,7 +259,7 @@ def _remove_abort_hook() -> None:
 
     hook, _STATE["abort_hook"] = _STATE.get("abort_hook"), None
     if hook is not None and sys.excepthook is hook:
-        sys.excepthook = sys.__excepthook__
+        sys.excepthook = hook.previous
 
 
 def _this_process(info: _launcher.LaunchInfo, timeout: float):
