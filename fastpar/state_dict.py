@@ -4,7 +4,8 @@
     torch.save(sd, "ckpt.pt")                  #   identical on every rank (collective call)
     fastpar.load_full_state_dict(model, sd)    # each rank keeps its shard of every tensor
 
-Sharded layers (``fastpar.nn.ShardedModule``) say how each parameter is cut; everything else is
+A ``fastpar.pipeline.Pipeline`` answers for itself (its stages are on other ranks): collective
+over the world, with the serial model's keys. Sharded layers (``fastpar.nn.ShardedModule``) say how each parameter is cut; everything else is
 replicated and taken as is. ``full_state_dict`` is collective over the TP groups: call it on every
 rank. ``load_full_state_dict`` communicates nothing: each rank slices its own shards.
 """
@@ -36,6 +37,8 @@ def _sharded_keys(model: nn.Module) -> dict[str, tuple[ShardedModule, str]]:
 
 def full_state_dict(obj) -> dict[str, torch.Tensor]:
     """The state dict the serial model would have (detached tensors on the model's devices)."""
+    if hasattr(obj, "_full_state_dict"):  # a Pipeline: its stages live on other ranks too
+        return obj._full_state_dict()
     model = _module(obj)
     sharded = _sharded_keys(model)
     out = {}
@@ -50,6 +53,8 @@ def full_state_dict(obj) -> dict[str, torch.Tensor]:
 def load_full_state_dict(obj, state_dict: dict[str, torch.Tensor], strict: bool = True):
     """Load a serial-shaped ``state_dict`` into ``obj``: each rank copies its shard of every
     sharded tensor and the whole of every replicated one. Returns ``load_state_dict``'s result."""
+    if hasattr(obj, "_load_full_state_dict"):  # a Pipeline: each rank loads its stages' keys
+        return obj._load_full_state_dict(state_dict, strict=strict)
     model = _module(obj)
     sharded = _sharded_keys(model)
     # Every sharded tensor is checked against its serial shape before anything is sliced or

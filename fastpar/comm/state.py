@@ -36,6 +36,9 @@ class CommState:
         self._shm: dict = {}  # id(group) -> ShmCommunicator
         self._mpi: dict = {}  # id(group) -> MPI communicator
         self._ipc: dict = {}  # id(group) -> CudaIpcCommunicator, or None where IPC is off
+        # close() of what else holds channels of this job (pipeline P2P rings, status boards),
+        # run by fastpar.shutdown before the communicators go
+        self.closers: list = []
 
     def resolve(self, group):
         """``(group, global ranks in group order, Layout)`` for a ``group=`` argument
@@ -149,7 +152,9 @@ class CommState:
     def close(self):
         """Close every communicator; one that fails does not keep the others open (the first
         error is raised once all were tried)."""
-        closers = [c.close for c in self._shm.values()]
+        closers = list(reversed(self.closers))
+        self.closers = []
+        closers += [c.close for c in self._shm.values()]
         closers += [c.close for c in self._ipc.values() if c is not None]
         closers += [sub.Free for sub in self._mpi.values()]
         for table in (self._shm, self._ipc, self._mpi, self._groups, self.routes):

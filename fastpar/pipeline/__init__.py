@@ -1,12 +1,16 @@
-"""Pipeline parallelism: schedules compiled to per-rank action lists and validated on the host.
+"""Pipeline parallelism: a model cut into stages over the pp group, run by a schedule compiled
+to per-rank action lists that are validated on the host before anything runs.
 
-    python -m fastpar.pipeline show --pp 4 --microbatches 8 --schedule 1f1b
+    pipe = fastpar.pipeline.Pipeline(layers, loss_fn=F.cross_entropy, schedule="1f1b",
+                                     microbatches=8)
+    loss = pipe.step(inputs, targets)
 
-(The executor, P2P channels and ``Pipeline`` module come next; see the pipeline issue.)
+    python -m fastpar.pipeline show --pp 4 --microbatches 8 --schedule zb
 """
 
+from fastpar.pipeline.pipe import Pipeline
 from fastpar.pipeline.schedules import (SCHEDULES, Action, ScheduleError, compile_schedule,
                                         theoretical_bubble, validate)
 
-__all__ = ["SCHEDULES", "Action", "ScheduleError", "compile_schedule", "theoretical_bubble",
-           "validate"]
+__all__ = ["SCHEDULES", "Action", "Pipeline", "ScheduleError", "compile_schedule",
+           "theoretical_bubble", "validate"]

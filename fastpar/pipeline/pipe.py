@@ -1,0 +1,233 @@
+"""``Pipeline``: a model cut into stages over the pp group, run by a validated schedule.
+
+    topo = fastpar.init(pp=4)                       # mpirun -np 4 python train.py
+    pipe = Pipeline([lambda: Block() for _ in range(16)], loss_fn=F.cross_entropy,
+                    schedule="1f1b", microbatches=8)
+    opt = torch.optim.AdamW(pipe.parameters())      # this rank's chunks only
+    loss = pipe.step(inputs, targets)               # forward + backward of the whole batch
+    opt.step(); opt.zero_grad()
+
+Construction is collective over the world (every rank builds its pipeline). Every rank's action
+list is compiled and validated on the host before anything runs, so a schedule that would hang
+never starts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpar.comm import collectives
+from fastpar.comm.p2p import Channels
+from fastpar.pipeline import partition as part
+from fastpar.pipeline.board import Board
+from fastpar.pipeline.executor import Executor
+from fastpar.pipeline.schedules import compile_schedule, gpipe, theoretical_bubble
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _split(x, m: int, what: str, device):
+    """``m`` microbatches of ``x`` (a tensor or a tuple of tensors) along dim 0."""
+    if isinstance(x, (tuple, list)):
+        parts = [_split(t, m, what, device) for t in x]
+        return [tuple(p[i] for p in parts) for i in range(m)]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[0] % m:
+        raise ValueError(f"{what} of shape {tuple(x.shape)} cannot be split into {m} equal "
+                         f"microbatches along dim 0 (the batch must be a multiple of {m})")
+    return list(x.to(device).split(x.shape[0] // m))
+
+
+def _sequence_parallel(chunks) -> bool:
+    return any(getattr(m, "sequence_parallel", False) for c in chunks for m in c.modules())
+
+
+class Pipeline(nn.Module):
+    """``layers`` partitioned over the pp group into ``pp x virtual_stages`` contiguous stages.
+
+    layers: an ``nn.Sequential``, a list of modules, or a list of zero-argument factories (only
+    this rank's layers get built). loss_fn(output, target) -> the mean loss of a microbatch.
+    schedule: "gpipe", "1f1b", "interleaved" (virtual_stages >= 2) or "zb" (ZB-H1).
+    balance: layer count per stage, in stage order (default: balanced by parameter count).
+    trace: a path; after every step global rank 0 writes its pp group's timeline there (Chrome
+    trace JSON) and beside it as PNG (``FASTPAR_TRACE`` sets it too).
+    scatter_gather: send 1/tp of each activation and all-gather on arrival (default: on when
+    tp > 1 and no layer uses sequence parallelism). p2p: "auto", "shm" or "torch".
+    """
+
+    def __init__(self, layers, *, loss_fn, schedule: str = "1f1b", microbatches: int,
+                 virtual_stages: int = 1, balance=None, trace=None, scatter_gather=None,
+                 p2p: str = "auto"):
+        super().__init__()
+        from fastpar.comm.state import current
+
+        topo = current().topo
+        self.microbatches = _positive("microbatches", microbatches)
+        self.virtual_stages = v = _positive("virtual_stages", virtual_stages)
+        self.pp, self.pp_rank = topo.pp_size, topo.pp_rank
+        self.schedule, self.loss_fn = schedule, loss_fn
+        self.group, self.pp_ranks = topo.pp_group, topo.ranks("pp")
+        self._topo = topo
+        # Every rank's list, validated: a schedule that cannot run fails here, on every rank.
+        self.actions = compile_schedule(schedule, self.pp, microbatches, v)
+        self.forward_actions = [[a for a in acts if a.kind in ("F", "SF", "RF")]
+                                for acts in (gpipe(self.pp, microbatches, r, v)
+                                             for r in range(self.pp))]
+        items, bounds, keys = part.partition(layers, self.pp, v, balance)
+        trace = trace if trace is not None else os.environ.get("FASTPAR_TRACE") or None
+        # One decision for the whole world, rank 0's: layer cuts, tracing.
+        decided = [(len(items), bounds, trace is not None)]
+        dist.broadcast_object_list(decided, src=0)
+        if decided[0][0] != len(items):
+            raise ValueError(f"rank {topo.rank} has {len(items)} layers but rank 0 has "
+                             f"{decided[0][0]}: every rank must pass the same layers")
+        self.bounds, self.tracing = decided[0][1], decided[0][2]
+        self.trace_path = trace
+        self.layer_keys = keys
+        self.stage_keys = [sum(keys[self.bounds[s]:self.bounds[s + 1]], [])
+                           for s in range(self.pp * v)]
+        self.chunks = nn.ModuleList(
+            part.build_chunk(items, self.bounds[s], self.bounds[s + 1]).to(topo.device)
+            for s in (c * self.pp + self.pp_rank for c in range(v)))
+        if scatter_gather is None:
+            flag = torch.tensor([0 if _sequence_parallel(self.chunks) else 1])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            scatter_gather = topo.tp_size > 1 and bool(flag.item())
+        self.channels = Channels(self.group, all_groups=topo.grid.groups("pp"),
+                                 scatter_group=topo.tp_group if scatter_gather else None,
+                                 engine=p2p, device=topo.device)
+        self.board = Board.create(topo.mpi_comm, topo.rank)
+        if self.board is not None:
+            current().closers.append(self.board.close)
+        mine = self.actions[self.pp_rank]
+        self.executor = Executor(list(self.chunks), pp=self.pp, rank=self.pp_rank, v=v,
+                                 channels=self.channels, loss_fn=loss_fn,
+                                 split=any(a.kind in ("I", "W") for a in mine), board=self.board)
+        self.stats: dict = {}
+
+    # -- running ------------------------------------------------------------------------
+    def _stage_data(self, inputs, targets):
+        first = self.pp_rank == 0
+        last = any(c * self.pp + self.pp_rank == self.pp * self.virtual_stages - 1
+                   for c in range(self.virtual_stages))
+        if first and inputs is None:
+            raise ValueError("inputs is None on the first pipeline stage, which needs them")
+        m, dev = self.microbatches, self._topo.device
+        data = _split(inputs, m, "inputs", dev) if first else None
+        tgt = _split(targets, m, "targets", dev) if last and targets is not None else None
+        return data, tgt, last
+
+    def step(self, inputs, targets) -> float:
+        """Forward and backward of the whole batch (``microbatches`` equal slices along dim 0)
+        by the schedule; gradients accumulate into ``.parameters()``. Returns the batch's mean
+        loss (the mean of the microbatch losses), the same value on every rank of the pipeline.
+        ``inputs`` is needed on the first stage and ``targets`` on the last (others may pass
+        ``None``)."""
+        data, tgt, last = self._stage_data(inputs, targets)
+        if last and tgt is None:
+            raise ValueError("targets is None on the last pipeline stage, which needs them")
+        start = time.perf_counter()
+        losses, _, records, peak = self.executor.run(self.actions[self.pp_rank], data, tgt,
+                                                     train=True)
+        loss = torch.zeros((), dtype=torch.float64, device=self._topo.device)
+        if last:
+            loss += torch.stack([x.double() for x in losses]).mean()
+        collectives.broadcast(loss, src=self.pp_ranks[-1], group=self.group)
+        self.stats = {"step_s": time.perf_counter() - start, "peak_activation_bytes": peak,
+                      "records": records}
+        if self.tracing:
+            self._write_trace(records)
+        return loss.item()
+
+    def forward(self, inputs):
+        """Inference of the whole batch (no gradients); the output on every pipeline rank."""
+        data, _, last = self._stage_data(inputs, None)
+        with torch.no_grad():
+            _, outs, _, _ = self.executor.run(self.forward_actions[self.pp_rank], data, None,
+                                              train=False)
+        result = [None]
+        if last:
+            result[0] = (tuple(torch.cat(parts) for parts in zip(*outs))
+                         if isinstance(outs[0], tuple) else torch.cat(outs))
+        if self.pp > 1:
+            dist.broadcast_object_list(result, src=self.pp_ranks[-1], group=self.group)
+        return result[0]
+
+    def theoretical_bubble(self) -> float:
+        return theoretical_bubble(self.schedule, self.pp, self.microbatches,
+                                  self.virtual_stages)
+
+    def _write_trace(self, records) -> None:
+        from fastpar.pipeline import trace
+
+        gathered = [None] * self.pp if self._topo.rank == self.pp_ranks[0] else None
+        if self.pp > 1:
+            dist.gather_object(records, gathered, dst=self.pp_ranks[0], group=self.group)
+        else:
+            gathered = [records]
+        if gathered is None:
+            return
+        self.stats["bubble"] = trace.measured_bubble(gathered)
+        self.stats["all_records"] = gathered
+        if self._topo.rank == 0:
+            meta = {"schedule": self.schedule, "pp": self.pp, "microbatches": self.microbatches,
+                    "virtual_stages": self.virtual_stages,
+                    "theoretical_bubble": self.theoretical_bubble()}
+            trace.write(self.trace_path, gathered, meta=meta)
+
+    # -- state ----------------------------------------------------------------------------
+    def _full_state_dict(self) -> dict:
+        """Collective over the world: every stage's tensors, under the serial keys."""
+        from fastpar.state_dict import full_state_dict
+
+        local = {}
+        for chunk in self.chunks:
+            local.update({k: v.cpu() for k, v in full_state_dict(chunk).items()})
+        parts = [None] * self.pp
+        if self.pp > 1:
+            dist.all_gather_object(parts, local, group=self.group)
+        else:
+            parts = [local]
+        merged = {}
+        for p in parts:
+            merged.update(p)
+        order = [k for keys in self.layer_keys for k in keys]
+        dev = self._topo.device
+        return {k: merged[k].to(dev) for k in order if k in merged}
+
+    def _load_full_state_dict(self, sd: dict, strict: bool = True):
+        from fastpar.state_dict import load_full_state_dict
+
+        expected = {k for keys in self.layer_keys for k in keys}
+        missing = sorted(expected - sd.keys())
+        unexpected = sorted(set(sd) - expected)
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_full_state_dict(Pipeline): missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+        for c, chunk in enumerate(self.chunks):
+            keys = set(self.stage_keys[c * self.pp + self.pp_rank])
+            load_full_state_dict(chunk, {k: v for k, v in sd.items() if k in keys},
+                                 strict=strict)
+        return missing, unexpected
+
+    def close(self) -> None:
+        self.channels.close()
+        if self.board is not None:
+            self.board.close()
+
+    def extra_repr(self) -> str:
+        stages = [c * self.pp + self.pp_rank for c in range(self.virtual_stages)]
+        return (f"schedule={self.schedule}, pp={self.pp}, microbatches={self.microbatches}, "
+                f"virtual_stages={self.virtual_stages}, stages here={stages}, "
+                f"p2p={self.channels.engine_name}")
+
