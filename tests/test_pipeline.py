@@ -303,17 +303,20 @@ def body_grid(seed, pp, tp):
     return {"worst": worst, "sent": sent}
 
 
-@pytest.mark.parametrize("pp,tp", [(2, 2), (2, 1)])
-def test_grid_of_four(pp, tp):
-    launch = run_ranks(4, body_grid, seed=3, pp=pp, tp=tp, timeout=240)
-    if tp > 1:  # scatter-gather: each rank sends 1/tp of every activation and gradient
-        for values in launch.values():
-            sent = values["sent"]
-            for schedule in ("1f1b", "zb", "interleaved"):
-                whole, cut = sent[f"{schedule} scatter=False"], sent[f"{schedule} scatter=True"]
-                assert cut * tp == whole, (schedule, cut, whole)
-    print(f"tp={tp} pp={pp} on 4 ranks, worst error / bound:",
-          max(v["worst"] for v in launch.values()))
+def body_grids(seed):
+    return [body_grid(seed, pp, tp) for pp, tp in ((2, 2), (2, 1))]
+
+
+def test_tp_inside_stages_and_pp_below_the_world():
+    """tp 2 x pp 2 (scatter-gather on and off), then pp 2 x dp 2, in one 4-rank launch."""
+    launch = run_ranks(4, body_grids, seed=3, timeout=300)
+    for values in launch.values():
+        sent = values[0]["sent"]  # scatter-gather: 1/tp of every activation and gradient
+        for schedule in ("1f1b", "zb", "interleaved"):
+            whole, cut = sent[f"{schedule} scatter=False"], sent[f"{schedule} scatter=True"]
+            assert cut * 2 == whole, (schedule, cut, whole)
+    print("tp2 x pp2, pp2 x dp2: worst error / bound:",
+          max(max(v["worst"] for v in values) for values in launch.values()))
 
 
 def body_timeout():

@@ -115,22 +115,23 @@ def _decode(header: torch.Tensor):
 
 
 class SendHandle:
-    """An in-flight send: keeps its tensors alive until ``wait()`` (or ``is_completed()``)."""
+    """An in-flight send: keeps its tensors alive until ``wait()`` (bounded by the channel's
+    timeout) or ``is_completed()`` says it is done."""
 
-    def __init__(self, works=(), keep=()):
-        self._works, self._keep = list(works), keep
+    def __init__(self, works=(), keep=(), timeout: float = math.inf):
+        self._works, self._keep, self._timeout = list(works), keep, timeout
 
     def is_completed(self) -> bool:
         if all(w.is_completed() for w in self._works):
             self._works, self._keep = [], ()
         return not self._works
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self) -> None:
         for w in self._works:
-            if timeout is None or math.isinf(timeout):
+            if math.isinf(self._timeout):
                 w.wait()
             else:
-                w.wait(datetime.timedelta(seconds=timeout))
+                w.wait(datetime.timedelta(seconds=self._timeout))
         self._works, self._keep = [], ()
 
 
@@ -152,7 +153,8 @@ class _TorchEngine:
         padded[:header.numel()] = header
         ops = [dist.P2POp(dist.isend, t, peer, self.clones[direction])
                for t in (padded, *parts)]
-        return SendHandle(dist.batch_isend_irecv(ops), keep=(padded, parts))
+        return SendHandle(dist.batch_isend_irecv(ops), keep=(padded, parts),
+                          timeout=self.timeout)
 
     def recv_header(self, peer: int, direction: int, device) -> torch.Tensor:
         header = torch.empty(HEADER_MAX, dtype=torch.int64, device=device)
@@ -311,7 +313,7 @@ class Channels:
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
         for handle in pending:
-            self._guard(lambda: handle.wait(self.timeout), "a send to complete",
+            self._guard(handle.wait, "a send to complete",
                         None, None, None)
 
     def release_completed(self) -> None:
@@ -476,6 +478,9 @@ class Channels:
                 continue
             self._send(direction, dst, probe, -1, -1, None)
             self._recv(direction, src, -1, -1, None)
+        if self.scatter_group is not None:  # the all-gather on arrival, built now too
+            collectives.all_gather(torch.zeros(self.tp, device=self.device),
+                                   group=self.scatter_group)
         self.finish_step()
 
 

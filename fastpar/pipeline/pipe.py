@@ -106,6 +106,9 @@ class Pipeline(nn.Module):
         self.channels = Channels(self.group, all_groups=topo.grid.groups("pp"),
                                  scatter_group=topo.tp_group if scatter_gather else None,
                                  engine=p2p, device=topo.device)
+        # the loss broadcast's communicator, built now rather than inside the first step
+        collectives.broadcast(torch.zeros((), dtype=torch.float64, device=topo.device),
+                              src=self.pp_ranks[-1], group=self.group)
         self.board = Board.create(topo.mpi_comm, topo.rank)
         if self.board is not None:
             current().closers.append(self.board.close)
