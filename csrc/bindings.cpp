@@ -5,6 +5,7 @@
 
 #include "build_info.h"
 #include "shm_ops.h"
+#include "shm_p2p_ops.h"
 #include "watchdog.h"
 #ifdef FASTPAR_WITH_CUDA
 #include "cuda/ipc_allreduce.h"
@@ -29,6 +30,24 @@ TORCH_LIBRARY(fastpar, m) {
         &fastpar::shm_reduce_scatter);
   m.def("shm_broadcast(int comm, Tensor(a!) t, int root, int sig) -> ()",
         &fastpar::shm_broadcast);
+
+  // Shared-memory point-to-point channels (CPU). Pair segments owned by fastpar/comm/shm_p2p.py.
+  m.def("shm_p2p_segment_bytes(int tags, int ring_bytes) -> int", &fastpar::shm_p2p_segment_bytes);
+  m.def("shm_p2p_init_segment(int base, int rank_lo, int rank_hi, int tags, int ring_bytes) -> ()",
+        &fastpar::shm_p2p_init_segment);
+  m.def("shm_p2p_open(int rank, bool oversubscribed, int[] peers, int[] bases, int tags, "
+        "int ring_bytes, float timeout_s) -> int", &fastpar::shm_p2p_open);
+  m.def("shm_p2p_close(int ep) -> ()", &fastpar::shm_p2p_close);
+  m.def("shm_p2p_send(int ep, int slot, int tag, Tensor header, Tensor[] parts) -> int",
+        &fastpar::shm_p2p_send);
+  m.def("shm_p2p_progress(int ep) -> ()", &fastpar::shm_p2p_progress);
+  m.def("shm_p2p_recv_header(int ep, int slot, int tag) -> Tensor", &fastpar::shm_p2p_recv_header);
+  m.def("shm_p2p_recv_payload(int ep, int slot, int tag, Tensor(a!)[] parts) -> ()",
+        &fastpar::shm_p2p_recv_payload);
+  m.def("shm_p2p_send_done(int ep, int id) -> bool", &fastpar::shm_p2p_send_done);
+  m.def("shm_p2p_wait_send(int ep, int id) -> ()", &fastpar::shm_p2p_wait_send);
+  m.def("shm_p2p_flush(int ep) -> ()", &fastpar::shm_p2p_flush);
+  m.def("shm_p2p_pending(int ep) -> int", &fastpar::shm_p2p_pending);
 
 #ifdef FASTPAR_WITH_CUDA
   // CUDA IPC all-reduce. Buffers and handles are owned by fastpar/comm/cuda_ipc.py.

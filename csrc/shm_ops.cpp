@@ -53,19 +53,6 @@ void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), "fastpar shm: ", what, " must be contiguous");
 }
 
-// The kernel's poll hook: ends a long wait when SIGINT (Ctrl-C) has arrived, within ~10 ms
-// instead of after the timeout. No Python handler runs here (this is inside a collective):
-// PyOS_InterruptOccurred only takes the pending SIGINT (main thread only), the kernel
-// poisons the segment and throws, and fastpar/comm/shm.py, once out of the call, raises
-// SIGINT again so that the program's own handler runs (by default: KeyboardInterrupt).
-const char* poll_sigint() {
-  if (!Py_IsInitialized()) return nullptr;
-  PyGILState_STATE gil = PyGILState_Ensure();
-  const bool interrupted = PyOS_InterruptOccurred() != 0;
-  PyGILState_Release(gil);
-  return interrupted ? "was interrupted (SIGINT)" : nullptr;
-}
-
 // The kernel reports mismatches and timeouts as std::runtime_error; re-raise as c10::Error
 // so Python sees a RuntimeError with the kernel's message.
 template <typename F>
@@ -78,6 +65,19 @@ void run(F&& f) {
 }
 
 }  // namespace
+
+// The kernel's poll hook: ends a long wait when SIGINT (Ctrl-C) has arrived, within ~10 ms
+// instead of after the timeout. No Python handler runs here (this is inside a collective):
+// PyOS_InterruptOccurred only takes the pending SIGINT (main thread only), the kernel
+// poisons the segment and throws, and fastpar/comm/shm.py, once out of the call, raises
+// SIGINT again so that the program's own handler runs (by default: KeyboardInterrupt).
+const char* shm_poll_sigint() {
+  if (!Py_IsInitialized()) return nullptr;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  const bool interrupted = PyOS_InterruptOccurred() != 0;
+  PyGILState_Release(gil);
+  return interrupted ? "was interrupted (SIGINT)" : nullptr;
+}
 
 int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes) {
   return static_cast<int64_t>(shm::segment_bytes(static_cast<int>(world), slot_bytes));
@@ -95,7 +95,7 @@ int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes
                         static_cast<int>(world), slot_bytes);
   });
   comm->timeout_s = timeout_s;
-  comm->poll = &poll_sigint;
+  comm->poll = &shm_poll_sigint;
   std::lock_guard<std::mutex> lock(comms_mu);
   comms[next_comm] = std::move(comm);
   return next_comm++;

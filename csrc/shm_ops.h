@@ -21,4 +21,8 @@ void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,
                         const std::string& op);
 void shm_broadcast(int64_t comm, at::Tensor& t, int64_t root, int64_t sig);
 
+// The poll hook of the shm kernels' waits (also used by shm_p2p_ops.cpp): "was interrupted
+// (SIGINT)" once Ctrl-C has arrived, else null. Takes the GIL itself.
+const char* shm_poll_sigint();
+
 }  // namespace fastpar

@@ -10,24 +10,15 @@
 // second "done reading" flag is needed. Flags only grow, so nothing is ever reset.
 #include "shm_collectives.h"
 #include "shm_reduce.h"
-#include "x86_simd.h"
-
-#include <sched.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <cstdio>
-#include <cstdlib>
+#include "shm_wait.h"
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <stdexcept>
 #include <string>
-#include <thread>
 
 namespace fastpar {
 namespace shm {
@@ -37,17 +28,8 @@ constexpr uint64_t kMagic = 0x3130304d48535046ULL;  // "FPSHM001"
 constexpr uint32_t kVersion = 2;  // 2: process identity in the control lines, signatures
 constexpr int kMaxWorld = 64;
 constexpr size_t kPage = 4096;
-// Pause-spins before a wait falls back to sched_yield: long enough to catch a peer running
-// on another core, short when ranks outnumber cores (then the peer needs our core).
-constexpr int kSpinIters = 2000;
-constexpr int kSpinItersOversubscribed = 50;
-constexpr int kSpinItersMin = 16;
-constexpr uint64_t kYieldsBeforeSleepOversubscribed = 128;
-constexpr long kSleepNs = 20000;
-// Inside a wait that has passed its spin phase: how often Comm::poll runs (signals) and how
-// often the awaited peer's process is checked for life.
-constexpr double kPollS = 0.01;
-constexpr double kLivenessS = 0.1;
+// Waiting, liveness and poisoning are shared with shm_p2p.cpp (shm_wait.h).
+using detail::Ident;
 
 enum class Kind : uint32_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4 };
 
@@ -68,21 +50,13 @@ struct alignas(128) Header {
   char message[256];
 };
 
-// Who a rank is, for liveness checks: written once by its owner at attach, before its first
-// signal (the flag's release publishes it).
-struct Ident {
-  int32_t pid;
-  uint32_t pad;
-  uint64_t start;  // process start time (field 22 of /proc/<pid>/stat), against pid reuse
-  uint64_t pidns;  // inode of /proc/self/ns/pid: pids compare only within one namespace
-};
-
 // One cache line per rank, written only by its owner: flag and descriptors share the
 // line so a peer's acquire of `flag` brings the descriptor along in the same transfer.
 struct alignas(128) Ctrl {
   std::atomic<uint64_t> flag;
   Desc desc[2];  // indexed by round parity, like the data halves
-  Ident ident;
+  Ident ident;   // written once by its owner at attach, before its first signal (the flag's
+                 // release publishes it)
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
@@ -117,23 +91,12 @@ const char* kind_name(Kind k) {
 
 [[noreturn]] void fail(Comm& c, const std::string& msg) {
   Header* h = header(c);
-  uint32_t expected = 0;
-  if (h->poison.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
-    std::strncpy(h->message, msg.c_str(), sizeof(h->message) - 1);
-    h->message[sizeof(h->message) - 1] = '\0';
-    h->poison.store(2, std::memory_order_release);
-  }
+  detail::poison(h->poison, h->message, sizeof(h->message), msg);
   throw std::runtime_error(msg);
 }
 
 [[noreturn]] void throw_poisoned(const Comm& c, Kind k) {
-  // The poisoning rank writes its message right after marking the segment; give it up to a
-  // second to finish (it may have been descheduled in between on an oversubscribed host) so
-  // that every rank reports the cause, not a placeholder.
-  const auto t0 = std::chrono::steady_clock::now();
-  while (header(c)->poison.load(std::memory_order_acquire) == 1 &&
-         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1))
-    std::this_thread::yield();
+  detail::await_poison_message(header(c)->poison);
   throw std::runtime_error(std::string("fastpar shm ") + kind_name(k) + ": rank " +
                            std::to_string(c.rank) +
                            " cannot proceed, the segment was poisoned by an earlier error: " +
@@ -142,54 +105,9 @@ const char* kind_name(Kind k) {
 
 // ---- liveness -----------------------------------------------------------------------
 
-// Start time and state of process `pid`; false if it does not exist.
-bool read_stat(int pid, uint64_t* start, char* state) {
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  FILE* f = std::fopen(path, "r");
-  if (f == nullptr) return false;
-  char buf[1024];
-  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  buf[n] = '\0';
-  // "pid (comm) state ppid ...": comm may hold spaces and parentheses; skip to the last ')'.
-  const char* p = std::strrchr(buf, ')');
-  if (p == nullptr) return false;
-  *state = p[2];
-  // After ')': state is field 3, start time field 22.
-  const char* q = p + 2;
-  for (int field = 3; field < 22 && q != nullptr; ++field) {
-    q = std::strchr(q, ' ');
-    if (q != nullptr) ++q;
-  }
-  *start = q != nullptr ? std::strtoull(q, nullptr, 10) : 0;
-  return true;
-}
-
-// Whether /proc/self is /proc/<pid> (same pid namespace as the mounted /proc).
-bool own_pid_in_proc(int pid) {
-  char buf[64];
-  ssize_t n = ::readlink("/proc/self", buf, sizeof(buf) - 1);
-  if (n <= 0) return false;
-  buf[n] = '\0';
-  return std::strtol(buf, nullptr, 10) == pid;
-}
-
-uint64_t own_pidns() {
-  struct stat st;
-  return ::stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
-}
-
 // Whether rank p's process has died. Only when that is certain: p attached (pid known), it
 // lives in our pid namespace, and /proc says its process is gone, a zombie, or a newer one.
-bool peer_dead(const Comm& c, int p) {
-  const Ident& id = ctrl(c, p)->ident;
-  if (id.pid <= 0 || id.start == 0 || id.pidns == 0 || id.pidns != own_pidns()) return false;
-  uint64_t start = 0;
-  char state = '?';
-  if (!read_stat(id.pid, &start, &state)) return true;
-  return state == 'Z' || state == 'X' || (id.start != 0 && start != id.start);
-}
+bool peer_dead(const Comm& c, int p) { return detail::ident_dead(ctrl(c, p)->ident); }
 
 // ---- waiting ----------------------------------------------------------------------
 
@@ -198,59 +116,34 @@ bool peer_dead(const Comm& c, int p) {
 // 20 us naps (after c.yields_before_sleep yields), checking poison and the deadline.
 void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
   const std::atomic<uint64_t>& f = ctrl(c, p)->flag;
-  for (int i = 0; i < c.spin_now; ++i) {
-    if (f.load(std::memory_order_acquire) >= target) {
-      c.spin_now = std::min(c.spin_iters, c.spin_now + c.spin_now / 8 + 1);
-      return;
-    }
-    cpu_relax();
-  }
-  auto t0 = std::chrono::steady_clock::now();
-  double next_poll = kPollS, next_liveness = kLivenessS;
-  for (uint64_t it = 1;; ++it) {
-    // Yield first; a peer still missing after many yields is descheduled (ranks outnumber
-    // cores), and CFS keeps running a yielding task, so sleep to hand it our core.
-    if (it < c.yields_before_sleep) {
-      sched_yield();
-    } else {
-      const timespec nap{0, kSleepNs};
-      nanosleep(&nap, nullptr);
-    }
-    if (f.load(std::memory_order_acquire) >= target) {
-      // The peer came as soon as we gave up the core: it was waiting for that core (two
-      // ranks on one CPU), so spinning only delays it. A peer that was merely late (load
-      // imbalance) arrives after many yields and leaves the budget alone.
-      if (it <= 2) c.spin_now = std::max(kSpinItersMin, c.spin_now / 2);
-      return;
-    }
-    if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
-    if ((it & 63) == 0) {
-      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (c.poll != nullptr && s >= next_poll) {
-        next_poll = s + kPollS;
-        if (const char* why = c.poll())
-          fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
-                      std::to_string(c.rank) + " " + why + " while waiting for rank " +
-                      std::to_string(p) + " (call " + std::to_string(c.calls) + ")");
-      }
-      if (s >= next_liveness) {
-        next_liveness = s + kLivenessS;
-        if (f.load(std::memory_order_acquire) < target && peer_dead(c, p))
+  detail::wait_until(
+      c.spin_now, c.spin_iters, c.yields_before_sleep,
+      [&] { return f.load(std::memory_order_acquire) >= target; },
+      [&](uint64_t it, detail::WaitClock& clock) {
+        if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
+        if ((it & 63) != 0) return;
+        const double s = clock.seconds();
+        if (c.poll != nullptr && clock.poll_due(s)) {
+          if (const char* why = c.poll())
+            fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+                        std::to_string(c.rank) + " " + why + " while waiting for rank " +
+                        std::to_string(p) + " (call " + std::to_string(c.calls) + ")");
+        }
+        if (clock.liveness_due(s) && f.load(std::memory_order_acquire) < target &&
+            peer_dead(c, p))
           fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
                       std::to_string(c.rank) + " found rank " + std::to_string(p) +
                       " dead (pid " + std::to_string(ctrl(c, p)->ident.pid) +
                       " has exited) while waiting for it (call " + std::to_string(c.calls) +
                       ")");
-      }
-      if (s > c.timeout_s)
-        fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
-                    std::to_string(c.rank) + " timed out after " + std::to_string(s) +
-                    " s waiting for rank " + std::to_string(p) + " (call " +
-                    std::to_string(c.calls) + "; rank " + std::to_string(p) +
-                    " is at signal " + std::to_string(f.load()) + ", expected " +
-                    std::to_string(target) + ")");
-    }
-  }
+        if (s > c.timeout_s)
+          fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+                      std::to_string(c.rank) + " timed out after " + std::to_string(s) +
+                      " s waiting for rank " + std::to_string(p) + " (call " +
+                      std::to_string(c.calls) + "; rank " + std::to_string(p) +
+                      " is at signal " + std::to_string(f.load()) + ", expected " +
+                      std::to_string(target) + ")");
+      });
 }
 
 // Publish: everything written to this rank's half/descriptor before is visible to a peer
@@ -394,23 +287,11 @@ Comm attach(void* base, int rank, int world, size_t slot_bytes) {
   c.slot_bytes = slot_bytes;
   c.small_max_bytes = h->small_max_bytes;
   c.chunk_bytes = h->chunk_bytes;
-  // The CPUs this process may run on (a launcher's binding, taskset), else all online ones.
-  cpu_set_t allowed;
-  long cpus = sched_getaffinity(0, sizeof(allowed), &allowed) == 0
-                  ? long(CPU_COUNT(&allowed))
-                  : sysconf(_SC_NPROCESSORS_ONLN);
-  const bool oversubscribed = cpus > 0 && world > cpus;
-  c.spin_iters = c.spin_now = oversubscribed ? kSpinItersOversubscribed : kSpinIters;
-  if (oversubscribed) c.yields_before_sleep = kYieldsBeforeSleepOversubscribed;
-  // Liveness checks of this rank stay off (pid 0) unless /proc shows this very process under
-  // its pid (a pid namespace without its own /proc mount would not).
-  Ident& me = ctrl(c, rank)->ident;
-  uint64_t start = 0;
-  char state = '?';
-  const int pid = int(::getpid());
-  me.start = read_stat(pid, &start, &state) && own_pid_in_proc(pid) ? start : 0;
-  me.pidns = own_pidns();
-  me.pid = me.start != 0 ? pid : 0;
+  const bool oversubscribed = detail::oversubscribed(world);
+  c.spin_iters = c.spin_now =
+      oversubscribed ? detail::kSpinItersOversubscribed : detail::kSpinIters;
+  if (oversubscribed) c.yields_before_sleep = detail::kYieldsBeforeSleepOversubscribed;
+  detail::record_ident(&ctrl(c, rank)->ident);
   return c;
 }
 

@@ -1,0 +1,521 @@
+// fastpar shared-memory point-to-point channels: implementation. See shm_p2p.h and README.md.
+//
+// Protocol in one paragraph: each (direction, tag) of a pair is a single-producer
+// single-consumer ring of ring_bytes (a power of two) with two monotonic byte counters on
+// their own cache lines: `written`, stored only by the sender (release, after the bytes), and
+// `read`, stored only by the receiver (release, after copying out). The sender may write while
+// written - read < ring_bytes; the receiver may read while read < written. Messages are a byte
+// stream of frames [Prefix][header][payload]; the Prefix carries the header and payload lengths
+// and a mark that catches a desynchronised stream.
+#include "shm_p2p.h"
+
+#include "shm_wait.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace fastpar {
+namespace shm {
+namespace p2p {
+namespace {
+
+constexpr uint64_t kMagic = 0x3130305032505046ULL;  // "FPP2P001"
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kFrameMark = 0x4d415246;  // "FRAM"
+constexpr size_t kPage = 4096;
+
+struct alignas(128) Header {
+  std::atomic<uint64_t> magic;
+  uint32_t version, tags;
+  uint64_t ring_bytes;
+  int32_t rank[2];               // the pair, lower rank first
+  std::atomic<uint32_t> poison;  // 0 ok, 1 being poisoned, 2 poisoned + message written
+  char message[256];
+};
+
+// One per side of the pair (0: the lower rank), written by that side at attach.
+struct alignas(128) Side {
+  std::atomic<uint32_t> attached;  // released after `ident` is written
+  detail::Ident ident;
+};
+
+struct alignas(128) Counter {
+  std::atomic<uint64_t> value;
+};
+
+// Starts every message in the ring.
+struct Prefix {
+  uint32_t header_len;
+  uint32_t mark;
+  uint64_t payload_len;
+};
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
+static_assert(sizeof(Counter) == 128 && sizeof(Side) == 128, "one cache line pair each");
+static_assert(sizeof(Prefix) == 16, "16-byte frame prefix");
+
+// ---- layout -------------------------------------------------------------------------------
+
+size_t counters_offset() { return sizeof(Header) + 2 * sizeof(Side); }
+size_t data_offset(int tags) {
+  size_t h = counters_offset() + size_t(2 * tags) * 2 * sizeof(Counter);
+  return (h + kPage - 1) / kPage * kPage;
+}
+Header* header(const Peer& p) { return static_cast<Header*>(p.base); }
+Side* side(const Peer& p, int s) {
+  return reinterpret_cast<Side*>(static_cast<char*>(p.base) + sizeof(Header)) + s;
+}
+// Ring `dir * tags + tag` carries side dir's messages; counters 2i (written) and 2i+1 (read).
+size_t ring_index(const Peer& p, int dir, int tag) { return size_t(dir) * p.tags + tag; }
+Counter& written(const Peer& p, int dir, int tag) {
+  return reinterpret_cast<Counter*>(static_cast<char*>(p.base) +
+                                    counters_offset())[2 * ring_index(p, dir, tag)];
+}
+Counter& read(const Peer& p, int dir, int tag) {
+  return reinterpret_cast<Counter*>(static_cast<char*>(p.base) +
+                                    counters_offset())[2 * ring_index(p, dir, tag) + 1];
+}
+char* ring(const Peer& p, int dir, int tag) {
+  return static_cast<char*>(p.base) + data_offset(p.tags) + ring_index(p, dir, tag) * p.ring_bytes;
+}
+
+// n bytes at stream position pos of a ring of `size` bytes, wrapping at its end.
+void ring_put(char* r, size_t size, uint64_t pos, const void* src, size_t n) {
+  const size_t at = size_t(pos & (size - 1)), first = std::min(n, size - at);
+  std::memcpy(r + at, src, first);
+  std::memcpy(r, static_cast<const char*>(src) + first, n - first);
+}
+void ring_get(const char* r, size_t size, uint64_t pos, void* dst, size_t n) {
+  const size_t at = size_t(pos & (size - 1)), first = std::min(n, size - at);
+  std::memcpy(dst, r + at, first);
+  std::memcpy(static_cast<char*>(dst) + first, r, n - first);
+}
+
+// ---- errors -------------------------------------------------------------------------------
+
+std::string tag_name(int tag) {
+  std::string s = "tag " + std::to_string(tag);
+  if (tag == 0) s += " (activations)";
+  if (tag == 1) s += " (gradients)";
+  return s;
+}
+
+std::string me(const Endpoint& ep) { return "fastpar shm p2p: rank " + std::to_string(ep.rank); }
+
+// What a wait awaits, for its error messages.
+struct Await {
+  enum Kind { Header, Payload, Send } kind;
+  uint64_t done, total;  // Payload: bytes received / payload length; Send: queued / total
+
+  std::string describe(const Peer& p, int tag) const {
+    const std::string from = " rank " + std::to_string(p.rank) + " on " + tag_name(tag);
+    switch (kind) {
+      case Header: return "the header of the next message from" + from;
+      case Payload:
+        return "byte " + std::to_string(done) + " of the " + std::to_string(total) +
+               "-byte payload of the message from" + from;
+      case Send:
+        return "rank " + std::to_string(p.rank) + " to take the messages sent to it on " +
+               tag_name(tag) + " (" + std::to_string(done) + " bytes still queued)";
+    }
+    return "?";
+  }
+};
+
+[[noreturn]] void fail(Peer& p, const std::string& msg) {
+  Header* h = header(p);
+  detail::poison(h->poison, h->message, sizeof(h->message), msg);
+  throw std::runtime_error(msg);
+}
+
+void check_poison(const Endpoint& ep, const Peer& p) {
+  if (header(p)->poison.load(std::memory_order_acquire) == 0) return;
+  detail::await_poison_message(header(p)->poison);
+  throw std::runtime_error(me(ep) + " cannot use its channels to rank " + std::to_string(p.rank) +
+                           ", their segment was poisoned by an earlier error: " +
+                           poison_message(ep, int(&p - ep.peers.data())));
+}
+
+// Misuse: nothing was consumed or published, so the pair stays usable.
+[[noreturn]] void misuse(const std::string& msg) { throw std::invalid_argument(msg); }
+
+Peer& channel(Endpoint& ep, int slot, int tag, const char* call) {
+  if (slot < 0 || size_t(slot) >= ep.peers.size())
+    misuse(me(ep) + " " + call + ": no peer in slot " + std::to_string(slot) + " (" +
+           std::to_string(ep.peers.size()) + " attached)");
+  Peer& p = ep.peers[slot];
+  if (tag < 0 || tag >= p.tags)
+    misuse(me(ep) + " " + call + ": " + tag_name(tag) + " outside the " +
+           std::to_string(p.tags) + " tags of the channels to rank " + std::to_string(p.rank));
+  return p;
+}
+
+// ---- waiting ------------------------------------------------------------------------------
+
+// Waits until ready() (which is expected to call progress(ep)) on the channel `tag` of peer p:
+// bounded by ep.timeout_s, failing at once if the peer's process dies or the pair is poisoned.
+template <typename Ready>
+void wait(Endpoint& ep, Peer& p, int tag, const Await& what, Ready&& ready) {
+  detail::wait_until(
+      ep.spin_now, ep.spin_iters, ep.yields_before_sleep, ready,
+      [&](uint64_t it, detail::WaitClock& clock) {
+        check_poison(ep, p);
+        if ((it & 63) != 0) return;
+        const double s = clock.seconds();
+        if (ep.poll != nullptr && clock.poll_due(s)) {
+          if (const char* why = ep.poll())
+            fail(p, me(ep) + " " + why + " while waiting for " + what.describe(p, tag));
+        }
+        const Side* peer = side(p, 1 - p.side);
+        if (clock.liveness_due(s) && peer->attached.load(std::memory_order_acquire) != 0 &&
+            !ready() && detail::ident_dead(peer->ident))
+          fail(p, me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
+                      std::to_string(peer->ident.pid) + " has exited) while waiting for " +
+                      what.describe(p, tag));
+        if (s > ep.timeout_s) {
+          char waited[32];
+          std::snprintf(waited, sizeof(waited), "%.1f", s);
+          fail(p, me(ep) + " waited " + waited + " s for " + what.describe(p, tag));
+        }
+      });
+}
+
+// ---- sending ------------------------------------------------------------------------------
+
+// Copies the next n bytes of s (n <= s.left) into the ring at stream position pos.
+void copy_in(PendingSend& s, char* r, size_t size, uint64_t pos, size_t n) {
+  while (n > 0) {
+    const Part cur = s.part == 0 ? Part{s.frame.data(), s.frame.size()} : s.parts[s.part - 1];
+    const size_t k = std::min(cur.bytes - s.offset, n);
+    if (k > 0) ring_put(r, size, pos, static_cast<const char*>(cur.data) + s.offset, k);
+    pos += k;
+    n -= k;
+    s.offset += k;
+    if (s.offset == cur.bytes) {
+      ++s.part;
+      s.offset = 0;
+    }
+  }
+}
+
+// Moves s into the ring of `tag` as far as there is room, publishing a chunk at a time.
+void advance(Peer& p, int tag, PendingSend& s) {
+  TxRing& tx = p.tx[tag];
+  Counter& w = written(p, p.side, tag);
+  char* r = ring(p, p.side, tag);
+  while (s.left > 0) {
+    const uint64_t want = std::min<uint64_t>(s.left, kChunkBytes);
+    uint64_t room = p.ring_bytes - (tx.written - tx.read_seen);
+    if (room < want) {
+      tx.read_seen = read(p, p.side, tag).value.load(std::memory_order_acquire);
+      room = p.ring_bytes - (tx.written - tx.read_seen);
+      if (room == 0) return;
+    }
+    const size_t n = size_t(std::min(room, want));
+    copy_in(s, r, p.ring_bytes, tx.written, n);
+    tx.written += n;
+    s.left -= n;
+    w.value.store(tx.written, std::memory_order_release);
+  }
+}
+
+// Pushes the queue of one channel, oldest send first.
+void push(Endpoint& ep, Peer& p, int tag) {
+  std::deque<PendingSend>& q = p.tx[tag].queue;
+  while (!q.empty()) {
+    advance(p, tag, q.front());
+    if (q.front().left > 0) return;
+    q.pop_front();
+    --ep.pending;
+  }
+}
+
+// The channel whose queue holds send `id`, or {nullptr, -1} if it is complete.
+std::pair<Peer*, int> find_send(const Endpoint& ep, uint64_t id) {
+  if (ep.pending == 0) return {nullptr, -1};
+  for (const Peer& p : ep.peers)
+    for (int t = 0; t < p.tags; ++t) {
+      const std::deque<PendingSend>& q = p.tx[t].queue;
+      if (!q.empty() && q.front().id <= id && q.back().id >= id)
+        for (const PendingSend& s : q)
+          if (s.id == id) return {const_cast<Peer*>(&p), t};
+    }
+  return {nullptr, -1};
+}
+
+// ---- receiving ----------------------------------------------------------------------------
+
+// Waits until n bytes of the ring of `tag` from p are unread; pushes pending sends meanwhile.
+void await_bytes(Endpoint& ep, Peer& p, int tag, uint64_t n, const Await& what) {
+  RxRing& rx = p.rx[tag];
+  if (rx.written_seen - rx.read >= n) return;
+  const Counter& w = written(p, 1 - p.side, tag);
+  auto ready = [&] {
+    progress(ep);
+    rx.written_seen = w.value.load(std::memory_order_acquire);
+    return rx.written_seen - rx.read >= n;
+  };
+  if (!ready()) wait(ep, p, tag, what, ready);
+}
+
+// Publishes that the receiver is done with everything before rx.read.
+void release(Peer& p, int tag) {
+  read(p, 1 - p.side, tag).value.store(p.rx[tag].read, std::memory_order_release);
+}
+
+}  // namespace
+
+// ---- public API ---------------------------------------------------------------------------
+
+size_t segment_bytes(int tags, size_t ring_bytes) {
+  if (tags < 1 || tags > kMaxTags)
+    throw std::invalid_argument("fastpar shm p2p: tags " + std::to_string(tags) +
+                                " outside 1.." + std::to_string(kMaxTags));
+  if (ring_bytes < kMinRingBytes || (ring_bytes & (ring_bytes - 1)) != 0 ||
+      ring_bytes > (size_t(1) << 40))
+    throw std::invalid_argument("fastpar shm p2p: ring_bytes " + std::to_string(ring_bytes) +
+                                " must be a power of two from " +
+                                std::to_string(kMinRingBytes) + " to 2^40");
+  return data_offset(tags) + size_t(2 * tags) * ring_bytes;
+}
+
+void init_segment(void* base, int rank_lo, int rank_hi, int tags, size_t ring_bytes) {
+  segment_bytes(tags, ring_bytes);  // validates
+  if (rank_lo < 0 || rank_lo >= rank_hi)
+    throw std::invalid_argument("fastpar shm p2p: a pair needs ranks 0 <= lo < hi, got " +
+                                std::to_string(rank_lo) + " and " + std::to_string(rank_hi));
+  std::memset(base, 0, data_offset(tags));
+  Header* h = new (base) Header;
+  h->version = kVersion;
+  h->tags = uint32_t(tags);
+  h->ring_bytes = ring_bytes;
+  h->rank[0] = rank_lo;
+  h->rank[1] = rank_hi;
+  h->poison.store(0);
+  char* c = static_cast<char*>(base) + sizeof(Header);
+  for (int s = 0; s < 2; ++s) new (c + s * sizeof(Side)) Side;
+  c = static_cast<char*>(base) + counters_offset();
+  for (int i = 0; i < 4 * tags; ++i) new (c + i * sizeof(Counter)) Counter{{0}};
+  h->magic.store(kMagic, std::memory_order_release);  // last: attach checks it
+}
+
+Endpoint open(int rank, bool oversubscribed, double timeout_s) {
+  if (rank < 0)
+    throw std::invalid_argument("fastpar shm p2p: negative rank " + std::to_string(rank));
+  Endpoint ep;
+  ep.rank = rank;
+  ep.timeout_s = timeout_s;
+  if (oversubscribed) {
+    ep.spin_iters = ep.spin_now = detail::kSpinItersOversubscribed;
+    ep.yields_before_sleep = detail::kYieldsBeforeSleepOversubscribed;
+  } else {
+    ep.spin_iters = ep.spin_now = detail::kSpinIters;
+    ep.yields_before_sleep = detail::kYieldsBeforeSleep;
+  }
+  return ep;
+}
+
+int attach(Endpoint& ep, void* base, int peer, int tags, size_t ring_bytes) {
+  const std::string who = me(ep) + " attach to rank " + std::to_string(peer);
+  if (base == nullptr) misuse(who + ": null segment base");
+  if (peer < 0 || peer == ep.rank) misuse(who + ": a peer must be another rank");
+  for (const Peer& q : ep.peers)
+    if (q.rank == peer) misuse(who + ": already attached");
+  segment_bytes(tags, ring_bytes);  // validates
+  const int lo = std::min(ep.rank, peer), hi = std::max(ep.rank, peer);
+  const Header* h = static_cast<const Header*>(base);
+  const uint64_t magic = h->magic.load(std::memory_order_acquire);
+  auto hello = [](uint32_t version, uint32_t tags, uint64_t ring, int a, int b) {
+    return "version " + std::to_string(version) + ", " + std::to_string(tags) + " tags, " +
+           std::to_string(ring) + "-byte rings, ranks {" + std::to_string(a) + ", " +
+           std::to_string(b) + "}";
+  };
+  if (magic != kMagic)
+    throw std::runtime_error(who + ": bad magic " + std::to_string(magic) + " (expected " +
+                             std::to_string(kMagic) + "); was init_segment called first?");
+  if (h->version != kVersion || h->tags != uint32_t(tags) || h->ring_bytes != ring_bytes ||
+      h->rank[0] != lo || h->rank[1] != hi)
+    throw std::runtime_error(who + ": expected a segment with " +
+                             hello(kVersion, tags, ring_bytes, lo, hi) + " but found " +
+                             hello(h->version, h->tags, h->ring_bytes, h->rank[0], h->rank[1]));
+  Peer p;
+  p.base = base;
+  p.rank = peer;
+  p.side = ep.rank < peer ? 0 : 1;
+  p.tags = tags;
+  p.ring_bytes = ring_bytes;
+  p.tx.resize(tags);
+  p.rx.resize(tags);
+  for (int t = 0; t < tags; ++t) {
+    p.tx[t].written = written(p, p.side, t).value.load(std::memory_order_acquire);
+    p.tx[t].read_seen = read(p, p.side, t).value.load(std::memory_order_acquire);
+    p.rx[t].read = read(p, 1 - p.side, t).value.load(std::memory_order_acquire);
+    p.rx[t].written_seen = p.rx[t].read;
+  }
+  Side* mine = side(p, p.side);
+  detail::record_ident(&mine->ident);
+  mine->attached.store(1, std::memory_order_release);
+  ep.peers.push_back(std::move(p));
+  return int(ep.peers.size()) - 1;
+}
+
+uint64_t send(Endpoint& ep, int slot, int tag, const void* hdr, size_t hdr_len,
+              const Part* parts, size_t n_parts) {
+  Peer& p = channel(ep, slot, tag, "send");
+  if (hdr_len > kMaxHeaderBytes)
+    misuse(me(ep) + " send to rank " + std::to_string(p.rank) + ": header of " +
+           std::to_string(hdr_len) + " bytes, at most " + std::to_string(kMaxHeaderBytes));
+  check_poison(ep, p);
+  PendingSend s;
+  s.id = ep.next_id++;
+  uint64_t payload = 0;
+  for (size_t i = 0; i < n_parts; ++i) payload += parts[i].bytes;
+  const Prefix pre{uint32_t(hdr_len), kFrameMark, payload};
+  s.frame.resize(sizeof(pre) + hdr_len);
+  std::memcpy(s.frame.data(), &pre, sizeof(pre));
+  if (hdr_len > 0) std::memcpy(s.frame.data() + sizeof(pre), hdr, hdr_len);
+  s.parts.assign(parts, parts + n_parts);
+  s.left = s.frame.size() + payload;
+  // FIFO per channel: older sends go first; this one starts only behind an empty queue.
+  std::deque<PendingSend>& q = p.tx[tag].queue;
+  push(ep, p, tag);
+  if (q.empty()) advance(p, tag, s);
+  if (s.left > 0) {
+    q.push_back(std::move(s));
+    ++ep.pending;
+  }
+  return ep.next_id - 1;
+}
+
+void progress(Endpoint& ep) {
+  if (ep.pending == 0) return;
+  for (Peer& p : ep.peers) {
+    if (header(p)->poison.load(std::memory_order_relaxed) != 0) continue;  // its waits report
+    for (int t = 0; t < p.tags; ++t)
+      if (!p.tx[t].queue.empty()) push(ep, p, t);
+  }
+}
+
+size_t recv_header(Endpoint& ep, int slot, int tag, void* buf, size_t cap) {
+  Peer& p = channel(ep, slot, tag, "recv_header");
+  RxRing& rx = p.rx[tag];
+  if (rx.payload_left > 0)
+    misuse(me(ep) + " recv_header from rank " + std::to_string(p.rank) + " on " +
+           tag_name(tag) + ": " + std::to_string(rx.payload_left) + " of the " +
+           std::to_string(rx.payload_bytes) +
+           " payload bytes of the previous message are not received yet");
+  check_poison(ep, p);
+  const Await what{Await::Header, 0, 0};
+  await_bytes(ep, p, tag, sizeof(Prefix), what);
+  const char* r = ring(p, 1 - p.side, tag);
+  Prefix pre;
+  ring_get(r, p.ring_bytes, rx.read, &pre, sizeof(pre));
+  if (pre.mark != kFrameMark || pre.header_len > kMaxHeaderBytes)
+    fail(p, me(ep) + " found a corrupt message frame from rank " + std::to_string(p.rank) +
+                " on " + tag_name(tag) + " at stream byte " + std::to_string(rx.read) +
+                " (header length " + std::to_string(pre.header_len) + ")");
+  if (pre.header_len > cap)
+    misuse(me(ep) + " recv_header from rank " + std::to_string(p.rank) + " on " +
+           tag_name(tag) + ": the header has " + std::to_string(pre.header_len) +
+           " bytes but the buffer holds " + std::to_string(cap));
+  await_bytes(ep, p, tag, sizeof(Prefix) + pre.header_len, what);
+  if (pre.header_len > 0)
+    ring_get(r, p.ring_bytes, rx.read + sizeof(Prefix), buf, pre.header_len);
+  rx.read += sizeof(Prefix) + pre.header_len;
+  release(p, tag);
+  rx.payload_left = rx.payload_bytes = pre.payload_len;
+  return pre.header_len;
+}
+
+uint64_t payload_left(const Endpoint& ep, int slot, int tag) {
+  return ep.peers.at(size_t(slot)).rx.at(size_t(tag)).payload_left;
+}
+
+void recv_payload(Endpoint& ep, int slot, int tag, const Span* parts, size_t n_parts) {
+  Peer& p = channel(ep, slot, tag, "recv_payload");
+  RxRing& rx = p.rx[tag];
+  uint64_t total = 0;
+  for (size_t i = 0; i < n_parts; ++i) total += parts[i].bytes;
+  if (total != rx.payload_left)
+    misuse(me(ep) + " recv_payload from rank " + std::to_string(p.rank) + " on " +
+           tag_name(tag) + ": the parts hold " + std::to_string(total) +
+           " bytes but the message has " + std::to_string(rx.payload_left) +
+           " payload bytes left to receive");
+  if (total == 0) return;
+  check_poison(ep, p);
+  const char* r = ring(p, 1 - p.side, tag);
+  size_t part = 0, offset = 0;
+  while (rx.payload_left > 0) {
+    await_bytes(ep, p, tag, 1,
+                Await{Await::Payload, rx.payload_bytes - rx.payload_left, rx.payload_bytes});
+    // Copy out a chunk at most, then publish it, so the sender refills while we copy on.
+    uint64_t n = std::min<uint64_t>({rx.written_seen - rx.read, rx.payload_left, kChunkBytes});
+    rx.payload_left -= n;
+    while (n > 0) {
+      const size_t k = size_t(std::min<uint64_t>(n, parts[part].bytes - offset));
+      char* dst = static_cast<char*>(parts[part].data) + offset;
+      if (k > 0) ring_get(r, p.ring_bytes, rx.read, dst, k);
+      rx.read += k;
+      n -= k;
+      offset += k;
+      if (offset == parts[part].bytes) {
+        ++part;
+        offset = 0;
+      }
+    }
+    release(p, tag);
+  }
+}
+
+bool send_done(const Endpoint& ep, uint64_t id) { return find_send(ep, id).first == nullptr; }
+
+void wait_send(Endpoint& ep, uint64_t id) {
+  if (id == 0 || id >= ep.next_id)
+    misuse(me(ep) + " wait_send: no send has id " + std::to_string(id));
+  auto [p, tag] = find_send(ep, id);
+  if (p == nullptr) return;
+  check_poison(ep, *p);
+  const std::deque<PendingSend>& q = p->tx[tag].queue;
+  auto done = [&] { return q.empty() || q.front().id > id; };
+  const Counter& consumed = read(*p, p->side, tag);
+  progress(ep);
+  while (!done()) {
+    // Each wait lasts until the peer takes some bytes out of this ring (bounded by the timeout).
+    const uint64_t seen = consumed.value.load(std::memory_order_acquire);
+    uint64_t queued = 0;
+    for (const PendingSend& s : q)
+      if (s.id <= id) queued += s.left;
+    wait(ep, *p, tag, Await{Await::Send, queued, 0}, [&] {
+      progress(ep);
+      return done() || consumed.value.load(std::memory_order_acquire) != seen;
+    });
+  }
+}
+
+void flush(Endpoint& ep) {
+  for (Peer& p : ep.peers)
+    for (int t = 0; t < p.tags; ++t)
+      if (!p.tx[t].queue.empty()) wait_send(ep, p.tx[t].queue.back().id);
+}
+
+bool is_poisoned(const Endpoint& ep, int slot) {
+  return header(ep.peers.at(slot))->poison.load(std::memory_order_acquire) != 0;
+}
+
+const char* poison_message(const Endpoint& ep, int slot) {
+  const Header* h = header(ep.peers.at(slot));
+  uint32_t s = h->poison.load(std::memory_order_acquire);
+  if (s == 0) return "";
+  return s == 2 ? h->message : "(error message still being written)";
+}
+
+}  // namespace p2p
+}  // namespace shm
+}  // namespace fastpar

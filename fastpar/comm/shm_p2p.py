@@ -1,0 +1,315 @@
+"""Shared-memory point-to-point channels between ranks of one host: pipeline stages' activations
+and gradients.
+
+    p2p = ShmP2P(group, ranks, rank, peers=[prev, nxt], timeout=topo.timeout)   # collective
+    h = p2p.isend(nxt, TAG_ACTIVATIONS, header, [act])   # returns at once; act stays untouched
+    hdr = p2p.recv_header(prev, TAG_ACTIVATIONS)         # 1-D int64 (shape, dtype: the caller's)
+    p2p.recv_payload(prev, TAG_ACTIVATIONS, [buf])       # fills buf in place
+    h.wait()                                             # act may be reused now
+
+Sends behave as if buffered without limit: every blocking call (a receive, a wait) keeps pushing
+this rank's pending sends while it waits, so a schedule that is deadlock-free with buffered sends
+(what ``fastpar.pipeline`` validates) is deadlock-free here. Messages of one (peer, tag) arrive in
+the order they were sent.
+
+One segment per pair of ranks, created by the lower rank in ``/dev/shm`` (mode 0600, a reaper
+unlinks it if the creator dies during set-up) and unlinked once both ranks mapped it, so a rank
+that dies later leaks nothing. Kernel protocol and layout: ``csrc/shm/README.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import secrets
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from fastpar import _native
+from fastpar.comm.shm import _INTERRUPTED, _posixshmem, _reaper
+
+TAG_ACTIVATIONS = 0
+TAG_GRADIENTS = 1
+RING_BYTES = 4 << 20  # per direction and tag; larger messages stream through
+MAX_HEADER_ELEMENTS = 512  # int64: the kernel's 4 KiB
+
+
+class SendHandle:
+    """A send in flight: ``wait()`` until every byte is in the ring (bounded by the timeout),
+    then the header and parts may be reused; holds references to them until then."""
+
+    __slots__ = ("_p2p", "_id", "_refs")
+
+    def __init__(self, p2p: ShmP2P, send_id: int, refs: tuple):
+        self._p2p, self._id, self._refs = p2p, send_id, refs
+
+    def is_completed(self) -> bool:
+        if self._refs is not None and self._p2p._send_finished(self._id):
+            self._refs = None
+        return self._refs is None
+
+    def wait(self) -> None:
+        if self._refs is not None:
+            self._p2p._wait_send(self._id)
+            self._refs = None
+
+
+class ShmP2P:
+    """Shared-memory channels between this rank and some peers of one process group.
+
+    Construction is collective over ``group``: every member calls it, with ``ranks`` the group's
+    global ranks in group order, ``rank`` this global rank and ``peers`` the global ranks this
+    rank talks to. Pairing must be symmetric (b in peers of a iff a in peers of b); a peer listed
+    twice (pp=2 ring: previous and next stage are one rank) is one pair. ``timeout`` (seconds,
+    may be ``math.inf``) bounds every wait. One thread at a time: a call made while another
+    thread is inside one raises at once.
+    """
+
+    def __init__(self, group, ranks: list[int], rank: int, peers: list[int], timeout: float,
+                 ring_bytes: int = RING_BYTES, tags: int = 2):
+        _native.require("the shm p2p channels")
+        self.ranks, self.rank = list(ranks), rank
+        self.peers = sorted(set(peers))
+        self.tags, self.ring_bytes = tags, ring_bytes
+        if rank not in self.ranks:
+            raise ValueError(f"fastpar shm p2p: rank {rank} is not in the group {self.ranks}")
+        strangers = [p for p in self.peers if p not in self.ranks or p == rank]
+        if strangers:
+            raise ValueError(f"fastpar shm p2p: rank {rank} lists peers {strangers}, which are "
+                             f"itself or outside the group {self.ranks}")
+        if not 1 <= tags <= 64:
+            raise ValueError(f"fastpar shm p2p: tags={tags}, expected 1..64")
+        if ring_bytes < 8192 or ring_bytes & (ring_bytes - 1):
+            raise ValueError(f"fastpar shm p2p: ring_bytes={ring_bytes} must be a power of two, "
+                             f"at least 8192")
+        if not timeout > 0:
+            raise ValueError(f"fastpar shm p2p: timeout={timeout} must be > 0 (math.inf: none)")
+        self._ops = torch.ops.fastpar
+        self._ep = None
+        self._busy = threading.Lock()
+        self._maps: list[tuple[mmap.mmap, ctypes.c_char]] = []
+        oversubscribed = self._check_symmetric(group)
+        self._slot = {p: i for i, p in enumerate(self.peers)}
+        self._send = self._ops.shm_p2p_send.default
+        self._recv_header = self._ops.shm_p2p_recv_header.default
+        self._recv_payload = self._ops.shm_p2p_recv_payload.default
+        bases = self._map_segments(group)
+        try:
+            self._ep = self._ops.shm_p2p_open(rank, oversubscribed, self.peers, bases, tags,
+                                              ring_bytes, float(timeout))
+            self._warm_up()
+        except BaseException:
+            if self._ep is not None:
+                self._ops.shm_p2p_close(self._ep)
+                self._ep = None
+            self._unmap()
+            raise
+
+    # ---- set-up ---------------------------------------------------------------------------
+
+    def _check_symmetric(self, group) -> bool:
+        """Checks that pairing is symmetric; returns whether the group's ranks outnumber the
+        CPUs they may run on together (then waits spin little and nap soon: see the kernel's
+        ``open``). A rank bound to a CPU of its own is not oversubscribed, though its own
+        affinity holds fewer CPUs than the group has ranks."""
+        table = [None] * len(self.ranks)
+        dist.all_gather_object(table, (self.peers, sorted(os.sched_getaffinity(0))), group=group)
+        lists = {r: peers for r, (peers, _) in zip(self.ranks, table)}
+        cpus = set().union(*(set(c) for _, c in table))
+        for a, peers_of_a in lists.items():
+            for b in peers_of_a:
+                if a not in lists[b]:
+                    raise ValueError(f"fastpar shm p2p: pairing is not symmetric: rank {a} lists "
+                                     f"rank {b} as a peer but rank {b} lists {lists[b]}")
+        return len(self.ranks) > len(cpus)
+
+    def _map_segments(self, group) -> list[int]:
+        """Creates the segments of the pairs where this rank is the lower one, exchanges names,
+        maps the others, and unlinks every name once all ranks have mapped theirs."""
+        nbytes = self._ops.shm_p2p_segment_bytes(self.tags, self.ring_bytes)
+        shm = _posixshmem()
+        created, reapers, base_of, failed = {}, [], {}, False
+        names: dict = {}
+        try:
+            for peer in self.peers:
+                if peer > self.rank:
+                    name = f"/fastpar-p2p-{os.getpid()}-{secrets.token_hex(8)}"
+                    # Until the barrier below the name exists: if this process dies meanwhile
+                    # (any signal, SIGKILL too), the reaper unlinks it.
+                    reapers.append(_reaper(name))
+                    created[(self.rank, peer)] = name
+                    base_of[peer] = self._map(shm, name, nbytes, create=True)
+                    self._ops.shm_p2p_init_segment(base_of[peer], self.rank, peer, self.tags,
+                                                   self.ring_bytes)
+            table = [None] * len(self.ranks)
+            dist.all_gather_object(table, created, group=group)
+            for part in table:
+                names.update(part)
+            for peer in self.peers:
+                if peer < self.rank:
+                    base_of[peer] = self._map(shm, names[(peer, self.rank)], nbytes,
+                                              create=False)
+            # Every pair is mapped by both sides once this barrier passes: unlink the names.
+            dist.barrier(group=group)
+        except BaseException as exc:
+            failed = True
+            self._unmap()
+            if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: cleaned up, re-raised
+                raise
+            raise RuntimeError(f"fastpar shm p2p: setting up the channels of global rank "
+                               f"{self.rank} to {self.peers} failed (a peer died or did not "
+                               f"reach this collective in time, or /dev/shm refused a segment): "
+                               f"{exc}") from exc
+        finally:
+            # After the barrier, or on failure on any rank (a creator may be the one that died):
+            # nothing leaks, and a missing name does not hide the error above.
+            mine = set(created.values())
+            theirs = {n for pair, n in names.items() if self.rank in pair} if failed else set()
+            for name in mine | theirs:
+                with contextlib.suppress(FileNotFoundError):
+                    shm.shm_unlink(name)
+            for reaper in reapers:  # the names are gone: the reapers may go
+                with contextlib.suppress(OSError):
+                    reaper.stdin.close()
+                reaper.wait()
+        return [base_of[p] for p in self.peers]
+
+    def _map(self, shm, name: str, nbytes: int, create: bool) -> int:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = shm.shm_open(name, flags, mode=0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            m = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        anchor = ctypes.c_char.from_buffer(m)  # keeps the address valid
+        self._maps.append((m, anchor))
+        return ctypes.addressof(anchor)
+
+    def _unmap(self) -> None:
+        while self._maps:
+            m, anchor = self._maps.pop()
+            del anchor  # the buffer export, before the mapping can close
+            m.close()
+
+    def _warm_up(self) -> None:
+        """One tiny message each way on every pair and tag: both ends attached, every control
+        line touched."""
+        sends = [self.isend(p, t, torch.tensor([self.rank, p, t]), [])
+                 for p in self.peers for t in range(self.tags)]
+        for p in self.peers:
+            for t in range(self.tags):
+                got = self.recv_header(p, t).tolist()
+                if got != [p, self.rank, t]:
+                    raise RuntimeError(f"fastpar shm p2p: rank {self.rank}'s warm-up message "
+                                       f"from rank {p} on tag {t} reads {got}, expected "
+                                       f"{[p, self.rank, t]}")
+        for h in sends:
+            h.wait()
+
+    # ---- calls ----------------------------------------------------------------------------
+
+    def _call(self, what: str, kernel, *args):
+        if self._ep is None:
+            raise RuntimeError(f"fastpar shm p2p: {what} on global rank {self.rank}'s channels, "
+                               "which are closed")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"fastpar shm p2p: {what} on global rank {self.rank}'s channels "
+                               "was called while another thread of this rank is inside a call "
+                               "on them; use them from one thread at a time")
+        try:
+            return kernel(self._ep, *args)
+        except RuntimeError as exc:
+            error, interrupted = exc, _INTERRUPTED.match(str(exc))
+        finally:
+            self._busy.release()
+        if interrupted:  # the kernel took the pending SIGINT: the program's handler runs now
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                raise KeyboardInterrupt(str(error))
+            signal.raise_signal(signal.SIGINT)
+        raise error
+
+    def _slot_of(self, peer: int, tag: int, what: str) -> int:
+        slot = self._slot.get(peer)
+        if slot is None or not 0 <= tag < self.tags:
+            raise ValueError(f"fastpar shm p2p: {what} with peer {peer} on tag {tag}, but rank "
+                             f"{self.rank} has channels to {self.peers} on tags 0..{self.tags - 1}")
+        return slot
+
+    @staticmethod
+    def _check_parts(parts: list[torch.Tensor], what: str) -> None:
+        for i, t in enumerate(parts):
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"fastpar shm p2p: {what} part {i} must be a contiguous CPU "
+                                 f"tensor, got {t.device} with strides {t.stride()}")
+
+    def isend(self, peer: int, tag: int, header: torch.Tensor,
+              parts: list[torch.Tensor]) -> SendHandle:
+        """Queues [header][parts' bytes, concatenated] to ``peer`` on ``tag``; copies what fits
+        now. The header is a 1-D int64 CPU tensor of at most 512 elements (copied at once);
+        the parts are read until the returned handle completes."""
+        slot = self._slot_of(peer, tag, "isend")
+        if header.dtype != torch.int64 or header.dim() != 1 or header.device.type != "cpu" or \
+                header.numel() > MAX_HEADER_ELEMENTS:
+            raise ValueError(f"fastpar shm p2p: the header must be a 1-D int64 CPU tensor of at "
+                             f"most {MAX_HEADER_ELEMENTS} elements, got {header.dtype} "
+                             f"{tuple(header.shape)} on {header.device}")
+        self._check_parts(parts, "isend payload")
+        send_id = self._call("isend", self._send, slot, tag, header.contiguous(), parts)
+        return SendHandle(self, send_id, (header, parts))
+
+    def recv_header(self, peer: int, tag: int) -> torch.Tensor:
+        """The header (1-D int64) of the next message from ``peer`` on ``tag``; waits for it."""
+        return self._call("recv_header", self._recv_header, self._slot_of(peer, tag,
+                                                                          "recv_header"), tag)
+
+    def recv_payload(self, peer: int, tag: int, parts: list[torch.Tensor]) -> None:
+        """Fills ``parts`` (contiguous CPU tensors whose bytes add up to the payload of the
+        message whose header came last) in place."""
+        slot = self._slot_of(peer, tag, "recv_payload")
+        self._check_parts(parts, "recv_payload")
+        self._call("recv_payload", self._recv_payload, slot, tag, parts)
+
+    def progress(self) -> None:
+        """Pushes pending sends as far as the rings allow; never blocks."""
+        self._call("progress", self._ops.shm_p2p_progress.default)
+
+    def _send_finished(self, send_id: int) -> bool:
+        if self._ep is None:
+            return self._closed_clean
+        return self._call("is_completed", self._ops.shm_p2p_send_done.default, send_id)
+
+    def _wait_send(self, send_id: int) -> None:
+        if self._ep is None and self._closed_clean:
+            return
+        self._call("wait", self._ops.shm_p2p_wait_send.default, send_id)
+
+    _closed_clean = False
+
+    def close(self) -> None:
+        """Waits (bounded by the timeout) for pending sends, then detaches and unmaps.
+        Idempotent; detaches and unmaps even when the wait fails, then raises its error."""
+        if self._ep is None:
+            self._unmap()
+            return
+        with self._busy:  # a call in flight on another thread ends first (or times out)
+            try:
+                self._ops.shm_p2p_flush(self._ep)
+                self._closed_clean = True
+            finally:
+                self._ops.shm_p2p_close(self._ep)
+                self._ep = None
+                self._unmap()
+
+    def __repr__(self) -> str:
+        return (f"ShmP2P(rank={self.rank}, peers={self.peers}, tags={self.tags}, "
+                f"ring_bytes={self.ring_bytes}, open={self._ep is not None})")
+
+
+__all__ = ["RING_BYTES", "SendHandle", "ShmP2P", "TAG_ACTIVATIONS", "TAG_GRADIENTS"]
