@@ -2,6 +2,7 @@
 they belong to bench/, not to tests)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,3 +49,25 @@ def test_bootstrap_and_tp_benches_run(tmp_path):
     rows = json.loads(out.read_text())
     assert {(r["impl"], r["tp"]) for r in rows} == {
         ("nn.Linear MLP", 1), ("fastpar ParallelMLP", 1), ("fastpar ParallelMLP", 2)}
+
+
+def test_pipeline_bench_runs_every_configuration(tmp_path):
+    out, traces = tmp_path / "p.json", tmp_path / "traces"
+    mpirun(2, "bench/pipeline.py", "--steps", "1", "--warmup", "1", "--hidden", "16",
+           "--microbatches", "2", "--schedules", "1f1b,zb", "--p2p", "torch,shm",
+           "--json", str(out), "--trace-dir", str(traces))
+    result = json.loads(out.read_text())
+    assert result["env"]["world"] == 2 and result["env"]["pp"] == 2
+    rows = result["rows"]
+    configs = [(s, e) for s in ("1f1b", "zb") for e in ("torch", "shm")]
+    assert [(r["schedule"], r["p2p"]) for r in rows] == configs
+    numbers = ("step_ms", "bubble_measured", "bubble_theory", "peak_activation_mb", "vs_1f1b",
+               "torch_over_shm")
+    for r in rows:
+        assert r["engine"] == r["p2p"], r
+        assert all(math.isfinite(r[k]) for k in numbers), r
+        assert r["step_ms"] > 0 and 0 <= r["bubble_theory"] < 1, r
+    for schedule, engine in configs:
+        stem = traces / f"pipeline-{schedule}-{engine}-pp2"
+        assert json.loads(stem.with_suffix(".json").read_text())["traceEvents"], stem
+        assert stem.with_suffix(".png").read_bytes().startswith(b"\x89PNG"), stem

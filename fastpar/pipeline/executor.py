@@ -66,14 +66,16 @@ class _Capture:
 
 class _Memory:
     """Bytes each in-flight (microbatch, chunk) keeps for its backward: the storages autograd
-    saves during its forward, plus its stage input. ``peak``: the largest total seen."""
+    saves during its forward (parameters excluded: they live anyway), plus its stage input.
+    ``peak``: the largest total seen."""
 
-    def __init__(self):
+    def __init__(self, params):
         self.alive: dict = {}
         self.total = self.peak = 0
+        self.params = {p.untyped_storage().data_ptr() for p in params}
 
     def hooks(self, key, x):
-        seen: set = set()
+        seen: set = set(self.params)
         size = [sum(t.untyped_storage().nbytes() for t in _tuple(x)
                     if isinstance(t, torch.Tensor))]
 
@@ -122,7 +124,7 @@ class Executor:
         inputs, outputs, out_specs, in_specs, grads, in_grads, wgrad = ({} for _ in range(7))
         sent = []  # (handle, output) whose data is freed once the send completes
         losses, results, records = [], [], []
-        memory = _Memory()
+        memory = _Memory(p for c in self.chunks for p in c.parameters())
         clock = time.perf_counter
         for pos, a in enumerate(actions):
             key, s = (a.mb, a.chunk), self.stage(a.chunk)
