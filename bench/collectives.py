@@ -96,12 +96,38 @@ def make_sendrecv(backend, count, dtype, topo, fill):
         return lambda: world.Sendrecv(xn, dest=dst, recvbuf=on, source=src) or out
     import torch.distributed as dist
 
+    if backend == "shm":  # the pipeline's rings: a header (as a pipeline message has) + payload
+        rings = _shm_rings(topo, sorted({dst, src}))
+        header = torch.zeros(16, dtype=torch.int64)
+
+        def call_shm():
+            handle = rings.isend(dst, 0, header, [x])
+            rings.recv_header(src, 0)
+            rings.recv_payload(src, 0, [out])
+            handle.wait()
+            return out
+        return call_shm
+
     def call():
         ops = [dist.P2POp(dist.isend, x, dst), dist.P2POp(dist.irecv, out, src)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         return out
     return call
+
+
+_RINGS: list = []  # one ShmP2P for the whole run (its construction is collective)
+
+
+def _shm_rings(topo, peers):
+    if not _RINGS:
+        import torch.distributed as dist
+
+        from fastpar.comm.shm_p2p import ShmP2P
+
+        _RINGS.append(ShmP2P(dist.group.WORLD, list(range(topo.world_size)), topo.rank, peers,
+                             topo.timeout))
+    return _RINGS[0]
 
 
 def reference(op, count, dtype, topo, fill):
@@ -159,8 +185,10 @@ def supported(op, backend, topo, dtype) -> str | None:
         return f"{backend} is benchmarked on CPU tensors only"
     if backend == "cuda_ipc" and op != "all_reduce":
         return "cuda_ipc implements all_reduce only"
-    if op == "sendrecv" and backend in ("shm", "cuda_ipc"):
-        return f"{backend} has no send/recv (pipeline P2P uses torch.distributed)"
+    if op == "sendrecv" and backend == "cuda_ipc":
+        return "cuda_ipc has no send/recv (pipeline P2P on GPUs uses NCCL)"
+    if op == "sendrecv" and backend == "shm" and topo.world_size < 2:
+        return "shm send/recv needs 2 ranks"
     if backend == "mpi" and topo.mpi_comm is None:
         return "mpi needs an mpirun launch"
     if backend == "mpi" and dtype not in (torch.float32, torch.float64):
@@ -319,6 +347,8 @@ def main() -> int:
         if args.plot:
             plot(records, args.plot)
             print(f"# wrote {args.plot}")
+    for rings in _RINGS:
+        rings.close()
     fastpar.shutdown()
     return 0
 
