@@ -14,8 +14,11 @@ beside compute and the measured bubble can come near theory.
 Each configuration (schedule x engine): warm-up steps, then timed steps, each starting from a
 barrier; a step's time is the slowest rank's ``stats["step_s"]``, the table shows the median.
 Measured bubble: ``1 - compute / (ranks x makespan)`` over the pp group's action records (P2P
-waits and the host time between actions count as idle), median over the timed steps. Theory
-assumes equal stages, B = 2F, I = W = F and free messages. Ratios: step time over 1f1b's on
+waits and the host time between actions count as idle), median over the timed steps.
+"compute": the bubble the measured compute durations alone imply (the schedule replayed with
+free messages). Theory assumes equal stages, B = 2F, I = W = F and free messages. The input
+requires grad (``--no-input-grad`` to turn off) so that stage 0 does the same work as the
+others. Ratios: step time over 1f1b's on
 the same engine (< 1: faster than 1f1b) and torch over shm for the same schedule (> 1: shm
 faster). Every step writes the pp group's timeline, Chrome trace JSON and PNG, to --trace-dir
 (the files keep the last step). One intra-op thread per rank: ranks beyond the core count
@@ -39,6 +42,7 @@ from torch import nn  # noqa: E402
 
 import fastpar  # noqa: E402
 from fastpar.pipeline import SCHEDULES, Pipeline  # noqa: E402
+from fastpar.pipeline.timeline import simulate  # noqa: E402
 
 # Configuration.
 SCHEDULE_LIST = "gpipe,1f1b,interleaved,zb"
@@ -75,6 +79,9 @@ def parse_args(world: int):
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--layers-per-stage", type=int, default=LAYERS_PER_STAGE)
     p.add_argument("--batch-per-mb", type=int, default=BATCH_PER_MB, help="rows per microbatch")
+    p.add_argument("--no-input-grad", dest="input_grad", action="store_false",
+                   help="inputs without grad: stage 0 then skips its first layer's input "
+                        "gradient and is lighter than the other stages")
     p.add_argument("--json", help="write the results to this path (rank 0)")
     p.add_argument("--trace-dir", default=TRACE_DIR, help="timelines (JSON + PNG) go here")
     args = p.parse_args()
@@ -111,7 +118,7 @@ def measure(schedule: str, engine: str, args, x, y) -> dict:
                     loss_fn=F.mse_loss, schedule=schedule, microbatches=args.microbatches,
                     virtual_stages=v, balance=[per_chunk] * (args.pp * v), trace=path,
                     p2p=engine)
-    times, bubbles, peak = [], [], 0
+    times, bubbles, bounds, peak = [], [], [], 0
     for i in range(args.warmup + args.steps):
         pipe.zero_grad(set_to_none=True)
         dist.barrier()  # every rank starts the step together (rank 0 wrote the last trace)
@@ -119,6 +126,7 @@ def measure(schedule: str, engine: str, args, x, y) -> dict:
         if i >= args.warmup:
             times.append(pipe.stats["step_s"])
             bubbles.append(pipe.stats.get("bubble", math.nan))
+            bounds.append(compute_bound(pipe))
             peak = max(peak, pipe.stats["peak_activation_bytes"])
     row = {"schedule": schedule, "p2p": engine, "engine": pipe.channels.engine_name,
            "virtual_stages": v, "layers": args.pp * v * per_chunk,
@@ -130,8 +138,25 @@ def measure(schedule: str, engine: str, args, x, y) -> dict:
     steps_ms = [t * 1e3 for t in slowest[:-1].tolist()]
     row.update({"step_ms": statistics.median(steps_ms), "step_ms_min": min(steps_ms),
                 "step_ms_max": max(steps_ms), "bubble_measured": statistics.median(bubbles),
+                "bubble_compute": statistics.median(bounds),
                 "peak_activation_mb": slowest[-1].item() / 2**20, "trace": path})
     return row
+
+
+def compute_bound(pipe) -> float:
+    """The bubble this step's compute alone implies: the schedule replayed with every action's
+    measured duration and free, instant messages (NaN off the pp group's first rank). Measured
+    minus this is what P2P and the host between actions cost; this minus theory is what
+    unequal stages (the loss, the first layer) and B != 2F cost."""
+    records = pipe.stats.get("all_records")
+    if not records:
+        return math.nan
+    took = {(r, kind, mb, chunk): end - start for r, recs in enumerate(records)
+            for start, end, kind, mb, chunk in recs}
+    spans = simulate(pipe.actions, cost=lambda r, a: took[(r, a.kind, a.mb, a.chunk)])
+    end = max(s[-1][1] for s in spans if s)
+    busy = sum(stop - start for row in spans for start, stop, _ in row)
+    return 1 - busy / (end * len(spans))
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -154,11 +179,13 @@ def print_table(rows: list[dict], args, env: dict) -> None:
           f"of {args.batch_per_mb} x {args.hidden}, {args.pp * args.layers_per_stage} blocks "
           f"({args.layers_per_stage} per rank), median of {args.steps} steps")
     print(f"{'schedule':>12} {'p2p':>6} {'v':>2} {'step(ms)':>9} {'min-max(ms)':>14} "
-          f"{'bubble':>7} {'theory':>7} {'peak(MB)':>9} {'vs 1f1b':>8} {'torch/shm':>10}")
+          f"{'bubble':>7} {'compute':>8} {'theory':>7} {'peak(MB)':>9} {'vs 1f1b':>8} "
+          f"{'torch/shm':>10}")
     for r in rows:
         spread = f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"
         print(f"{r['schedule']:>12} {r['p2p']:>6} {r['virtual_stages']:>2} {r['step_ms']:9.1f} "
-              f"{spread:>14} {r['bubble_measured']:7.1%} {r['bubble_theory']:7.1%} "
+              f"{spread:>14} {r['bubble_measured']:7.1%} {r['bubble_compute']:8.1%} "
+              f"{r['bubble_theory']:7.1%} "
               f"{r['peak_activation_mb']:9.2f} {ratio(r['vs_1f1b']):>8} "
               f"{ratio(r['torch_over_shm']):>10}")
 
@@ -206,6 +233,9 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     rows_total = args.microbatches * args.batch_per_mb
     x = torch.randn(rows_total, args.hidden, generator=gen)  # (m * B, h)
+    # With grad, stage 0's backward computes its input gradient as every other stage does:
+    # the stages cost the same, as theory assumes.
+    x.requires_grad_(args.input_grad)
     y = torch.randn(rows_total, args.hidden, generator=gen)  # (m * B, h)
     rows = []
     for schedule in args.schedules:

@@ -91,7 +91,7 @@ class Case:
 
 def run_case(topo, seed, *, schedule, m, v, n_blocks=None, kind="block", balance=None,
              modules=False, layers=None, serial_layers=None, batch_per_mb=2,
-             check_forward=False, **pipe_kwargs):
+             check_forward=False, input_grad=False, **pipe_kwargs):
     """Build serial, float64 and pipelined models from one seed, run one training step and an
     SGD update, and compare loss, every local gradient, the full state dict, and (optionally)
     inference. Returns (worst error / bound, pipeline)."""
@@ -113,12 +113,16 @@ def run_case(topo, seed, *, schedule, m, v, n_blocks=None, kind="block", balance
 
     batch = m * batch_per_mb
     x, y = case.randn(batch, IN), case.randn(batch, OUT)
-    loss = pipe.step(x, y)
-    serial_loss = _mse(serial(x), y)
+    xs, x64 = x.clone().requires_grad_(input_grad), x.double().requires_grad_(input_grad)
+    xp = (x * 1.0).requires_grad_() if input_grad else x
+    loss = pipe.step(xp * 1.0 if input_grad else x, y)  # a non-leaf: its grad flows on to xp
+    serial_loss = _mse(serial(xs), y)
     serial_loss.backward()
-    ref_loss = _mse(ref(x.double()), y.double())
+    ref_loss = _mse(ref(x64), y.double())
     ref_loss.backward()
     case.close("loss", torch.tensor(loss), ref_loss.detach(), serial_loss.detach())
+    if input_grad and topo.pp_rank == 0:
+        case.close("input grad", xp.grad, x64.grad, xs.grad, scale=1.0)
 
     ser_params, ref_params = dict(serial.named_parameters()), dict(ref.named_parameters())
     from fastpar.state_dict import _sharded_keys
@@ -216,7 +220,8 @@ def body_variants(seed):
                         check_forward=True)
         p.close()
         worst = max(worst, w)
-    w, p = run_case(topo, seed + 1, schedule="interleaved", m=2, v=2, n_blocks=4, modules=True)
+    w, p = run_case(topo, seed + 1, schedule="interleaved", m=2, v=2, n_blocks=4, modules=True,
+                    input_grad=True)
     p.close()
     worst = max(worst, w)
     # 7 layers over 2 stages, cut by hand: 5 on stage 0, 2 on stage 1

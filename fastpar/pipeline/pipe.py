@@ -35,17 +35,32 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def _split(x, m: int, what: str, device):
-    """``m`` microbatches of ``x`` (a tensor or a tuple of tensors) along dim 0."""
+def _split(x, m: int, what: str, device, joins: list | None = None):
+    """``m`` microbatches of ``x`` (a tensor or a tuple of tensors) along dim 0.
+
+    A tensor that requires grad is cut into fresh leaves (``joins`` gets ``(x, leaves)``, whose
+    gradients go back into ``x`` in one backward after the step): autograd through ``split``
+    would build a zero-padded gradient of the whole batch for every microbatch."""
     if isinstance(x, (tuple, list)):
-        parts = [_split(t, m, what, device) for t in x]
+        parts = [_split(t, m, what, device, joins) for t in x]
         return [tuple(p[i] for p in parts) for i in range(m)]
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
     if x.dim() == 0 or x.shape[0] % m:
         raise ValueError(f"{what} of shape {tuple(x.shape)} cannot be split into {m} equal "
                          f"microbatches along dim 0 (the batch must be a multiple of {m})")
-    return list(x.to(device).split(x.shape[0] // m))
+    parts = list(x.to(device).split(x.shape[0] // m))
+    if x.requires_grad and joins is not None:
+        parts = [p.detach().requires_grad_() for p in parts]
+        joins.append((x, parts))
+    return parts
+
+
+def _join_grads(joins) -> None:
+    """The microbatch leaves' gradients, back into the tensors they were cut from."""
+    for x, parts in joins:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parts]
+        torch.autograd.backward(x, torch.cat(grads).to(x.device))
 
 
 def _sequence_parallel(chunks) -> bool:
@@ -126,7 +141,8 @@ class Pipeline(nn.Module):
         if first and inputs is None:
             raise ValueError("inputs is None on the first pipeline stage, which needs them")
         m, dev = self.microbatches, self._topo.device
-        data = _split(inputs, m, "inputs", dev) if first else None
+        self._joins = []
+        data = _split(inputs, m, "inputs", dev, self._joins) if first else None
         tgt = _split(targets, m, "targets", dev) if last and targets is not None else None
         return data, tgt, last
 
@@ -142,6 +158,7 @@ class Pipeline(nn.Module):
         start = time.perf_counter()
         losses, _, records, peak = self.executor.run(self.actions[self.pp_rank], data, tgt,
                                                      train=True)
+        _join_grads(self._joins)
         loss = torch.zeros((), dtype=torch.float64, device=self._topo.device)
         if last:
             loss += torch.stack([x.double() for x in losses]).mean()

@@ -10,14 +10,16 @@ LEGEND = ("0-9 F (forward) of microbatch mb % 10, a-j B (full backward, 2 units)
           "gradient), w W (weight gradient), . idle")
 
 
-def simulate(lists: list[list[Action]]) -> list[list[tuple[int, int, Action]]]:
+def simulate(lists: list[list[Action]], cost=None) -> list[list[tuple]]:
     """``[(start, end, action)]`` of every compute action per rank: each rank runs its list in
     order; a receive waits for the matching send, which leaves when the compute before it ends.
     Messages follow ``schedules.route`` (wrapping from the last rank to the first, and to the
-    rank itself when pp == 1). The lists must be valid (``schedules.validate``)."""
+    rank itself when pp == 1). The lists must be valid (``schedules.validate``). ``cost(rank,
+    action)``: each compute action's duration (default ``COST``), e.g. measured ones, giving the
+    timeline that compute alone implies with free messages."""
     pp = len(lists)
     ready: dict[tuple, int] = {}  # (dst rank, "F"/"B", mb, dst chunk) -> time the message is there
-    clock, pos = [0] * pp, [0] * pp
+    clock, pos = [0.0 if cost else 0] * pp, [0] * pp
     spans: list[list] = [[] for _ in range(pp)]
     while any(pos[r] < len(lists[r]) for r in range(pp)):
         progressed = False
@@ -33,8 +35,9 @@ def simulate(lists: list[list[Action]]) -> list[list[tuple[int, int, Action]]]:
                     dst, dst_chunk = route(a.kind, r, a.chunk, pp)
                     ready[(dst, a.kind[1], a.mb, dst_chunk)] = clock[r]
                 else:
-                    spans[r].append((clock[r], clock[r] + COST[a.kind], a))
-                    clock[r] += COST[a.kind]
+                    took = COST[a.kind] if cost is None else cost(r, a)
+                    spans[r].append((clock[r], clock[r] + took, a))
+                    clock[r] += took
                 pos[r] += 1
                 progressed = True
         if not progressed:
