@@ -86,6 +86,7 @@ class Case:
     def close(self, what, got, ref, serial, **kw):
         from fastpar.testing import assert_close
 
+        got = got.detach().cpu() if got is not None else None  # a GPU run compares on the CPU
         self.worst = max(self.worst, assert_close(f"{self.name}: {what}", got, ref, serial, **kw))
 
 
@@ -192,7 +193,7 @@ def body_schedules(pp, seed):
     return {"ran": ran, "refused": refused, "worst": worst, "engine": engine}
 
 
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [1, 2, 4])
 def test_every_schedule_equals_serial(pp):
     launch = run_ranks(pp, body_schedules, pp=pp, seed=11 * pp, timeout=300)
     values = launch.values()
@@ -200,8 +201,11 @@ def test_every_schedule_equals_serial(pp):
     refused = [tuple(r) for r in values[0]["refused"]]
     assert {s for s, _, _ in ran} == set(SCHEDULES)
     assert ("interleaved", pp, 2) in ran and ("zb", 2 * pp + 1, 1) in ran
-    assert ("interleaved", 1, 2) in refused and ("1f1b", pp, 2) in refused
-    assert all(v["engine"] == "shm" for v in values), values  # CPU stages on one host
+    assert ("1f1b", pp, 2) in refused and ("interleaved", 1, 1) in refused
+    if pp > 1:
+        assert ("interleaved", 1, 2) in refused
+    want = "shm" if pp > 1 else "local"  # CPU stages on one host: the shm rings
+    assert all(v["engine"] == want for v in values), values
     print(f"pp={pp}: {len(ran)} configurations, worst error / bound "
           f"{max(v['worst'] for v in values):.3f}")
 
@@ -401,3 +405,24 @@ def test_killed_stage_is_named_and_leaves_no_segment():
     assert value["error"] and "rank 1 dead" in value["error"], value
     assert value["elapsed"] < 10, value
     assert set(glob.glob("/dev/shm/fastpar-*")) - before == set()
+
+
+def body_gpu(seed):
+    """One rank on its GPU: every schedule's chunks on CUDA (pp 1, chunks exchanged locally)."""
+    import fastpar
+
+    topo = fastpar.init(timeout=120)
+    assert topo.device.type == "cuda", topo.device
+    worst = 0.0
+    for schedule, v in (("1f1b", 1), ("zb", 1), ("interleaved", 2), ("gpipe", 2)):
+        w, p = run_case(topo, seed, schedule=schedule, m=3, v=v, check_forward=True)
+        p.close()
+        worst = max(worst, w)
+    fastpar.shutdown()
+    return worst
+
+
+@pytest.mark.gpu
+def test_pipeline_on_gpu():
+    launch = run_ranks(1, body_gpu, seed=2, timeout=240)
+    print("GPU pipeline worst error / bound:", launch.values()[0])
