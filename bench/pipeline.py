@@ -22,7 +22,9 @@ others. Ratios: step time over 1f1b's on
 the same engine (< 1: faster than 1f1b) and torch over shm for the same schedule (> 1: shm
 faster). Every step writes the pp group's timeline, Chrome trace JSON and PNG, to --trace-dir
 (the files keep the last step). One intra-op thread per rank: ranks beyond the core count
-share cores and the timings say so.
+share cores and the timings say so. ``--tp 2`` puts tensor parallelism inside each stage
+(fastpar.nn.ParallelMLP blocks) and measures Megatron's scatter-gather on and off: "sent" is
+the payload bytes a rank sends per step, "sg off/on" the step time without it over with it.
 """
 
 import argparse
@@ -70,7 +72,13 @@ class Block(nn.Module):
 def parse_args(world: int):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pp", type=int, default=world, help="pipeline stages (default: world size)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages (default: world size / tp)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel inside each stage (blocks become fastpar.nn.ParallelMLP)")
+    p.add_argument("--scatter-gather", default="on,off",
+                   help="with --tp > 1: comma list of on/off, Megatron's scatter-gather of the "
+                        "activations between stages (send 1/tp, all-gather on arrival)")
     p.add_argument("--microbatches", type=int, default=MICROBATCHES)
     p.add_argument("--schedules", default=SCHEDULE_LIST, help=f"comma list of {SCHEDULE_LIST}")
     p.add_argument("--p2p", default=ENGINE_LIST, help=f"comma list of {ENGINE_LIST}")
@@ -85,6 +93,11 @@ def parse_args(world: int):
     p.add_argument("--json", help="write the results to this path (rank 0)")
     p.add_argument("--trace-dir", default=TRACE_DIR, help="timelines (JSON + PNG) go here")
     args = p.parse_args()
+    if args.tp < 1 or world % args.tp:
+        p.error(f"--tp {args.tp} must divide the {world} ranks")
+    args.pp = args.pp if args.pp is not None else world // args.tp
+    args.scatter_gather = [{"on": True, "off": False}[v] for v in args.scatter_gather.split(",")
+                           if v] if args.tp > 1 else [None]
     args.schedules = [s for s in args.schedules.split(",") if s]
     args.p2p = [e for e in args.p2p.split(",") if e]
     for name, allowed, given in (("schedule", SCHEDULES, args.schedules),
@@ -97,8 +110,8 @@ def parse_args(world: int):
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be at least 0, got {args.warmup}")
-    if world % args.pp:
-        p.error(f"--pp {args.pp} must divide the {world} ranks")
+    if world % (args.pp * args.tp):
+        p.error(f"--tp {args.tp} x --pp {args.pp} must divide the {world} ranks")
     if "interleaved" in args.schedules and (args.layers_per_stage % VIRTUAL_STAGES
                                             or args.microbatches % args.pp):
         p.error(f"interleaved (v={VIRTUAL_STAGES}) needs --layers-per-stage divisible by "
@@ -107,17 +120,26 @@ def parse_args(world: int):
     return args
 
 
-def measure(schedule: str, engine: str, args, x, y) -> dict:
+def make_block(hidden: int, tp: int):
+    if tp == 1:
+        return Block(hidden)
+    from fastpar.nn import ParallelMLP
+
+    return ParallelMLP(hidden, 4 * hidden)  # the same math, fc1 column- and fc2 row-parallel
+
+
+def measure(schedule: str, engine: str, args, x, y, scatter=None) -> dict:
     """One configuration, collective over the world; the numbers are the same on every rank
     except the bubble (pp group's first rank only; NaN elsewhere)."""
     v = VIRTUAL_STAGES if schedule == "interleaved" else 1
     per_chunk = args.layers_per_stage // v
-    path = os.path.join(args.trace_dir, f"pipeline-{schedule}-{engine}-pp{args.pp}.json")
+    tag = "" if scatter is None else f"-tp{args.tp}-sg{'on' if scatter else 'off'}"
+    path = os.path.join(args.trace_dir, f"pipeline-{schedule}-{engine}-pp{args.pp}{tag}.json")
     torch.manual_seed(0)
-    pipe = Pipeline([lambda: Block(args.hidden)] * (args.pp * v * per_chunk),
+    pipe = Pipeline([lambda: make_block(args.hidden, args.tp)] * (args.pp * v * per_chunk),
                     loss_fn=F.mse_loss, schedule=schedule, microbatches=args.microbatches,
                     virtual_stages=v, balance=[per_chunk] * (args.pp * v), trace=path,
-                    p2p=engine)
+                    p2p=engine, scatter_gather=scatter)
     times, bubbles, bounds, peak = [], [], [], 0
     for i in range(args.warmup + args.steps):
         pipe.zero_grad(set_to_none=True)
@@ -128,7 +150,9 @@ def measure(schedule: str, engine: str, args, x, y) -> dict:
             bubbles.append(pipe.stats.get("bubble", math.nan))
             bounds.append(compute_bound(pipe))
             peak = max(peak, pipe.stats["peak_activation_bytes"])
+    sent = pipe.channels.bytes_sent / (args.warmup + args.steps)
     row = {"schedule": schedule, "p2p": engine, "engine": pipe.channels.engine_name,
+           "scatter_gather": scatter, "sent_mb_per_step": sent / 2**20,
            "virtual_stages": v, "layers": args.pp * v * per_chunk,
            "bubble_theory": pipe.theoretical_bubble()}
     pipe.close()
@@ -161,13 +185,17 @@ def compute_bound(pipe) -> float:
 
 def add_ratios(rows: list[dict]) -> None:
     """``vs_1f1b``: step time over 1f1b's on the same engine; ``torch_over_shm``: the torch
-    engine's step time over shm's for the same schedule (None where the other was not run)."""
-    by = {(r["schedule"], r["p2p"]): r["step_ms"] for r in rows}
+    engine's step time over shm's for the same schedule; ``sg_off_over_on``: without
+    scatter-gather over with it (None where the other was not run)."""
+    by = {(r["schedule"], r["p2p"], r["scatter_gather"]): r["step_ms"] for r in rows}
     for r in rows:
-        base = by.get(("1f1b", r["p2p"]))
+        s, e, g = r["schedule"], r["p2p"], r["scatter_gather"]
+        base = by.get(("1f1b", e, g))
         r["vs_1f1b"] = r["step_ms"] / base if base else None
-        shm, torch_ = by.get((r["schedule"], "shm")), by.get((r["schedule"], "torch"))
+        shm, torch_ = by.get((s, "shm", g)), by.get((s, "torch", g))
         r["torch_over_shm"] = torch_ / shm if shm and torch_ else None
+        on, off = by.get((s, e, True)), by.get((s, e, False))
+        r["sg_off_over_on"] = off / on if on and off else None
 
 
 def ratio(value) -> str:
@@ -175,25 +203,28 @@ def ratio(value) -> str:
 
 
 def print_table(rows: list[dict], args, env: dict) -> None:
-    print(f"\n# pipeline: pp {args.pp} (world {env['world']}), {args.microbatches} microbatches "
-          f"of {args.batch_per_mb} x {args.hidden}, {args.pp * args.layers_per_stage} blocks "
-          f"({args.layers_per_stage} per rank), median of {args.steps} steps")
-    print(f"{'schedule':>12} {'p2p':>6} {'v':>2} {'step(ms)':>9} {'min-max(ms)':>14} "
-          f"{'bubble':>7} {'compute':>8} {'theory':>7} {'peak(MB)':>9} {'vs 1f1b':>8} "
-          f"{'torch/shm':>10}")
+    tp = f"tp {args.tp} x " if args.tp > 1 else ""
+    print(f"\n# pipeline: {tp}pp {args.pp} (world {env['world']}), {args.microbatches} "
+          f"microbatches of {args.batch_per_mb} x {args.hidden}, {args.pp * args.layers_per_stage}"
+          f" blocks ({args.layers_per_stage} per rank), median of {args.steps} steps")
+    print(f"{'schedule':>12} {'p2p':>6} {'sg':>4} {'v':>2} {'step(ms)':>9} {'min-max(ms)':>14} "
+          f"{'bubble':>7} {'compute':>8} {'theory':>7} {'peak(MB)':>9} {'sent(MB)':>9} "
+          f"{'vs 1f1b':>8} {'torch/shm':>10} {'sg off/on':>10}")
     for r in rows:
         spread = f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"
-        print(f"{r['schedule']:>12} {r['p2p']:>6} {r['virtual_stages']:>2} {r['step_ms']:9.1f} "
-              f"{spread:>14} {r['bubble_measured']:7.1%} {r['bubble_compute']:8.1%} "
-              f"{r['bubble_theory']:7.1%} "
-              f"{r['peak_activation_mb']:9.2f} {ratio(r['vs_1f1b']):>8} "
-              f"{ratio(r['torch_over_shm']):>10}")
+        sg = {None: "-", True: "on", False: "off"}[r["scatter_gather"]]
+        print(f"{r['schedule']:>12} {r['p2p']:>6} {sg:>4} {r['virtual_stages']:>2} "
+              f"{r['step_ms']:9.1f} {spread:>14} {r['bubble_measured']:7.1%} "
+              f"{r['bubble_compute']:8.1%} {r['bubble_theory']:7.1%} "
+              f"{r['peak_activation_mb']:9.2f} {r['sent_mb_per_step']:9.2f} "
+              f"{ratio(r['vs_1f1b']):>8} {ratio(r['torch_over_shm']):>10} "
+              f"{ratio(r['sg_off_over_on']):>10}")
 
 
 def print_targets(rows: list[dict]) -> None:
     """The issue's targets beside the numbers (reported, never asserted)."""
     print("\n# targets (from the issue; reported, not asserted)")
-    base = {r["p2p"]: r for r in rows if r["schedule"] == "1f1b"}
+    base = {(r["p2p"], r["scatter_gather"]): r for r in rows if r["schedule"] == "1f1b"}
     for r in rows:
         name = f"{r['schedule']:>12} {r['p2p']:>6}:"
         if r["schedule"] == "1f1b":
@@ -202,8 +233,8 @@ def print_targets(rows: list[dict]) -> None:
             print(f"{name} measured bubble {r['bubble_measured']:.1%} vs theory "
                   f"{r['bubble_theory']:.1%}: {gap:+.1f} points (target within "
                   f"{BUBBLE_TARGET_POINTS:g}): {verdict}")
-        elif r["schedule"] in ("zb", "interleaved") and r["p2p"] in base:
-            ref = base[r["p2p"]]
+        elif r["schedule"] in ("zb", "interleaved") and (r["p2p"], r["scatter_gather"]) in base:
+            ref = base[(r["p2p"], r["scatter_gather"])]
             verdict = "met" if r["bubble_measured"] < ref["bubble_measured"] else "missed"
             print(f"{name} measured bubble {r['bubble_measured']:.1%} vs 1f1b's "
                   f"{ref['bubble_measured']:.1%} (target below), step time "
@@ -217,7 +248,7 @@ def print_targets(rows: list[dict]) -> None:
 
 def main() -> int:
     args = parse_args(_world_size())
-    topo = fastpar.init(pp=args.pp)  # --pp below the world size: the rest is data parallel
+    topo = fastpar.init(tp=args.tp, pp=args.pp)  # --pp below the world size: the rest is data parallel
     cpus = os.cpu_count() or 1
     env = {"world": topo.world_size, "pp": topo.pp_size, "dp": topo.dp_size,
            "torch": torch.__version__, "fastpar": fastpar.__version__, "cpu_count": cpus,
@@ -240,17 +271,19 @@ def main() -> int:
     rows = []
     for schedule in args.schedules:
         for engine in args.p2p:
-            rows.append(measure(schedule, engine, args, x, y))
-            if topo.rank == 0:
-                r = rows[-1]
-                print(f"# {schedule} on {engine}: {r['step_ms']:.1f} ms, bubble "
-                      f"{r['bubble_measured']:.1%}", flush=True)
+            for scatter in args.scatter_gather:
+                rows.append(measure(schedule, engine, args, x, y, scatter))
+                if topo.rank == 0:
+                    r = rows[-1]
+                    sg = "" if scatter is None else f" (scatter-gather {scatter})"
+                    print(f"# {schedule} on {engine}{sg}: {r['step_ms']:.1f} ms, bubble "
+                          f"{r['bubble_measured']:.1%}", flush=True)
     add_ratios(rows)
     if topo.rank == 0:
         print_table(rows, args, env)
         print_targets(rows)
         if args.json:
-            config = {k: getattr(args, k) for k in ("pp", "microbatches", "steps", "warmup",
+            config = {k: getattr(args, k) for k in ("tp", "pp", "microbatches", "steps", "warmup",
                                                      "hidden", "layers_per_stage",
                                                      "batch_per_mb")}
             config["virtual_stages_interleaved"] = VIRTUAL_STAGES
