@@ -28,6 +28,8 @@ the payload bytes a rank sends per step, "sg off/on" the step time without it ov
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import math
 import os
@@ -90,6 +92,9 @@ def parse_args(world: int):
     p.add_argument("--no-input-grad", dest="input_grad", action="store_false",
                    help="inputs without grad: stage 0 then skips its first layer's input "
                         "gradient and is lighter than the other stages")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep: glibc keeps freed memory for reuse (mallopt); default: glibc's "
+                        "own thresholds (an mmap and page faults per large tensor)")
     p.add_argument("--json", help="write the results to this path (rank 0)")
     p.add_argument("--trace-dir", default=TRACE_DIR, help="timelines (JSON + PNG) go here")
     args = p.parse_args()
@@ -118,6 +123,20 @@ def parse_args(world: int):
                 f"{VIRTUAL_STAGES} (got {args.layers_per_stage}) and --microbatches divisible "
                 f"by pp={args.pp} (got {args.microbatches})")
     return args
+
+
+def keep_freed_memory() -> bool:
+    """glibc: serve big blocks from the heap and never trim it, so that a step's activations
+    reuse the last step's pages instead of an mmap + page faults + munmap per tensor (on this
+    VM that costs ~15% of a step). What jemalloc/tcmalloc give CPU training; the price is RSS
+    staying at its peak."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)
+                    and libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
 
 
 def make_block(hidden: int, tp: int):
@@ -248,16 +267,18 @@ def print_targets(rows: list[dict]) -> None:
 
 def main() -> int:
     args = parse_args(_world_size())
+    kept = keep_freed_memory() if args.malloc == "keep" else False
     topo = fastpar.init(tp=args.tp, pp=args.pp)  # --pp below the world size: the rest is data parallel
     cpus = os.cpu_count() or 1
     env = {"world": topo.world_size, "pp": topo.pp_size, "dp": topo.dp_size,
            "torch": torch.__version__, "fastpar": fastpar.__version__, "cpu_count": cpus,
            "threads_per_rank": torch.get_num_threads(), "launcher": topo.launcher,
-           "oversubscribed": topo.world_size > cpus}
+           "oversubscribed": topo.world_size > cpus, "malloc_keep": kept}
     if topo.rank == 0:
         print(f"# fastpar {fastpar.__version__} pipeline bench: {topo.world_size} ranks "
               f"({topo.launcher}), {cpus} CPUs, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} thread(s) per rank")
+              f"{torch.get_num_threads()} thread(s) per rank, malloc "
+              f"{'keeps freed memory' if kept else 'default'}")
         if env["oversubscribed"]:
             print(f"# warning: {topo.world_size} ranks on {cpus} CPUs: timings include "
                   f"oversubscription (ranks share cores)")
