@@ -221,7 +221,7 @@ def body_variants(seed):
     worst = 0.0
     for schedule in ("1f1b", "zb"):
         w, p = run_case(topo, seed, schedule=schedule, m=3, v=1, n_blocks=3, kind="tuple",
-                        check_forward=True)
+                        check_forward=True, input_grad=True)
         p.close()
         worst = max(worst, w)
     w, p = run_case(topo, seed + 1, schedule="interleaved", m=2, v=2, n_blocks=4, modules=True,

@@ -6,12 +6,8 @@ State of one step, per (microbatch, local chunk): the stage input (received, or 
 schedule no longer needs it; a sent output's data is freed once its send completes (the autograd
 graph only needs its shape), as Megatron's output deallocation does.
 
-Split backward (zero-bubble schedules): ``I`` computes only the gradient of the stage input and,
-through ``torch.autograd.grad``, the gradient of each output of every module that owns
-parameters (captured by forward hooks during ``F``); ``W`` then runs each such module's own
-backward from that output to its own parameters, a graph local to the module. This assumes a
-parameter reaches the loss only through the output of the module that owns it (true of Linear,
-LayerNorm, Embedding and of modules built from them; not of weights tied across modules).
+Split backward (zero-bubble schedules): ``I`` computes the gradient of the stage input and
+``W`` the parameters' gradients, split exactly on the autograd graph (``split_backward.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import torch
 from torch import nn
 
 from fastpar.comm.p2p import P2PError, spec_of
+from fastpar.pipeline.split_backward import SplitBackward
 
 _COMPUTE = ("F", "B", "I", "W")
 
@@ -36,32 +33,6 @@ def _free_data(values) -> None:
     for t in _tuple(values):
         if isinstance(t, torch.Tensor) and t.grad_fn is not None:
             t.data = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
-
-
-class _Capture:
-    """Forward hooks on every module owning parameters: (output, own params) per call."""
-
-    def __init__(self, chunks):
-        self.active: list | None = None
-        self.handles = []
-        for chunk in chunks:
-            for module in chunk.modules():
-                own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-                if own:
-                    self.handles.append(module.register_forward_hook(self._hook(own)))
-
-    def _hook(self, own):
-        def hook(module, args, output):
-            if self.active is not None:
-                outs = [t for t in _tuple(output)
-                        if isinstance(t, torch.Tensor) and t.requires_grad]
-                if outs:
-                    self.active.append((outs, own))
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 class _Memory:
@@ -104,10 +75,9 @@ class Executor:
     action list on them. ``channels``: a ``fastpar.comm.p2p.Channels`` over the pp group."""
 
     def __init__(self, chunks: list[nn.Module], *, pp: int, rank: int, v: int, channels,
-                 loss_fn, split: bool, board=None):
+                 loss_fn, board=None):
         self.chunks, self.pp, self.rank, self.v = chunks, pp, rank, v
         self.ch, self.loss_fn, self.board = channels, loss_fn, board
-        self.capture = _Capture(chunks) if split else None
         self.steps = 0
 
     def stage(self, chunk: int) -> int:
@@ -137,16 +107,12 @@ class Executor:
                     if s != 0:
                         in_specs[key] = spec_of(x)
                     hooks, done = memory.hooks(key, x) if train else (None, None)
-                    if self.capture is not None and train:
-                        self.capture.active = wgrad.setdefault(key, [])
                     with torch.set_grad_enabled(train):
                         if hooks is not None:
                             with hooks:
                                 out = self.chunks[a.chunk](x)
                         else:
                             out = self.chunks[a.chunk](x)
-                        if self.capture is not None:
-                            self.capture.active = None
                         if s == last and train:
                             loss = self.loss_fn(out, targets[a.mb])
                             losses.append(loss.detach())
@@ -171,16 +137,12 @@ class Executor:
                 elif a.kind == "RB":
                     grads[key] = self.ch.recv_backward(mb=a.mb, stage=s, expect=out_specs[key])
                 elif a.kind in ("B", "I"):
-                    self._backward(a, key, s, last, inputs, outputs, grads, in_grads, wgrad,
+                    self._backward(a, key, s, last, data, inputs, outputs, grads, in_grads, wgrad,
                                    full=a.kind == "B")
                     if a.kind == "B":
                         memory.release(key)
                 elif a.kind == "W":
-                    # Each module's own graph, from its output to its parameters; the graphs
-                    # go with this list.
-                    for outs, dys, own in wgrad.pop(key, []):
-                        if outs:
-                            torch.autograd.backward(outs, dys, inputs=own, retain_graph=True)
+                    wgrad.pop(key).weight_grads()
                     memory.release(key)
                 elif a.kind == "SB":
                     self.ch.send_backward(in_grads.pop(key), mb=a.mb, stage=s - 1,
@@ -216,7 +178,9 @@ class Executor:
         assert not wgrad and not grads and not in_grads, (wgrad, grads, in_grads)
         return losses, results, records, memory.peak
 
-    def _backward(self, a, key, s, last, inputs, outputs, grads, in_grads, wgrad, full):
+    def _backward(self, a, key, s, last, data, inputs, outputs, grads, in_grads, wgrad, full):
+        """B (``full``) or I of one microbatch: input gradients into ``in_grads`` (to be sent
+        upstream); under I, the weight-gradient work left for W into ``wgrad``."""
         out = outputs.pop(key)
         if s == last:
             tensors, gs = [out], [None]
@@ -224,29 +188,27 @@ class Executor:
             pairs = [(o, g) for o, g in zip(_tuple(out), _tuple(grads.pop(key)))
                      if o is not None and g is not None and o.requires_grad]
             tensors, gs = [p[0] for p in pairs], [p[1] for p in pairs]
-        x = inputs.pop(key, None) if s != 0 else None
+        # stage 0's input: the data's microbatch, a leaf needing grad only if the data does
+        x = data[a.mb] if s == 0 else inputs.pop(key, None)
         xs = _tuple(x) if x is not None else ()
         want = [t for t in xs if isinstance(t, torch.Tensor) and t.requires_grad]
         if full:
-            wgrad.pop(key, None)  # a full backward computes the weight gradients too
             if tensors:
-                torch.autograd.backward(tensors, gs, inputs=None)
+                torch.autograd.backward(tensors, gs)
             got = {id(t): t.grad for t in want}
-            for t in want:
-                t.grad = None
+            if s != 0:
+                for t in want:
+                    t.grad = None
         else:
-            work = wgrad.get(key, [])
-            outs = [o for outs, _ in work for o in outs]
-            dys = torch.autograd.grad(tensors, want + outs, gs, retain_graph=True,
-                                      allow_unused=True) if tensors and (want or outs) else ()
-            got = {id(t): g for t, g in zip(want, dys)}
-            it = iter(dys[len(want):])
-            todo = []  # (outputs, their gradients, the module's own parameters) for W
-            for outs_m, own in work:
-                dys_m = [next(it, None) for _ in outs_m]
-                kept = [(o, d) for o, d in zip(outs_m, dys_m) if d is not None]
-                todo.append(([o for o, _ in kept], [d for _, d in kept], own))
-            wgrad[key] = todo
+            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+            split = SplitBackward(tensors, gs, want, params)
+            got = {id(t): g for t, g in zip(want, split.input_grads())}
+            wgrad[key] = split
+            if s == 0:  # the data's leaves keep their gradient (joined into the batch later)
+                for t in want:
+                    g = got[id(t)]
+                    if g is not None:
+                        t.grad = g if t.grad is None else t.grad + g
         if s != 0:
             grads_x = tuple(got.get(id(t)) if isinstance(t, torch.Tensor) else None for t in xs)
             in_grads[key] = grads_x if isinstance(x, (tuple, list)) else grads_x[0]

@@ -127,10 +127,8 @@ class Pipeline(nn.Module):
         self.board = Board.create(topo.mpi_comm, topo.rank)
         if self.board is not None:
             current().closers.append(self.board.close)
-        mine = self.actions[self.pp_rank]
         self.executor = Executor(list(self.chunks), pp=self.pp, rank=self.pp_rank, v=v,
-                                 channels=self.channels, loss_fn=loss_fn,
-                                 split=any(a.kind in ("I", "W") for a in mine), board=self.board)
+                                 channels=self.channels, loss_fn=loss_fn, board=self.board)
         self.stats: dict = {}
 
     # -- running ------------------------------------------------------------------------
