@@ -132,10 +132,11 @@ def test_activations_in_flight(pp, m):
 
 def test_validator_catches_broken_lists():
     good = compile_schedule("1f1b", 2, 3)
-    # Rank 1 receives microbatch 1 first: it would get microbatch 0's activation.
-    swapped = [list(good[0]), list(good[1])]
-    i, j = swapped[1].index(Action("RF", 0)), swapped[1].index(Action("RF", 1))
-    swapped[1][i], swapped[1][j] = swapped[1][j], swapped[1][i]
+    # Rank 1 receives (and runs) microbatch 1 first: it would get microbatch 0's activation.
+    g = compile_schedule("gpipe", 2, 3)
+    swapped = [list(g[0]), list(g[1])]
+    assert swapped[1][:4] == [Action("RF", 0), Action("F", 0), Action("RF", 1), Action("F", 1)]
+    swapped[1][:4] = [Action("RF", 1), Action("F", 1), Action("RF", 0), Action("F", 0)]
     with pytest.raises(ScheduleError, match=r"rank 1, action 0 \(RF1\): expects microbatch 1 "
                                             r"\(chunk 0\) from rank 0, but the next message on "
                                             r"that channel is microbatch 0 \(chunk 0\)"):
@@ -153,11 +154,6 @@ def test_validator_catches_broken_lists():
                                             r"\(RB0\); every waiting rank: \[\(0, 0, 'RB0'\), "
                                             r"\(1, 0, 'RF0'\)\]"):
         validate(cycle)
-    # A send nobody receives.
-    extra = [good[0] + [Action("SF", 2)], good[1]]
-    with pytest.raises(ScheduleError, match="rank 0 sends activation of microbatch 2 .* to rank "
-                                            "1, which never receives it"):
-        validate(extra)
     # A backward before its forward; past the last stage.
     with pytest.raises(ScheduleError, match="backward of microbatch 0 before its forward"):
         validate([[Action("B", 0), Action("F", 0)]])
@@ -165,6 +161,40 @@ def test_validator_catches_broken_lists():
         validate([[Action("F", 0), Action("SF", 0), Action("B", 0)]])
     with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(RF0\): no stage -1 to receive"):
         validate([[Action("RF", 0), Action("F", 0), Action("B", 0)]])
+
+
+def test_validator_checks_each_message_against_its_compute():
+    """Orders the simulation alone would accept but the executor cannot run: a compute before
+    the message it needs, a send before the compute that makes it, a message sent twice."""
+    good = compile_schedule("1f1b", 2, 3)
+
+    def moved(r, kind, mb, to):
+        acts = [list(good[0]), list(good[1])]
+        a = Action(kind, mb)
+        acts[r].remove(a)
+        acts[r].insert(to, a)
+        return acts
+
+    with pytest.raises(ScheduleError, match=r"rank 1, action 0 \(F0\): runs before its RF "
+                                            r"\(the activation of microbatch 0"):
+        validate(moved(1, "RF", 0, 1))
+    with pytest.raises(ScheduleError, match=r"rank 0, action 0 \(SF0\): sends microbatch 0 "
+                                            r"before computing it \(F of chunk 0"):
+        validate(moved(0, "SF", 0, 0))
+    with pytest.raises(ScheduleError, match=r"rank 0, action \d+ \(B0\): runs before its RB "
+                                            r"\(the gradient of microbatch 0"):
+        acts = [list(good[0]), list(good[1])]
+        i = acts[0].index(Action("RB", 0))
+        acts[0][i], acts[0][i + 1] = acts[0][i + 1], acts[0][i]
+        validate(acts)
+    with pytest.raises(ScheduleError, match=r"rank 1, action \d+ \(SB0\): sends microbatch 0 "
+                                            r"before computing it \(B or I"):
+        acts = [list(good[0]), list(good[1])]
+        i = acts[1].index(Action("SB", 0))
+        acts[1].insert(acts[1].index(Action("B", 0)), acts[1].pop(i))
+        validate(acts)
+    with pytest.raises(ScheduleError, match=r"SF of this microbatch runs twice"):
+        validate([good[0] + [Action("SF", 0)], good[1]])
 
 
 def test_validator_checks_each_pass_once_with_chunks_and_split_backwards():

@@ -34,6 +34,13 @@ def named_layers(layers) -> list[tuple[str, object]]:
                             "nor a zero-argument factory returning one")
     if not items:
         raise ValueError("layers is empty: a pipeline needs at least one layer per stage")
+    first: dict = {}
+    for name, layer in items:
+        if isinstance(layer, nn.Module) and id(layer) in first:
+            raise ValueError(f"layers {first[id(layer)]} and {name} are the same module object: "
+                             "a pipeline cuts layers apart, so a module cannot appear twice "
+                             "(share weights explicitly, or give each position its own module)")
+        first.setdefault(id(layer), name)
     return items
 
 

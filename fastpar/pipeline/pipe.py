@@ -114,10 +114,13 @@ class Pipeline(nn.Module):
         self.chunks = nn.ModuleList(
             part.build_chunk(items, self.bounds[s], self.bounds[s + 1]).to(topo.device)
             for s in (c * self.pp + self.pp_rank for c in range(v)))
-        if scatter_gather is None:
-            flag = torch.tensor([0 if _sequence_parallel(self.chunks) else 1])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            scatter_gather = topo.tp_size > 1 and bool(flag.item())
+        # One setting for the world (a receiver all-gathers what a sender scattered): on only
+        # if every rank wants it and no layer anywhere is sequence parallel.
+        want = (not _sequence_parallel(self.chunks)) if scatter_gather is None else \
+            bool(scatter_gather)
+        flag = torch.tensor([int(want)], device=topo.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        scatter_gather = topo.tp_size > 1 and bool(flag.item())
         self.channels = Channels(self.group, all_groups=topo.grid.groups("pp"),
                                  scatter_group=topo.tp_group if scatter_gather else None,
                                  engine=p2p, device=topo.device)
@@ -175,11 +178,19 @@ class Pipeline(nn.Module):
                                               train=False)
         result = [None]
         if last:
-            result[0] = (tuple(torch.cat(parts) for parts in zip(*outs))
-                         if isinstance(outs[0], tuple) else torch.cat(outs))
-        if self.pp > 1:
+            try:
+                result[0] = (tuple(torch.cat(parts).cpu() for parts in zip(*outs))
+                             if isinstance(outs[0], tuple) else torch.cat(outs).cpu())
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, below
+                result[0] = exc
+        if self.pp > 1:  # through the CPU, so that it lands on each rank's own device
             dist.broadcast_object_list(result, src=self.pp_ranks[-1], group=self.group)
-        return result[0]
+        if isinstance(result[0], Exception):
+            raise RuntimeError(f"Pipeline.forward: joining the last stage's outputs failed: "
+                               f"{result[0]}") from result[0]
+        dev = self._topo.device
+        return (tuple(t.to(dev) for t in result[0]) if isinstance(result[0], tuple)
+                else result[0].to(dev))
 
     def theoretical_bubble(self) -> float:
         return theoretical_bubble(self.schedule, self.pp, self.microbatches,
@@ -205,7 +216,8 @@ class Pipeline(nn.Module):
 
     # -- state ----------------------------------------------------------------------------
     def _full_state_dict(self) -> dict:
-        """Collective over the world: every stage's tensors, under the serial keys."""
+        """Collective over the world: every stage's tensors, under the serial keys, on the CPU
+        (the whole model would not fit on one rank's GPU)."""
         from fastpar.state_dict import full_state_dict
 
         local = {}
@@ -220,8 +232,7 @@ class Pipeline(nn.Module):
         for p in parts:
             merged.update(p)
         order = [k for keys in self.layer_keys for k in keys]
-        dev = self._topo.device
-        return {k: merged[k].to(dev) for k in order if k in merged}
+        return {k: merged[k] for k in order if k in merged}
 
     def _load_full_state_dict(self, sd: dict, strict: bool = True):
         from fastpar.state_dict import load_full_state_dict

@@ -229,6 +229,15 @@ def _check_passes(lists: list[list[Action]], v: int, microbatches: int) -> None:
                 if not 0 <= peer_chunk < v:
                     verb = "send to" if a.kind[0] == "S" else "receive from"
                     raise ScheduleError(f"{where}: no stage {peer_chunk * pp + peer} to {verb}")
+                if (a.kind, a.chunk, a.mb) in seen:
+                    raise ScheduleError(f"{where}: {a.kind} of this microbatch runs twice "
+                                        f"(actions {seen[a.kind, a.chunk, a.mb]} and {p})")
+                # a send needs what it sends: the forward's output, the backward's input grad
+                needs = {"SF": ("F",), "SB": ("B", "I")}.get(a.kind, ())
+                if needs and not any((k, a.chunk, a.mb) in seen for k in needs):
+                    raise ScheduleError(f"{where}: sends microbatch {a.mb} before computing it "
+                                        f"({' or '.join(needs)} of chunk {a.chunk} comes later)")
+                seen[a.kind, a.chunk, a.mb] = p
                 continue
             name = f"rank {r}, chunk {a.chunk}, microbatch {a.mb}"
             if (a.kind, a.chunk, a.mb) in seen:
@@ -237,6 +246,16 @@ def _check_passes(lists: list[list[Action]], v: int, microbatches: int) -> None:
             if a.kind in ("B", "I") and ("F", a.chunk, a.mb) not in seen:
                 raise ScheduleError(f"{where}: backward of microbatch {a.mb} before its forward "
                                     f"(chunk {a.chunk})")
+            # a compute action needs its message first: F its activation (but on stage 0),
+            # B / I its output's gradient (but on the last stage)
+            stage = a.chunk * pp + r
+            need = "RF" if a.kind == "F" and stage > 0 else \
+                "RB" if a.kind in ("B", "I") and stage < pp * v - 1 else None
+            if need and (need, a.chunk, a.mb) not in seen:
+                raise ScheduleError(f"{where}: runs before its {need} (the "
+                                    f"{'activation' if need == 'RF' else 'gradient'} of "
+                                    f"microbatch {a.mb} for chunk {a.chunk} is received later "
+                                    f"or never)")
             if a.kind in ("B", "I") and ("I" if a.kind == "B" else "B", a.chunk, a.mb) in seen:
                 raise ScheduleError(f"{name}: runs backward twice (both B and I)")
             if a.kind == "W" and ("I", a.chunk, a.mb) not in seen:

@@ -231,8 +231,14 @@ def write(path, records_per_rank, *, meta: dict) -> dict:
         Path(os.fspath(path) + ".png")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     trace = chrome_trace(recs, meta=meta)
-    json_path.write_text(json.dumps(trace))
-    write_png(png_path, recs, title=_title(meta))
+    # Each file appears whole or not at all: written beside, then renamed over the old one
+    # (a viewer reloading the trace while a step writes never reads half a file).
+    tmp = json_path.with_name(f".{json_path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(trace))
+    os.replace(tmp, json_path)
+    tmp_png = png_path.with_name(f".{png_path.name}.{os.getpid()}.tmp")
+    write_png(tmp_png, recs, title=_title(meta))
+    os.replace(tmp_png, png_path)
     return {"json": str(json_path), "png": str(png_path), "bubble": measured_bubble(recs)}
 
 
