@@ -35,15 +35,30 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("shm_p2p_segment_bytes(int tags, int ring_bytes) -> int", &fastpar::shm_p2p_segment_bytes);
   m.def("shm_p2p_init_segment(int base, int rank_lo, int rank_hi, int tags, int ring_bytes) -> ()",
         &fastpar::shm_p2p_init_segment);
+  // single_copy_min: the kernel's kDefaultSingleCopyMin (64 KiB); negative: never single-copy.
   m.def("shm_p2p_open(int rank, bool oversubscribed, int[] peers, int[] bases, int tags, "
-        "int ring_bytes, float timeout_s) -> int", &fastpar::shm_p2p_open);
+        "int ring_bytes, float timeout_s, int single_copy_min=65536) -> int",
+        &fastpar::shm_p2p_open);
   m.def("shm_p2p_close(int ep) -> ()", &fastpar::shm_p2p_close);
+  m.def("shm_p2p_probe(int ep) -> ()", &fastpar::shm_p2p_probe);
+  m.def("shm_p2p_single_copy(int ep, int slot) -> bool", &fastpar::shm_p2p_single_copy);
   m.def("shm_p2p_send(int ep, int slot, int tag, Tensor header, Tensor[] parts) -> int",
         &fastpar::shm_p2p_send);
   m.def("shm_p2p_progress(int ep) -> ()", &fastpar::shm_p2p_progress);
   m.def("shm_p2p_recv_header(int ep, int slot, int tag) -> Tensor", &fastpar::shm_p2p_recv_header);
   m.def("shm_p2p_recv_payload(int ep, int slot, int tag, Tensor(a!)[] parts) -> ()",
         &fastpar::shm_p2p_recv_payload);
+  m.def("shm_p2p_recv(int ep, int slot, int tag, Tensor(a!) header, Tensor(a!)[] parts) -> int",
+        &fastpar::shm_p2p_recv);
+  m.def("shm_p2p_sendrecv(int ep, int send_slot, int send_tag, Tensor header, Tensor[] parts, "
+        "int recv_slot, int recv_tag, Tensor(a!) recv_header, Tensor(a!)[] recv_parts) "
+        "-> (int, int)", &fastpar::shm_p2p_sendrecv);
+  m.def("shm_p2p_sendrecv_init(int ep, int send_slot, int send_tag, Tensor header, "
+        "Tensor[] parts, int recv_slot, int recv_tag, Tensor(a!) recv_header, "
+        "Tensor(a!)[] recv_parts) -> int", &fastpar::shm_p2p_sendrecv_init);
+  m.def("shm_p2p_sendrecv_start(int ep, int plan) -> (int, int)",
+        &fastpar::shm_p2p_sendrecv_start);
+  m.def("shm_p2p_sendrecv_free(int ep, int plan) -> ()", &fastpar::shm_p2p_sendrecv_free);
   m.def("shm_p2p_send_done(int ep, int id) -> bool", &fastpar::shm_p2p_send_done);
   m.def("shm_p2p_wait_send(int ep, int id) -> ()", &fastpar::shm_p2p_wait_send);
   m.def("shm_p2p_flush(int ep) -> ()", &fastpar::shm_p2p_flush);

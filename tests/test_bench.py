@@ -27,10 +27,10 @@ def test_collectives_bench_checks_every_result(tmp_path):
                   "all_reduce,all_gather,reduce_scatter,broadcast,sendrecv", "--backends",
                   "shm,gloo,mpi,nccl", "-b", "1K", "-e", "4K", "-f", "4", "-w", "1", "-n", "3",
                   "--check", "--json", str(out))
-    assert "sendrecv on shm: skipped" in text and "nccl needs CUDA" in text
+    assert "sendrecv on shm: skipped" not in text and "nccl needs CUDA" in text
     records = json.loads(out.read_text())
     measured = [r for r in records if r["op"] != "memcpy"]
-    assert len(measured) == 4 * 3 * 2 + 2 * 2  # shm has no send/recv; nccl skipped on CPU
+    assert len(measured) == 5 * 3 * 2  # shm, gloo, mpi x 5 ops x 2 sizes; nccl skipped on CPU
     for r in records:
         assert set(r) == RECORD_KEYS, r
         assert r["p99_us"] >= r["time_us"] > 0, r

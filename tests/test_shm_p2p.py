@@ -5,7 +5,9 @@ crossed sends larger than the ring); a missing sender times out and a killed one
 once, with nothing left in /dev/shm. The kernel alone: two endpoints of one process, one thread
 each, on a small ring (wrap-around at odd offsets), its hello check and Ctrl-C."""
 
+import contextlib
 import glob
+import math
 import re
 import threading
 import time
@@ -274,9 +276,9 @@ def test_kernel_hello_and_ctrl_c():
                         ((0, False, [2], [base], 2, 8192, 1.0), "ranks {0, 2}")):
         with pytest.raises(RuntimeError) as err:
             ops.shm_p2p_open(*args)
-        assert ("expected a segment with version 1, " in str(err.value) and found in
+        assert ("expected a segment with version 2, " in str(err.value) and found in
                 str(err.value).split(" but found ")[0] and
-                "but found version 1, 2 tags, 8192-byte rings, ranks {0, 1}" in str(err.value)), err
+                "but found version 2, 2 tags, 8192-byte rings, ranks {0, 1}" in str(err.value)), err
     ep = ops.shm_p2p_open(0, False, [1], [base], 2, 8192, 30.0)
     # Ctrl-C while waiting: the kernel takes the SIGINT and ends the wait within ~10 ms.
     timer = threading.Timer(0.3, lambda: __import__("os").kill(__import__("os").getpid(), 2))
@@ -290,3 +292,317 @@ def test_kernel_hello_and_ctrl_c():
     ops.shm_p2p_close(ep)
     del anchor
     mem.close()
+
+
+# ---- one call per receive, sends that complete at once, single copy --------------------------
+
+def body_single_copy(single_copy: bool):
+    """Both ranks at once: bursts of large messages (single-copy where the pair allows it, else
+    the ring) interleaved with small ones on one channel, multi-part payloads of mixed dtypes
+    with empty parts, more parts than a descriptor holds; `recv` takes header and payload in one
+    call when the parts fit and leaves the payload to `recv_payload` when not; a small send
+    completes inside `isend`; a single-copy send completes only once the peer has read it."""
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS, ShmP2P
+
+    topo = fastpar.init(timeout=60)
+    me, peer = topo.rank, 1 - topo.rank
+    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [peer], timeout=30, ring_bytes=1 << 16,
+                 single_copy_min=(64 << 10) if single_copy else None)
+    result = {"single_copy": p2p.single_copy[peer]}
+    # Sizes straddle the threshold and the 64 KiB ring; 70 parts exceed a descriptor's 64.
+    plan = [(1 << 20, 1), (4096, 1), (3 << 20, 8), (64 << 10, 1), (0, 2), (200_000 + 8, 8),
+            (70 * 4096, 70), (5 << 20, 3)]
+    handles = [p2p.isend(peer, 0, *_message(me, peer, 0, i, nbytes, nparts))
+               for i, (nbytes, nparts) in enumerate(plan)]
+    hbuf = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)
+    filled_flags = []
+    for i, (nbytes, nparts) in enumerate(plan):
+        want_header, want_parts = _message(peer, me, 0, i, nbytes, nparts)
+        # Odd messages: parts one element short, so they do not fit and recv_payload follows.
+        parts = [torch.empty(t.numel() - (i % 2 and k == 0 and t.numel() > 0), dtype=t.dtype)
+                 for k, t in enumerate(want_parts)]
+        n, filled = p2p.recv(peer, 0, hbuf, parts)
+        assert torch.equal(hbuf[:n], want_header), (i, hbuf[:n])
+        filled_flags.append(filled)
+        if not filled:
+            parts = [torch.empty_like(t) for t in want_parts]
+            p2p.recv_payload(peer, 0, parts)
+        for got, want in zip(parts, want_parts):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (i, me)
+    for h in handles:
+        h.wait()
+    result["filled"] = filled_flags
+    # A small send is complete when isend returns; a large single-copy one only once read.
+    small = p2p.isend(peer, 1, torch.tensor([1, 2, 3]), [torch.ones(10)])
+    result["small_done_at_once"] = small._refs is None and small.is_completed()
+    big = torch.arange(1 << 20, dtype=torch.float32)
+    h = p2p.isend(peer, 1, torch.tensor([4]), [big])
+    result["big_done_before_read"] = h.is_completed()
+    dist.barrier()
+    n, filled = p2p.recv(peer, 1, hbuf, [torch.empty(10)])
+    assert filled and hbuf[:n].tolist() == [1, 2, 3]
+    out = torch.empty(1 << 20)
+    n, filled = p2p.recv(peer, 1, hbuf, [out])
+    assert filled and hbuf[:n].tolist() == [4] and torch.equal(out, big)
+    h.wait()
+    # A header buffer too short is misuse: nothing consumed, the message still arrives whole.
+    h = p2p.isend(peer, 0, torch.arange(8), [torch.ones(3)])
+    with pytest.raises(ValueError, match="the header has 64 bytes but the buffer holds 56"):
+        p2p.recv(peer, 0, torch.empty(7, dtype=torch.int64), [torch.empty(3)])
+    n, filled = p2p.recv(peer, 0, hbuf, [out[:3]])
+    assert filled and n == 8 and torch.equal(out[:3], torch.ones(3))
+    h.wait()
+    dist.barrier()
+    p2p.close()
+    return result
+
+
+@pytest.mark.parametrize("single_copy", [True, False], ids=["single_copy", "ring_only"])
+def test_large_messages_both_ways_single_copy_and_combined_receive(single_copy):
+    for v in run_ranks(2, body_single_copy, single_copy=single_copy, timeout=120).values():
+        if single_copy:  # process_vm_readv between the ranks: allowed unless ptrace forbids it
+            assert isinstance(v["single_copy"], bool), v
+        else:
+            assert v["single_copy"] is False, v
+        assert v["filled"] == [True, False] * 4, v
+        assert v["small_done_at_once"] is True, v
+        if v["single_copy"]:  # (through the 64 KiB ring, 4 MiB cannot be done either)
+            assert v["big_done_before_read"] is False, v
+
+
+def body_single_copy_peer_killed(victim_sends: bool):
+    """Rank 1 is SIGKILLed while a single-copy message is in flight: either rank 0 waits for its
+    own 8 MiB send to be read (victim_sends False), or rank 1 had sent it and rank 0 reads it
+    (True). Rank 0 names the dead rank within a fraction of a second (timeout: 60 s)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.comm.shm_p2p import ShmP2P
+
+    topo = fastpar.init(timeout=60)
+    me = topo.rank
+    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [1 - me], timeout=60)
+    payload = torch.ones(2 << 20)
+    if victim_sends and me == 1:
+        p2p.isend(0, 1, torch.tensor([7]), [payload])
+    handle = p2p.isend(1, 0, torch.tensor([7]), [payload]) if me == 0 and not victim_sends \
+        else None
+    dist.barrier()
+    if me == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(0.5)  # rank 1 is gone: its message, if any, is in the ring, its memory is not
+    start = time.monotonic()
+    try:
+        if handle is not None:
+            handle.wait()
+        else:
+            p2p.recv(1, 1, torch.empty(8, dtype=torch.int64), [torch.empty(2 << 20)])
+        raise AssertionError("a single copy with a killed peer returned")
+    except RuntimeError as exc:
+        result = [time.monotonic() - start, str(exc), p2p.single_copy[1]]
+    with contextlib.suppress(RuntimeError):
+        p2p.close()
+    return result
+
+
+@pytest.mark.parametrize("victim_sends", [False, True], ids=["sender_waits", "receiver_reads"])
+def test_killed_peer_during_single_copy_is_named(victim_sends):
+    launch = run_ranks(2, body_single_copy_peer_killed, victim_sends=victim_sends,
+                       launcher="torchrun", check=False, timeout=90)
+    assert 0 in launch.results and launch.results[0]["ok"], launch.describe()
+    elapsed, message, single_copy = launch.results[0]["value"]
+    assert "rank 0 found rank 1 dead" in message and "has exited" in message, message
+    if victim_sends:
+        assert "payload of the message from rank 1 on tag 1 (gradients)" in message, message
+    else:
+        assert "rank 1 to take the messages sent to it on tag 0 (activations)" in message, message
+    assert elapsed < 5, (elapsed, message)
+    assert isinstance(single_copy, bool)
+
+
+def test_kernel_single_copy_between_threads():
+    """Two endpoints of one process (it can read itself): after the probe, payloads from 64 KiB
+    go single-copy, the rest through an 8 KiB ring; `recv` returns -1 - n when the parts do not
+    fit; sends that fit the ring return id 0 (complete), single-copy ones an id to wait for."""
+    ops = torch.ops.fastpar
+    ring = 8192
+    mem, anchor, base = _segment(2, ring)
+    ops.shm_p2p_init_segment(base, 3, 5, 2, ring)
+    tx = ops.shm_p2p_open(3, False, [5], [base], 2, ring, 20.0, 64 << 10)
+    rx = ops.shm_p2p_open(5, False, [3], [base], 2, ring, 20.0, 64 << 10)
+    assert not ops.shm_p2p_single_copy(tx, 0)
+    ops.shm_p2p_probe(tx)
+    ops.shm_p2p_probe(rx)
+    can = ops.shm_p2p_single_copy(tx, 0)
+    g = torch.Generator().manual_seed(2)
+    sizes = [100, (64 << 10) - 1, 64 << 10, (1 << 20) + 3, 5, 3 << 20]
+    msgs = [torch.randint(0, 256, (s,), dtype=torch.uint8, generator=g) for s in sizes]
+    ids, errors = [], []
+
+    def sender():
+        try:
+            for i, t in enumerate(msgs):
+                cut = t.numel() // 3
+                ids.append(ops.shm_p2p_send(tx, 0, 0, torch.tensor([i]), [t[:cut], t[cut:]]))
+            for send_id in ids:
+                ops.shm_p2p_wait_send(tx, send_id)
+            assert ops.shm_p2p_pending(tx) == 0
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    try:
+        header = torch.empty(4, dtype=torch.int64)
+        for i, t in enumerate(msgs):
+            out = torch.empty(t.numel() + (i == 3), dtype=torch.uint8)  # message 3 misfits
+            n = ops.shm_p2p_recv(rx, 0, 0, header, [out])
+            if i == 3:
+                assert n == -2 and header[0] == i
+                out = out[:-1]
+                ops.shm_p2p_recv_payload(rx, 0, 0, [out])
+            else:
+                assert n == 1 and header[0] == i
+            assert torch.equal(out, t), i
+    finally:
+        thread.join()
+        ops.shm_p2p_close(tx)
+        ops.shm_p2p_close(rx)
+    assert not errors, errors
+    # The first send fits the empty ring at once; the later ones queue behind the 64 KiB one.
+    assert ids[0] == 0, ids
+    if can:
+        assert all(ids[i] > 0 for i in (2, 3, 5)), ids
+    del anchor
+    mem.close()
+
+
+# ---- the pipeline's receive path over the rings ----------------------------------------------
+
+def body_channels_layouts():
+    """Channels over the rings: a receive takes the payload in the buffers of the last layout
+    of its stage; the next step's layout may differ (same bytes, another split; another size)."""
+    import fastpar
+    from fastpar.comm.p2p import Channels
+
+    fastpar.init(timeout=60)
+    ch = Channels(None, engine="shm")
+    steps = [[(4,), (4,)], [(4,), (4,)], [(2,), (6,)], [(3, 3)], [(2,), (6,)]]
+    for k, shapes in enumerate(steps):
+        for mb in range(2):
+            values = tuple(torch.arange(math.prod(s), dtype=torch.float32).view(s) + 10 * k + mb
+                           for s in shapes)
+            if ch.rank == 0:
+                ch.send_forward(values, mb=mb, stage=1)
+            else:
+                got = ch.recv_forward(mb=mb, stage=1)
+                assert isinstance(got, tuple) and len(got) == len(values), got
+                for a, b in zip(got, values):
+                    assert a.shape == b.shape and torch.equal(a, b), (k, mb, a, b)
+        ch.finish_step()
+    ch.close()
+    return True
+
+
+def test_channels_receive_in_one_call_across_layouts():
+    assert all(run_ranks(2, body_channels_layouts, timeout=120).values())
+
+
+def body_sendrecv():
+    """A ring step in one call: `sendrecv` (tensors passed) and a persistent `sendrecv_init`
+    plan (tensors bound once) both deliver fresh bytes every iteration, small (ring) and large
+    (single-copy where allowed); the returned handle is complete when the payload was taken."""
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS, ShmP2P
+
+    topo = fastpar.init(timeout=60)
+    me, peer = topo.rank, 1 - topo.rank
+    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [peer], timeout=30)
+    hbuf = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)
+    for numel in (1024, 1 << 20):
+        x, out = torch.empty(numel), torch.empty(numel)
+        step = p2p.sendrecv_init(peer, 0, torch.tensor([numel, me]), [x], peer, 0, hbuf, [out])
+        for i in range(5):
+            x.fill_(100 * me + i)
+            if i % 2:
+                h, n, filled = step.start()
+            else:
+                h, n, filled = p2p.sendrecv(peer, 0, torch.tensor([numel, me]), [x], peer, 0,
+                                            hbuf, [out])
+            assert filled and n == 2 and hbuf[:2].tolist() == [numel, peer], (n, hbuf[:2])
+            assert h.is_completed() and torch.all(out == 100 * peer + i), (numel, i)
+        step.free()
+        step.free()  # idempotent
+    # Parts that do not fit: the payload waits for recv_payload, the send may still be pending.
+    h, n, filled = p2p.sendrecv(peer, 1, torch.tensor([9]), [torch.ones(8)], peer, 1, hbuf,
+                                [torch.empty(7)])
+    assert not filled and n == 1 and hbuf[0] == 9
+    out = torch.empty(8)
+    p2p.recv_payload(peer, 1, [out])
+    h.wait()
+    assert torch.equal(out, torch.ones(8))
+    dist.barrier()
+    p2p.close()
+    return True
+
+
+def test_sendrecv_and_persistent_plan():
+    assert all(run_ranks(2, body_sendrecv, timeout=120).values())
+
+
+def body_close_with_untaken_sends():
+    """Both ranks send a single-copy-sized message the other never takes, then close: both
+    return at once (each flush sees the other's). Then rank 0 waits for a send that rank 1 will
+    never take, closed: it fails at once naming that, with no poison and no timeout."""
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.comm.shm_p2p import ShmP2P
+
+    topo = fastpar.init(timeout=60)
+    me, peer = topo.rank, 1 - topo.rank
+    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [peer], timeout=30)
+    keep = torch.ones(1 << 20)
+    h = p2p.isend(peer, 0, torch.tensor([1]), [keep])
+    dist.barrier()
+    start = time.monotonic()
+    p2p.close()
+    closed_in = time.monotonic() - start
+    assert h.is_completed()
+    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [peer], timeout=30)
+    message = None
+    if me == 0:
+        h = p2p.isend(peer, 1, torch.tensor([2]), [keep])
+        dist.barrier()
+        dist.barrier()  # rank 1 has closed
+        start = time.monotonic()
+        try:
+            h.wait()
+        except RuntimeError as exc:
+            message = [time.monotonic() - start, str(exc)]
+        p2p.close()
+    else:
+        dist.barrier()
+        p2p.close()
+        dist.barrier()
+    return [closed_in, message]
+
+
+def test_close_with_untaken_sends_returns_at_once():
+    (closed0, message), (closed1, _) = run_ranks(2, body_close_with_untaken_sends,
+                                                 timeout=120).values()
+    assert closed0 < 5 and closed1 < 5, (closed0, closed1)
+    elapsed, text = message
+    assert elapsed < 5 and re.fullmatch(
+        r"fastpar shm p2p: rank 0 waited for rank 1 to take the messages sent to it on tag 1 "
+        r"\(gradients\), but it closed its channels with \d+ bytes of them not taken", text), text

@@ -6,13 +6,20 @@
 // `read`, stored only by the receiver (release, after copying out). The sender may write while
 // written - read < ring_bytes; the receiver may read while read < written. Messages are a byte
 // stream of frames [Prefix][header][payload]; the Prefix carries the header and payload lengths
-// and a mark that catches a desynchronised stream.
+// and a mark that catches a desynchronised stream. A single-copy frame (its own mark) carries,
+// instead of the payload, [u64 n][n x (address, bytes)] of the sender's parts: the receiver
+// copies them with process_vm_readv, then bumps the ring's third counter, `acked`, which
+// completes the sender's oldest single-copy send on that ring.
 #include "shm_p2p.h"
 
 #include "shm_wait.h"
 
+#include <sys/uio.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -27,8 +34,9 @@ namespace p2p {
 namespace {
 
 constexpr uint64_t kMagic = 0x3130305032505046ULL;  // "FPP2P001"
-constexpr uint32_t kVersion = 1;
-constexpr uint32_t kFrameMark = 0x4d415246;  // "FRAM"
+constexpr uint32_t kVersion = 2;
+constexpr uint32_t kFrameMark = 0x4d415246;       // "FRAM"
+constexpr uint32_t kSingleCopyMark = 0x59504f43;  // "COPY"
 constexpr size_t kPage = 4096;
 
 struct alignas(128) Header {
@@ -42,8 +50,13 @@ struct alignas(128) Header {
 
 // One per side of the pair (0: the lower rank), written by that side at attach.
 struct alignas(128) Side {
-  std::atomic<uint32_t> attached;  // released after `ident` is written
+  std::atomic<uint32_t> attached;  // released after the fields below are written
+  // Whether this side can read the other's memory (probe_single_copy): 0 not probed, 1 yes, 2 no.
+  std::atomic<uint32_t> reads_peer;
+  std::atomic<uint32_t> closing;  // set by flush: this side takes no more messages
   detail::Ident ident;
+  int64_t pid;                       // getpid(): where the other side's single copies read from
+  uint64_t probe_addr, probe_value;  // a word of this process and its value, for the probe
 };
 
 struct alignas(128) Counter {
@@ -53,9 +66,17 @@ struct alignas(128) Counter {
 // Starts every message in the ring.
 struct Prefix {
   uint32_t header_len;
-  uint32_t mark;
+  uint32_t mark;  // kFrameMark, or kSingleCopyMark: a descriptor follows the header
   uint64_t payload_len;
 };
+
+// One part of a single-copy payload in the descriptor: an address in the sender's memory.
+struct RemotePart {
+  uint64_t addr, bytes;
+};
+
+// The word a peer's probe reads back (probe_single_copy): nonzero once this process attached.
+std::atomic<uint64_t> probe_word{0};
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
 static_assert(sizeof(Counter) == 128 && sizeof(Side) == 128, "one cache line pair each");
@@ -63,25 +84,27 @@ static_assert(sizeof(Prefix) == 16, "16-byte frame prefix");
 
 // ---- layout -------------------------------------------------------------------------------
 
+constexpr int kCountersPerRing = 3;  // written, read, acked
 size_t counters_offset() { return sizeof(Header) + 2 * sizeof(Side); }
 size_t data_offset(int tags) {
-  size_t h = counters_offset() + size_t(2 * tags) * 2 * sizeof(Counter);
+  size_t h = counters_offset() + size_t(2 * tags) * kCountersPerRing * sizeof(Counter);
   return (h + kPage - 1) / kPage * kPage;
 }
 Header* header(const Peer& p) { return static_cast<Header*>(p.base); }
 Side* side(const Peer& p, int s) {
   return reinterpret_cast<Side*>(static_cast<char*>(p.base) + sizeof(Header)) + s;
 }
-// Ring `dir * tags + tag` carries side dir's messages; counters 2i (written) and 2i+1 (read).
+// Ring i = `dir * tags + tag` carries side dir's messages; its counters are 3i (written, by
+// the sender), 3i + 1 (read, by the receiver) and 3i + 2 (acked: single-copy payloads taken,
+// by the receiver).
 size_t ring_index(const Peer& p, int dir, int tag) { return size_t(dir) * p.tags + tag; }
-Counter& written(const Peer& p, int dir, int tag) {
-  return reinterpret_cast<Counter*>(static_cast<char*>(p.base) +
-                                    counters_offset())[2 * ring_index(p, dir, tag)];
+Counter& counter(const Peer& p, int dir, int tag, int which) {
+  return reinterpret_cast<Counter*>(static_cast<char*>(p.base) + counters_offset())
+      [kCountersPerRing * ring_index(p, dir, tag) + which];
 }
-Counter& read(const Peer& p, int dir, int tag) {
-  return reinterpret_cast<Counter*>(static_cast<char*>(p.base) +
-                                    counters_offset())[2 * ring_index(p, dir, tag) + 1];
-}
+Counter& written(const Peer& p, int dir, int tag) { return counter(p, dir, tag, 0); }
+Counter& read(const Peer& p, int dir, int tag) { return counter(p, dir, tag, 1); }
+Counter& acked(const Peer& p, int dir, int tag) { return counter(p, dir, tag, 2); }
 char* ring(const Peer& p, int dir, int tag) {
   return static_cast<char*>(p.base) + data_offset(p.tags) + ring_index(p, dir, tag) * p.ring_bytes;
 }
@@ -226,28 +249,61 @@ void advance(Peer& p, int tag, PendingSend& s) {
   }
 }
 
+// A send wholly in the ring: complete, or (single copy) waiting for the receiver's ack.
+void in_ring(Endpoint& ep, TxRing& tx, const PendingSend& s) {
+  if (s.ack == 0) return;
+  tx.unacked.push_back({s.id, s.ack, s.payload});
+  ++ep.unacked;
+}
+
 // Pushes the queue of one channel, oldest send first.
 void push(Endpoint& ep, Peer& p, int tag) {
-  std::deque<PendingSend>& q = p.tx[tag].queue;
-  while (!q.empty()) {
-    advance(p, tag, q.front());
-    if (q.front().left > 0) return;
-    q.pop_front();
+  TxRing& tx = p.tx[tag];
+  while (!tx.queue.empty()) {
+    advance(p, tag, tx.queue.front());
+    if (tx.queue.front().left > 0) return;
+    in_ring(ep, tx, tx.queue.front());
+    tx.queue.pop_front();
     --ep.pending;
   }
 }
 
-// The channel whose queue holds send `id`, or {nullptr, -1} if it is complete.
+// Completes the single-copy sends of one channel that the receiver has read.
+void collect_acks(Endpoint& ep, Peer& p, int tag) {
+  std::deque<AwaitedAck>& u = p.tx[tag].unacked;
+  const uint64_t acks = acked(p, p.side, tag).value.load(std::memory_order_acquire);
+  while (!u.empty() && u.front().ack <= acks) {
+    u.pop_front();
+    --ep.unacked;
+  }
+}
+
+// Whether send `id` of this channel is done; ids ascend through unacked, then queue.
+bool channel_done(const TxRing& tx, uint64_t id) {
+  return (tx.queue.empty() || tx.queue.front().id > id) &&
+         (tx.unacked.empty() || tx.unacked.front().id > id);
+}
+
+// The channel that holds send `id` (queued or awaiting its ack), or {nullptr, -1} if complete.
 std::pair<Peer*, int> find_send(const Endpoint& ep, uint64_t id) {
-  if (ep.pending == 0) return {nullptr, -1};
+  if (ep.pending == 0 && ep.unacked == 0) return {nullptr, -1};
+  auto holds = [id](const auto& q) {
+    if (q.empty() || q.front().id > id || q.back().id < id) return false;
+    for (const auto& s : q)
+      if (s.id == id) return true;
+    return false;
+  };
   for (const Peer& p : ep.peers)
-    for (int t = 0; t < p.tags; ++t) {
-      const std::deque<PendingSend>& q = p.tx[t].queue;
-      if (!q.empty() && q.front().id <= id && q.back().id >= id)
-        for (const PendingSend& s : q)
-          if (s.id == id) return {const_cast<Peer*>(&p), t};
-    }
+    for (int t = 0; t < p.tags; ++t)
+      if (holds(p.tx[t].queue) || holds(p.tx[t].unacked)) return {const_cast<Peer*>(&p), t};
   return {nullptr, -1};
+}
+
+// Whether the peer said it can read this process's memory (its verdict only goes 0 -> 1 or 2).
+bool peer_reads_me(Peer& p) {
+  if (!p.single_copy)
+    p.single_copy = side(p, 1 - p.side)->reads_peer.load(std::memory_order_acquire) == 1;
+  return p.single_copy;
 }
 
 // ---- receiving ----------------------------------------------------------------------------
@@ -268,6 +324,57 @@ void await_bytes(Endpoint& ep, Peer& p, int tag, uint64_t n, const Await& what) 
 // Publishes that the receiver is done with everything before rx.read.
 void release(Peer& p, int tag) {
   read(p, 1 - p.side, tag).value.store(p.rx[tag].read, std::memory_order_release);
+}
+
+// Copies the single-copy payload of the message taken last on `tag` (rx.remote, in the
+// sender's memory) into `parts` (their sizes add up to it), then acknowledges it.
+void read_remote(Endpoint& ep, Peer& p, int tag, const Span* parts, size_t n_parts) {
+  RxRing& rx = p.rx[tag];
+  const Side* peer = side(p, 1 - p.side);
+  constexpr size_t kIov = 64;  // iovecs per call, each side (the kernel allows IOV_MAX)
+  iovec local[kIov], remote[kIov];
+  size_t li = 0, lo = 0, ri = 0, ro = 0;  // next byte: parts[li] at lo, rx.remote[ri] at ro
+  uint64_t done = 0;
+  while (done < rx.payload_bytes) {
+    size_t nl = 0, nr = 0;
+    for (size_t i = li; i < n_parts && nl < kIov; ++i, ++nl)
+      local[nl] = {static_cast<char*>(parts[i].data) + (i == li ? lo : 0),
+                   parts[i].bytes - (i == li ? lo : 0)};
+    for (size_t i = ri; i < rx.remote.size() && nr < kIov; ++i, ++nr)
+      remote[nr] = {const_cast<char*>(static_cast<const char*>(rx.remote[i].data)) +
+                        (i == ri ? ro : 0),
+                    rx.remote[i].bytes - (i == ri ? ro : 0)};
+    const ssize_t got = ::process_vm_readv(pid_t(peer->pid), local, nl, remote, nr, 0);
+    if (got <= 0) {
+      const int err = got < 0 ? errno : EFAULT;
+      const Await what{Await::Payload, done, rx.payload_bytes};
+      if (err == ESRCH || detail::ident_dead(peer->ident))
+        fail(p, me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
+                    std::to_string(peer->pid) + " has exited) while waiting for " +
+                    what.describe(p, tag));
+      fail(p, me(ep) + " could not copy " + what.describe(p, tag) + " out of rank " +
+                  std::to_string(p.rank) + "'s memory (process_vm_readv: " +
+                  std::strerror(err) + ")");
+    }
+    done += uint64_t(got);
+    for (uint64_t n = uint64_t(got); n > 0;) {  // advance both cursors by `got` bytes
+      const size_t k = size_t(std::min<uint64_t>(n, parts[li].bytes - lo));
+      n -= k;
+      lo += k;
+      if (lo == parts[li].bytes) ++li, lo = 0;
+    }
+    for (uint64_t n = uint64_t(got); n > 0;) {
+      const size_t k = size_t(std::min<uint64_t>(n, rx.remote[ri].bytes - ro));
+      n -= k;
+      ro += k;
+      if (ro == rx.remote[ri].bytes) ++ri, ro = 0;
+    }
+    while (li < n_parts && parts[li].bytes == 0) ++li;  // empty parts end no transfer
+    while (ri < rx.remote.size() && rx.remote[ri].bytes == 0) ++ri;
+  }
+  rx.payload_left = 0;
+  rx.single_copy = false;
+  acked(p, 1 - p.side, tag).value.store(++rx.acks, std::memory_order_release);
 }
 
 }  // namespace
@@ -302,7 +409,7 @@ void init_segment(void* base, int rank_lo, int rank_hi, int tags, size_t ring_by
   char* c = static_cast<char*>(base) + sizeof(Header);
   for (int s = 0; s < 2; ++s) new (c + s * sizeof(Side)) Side;
   c = static_cast<char*>(base) + counters_offset();
-  for (int i = 0; i < 4 * tags; ++i) new (c + i * sizeof(Counter)) Counter{{0}};
+  for (int i = 0; i < 2 * kCountersPerRing * tags; ++i) new (c + i * sizeof(Counter)) Counter{{0}};
   h->magic.store(kMagic, std::memory_order_release);  // last: attach checks it
 }
 
@@ -356,11 +463,24 @@ int attach(Endpoint& ep, void* base, int peer, int tags, size_t ring_bytes) {
   for (int t = 0; t < tags; ++t) {
     p.tx[t].written = written(p, p.side, t).value.load(std::memory_order_acquire);
     p.tx[t].read_seen = read(p, p.side, t).value.load(std::memory_order_acquire);
+    p.tx[t].single_copies = acked(p, p.side, t).value.load(std::memory_order_acquire);
     p.rx[t].read = read(p, 1 - p.side, t).value.load(std::memory_order_acquire);
     p.rx[t].written_seen = p.rx[t].read;
+    p.rx[t].acks = acked(p, 1 - p.side, t).value.load(std::memory_order_acquire);
   }
   Side* mine = side(p, p.side);
   detail::record_ident(&mine->ident);
+  mine->pid = int64_t(::getpid());
+  uint64_t word = probe_word.load(std::memory_order_relaxed);
+  if (word == 0) {  // any nonzero value a stranger would not guess by chance
+    word = (uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+            uint64_t(::getpid()) << 32) * 0x9e3779b97f4a7c15ULL | 1;
+    probe_word.store(word, std::memory_order_relaxed);
+  }
+  mine->probe_addr = reinterpret_cast<uint64_t>(&probe_word);
+  mine->probe_value = word;
+  mine->reads_peer.store(0, std::memory_order_relaxed);
+  mine->closing.store(0, std::memory_order_relaxed);
   mine->attached.store(1, std::memory_order_release);
   ep.peers.push_back(std::move(p));
   return int(ep.peers.size()) - 1;
@@ -373,34 +493,71 @@ uint64_t send(Endpoint& ep, int slot, int tag, const void* hdr, size_t hdr_len,
     misuse(me(ep) + " send to rank " + std::to_string(p.rank) + ": header of " +
            std::to_string(hdr_len) + " bytes, at most " + std::to_string(kMaxHeaderBytes));
   check_poison(ep, p);
+  TxRing& tx = p.tx[tag];
   PendingSend s;
   s.id = ep.next_id++;
-  uint64_t payload = 0;
-  for (size_t i = 0; i < n_parts; ++i) payload += parts[i].bytes;
-  const Prefix pre{uint32_t(hdr_len), kFrameMark, payload};
-  s.frame.resize(sizeof(pre) + hdr_len);
-  std::memcpy(s.frame.data(), &pre, sizeof(pre));
-  if (hdr_len > 0) std::memcpy(s.frame.data() + sizeof(pre), hdr, hdr_len);
-  s.parts.assign(parts, parts + n_parts);
-  s.left = s.frame.size() + payload;
-  // FIFO per channel: older sends go first; this one starts only behind an empty queue.
-  std::deque<PendingSend>& q = p.tx[tag].queue;
-  push(ep, p, tag);
-  if (q.empty()) advance(p, tag, s);
-  if (s.left > 0) {
-    q.push_back(std::move(s));
-    ++ep.pending;
+  for (size_t i = 0; i < n_parts; ++i) s.payload += parts[i].bytes;
+  const bool single = s.payload > 0 && s.payload >= ep.single_copy_min &&
+                      n_parts <= kMaxSingleCopyParts && peer_reads_me(p);
+  const Prefix pre{uint32_t(hdr_len), single ? kSingleCopyMark : kFrameMark, s.payload};
+  const size_t desc = single ? sizeof(uint64_t) + n_parts * sizeof(RemotePart) : 0;
+  s.frame.resize(sizeof(pre) + hdr_len + desc);
+  char* f = s.frame.data();
+  std::memcpy(f, &pre, sizeof(pre));
+  if (hdr_len > 0) std::memcpy(f + sizeof(pre), hdr, hdr_len);
+  if (single) {  // [u64 n][n x (address, bytes)]: the receiver reads the parts from here
+    f += sizeof(pre) + hdr_len;
+    const uint64_t n = n_parts;
+    std::memcpy(f, &n, sizeof(n));
+    for (size_t i = 0; i < n_parts; ++i) {
+      const RemotePart r{reinterpret_cast<uint64_t>(parts[i].data), parts[i].bytes};
+      std::memcpy(f + sizeof(n) + i * sizeof(r), &r, sizeof(r));
+    }
+    s.ack = ++tx.single_copies;
+  } else {
+    s.parts.assign(parts, parts + n_parts);
   }
-  return ep.next_id - 1;
+  s.left = s.frame.size() + (single ? 0 : s.payload);
+  // FIFO per channel: older sends go first; this one starts only behind an empty queue.
+  push(ep, p, tag);
+  if (tx.queue.empty()) advance(p, tag, s);
+  if (s.left > 0) {
+    tx.queue.push_back(std::move(s));
+    ++ep.pending;
+    return ep.next_id - 1;
+  }
+  in_ring(ep, tx, s);
+  return single ? s.id : 0;
 }
 
 void progress(Endpoint& ep) {
-  if (ep.pending == 0) return;
+  if (ep.pending == 0 && ep.unacked == 0) return;
   for (Peer& p : ep.peers) {
     if (header(p)->poison.load(std::memory_order_relaxed) != 0) continue;  // its waits report
-    for (int t = 0; t < p.tags; ++t)
+    for (int t = 0; t < p.tags; ++t) {
       if (!p.tx[t].queue.empty()) push(ep, p, t);
+      if (!p.tx[t].unacked.empty()) collect_acks(ep, p, t);
+    }
   }
+}
+
+bool probe_single_copy(Endpoint& ep, int slot) {
+  Peer& p = channel(ep, slot, 0, "probe_single_copy");
+  const Side* peer = side(p, 1 - p.side);
+  bool ok = false;
+  if (peer->attached.load(std::memory_order_acquire) != 0 && peer->pid > 0) {
+    uint64_t got = 0;
+    iovec local{&got, sizeof(got)};
+    iovec remote{reinterpret_cast<void*>(peer->probe_addr), sizeof(got)};
+    ok = ::process_vm_readv(pid_t(peer->pid), &local, 1, &remote, 1, 0) == ssize_t(sizeof(got)) &&
+         got == peer->probe_value;
+  }
+  side(p, p.side)->reads_peer.store(ok ? 1 : 2, std::memory_order_release);
+  return ok;
+}
+
+bool single_copy(Endpoint& ep, int slot) {
+  return peer_reads_me(channel(ep, slot, 0, "single_copy"));
 }
 
 size_t recv_header(Endpoint& ep, int slot, int tag, void* buf, size_t cap) {
@@ -417,19 +574,44 @@ size_t recv_header(Endpoint& ep, int slot, int tag, void* buf, size_t cap) {
   const char* r = ring(p, 1 - p.side, tag);
   Prefix pre;
   ring_get(r, p.ring_bytes, rx.read, &pre, sizeof(pre));
-  if (pre.mark != kFrameMark || pre.header_len > kMaxHeaderBytes)
+  const bool single = pre.mark == kSingleCopyMark;
+  auto corrupt = [&](const std::string& why) {
     fail(p, me(ep) + " found a corrupt message frame from rank " + std::to_string(p.rank) +
-                " on " + tag_name(tag) + " at stream byte " + std::to_string(rx.read) +
-                " (header length " + std::to_string(pre.header_len) + ")");
+                " on " + tag_name(tag) + " at stream byte " + std::to_string(rx.read) + " (" +
+                why + ")");
+  };
+  if ((pre.mark != kFrameMark && !single) || pre.header_len > kMaxHeaderBytes)
+    corrupt("header length " + std::to_string(pre.header_len));
   if (pre.header_len > cap)
     misuse(me(ep) + " recv_header from rank " + std::to_string(p.rank) + " on " +
            tag_name(tag) + ": the header has " + std::to_string(pre.header_len) +
            " bytes but the buffer holds " + std::to_string(cap));
-  await_bytes(ep, p, tag, sizeof(Prefix) + pre.header_len, what);
+  uint64_t at = sizeof(Prefix) + pre.header_len;  // frame bytes, from rx.read
+  await_bytes(ep, p, tag, at + (single ? sizeof(uint64_t) : 0), what);
   if (pre.header_len > 0)
     ring_get(r, p.ring_bytes, rx.read + sizeof(Prefix), buf, pre.header_len);
-  rx.read += sizeof(Prefix) + pre.header_len;
+  if (single) {  // the descriptor: [u64 n][n x (address, bytes)] in the sender's memory
+    uint64_t n = 0;
+    ring_get(r, p.ring_bytes, rx.read + at, &n, sizeof(n));
+    at += sizeof(n);
+    if (n == 0 || n > kMaxSingleCopyParts)
+      corrupt("a single-copy descriptor of " + std::to_string(n) + " parts");
+    await_bytes(ep, p, tag, at + n * sizeof(RemotePart), what);
+    rx.remote.resize(size_t(n));
+    uint64_t total = 0;
+    for (uint64_t i = 0; i < n; ++i, at += sizeof(RemotePart)) {
+      RemotePart part;
+      ring_get(r, p.ring_bytes, rx.read + at, &part, sizeof(part));
+      rx.remote[i] = {reinterpret_cast<const void*>(part.addr), size_t(part.bytes)};
+      total += part.bytes;
+    }
+    if (total != pre.payload_len)
+      corrupt("single-copy parts of " + std::to_string(total) + " bytes for a payload of " +
+              std::to_string(pre.payload_len));
+  }
+  rx.read += at;
   release(p, tag);
+  rx.single_copy = single;
   rx.payload_left = rx.payload_bytes = pre.payload_len;
   return pre.header_len;
 }
@@ -450,6 +632,10 @@ void recv_payload(Endpoint& ep, int slot, int tag, const Span* parts, size_t n_p
            " payload bytes left to receive");
   if (total == 0) return;
   check_poison(ep, p);
+  if (rx.single_copy) {
+    read_remote(ep, p, tag, parts, n_parts);
+    return;
+  }
   const char* r = ring(p, 1 - p.side, tag);
   size_t part = 0, offset = 0;
   while (rx.payload_left > 0) {
@@ -474,35 +660,84 @@ void recv_payload(Endpoint& ep, int slot, int tag, const Span* parts, size_t n_p
   }
 }
 
+size_t recv(Endpoint& ep, int slot, int tag, void* buf, size_t cap, const Span* parts,
+            size_t n_parts, bool* taken) {
+  const size_t n = recv_header(ep, slot, tag, buf, cap);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n_parts; ++i) total += parts[i].bytes;
+  *taken = total == ep.peers[slot].rx[tag].payload_left;
+  if (*taken) recv_payload(ep, slot, tag, parts, n_parts);
+  return n;
+}
+
 bool send_done(const Endpoint& ep, uint64_t id) { return find_send(ep, id).first == nullptr; }
 
-void wait_send(Endpoint& ep, uint64_t id) {
-  if (id == 0 || id >= ep.next_id)
-    misuse(me(ep) + " wait_send: no send has id " + std::to_string(id));
-  auto [p, tag] = find_send(ep, id);
-  if (p == nullptr) return;
-  check_poison(ep, *p);
-  const std::deque<PendingSend>& q = p->tx[tag].queue;
-  auto done = [&] { return q.empty() || q.front().id > id; };
-  const Counter& consumed = read(*p, p->side, tag);
+namespace {
+
+// Waits until send `id` of channel (p, tag) is complete. The peer's flush (it takes no more
+// messages) ends the wait: `closing` (this rank's flush too) drops what the peer will never
+// take; otherwise that is an error (not a protocol error: no poison).
+void await_send(Endpoint& ep, Peer& p, int tag, uint64_t id, bool closing) {
+  check_poison(ep, p);
+  TxRing& tx = p.tx[tag];
+  auto done = [&] { return channel_done(tx, id); };
+  const Counter& consumed = read(p, p.side, tag);
+  const Counter& acks = acked(p, p.side, tag);
+  const std::atomic<uint32_t>& gone = side(p, 1 - p.side)->closing;
   progress(ep);
-  while (!done()) {
-    // Each wait lasts until the peer takes some bytes out of this ring (bounded by the timeout).
-    const uint64_t seen = consumed.value.load(std::memory_order_acquire);
+  auto queued_bytes = [&] {
     uint64_t queued = 0;
-    for (const PendingSend& s : q)
-      if (s.id <= id) queued += s.left;
-    wait(ep, *p, tag, Await{Await::Send, queued, 0}, [&] {
+    for (const AwaitedAck& a : tx.unacked)
+      if (a.id <= id) queued += a.payload;
+    for (const PendingSend& s : tx.queue)
+      if (s.id <= id) queued += s.left + (s.ack != 0 ? s.payload : 0);
+    return queued;
+  };
+  while (!done()) {
+    if (gone.load(std::memory_order_acquire) != 0) {
+      progress(ep);  // what the peer took before its flush is visible now
+      if (done()) return;
+      const uint64_t queued = queued_bytes();
+      if (!closing)
+        throw std::runtime_error(me(ep) + " waited for rank " + std::to_string(p.rank) +
+                                 " to take the messages sent to it on " + tag_name(tag) +
+                                 ", but it closed its channels with " + std::to_string(queued) +
+                                 " bytes of them not taken");
+      ep.pending -= tx.queue.size();
+      ep.unacked -= tx.unacked.size();
+      tx.queue.clear();
+      tx.unacked.clear();
+      return;
+    }
+    // Each wait lasts until the peer takes some bytes out of this ring or reads a single-copy
+    // payload (bounded by the timeout).
+    const uint64_t seen = consumed.value.load(std::memory_order_acquire);
+    const uint64_t seen_acks = acks.value.load(std::memory_order_acquire);
+    wait(ep, p, tag, Await{Await::Send, queued_bytes(), 0}, [&] {
       progress(ep);
-      return done() || consumed.value.load(std::memory_order_acquire) != seen;
+      return done() || consumed.value.load(std::memory_order_acquire) != seen ||
+             acks.value.load(std::memory_order_acquire) != seen_acks ||
+             gone.load(std::memory_order_acquire) != 0;
     });
   }
 }
 
+}  // namespace
+
+void wait_send(Endpoint& ep, uint64_t id) {
+  if (id >= ep.next_id) misuse(me(ep) + " wait_send: no send has id " + std::to_string(id));
+  auto [p, tag] = find_send(ep, id);
+  if (p != nullptr) await_send(ep, *p, tag, id, false);
+}
+
 void flush(Endpoint& ep) {
+  for (Peer& p : ep.peers) side(p, p.side)->closing.store(1, std::memory_order_release);
   for (Peer& p : ep.peers)
-    for (int t = 0; t < p.tags; ++t)
-      if (!p.tx[t].queue.empty()) wait_send(ep, p.tx[t].queue.back().id);
+    for (int t = 0; t < p.tags; ++t) {
+      const TxRing& tx = p.tx[t];
+      if (!tx.queue.empty() || !tx.unacked.empty())
+        await_send(ep, p, t, ep.next_id - 1, true);  // the channel's newest send, at most
+    }
 }
 
 bool is_poisoned(const Endpoint& ep, int slot) {

@@ -172,8 +172,16 @@ class _TorchEngine:
 
 
 class _ShmEngine:
+    """The shm rings. A receive takes header and payload in one call when the message has the
+    layout of the last one from the same peer, direction and stage: it receives into fresh
+    buffers of that layout, then falls back to header-then-payload when they do not fit."""
+
     def __init__(self, rings):
+        from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS
+
         self.rings = rings
+        self.header = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)  # reused by receives
+        self._layout: dict = {}  # (peer, direction, stage) -> ((dtype, numel), ...) seen last
 
     def isend(self, peer, direction, header, parts):
         return self.rings.isend(peer, direction, header, list(parts))
@@ -183,6 +191,18 @@ class _ShmEngine:
 
     def recv_payload(self, peer, direction, parts):
         self.rings.recv_payload(peer, direction, list(parts))
+
+    def recv(self, peer, direction, stage):
+        """``(header, buffers)``: the header (a view of ``self.header``, valid until the next
+        receive) and the payload in buffers of the last layout, or ``None`` when it did not fit
+        (then ``recv_payload`` takes it)."""
+        layout = self._layout.get((peer, direction, stage), ())
+        bufs = [torch.empty(n, dtype=d, device="cpu") for d, n in layout]
+        n, filled = self.rings.recv(peer, direction, self.header, bufs)
+        return self.header[:n], (bufs if filled else None)
+
+    def remember(self, peer, direction, stage, layout) -> None:
+        self._layout[(peer, direction, stage)] = layout
 
     def close(self):
         self.rings.close()
@@ -410,8 +430,13 @@ class Channels:
                 raise P2PError(f"fastpar p2p: rank {self.rank} expects its own {_WHAT[direction]}"
                                f" of microbatch {mb} for stage {stage}, but {got} is queued")
             return queue.pop(0)[2]
-        header = self._guard(lambda: self._engine.recv_header(peer, direction, self.device),
-                             "header", peer, mb, stage, direction)
+        shm = isinstance(self._engine, _ShmEngine)
+        if shm:  # header and, if it has the last layout of this channel, payload in one call
+            header, guessed = self._guard(lambda: self._engine.recv(peer, direction, stage),
+                                          "header", peer, mb, stage, direction)
+        else:
+            header = self._guard(lambda: self._engine.recv_header(peer, direction, self.device),
+                                 "header", peer, mb, stage, direction)
         got_dir, got_mb, got_stage, is_tuple, entries = _decode(header)
         if (got_dir, got_mb, got_stage) != (direction, mb, stage):
             raise self._fail(P2PError(
@@ -423,19 +448,35 @@ class Channels:
         mismatch = self._check_spec(direction, peer, mb, stage, spec, expect, "receiver")
         if mismatch:
             raise self._fail(P2PError(mismatch))
+        layout = tuple((e[0], math.prod(e[1]) // (self.tp if e[3] else 1))
+                       for e in entries if e is not None)
+        if shm and guessed is not None and (len(guessed) != len(layout) or any(
+                (b.dtype, b.numel()) != want for b, want in zip(guessed, layout))):
+            # Same bytes in another split (rare): re-cut them along the header's layout.
+            flat = torch.cat([b.view(torch.uint8) for b in guessed] or
+                             [torch.empty(0, dtype=torch.uint8)])
+            guessed, at = [], 0
+            for dtype, numel in layout:
+                nbytes = numel * torch.empty((), dtype=dtype).element_size()
+                guessed.append(flat[at:at + nbytes].clone().view(dtype))
+                at += nbytes
         out, parts, gathers = [], [], []
+        received = iter(guessed) if shm and guessed is not None else None
         for e in entries:
             if e is None:
                 out.append(None)
                 continue
             dtype, shape, grad, cut = e
             numel = math.prod(shape)
-            buf = torch.empty(numel // self.tp if cut else numel, dtype=dtype,
-                              device=self.device)
+            buf = next(received) if received is not None else torch.empty(
+                numel // self.tp if cut else numel, dtype=dtype, device=self.device)
             parts.append(buf)
             out.append((buf, shape, grad, cut))
-        self._guard(lambda: self._engine.recv_payload(peer, direction, parts),
-                    "payload", peer, mb, stage, direction)
+        if shm:
+            self._engine.remember(peer, direction, stage, layout)
+        if received is None:
+            self._guard(lambda: self._engine.recv_payload(peer, direction, parts),
+                        "payload", peer, mb, stage, direction)
         values = []
         for item in out:
             if item is None:

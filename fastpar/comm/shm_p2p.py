@@ -5,6 +5,12 @@ and gradients.
     h = p2p.isend(nxt, TAG_ACTIVATIONS, header, [act])   # returns at once; act stays untouched
     hdr = p2p.recv_header(prev, TAG_ACTIVATIONS)         # 1-D int64 (shape, dtype: the caller's)
     p2p.recv_payload(prev, TAG_ACTIVATIONS, [buf])       # fills buf in place
+    n, filled = p2p.recv(prev, TAG_ACTIVATIONS, hbuf, [buf])  # or both at once, if buf fits
+    h, n, filled = p2p.sendrecv(nxt, TAG_ACTIVATIONS, header, [act],   # isend + recv (+ wait),
+                                prev, TAG_ACTIVATIONS, hbuf, [buf])    # one call
+    step = p2p.sendrecv_init(nxt, TAG_ACTIVATIONS, header, [act], prev, TAG_ACTIVATIONS, hbuf,
+                             [buf])                                    # persistent: bound once,
+    h, n, filled = step.start()                                        # started every iteration
     h.wait()                                             # act may be reused now
 
 Sends behave as if buffered without limit: every blocking call (a receive, a wait) keeps pushing
@@ -15,12 +21,18 @@ the order they were sent.
 One segment per pair of ranks, created by the lower rank in ``/dev/shm`` (mode 0600, a reaper
 unlinks it if the creator dies during set-up) and unlinked once both ranks mapped it, so a rank
 that dies later leaks nothing. Kernel protocol and layout: ``csrc/shm/README.md``.
+
+Payloads of at least ``single_copy_min`` bytes (64 KiB) go single-copy where the pair allows it:
+the receiver reads them straight out of the sender's memory (``process_vm_readv``), one copy
+instead of two through the ring. Set-up probes whether it can (ptrace rules, containers and pid
+namespaces may forbid it); ``single_copy`` says, per peer, which path this rank's sends take.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import secrets
@@ -35,13 +47,19 @@ from fastpar.comm.shm import _INTERRUPTED, _posixshmem, _reaper
 
 TAG_ACTIVATIONS = 0
 TAG_GRADIENTS = 1
-RING_BYTES = 4 << 20  # per direction and tag; larger messages stream through
+RING_BYTES = 256 << 10  # per direction and tag: small enough to stay cache-hot; larger
+# messages stream through (or go single-copy)
+SINGLE_COPY_MIN = 64 << 10  # payload bytes from which a send goes single-copy, where it can
 MAX_HEADER_ELEMENTS = 512  # int64: the kernel's 4 KiB
+
+log = logging.getLogger(__name__)
 
 
 class SendHandle:
-    """A send in flight: ``wait()`` until every byte is in the ring (bounded by the timeout),
-    then the header and parts may be reused; holds references to them until then."""
+    """A send in flight: ``wait()`` until every byte is in the ring, or a single-copy payload
+    was read by the receiver (bounded by the timeout), then the header and parts may be reused;
+    holds references to them until then. A send that completed in ``isend`` has nothing to
+    hold (``refs`` None)."""
 
     __slots__ = ("_p2p", "_id", "_refs")
 
@@ -59,6 +77,33 @@ class SendHandle:
             self._refs = None
 
 
+_DONE = SendHandle(None, 0, None)  # every send that completes inside isend (holds nothing)
+
+
+class Sendrecv:
+    """A persistent sendrecv (MPI_Send_init + MPI_Recv_init): the tensors are bound once;
+    each ``start()`` sends the current bytes of the header and parts and receives into the
+    bound buffers, as ``ShmP2P.sendrecv`` does, without converting tensor arguments (the bulk of
+    a small message's time). Holds the tensors until ``free()`` or the channels' close."""
+
+    __slots__ = ("_p2p", "_plan", "_refs", "_start")
+
+    def __init__(self, p2p: ShmP2P, plan: int, refs: tuple):
+        self._p2p, self._plan, self._refs = p2p, plan, refs
+        self._start = p2p._ops.shm_p2p_sendrecv_start.default._op
+
+    def start(self) -> tuple[SendHandle, int, bool]:
+        """``(handle, n, filled)`` as ``ShmP2P.sendrecv`` returns them."""
+        send_id, n = self._p2p._call("sendrecv", self._start, self._plan)
+        handle = SendHandle(self._p2p, send_id, self._refs) if send_id else _DONE
+        return (handle, n, True) if n >= 0 else (handle, -1 - n, False)
+
+    def free(self) -> None:
+        if self._refs is not None and self._p2p._ep is not None:
+            self._p2p._call("free", self._p2p._ops.shm_p2p_sendrecv_free.default, self._plan)
+        self._refs = None
+
+
 class ShmP2P:
     """Shared-memory channels between this rank and some peers of one process group.
 
@@ -67,11 +112,14 @@ class ShmP2P:
     rank talks to. Pairing must be symmetric (b in peers of a iff a in peers of b); a peer listed
     twice (pp=2 ring: previous and next stage are one rank) is one pair. ``timeout`` (seconds,
     may be ``math.inf``) bounds every wait. One thread at a time: a call made while another
-    thread is inside one raises at once.
+    thread is inside one raises at once. ``single_copy_min``: payload bytes from which sends go
+    single-copy where the pair allows it (``None``: never); ``single_copy`` maps each peer to
+    whether this rank's sends to it do.
     """
 
     def __init__(self, group, ranks: list[int], rank: int, peers: list[int], timeout: float,
-                 ring_bytes: int = RING_BYTES, tags: int = 2):
+                 ring_bytes: int = RING_BYTES, tags: int = 2,
+                 single_copy_min: int | None = SINGLE_COPY_MIN):
         _native.require("the shm p2p channels")
         self.ranks, self.rank = list(ranks), rank
         self.peers = sorted(set(peers))
@@ -89,19 +137,28 @@ class ShmP2P:
                              f"at least 8192")
         if not timeout > 0:
             raise ValueError(f"fastpar shm p2p: timeout={timeout} must be > 0 (math.inf: none)")
+        if single_copy_min is not None and single_copy_min < 0:
+            raise ValueError(f"fastpar shm p2p: single_copy_min={single_copy_min} must be >= 0 "
+                             f"(None: never)")
+        self.single_copy: dict[int, bool] = {}
+        self._single_copy_min = single_copy_min
         self._ops = torch.ops.fastpar
         self._ep = None
         self._busy = threading.Lock()
         self._maps: list[tuple[mmap.mmap, ctypes.c_char]] = []
         oversubscribed = self._check_symmetric(group)
         self._slot = {p: i for i, p in enumerate(self.peers)}
-        self._send = self._ops.shm_p2p_send.default
-        self._recv_header = self._ops.shm_p2p_recv_header.default
-        self._recv_payload = self._ops.shm_p2p_recv_payload.default
+        # The hot calls skip OpOverload.__call__ (a Python frame, ~0.3 us a call).
+        self._send = self._ops.shm_p2p_send.default._op
+        self._recv_header = self._ops.shm_p2p_recv_header.default._op
+        self._recv_payload = self._ops.shm_p2p_recv_payload.default._op
+        self._recv = self._ops.shm_p2p_recv.default._op
+        self._sendrecv = self._ops.shm_p2p_sendrecv.default._op
         bases = self._map_segments(group)
         try:
-            self._ep = self._ops.shm_p2p_open(rank, oversubscribed, self.peers, bases, tags,
-                                              ring_bytes, float(timeout))
+            self._ep = self._ops.shm_p2p_open(
+                rank, oversubscribed, self.peers, bases, tags, ring_bytes, float(timeout),
+                -1 if single_copy_min is None else single_copy_min)
             self._warm_up()
         except BaseException:
             if self._ep is not None:
@@ -185,7 +242,9 @@ class ShmP2P:
         try:
             if create:
                 os.ftruncate(fd, nbytes)
-            m = mmap.mmap(fd, nbytes)
+            # Prefaulted: a message would otherwise pay a page fault per fresh ring page on both
+            # sides (~2 us per 4 KiB) until the ring has wrapped once.
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         anchor = ctypes.c_char.from_buffer(m)  # keeps the address valid
@@ -199,19 +258,31 @@ class ShmP2P:
             m.close()
 
     def _warm_up(self) -> None:
-        """One tiny message each way on every pair and tag: both ends attached, every control
-        line touched."""
-        sends = [self.isend(p, t, torch.tensor([self.rank, p, t]), [])
-                 for p in self.peers for t in range(self.tags)]
-        for p in self.peers:
-            for t in range(self.tags):
-                got = self.recv_header(p, t).tolist()
-                if got != [p, self.rank, t]:
-                    raise RuntimeError(f"fastpar shm p2p: rank {self.rank}'s warm-up message "
-                                       f"from rank {p} on tag {t} reads {got}, expected "
-                                       f"{[p, self.rank, t]}")
-        for h in sends:
-            h.wait()
+        """One tiny message each way on every pair and tag, twice: both ends attached, every
+        control line touched. Between the rounds each rank probes whether it can read its
+        peers' memory; a peer's second message comes after its verdict, so ``single_copy`` is
+        known on both sides once this returns."""
+        for round_ in (0, 1):
+            sends = [self.isend(p, t, torch.tensor([self.rank, p, t, round_]), [])
+                     for p in self.peers for t in range(self.tags)]
+            for p in self.peers:
+                for t in range(self.tags):
+                    got = self.recv_header(p, t).tolist()
+                    if got != [p, self.rank, t, round_]:
+                        raise RuntimeError(f"fastpar shm p2p: rank {self.rank}'s warm-up "
+                                           f"message from rank {p} on tag {t} reads {got}, "
+                                           f"expected {[p, self.rank, t, round_]}")
+            for h in sends:
+                h.wait()
+            if round_ == 0:
+                self._ops.shm_p2p_probe(self._ep)
+        self.single_copy = {p: self._single_copy_min is not None and
+                            self._ops.shm_p2p_single_copy(self._ep, self._slot[p])
+                            for p in self.peers}
+        slow = [p for p, ok in self.single_copy.items() if not ok]
+        if slow and self._single_copy_min is not None:
+            log.info("fastpar shm p2p: rank %d sends to ranks %s through the rings only (they "
+                     "cannot read its memory: ptrace rules or pid namespaces)", self.rank, slow)
 
     # ---- calls ----------------------------------------------------------------------------
 
@@ -237,32 +308,20 @@ class ShmP2P:
 
     def _slot_of(self, peer: int, tag: int, what: str) -> int:
         slot = self._slot.get(peer)
-        if slot is None or not 0 <= tag < self.tags:
+        if slot is None or tag < 0 or tag >= self.tags:
             raise ValueError(f"fastpar shm p2p: {what} with peer {peer} on tag {tag}, but rank "
                              f"{self.rank} has channels to {self.peers} on tags 0..{self.tags - 1}")
         return slot
 
-    @staticmethod
-    def _check_parts(parts: list[torch.Tensor], what: str) -> None:
-        for i, t in enumerate(parts):
-            if t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(f"fastpar shm p2p: {what} part {i} must be a contiguous CPU "
-                                 f"tensor, got {t.device} with strides {t.stride()}")
-
     def isend(self, peer: int, tag: int, header: torch.Tensor,
               parts: list[torch.Tensor]) -> SendHandle:
         """Queues [header][parts' bytes, concatenated] to ``peer`` on ``tag``; copies what fits
-        now. The header is a 1-D int64 CPU tensor of at most 512 elements (copied at once);
-        the parts are read until the returned handle completes."""
-        slot = self._slot_of(peer, tag, "isend")
-        if header.dtype != torch.int64 or header.dim() != 1 or header.device.type != "cpu" or \
-                header.numel() > MAX_HEADER_ELEMENTS:
-            raise ValueError(f"fastpar shm p2p: the header must be a 1-D int64 CPU tensor of at "
-                             f"most {MAX_HEADER_ELEMENTS} elements, got {header.dtype} "
-                             f"{tuple(header.shape)} on {header.device}")
-        self._check_parts(parts, "isend payload")
-        send_id = self._call("isend", self._send, slot, tag, header.contiguous(), parts)
-        return SendHandle(self, send_id, (header, parts))
+        now. The header is a contiguous 1-D int64 CPU tensor of at most 512 elements (copied at
+        once); the parts (contiguous CPU tensors) are read until the returned handle completes.
+        The kernel checks both (ValueError)."""
+        send_id = self._call("isend", self._send, self._slot_of(peer, tag, "isend"), tag, header,
+                             parts)
+        return SendHandle(self, send_id, (header, parts)) if send_id else _DONE
 
     def recv_header(self, peer: int, tag: int) -> torch.Tensor:
         """The header (1-D int64) of the next message from ``peer`` on ``tag``; waits for it."""
@@ -272,9 +331,42 @@ class ShmP2P:
     def recv_payload(self, peer: int, tag: int, parts: list[torch.Tensor]) -> None:
         """Fills ``parts`` (contiguous CPU tensors whose bytes add up to the payload of the
         message whose header came last) in place."""
-        slot = self._slot_of(peer, tag, "recv_payload")
-        self._check_parts(parts, "recv_payload")
-        self._call("recv_payload", self._recv_payload, slot, tag, parts)
+        self._call("recv_payload", self._recv_payload, self._slot_of(peer, tag, "recv_payload"),
+                   tag, parts)
+
+    def recv(self, peer: int, tag: int, header: torch.Tensor,
+             parts: list[torch.Tensor]) -> tuple[int, bool]:
+        """The next message from ``peer`` on ``tag`` in one call: its header into ``header``
+        (a contiguous 1-D int64 CPU tensor of up to 512 elements, as long as the header at
+        least) and, when the bytes of ``parts`` add up to its payload, the payload into them.
+        Returns ``(n, filled)``: the header is ``header[:n]``; ``filled`` False means the parts
+        did not fit and the payload waits for ``recv_payload``."""
+        n = self._call("recv", self._recv, self._slot_of(peer, tag, "recv"), tag, header, parts)
+        return (n, True) if n >= 0 else (-1 - n, False)
+
+    def sendrecv(self, dst: int, send_tag: int, header: torch.Tensor, parts: list[torch.Tensor],
+                 src: int, recv_tag: int, recv_header: torch.Tensor,
+                 recv_parts: list[torch.Tensor]) -> tuple[SendHandle, int, bool]:
+        """``isend(dst, send_tag, header, parts)``, ``recv(src, recv_tag, recv_header,
+        recv_parts)`` and, when the payload was filled, the send's wait, in one call (MPI's
+        Sendrecv: a ring step where every rank sends on and receives at once). Returns
+        ``(handle, n, filled)``; the handle is complete unless ``filled`` is False (waiting for
+        the send then could deadlock with a peer waiting for this rank's ``recv_payload``)."""
+        send_id, n = self._call("sendrecv", self._sendrecv, self._slot_of(dst, send_tag, "isend"),
+                                send_tag, header, parts, self._slot_of(src, recv_tag, "recv"),
+                                recv_tag, recv_header, recv_parts)
+        handle = SendHandle(self, send_id, (header, parts)) if send_id else _DONE
+        return (handle, n, True) if n >= 0 else (handle, -1 - n, False)
+
+    def sendrecv_init(self, dst: int, send_tag: int, header: torch.Tensor,
+                      parts: list[torch.Tensor], src: int, recv_tag: int,
+                      recv_header: torch.Tensor, recv_parts: list[torch.Tensor]) -> Sendrecv:
+        """``sendrecv``'s arguments bound once, for a step repeated on the same tensors."""
+        plan = self._call("sendrecv_init", self._ops.shm_p2p_sendrecv_init.default,
+                          self._slot_of(dst, send_tag, "isend"), send_tag, header, parts,
+                          self._slot_of(src, recv_tag, "recv"), recv_tag, recv_header,
+                          recv_parts)
+        return Sendrecv(self, plan, (header, parts, recv_header, recv_parts))
 
     def progress(self) -> None:
         """Pushes pending sends as far as the rings allow; never blocks."""
@@ -309,7 +401,9 @@ class ShmP2P:
 
     def __repr__(self) -> str:
         return (f"ShmP2P(rank={self.rank}, peers={self.peers}, tags={self.tags}, "
-                f"ring_bytes={self.ring_bytes}, open={self._ep is not None})")
+                f"ring_bytes={self.ring_bytes}, single_copy={self.single_copy}, "
+                f"open={self._ep is not None})")
 
 
-__all__ = ["RING_BYTES", "SendHandle", "ShmP2P", "TAG_ACTIVATIONS", "TAG_GRADIENTS"]
+__all__ = ["MAX_HEADER_ELEMENTS", "RING_BYTES", "SINGLE_COPY_MIN", "SendHandle", "Sendrecv",
+           "ShmP2P", "TAG_ACTIVATIONS", "TAG_GRADIENTS"]
