@@ -213,6 +213,8 @@ def test_every_schedule_equals_serial(pp):
 def body_variants(seed):
     """pp 2 on 2 ranks: tuple outputs with a no-grad tensor, modules instead of factories,
     uneven layer counts, an explicit balance, the torch engine, and the error paths."""
+    import time
+
     import fastpar
     from fastpar.comm.p2p import P2PError
     from fastpar.pipeline import Pipeline
@@ -269,8 +271,26 @@ def body_variants(seed):
     text = str(info.value)
     assert "shape mismatch at stage 1, microbatch 1" in text, text
     assert "float32 [2, 8]" in text and "float32 [2, 7]" in text, text
+    pipe.close()
+
+    # a layer that raises on stage 1: stage 0, waiting for a gradient, hears of it at once
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ZeroDivisionError("boom in a layer")
+
+    pipe = Pipeline([lambda: nn.Linear(IN, OUT), Boom], loss_fn=_mse, microbatches=2)
+    start = time.monotonic()
+    expected = ZeroDivisionError if topo.pp_rank == 1 else P2PError
+    with pytest.raises(expected) as info:
+        pipe.step(torch.randn(4, IN), torch.randn(4, OUT))
+    took = time.monotonic() - start
+    assert took < 10, took  # not the 60 s timeout
+    boom = str(info.value)
+    if topo.pp_rank == 0:
+        assert "which gave up instead: rank 1: ZeroDivisionError: boom in a layer" in boom, boom
+    pipe.close()
     fastpar.shutdown()
-    return {"worst": worst, "mismatch": text.splitlines()[0]}
+    return {"worst": worst, "mismatch": text.splitlines()[0], "boom": boom}
 
 
 def test_variants_and_errors():
@@ -304,6 +324,20 @@ def body_grid(seed, pp, tp):
                 sent[f"{schedule} scatter={scatter}"] = p.channels.bytes_sent
                 p.close()
                 worst = max(worst, w)
+
+        # a stage whose output differs across its tp group cannot be scattered: it says so
+        from fastpar.comm.p2p import P2PError
+        from fastpar.pipeline import Pipeline
+
+        class PerRank(nn.Module):
+            def forward(self, x):
+                return x + topo.tp_rank
+
+        pipe = Pipeline([lambda: nn.Linear(IN, H), PerRank, lambda: Head(H, OUT)],
+                        loss_fn=_mse, microbatches=2, balance=[2, 1], scatter_gather=True)
+        with pytest.raises(P2PError, match="scatter-gather needs the activation"):
+            pipe.step(torch.randn(4, IN), torch.randn(4, OUT))
+        pipe.close()
     else:
         for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
             w, p = run_case(topo, seed, schedule=schedule, m=pp, v=v)

@@ -98,6 +98,26 @@ def _encode(direction: int, mb: int, stage: int, values, is_tuple: bool,
     return torch.tensor(words, dtype=torch.int64)
 
 
+_ABORT = 2  # word 5 of a header: this message says the sender gave up (no payload)
+
+
+def _encode_abort(reason: str) -> torch.Tensor:
+    data = reason.encode()[:8 * (HEADER_MAX - 8)]
+    data += b"\0" * (-len(data) % 8)
+    words = torch.frombuffer(bytearray(data), dtype=torch.int64) if data else \
+        torch.empty(0, dtype=torch.int64)
+    head = torch.tensor([_MAGIC, -1, -1, -1, 0, _ABORT, len(data)], dtype=torch.int64)
+    return torch.cat([head, words])
+
+
+def _abort_reason(header: torch.Tensor) -> str | None:
+    """The reason of an abort message, ``None`` for a normal one."""
+    if header.numel() < 7 or int(header[5]) != _ABORT:
+        return None
+    n = int(header[6])
+    return header[7:7 + (n + 7) // 8].numpy().tobytes()[:n].decode(errors="replace").rstrip("\0")
+
+
 def _decode(header: torch.Tensor):
     """``(direction, mb, stage, is_tuple, [(dtype, shape, requires_grad, scattered) or None])``"""
     w = header.tolist()
@@ -138,8 +158,8 @@ class SendHandle:
 class _TorchEngine:
     """Batched isend/irecv on one clone of the group per direction."""
 
-    def __init__(self, clones, timeout: float):
-        self.clones, self.timeout = clones, timeout
+    def __init__(self, clones, timeout: float, device):
+        self.clones, self.timeout, self.device = clones, timeout, device
 
     def _wait(self, work) -> None:
         if math.isinf(self.timeout):
@@ -148,8 +168,7 @@ class _TorchEngine:
             work.wait(datetime.timedelta(seconds=self.timeout))
 
     def isend(self, peer: int, direction: int, header: torch.Tensor, parts):
-        padded = torch.zeros(HEADER_MAX, dtype=torch.int64, device=parts[0].device
-                             if parts else "cpu")
+        padded = torch.zeros(HEADER_MAX, dtype=torch.int64, device=self.device)
         padded[:header.numel()] = header
         ops = [dist.P2POp(dist.isend, t, peer, self.clones[direction])
                for t in (padded, *parts)]
@@ -158,7 +177,10 @@ class _TorchEngine:
 
     def recv_header(self, peer: int, direction: int, device) -> torch.Tensor:
         header = torch.empty(HEADER_MAX, dtype=torch.int64, device=device)
-        self._wait(dist.irecv(header, peer, group=self.clones[direction]))
+        # batched like the sender's ops (NCCL pairs a batch with a batch)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, peer,
+                                                       self.clones[direction])]):
+            self._wait(work)
         return header.cpu()
 
     def recv_payload(self, peer: int, direction: int, parts) -> None:
@@ -261,6 +283,8 @@ class Channels:
         self._pending: list[SendHandle] = []
         self.bytes_sent = 0  # payload bytes this rank has sent to other ranks
         self._broken: BaseException | None = None
+        self._verified: dict = {}  # direction -> scatter-gather's replication checked this step
+        self._aborted = False  # abort messages sent to the neighbours
         self._local: dict = {ACTIVATION: [], GRADIENT: []}  # messages to this rank itself
         groups = [list(g) for g in all_groups] if all_groups is not None else [self.ranks]
         if self.ranks not in groups:
@@ -291,7 +315,7 @@ class Channels:
                 pair = [dist.new_group(list(ranks), timeout=tdelta) for _ in (0, 1)]
                 if self.rank in ranks:
                     clones = {ACTIVATION: pair[0], GRADIENT: pair[1]}
-            self._engine = _TorchEngine(clones, self.timeout)
+            self._engine = _TorchEngine(clones, self.timeout, self.device)
         state.closers.append(self.close)
         self._warm_up()
         self.bytes_sent = 0
@@ -329,6 +353,7 @@ class Channels:
         """Wait for every send of this step; the next step may carry other shapes."""
         self.wait_sends()
         self._specs.clear()
+        self._verified.clear()
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
@@ -374,15 +399,46 @@ class Channels:
         return None
 
     def abandon(self, why: BaseException) -> None:
-        """The step failed on this rank: later ``close()`` does not wait for its sends."""
+        """The step failed on this rank: tell both neighbours at once (an abort message on each
+        channel they may be waiting on), so that they fail now instead of at the timeout; later
+        ``close()`` does not wait for this rank's sends."""
         if self._broken is None:
             self._broken = why
+        if self._aborted or self._engine is None:
+            return
+        self._aborted = True
+        text = str(why).splitlines()[0] if str(why) else type(why).__name__
+        header = _encode_abort(f"rank {self.rank}: {type(why).__name__}: {text}"[:1500])
+        for direction, dst in ((ACTIVATION, self.next), (GRADIENT, self.prev)):
+            if dst != self.rank:
+                try:  # best effort: the channel may be what failed
+                    self._engine.isend(dst, direction, header, [])
+                except Exception:  # noqa: BLE001 - the original error is what gets raised
+                    pass
 
     def _fail(self, error: P2PError) -> P2PError:
         """Remember that this channel is broken: close() then drops pending sends instead of
         waiting for a peer that has given up."""
         self._broken = error
         return error
+
+    def _check_replicated(self, tensors, direction, mb, stage) -> None:
+        """Scatter-gather sends 1/tp of a tensor that every rank of the tp group holds alike;
+        on the first scattered message of each step per direction, prove it (a checksum
+        all-gathered over the tp group), so that a stage whose output differs across the
+        group (a sharded output, per-rank dropout) fails here instead of being spliced."""
+        sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().abs()
+                                         .sum()]) for t in tensors]).reshape(-1)
+        every = collectives.all_gather(sums.to(self.device), group=self.scatter_group, dim=0)
+        every = every.reshape(self.tp, -1).cpu()
+        if not torch.equal(every, every[:1].expand_as(every)):
+            raise self._fail(P2PError(
+                f"fastpar p2p: scatter-gather needs the {_WHAT[direction]} that stage "
+                f"{stage - 1 if direction == ACTIVATION else stage + 1} sends (microbatch {mb}) "
+                f"to be identical on every rank of the tp group, but the tp ranks hold "
+                f"different tensors (checksums {every[:, 0].tolist()}): the stage ends in a "
+                "sharded or per-rank layer; build the Pipeline with scatter_gather=False"))
+        self._verified[direction] = True
 
     def _scattered(self, t) -> bool:
         return (t is not None and self.tp > 1 and t.numel() % self.tp == 0
@@ -405,6 +461,8 @@ class Channels:
             self._local[direction].append((mb, stage, values if is_tuple else values[0]))
             return SendHandle()
         cut = [self._scattered(v) for v in values]
+        if any(cut) and not self._verified.get(direction):
+            self._check_replicated([v for v, c in zip(values, cut) if c], direction, mb, stage)
         header = _encode(direction, mb, stage, values, is_tuple, cut)
         parts = []
         for v, c in zip(values, cut):
@@ -437,6 +495,11 @@ class Channels:
         else:
             header = self._guard(lambda: self._engine.recv_header(peer, direction, self.device),
                                  "header", peer, mb, stage, direction)
+        reason = _abort_reason(header.cpu())
+        if reason is not None:
+            raise self._fail(P2PError(
+                f"fastpar p2p: rank {self.rank} expected the {_WHAT[direction]} of microbatch "
+                f"{mb} for stage {stage} from rank {peer}, which gave up instead: {reason}"))
         got_dir, got_mb, got_stage, is_tuple, entries = _decode(header)
         if (got_dir, got_mb, got_stage) != (direction, mb, stage):
             raise self._fail(P2PError(
@@ -444,6 +507,11 @@ class Channels:
                 f"{mb} for stage {stage} from rank {peer}, but the next message is the "
                 f"{_WHAT[got_dir]} of microbatch {got_mb} for stage {got_stage}: the two ranks "
                 "run different schedules"))
+        if self.scatter_group is None and any(e is not None and e[3] for e in entries):
+            raise self._fail(P2PError(
+                f"fastpar p2p: rank {self.rank} received a scattered {_WHAT[direction]} "
+                f"(microbatch {mb}, stage {stage}) from rank {peer} but has no tp group to "
+                "all-gather it: every rank must build its channels with the same scatter_group"))
         spec = tuple(None if e is None else e[:3] for e in entries)
         mismatch = self._check_spec(direction, peer, mb, stage, spec, expect, "receiver")
         if mismatch:
