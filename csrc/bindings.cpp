@@ -62,7 +62,7 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("shm_p2p_send_done(int ep, int id) -> bool", &fastpar::shm_p2p_send_done);
   m.def("shm_p2p_wait_send(int ep, int id) -> ()", &fastpar::shm_p2p_wait_send);
   m.def("shm_p2p_flush(int ep) -> ()", &fastpar::shm_p2p_flush);
-  m.def("shm_p2p_pending(int ep) -> int", &fastpar::shm_p2p_pending);
+  m.def("shm_p2p_pending(int ep) -> (int, int)", &fastpar::shm_p2p_pending);
 
 #ifdef FASTPAR_WITH_CUDA
   // CUDA IPC all-reduce. Buffers and handles are owned by fastpar/comm/cuda_ipc.py.

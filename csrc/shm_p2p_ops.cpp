@@ -322,9 +322,10 @@ void shm_p2p_flush(int64_t handle) {
   });
 }
 
-int64_t shm_p2p_pending(int64_t handle) {
-  const p2p::Endpoint& ep = get(handle);
-  return static_cast<int64_t>(ep.pending + ep.unacked);
+std::tuple<int64_t, int64_t> shm_p2p_pending(int64_t handle) {
+  auto& ep = get(handle);
+  run([&] { p2p::progress(ep); });
+  return {static_cast<int64_t>(ep.pending), static_cast<int64_t>(ep.unacked)};
 }
 
 void shm_p2p_probe(int64_t handle) {

@@ -59,7 +59,8 @@ void shm_p2p_sendrecv_free(int64_t ep, int64_t plan);
 bool shm_p2p_send_done(int64_t ep, int64_t id);
 void shm_p2p_wait_send(int64_t ep, int64_t id);
 void shm_p2p_flush(int64_t ep);
-// Sends not complete yet (in no ring yet, or single-copy and not read yet).
-int64_t shm_p2p_pending(int64_t ep);
+// After pushing what fits (never blocks): (sends with bytes not yet in their ring, which only
+// this rank's later calls push; single-copy sends in their ring that the peer has not read yet).
+std::tuple<int64_t, int64_t> shm_p2p_pending(int64_t ep);
 
 }  // namespace fastpar

@@ -144,3 +144,18 @@ def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
         why = "timed out after %.0f s" % timeout if returncode is None else "failed"
         raise RankFailure(f"{why}: {launch.describe()}")
     return launch
+
+
+def segments_of(pids) -> set[str]:
+    """fastpar's segments in /dev/shm created by one of ``pids`` (their names carry the
+    creator's pid: ``fastpar-<pid>-...``, ``fastpar-p2p-<pid>-...``), so that a check for
+    leftovers ignores other jobs running beside the test."""
+    import re
+
+    pids = {str(p) for p in pids}
+    found = set()
+    for path in glob.glob("/dev/shm/fastpar-*"):
+        m = re.match(r"fastpar-(?:p2p-)?(\d+)-", os.path.basename(path))
+        if m and m.group(1) in pids:
+            found.add(path)
+    return found

@@ -11,7 +11,6 @@ CPU. One launch per layout runs every case.
 """
 
 import copy
-import glob
 
 import pytest
 import torch
@@ -415,6 +414,10 @@ def body_killed():
     from fastpar.pipeline import Pipeline
 
     fastpar.init(pp=2, timeout=60)
+    import torch.distributed as dist
+
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
 
     class Die(nn.Module):
         def forward(self, x):
@@ -427,18 +430,19 @@ def body_killed():
     try:
         pipe.step(torch.randn(4, IN), torch.randn(4, OUT))
     except P2PError as exc:
-        return {"elapsed": time.monotonic() - start, "error": str(exc)}
-    return {"elapsed": None, "error": None}
+        return {"elapsed": time.monotonic() - start, "error": str(exc), "pids": pids}
+    return {"elapsed": None, "error": None, "pids": pids}
 
 
 def test_killed_stage_is_named_and_leaves_no_segment():
-    before = set(glob.glob("/dev/shm/fastpar-*"))
+    from tests.multirank import segments_of
+
     launch = run_ranks(2, body_killed, launcher="torchrun", check=False, timeout=90)
     assert 0 in launch.results and launch.results[0]["ok"], launch.describe()
     value = launch.results[0]["value"]
     assert value["error"] and "rank 1 dead" in value["error"], value
     assert value["elapsed"] < 10, value
-    assert set(glob.glob("/dev/shm/fastpar-*")) - before == set()
+    assert segments_of(value["pids"]) == set()  # this job's, whoever runs beside it
 
 
 def body_gpu(seed):

@@ -281,7 +281,7 @@ def test_no_segment_left_when_setup_is_cut_short(how, tmp_path):
     import sys
     import time
 
-    from tests.multirank import BIN, ROOT, mpich_segments_removed
+    from tests.multirank import BIN, ROOT, mpich_segments_removed, segments_of
 
     code = ("import os, sys, time, torch, fastpar\n"
             "from fastpar import comm\n"
@@ -299,10 +299,16 @@ def test_no_segment_left_when_setup_is_cut_short(how, tmp_path):
                                  code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (set(glob.glob("/dev/shm/fastpar-*")) == before
+
+        def ours():  # this job's segments only (other jobs may run beside the test)
+            pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)
+                    if (tmp_path / f"pid{r}").exists()]
+            return segments_of(pids) - before
+
+        while time.monotonic() < deadline and (not ours()
                                                or not (tmp_path / "pid1").exists()):
             time.sleep(0.05)
-        pending = set(glob.glob("/dev/shm/fastpar-*")) - before
+        pending = ours()
         time.sleep(0.5)
         if how == "SIGTERM to the job":
             proc.send_signal(signal.SIGTERM)
@@ -316,7 +322,7 @@ def test_no_segment_left_when_setup_is_cut_short(how, tmp_path):
             output = proc.communicate()[0]
     assert pending, f"the segment never appeared:\n{output}"
     time.sleep(0.5)
-    assert set(glob.glob("/dev/shm/fastpar-*")) - before == set(), output
+    assert ours() == set(), output
 
 
 def body_soak(calls, seed):

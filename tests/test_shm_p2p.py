@@ -245,7 +245,7 @@ def test_kernel_wraps_at_odd_offsets_between_threads():
                 ids.append(ops.shm_p2p_send(tx, 0, i % 2, header, [t[:cut], t[cut:]]))
             for send_id in ids:
                 ops.shm_p2p_wait_send(tx, send_id)
-            assert ops.shm_p2p_pending(tx) == 0
+            assert ops.shm_p2p_pending(tx) == (0, 0)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -454,7 +454,7 @@ def test_kernel_single_copy_between_threads():
                 ids.append(ops.shm_p2p_send(tx, 0, 0, torch.tensor([i]), [t[:cut], t[cut:]]))
             for send_id in ids:
                 ops.shm_p2p_wait_send(tx, send_id)
-            assert ops.shm_p2p_pending(tx) == 0
+            assert ops.shm_p2p_pending(tx) == (0, 0)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -477,10 +477,11 @@ def test_kernel_single_copy_between_threads():
         ops.shm_p2p_close(tx)
         ops.shm_p2p_close(rx)
     assert not errors, errors
-    # The first send fits the empty ring at once; the later ones queue behind the 64 KiB one.
+    # The first send fits the empty ring at once; the second (below 64 KiB but larger than the
+    # ring) and the ones from 64 KiB go single-copy, where the pair allows it.
     assert ids[0] == 0, ids
     if can:
-        assert all(ids[i] > 0 for i in (2, 3, 5)), ids
+        assert all(ids[i] > 0 for i in (1, 2, 3, 5)), ids
     del anchor
     mem.close()
 
@@ -606,3 +607,68 @@ def test_close_with_untaken_sends_returns_at_once():
     assert elapsed < 5 and re.fullmatch(
         r"fastpar shm p2p: rank 0 waited for rank 1 to take the messages sent to it on tag 1 "
         r"\(gradients\), but it closed its channels with \d+ bytes of them not taken", text), text
+
+
+# ---- sends complete while the sender sits in a collective ------------------------------------
+
+def body_burst_then_collective(single_copy: bool):
+    """Rank 0 sends 40 x 16 KiB (2.5 rings) to rank 1, which receives nothing until rank 0 has
+    left the channels for a shm all-reduce of the world (a tensor-parallel collective inside a
+    pipeline stage). With single copy the messages that do not fit go by address, nothing stays
+    queued, and rank 1 receives them all while rank 0 waits in the all-reduce, no P2P call
+    made. Without it the sends stay queued, and rank 0 waits for them in P2P before the
+    all-reduce (the documented rule)."""
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm.shm_p2p import RING_BYTES, ShmP2P
+
+    topo = fastpar.init(timeout=60)
+    me, peer = topo.rank, 1 - topo.rank
+    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [peer], timeout=15,
+                 single_copy_min=(64 << 10) if single_copy else None)
+    by_address = p2p.single_copy[peer]
+    comm.use_backend("shm")
+    count, nbytes = 40, 16 << 10
+    assert count * nbytes > 2 * RING_BYTES and nbytes < 64 << 10
+    result = {"single_copy": by_address}
+    total = torch.full((1,), float(me + 1))
+    if me == 0:
+        handles = [p2p.isend(1, 0, *_message(0, 1, 0, i, nbytes, 1)) for i in range(count)]
+        result["queued"], result["unread"] = p2p.pending(), p2p.unread()
+        result["done_at_once"] = sum(h._refs is None for h in handles)
+        dist.barrier()  # rank 1 starts receiving
+        if not by_address:  # queued bytes move only inside this rank's P2P calls
+            for h in handles:
+                h.wait()
+        comm.all_reduce(total)  # no P2P call from here until rank 1 has received everything
+        result["all_done_after"] = all(h.is_completed() for h in handles)
+    else:
+        dist.barrier()  # rank 0 has sent everything and holds only handles
+        for i in range(count):
+            _receive(p2p, 0, 0, 1, i, nbytes, 1)
+        comm.all_reduce(total)
+    result["total"] = total.item()
+    comm.use_backend(None)
+    dist.barrier()
+    p2p.close()
+    return result
+
+
+@pytest.mark.parametrize("single_copy", [True, False], ids=["single_copy", "ring_only"])
+def test_burst_completes_while_sender_is_in_a_collective(single_copy):
+    values = run_ranks(2, body_burst_then_collective, single_copy=single_copy,
+                       timeout=120).values()
+    sender = values[0]
+    assert all(v["total"] == 3.0 for v in values), values
+    assert sender["all_done_after"] is True, sender
+    if not single_copy:
+        assert sender["single_copy"] is False, sender
+    if sender["single_copy"]:
+        # The first messages fill the ring (complete at once), the rest go by address: none
+        # queued, the by-address ones unread until rank 1 takes them.
+        assert sender["queued"] == 0 and 0 < sender["done_at_once"] < 40, sender
+        assert sender["unread"] == 40 - sender["done_at_once"], sender
+    else:
+        assert sender["queued"] > 0 and sender["unread"] == 0, sender

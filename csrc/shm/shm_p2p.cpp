@@ -299,6 +299,16 @@ std::pair<Peer*, int> find_send(const Endpoint& ep, uint64_t id) {
   return {nullptr, -1};
 }
 
+// Whether n bytes would go into the ring of `tag` at once: nothing queued ahead of them and
+// room for all of them (the peer's read counter is loaded only when the last one seen is short).
+bool fits_now(Peer& p, int tag, uint64_t n) {
+  TxRing& tx = p.tx[tag];
+  if (!tx.queue.empty()) return false;
+  if (p.ring_bytes - (tx.written - tx.read_seen) >= n) return true;
+  tx.read_seen = read(p, p.side, tag).value.load(std::memory_order_acquire);
+  return p.ring_bytes - (tx.written - tx.read_seen) >= n;
+}
+
 // Whether the peer said it can read this process's memory (its verdict only goes 0 -> 1 or 2).
 bool peer_reads_me(Peer& p) {
   if (!p.single_copy)
@@ -497,8 +507,14 @@ uint64_t send(Endpoint& ep, int slot, int tag, const void* hdr, size_t hdr_len,
   PendingSend s;
   s.id = ep.next_id++;
   for (size_t i = 0; i < n_parts; ++i) s.payload += parts[i].bytes;
-  const bool single = s.payload > 0 && s.payload >= ep.single_copy_min &&
-                      n_parts <= kMaxSingleCopyParts && peer_reads_me(p);
+  // FIFO per channel: older sends go first; this one starts only behind an empty queue.
+  push(ep, p, tag);
+  // Single copy for a large payload, and for any payload that would not wholly fit the ring
+  // now: a descriptor needs no more progress from this rank, queued bytes would (README).
+  const bool single = s.payload > 0 && n_parts <= kMaxSingleCopyParts &&
+                      ep.single_copy_min != SIZE_MAX && peer_reads_me(p) &&
+                      (s.payload >= ep.single_copy_min ||
+                       !fits_now(p, tag, sizeof(Prefix) + hdr_len + s.payload));
   const Prefix pre{uint32_t(hdr_len), single ? kSingleCopyMark : kFrameMark, s.payload};
   const size_t desc = single ? sizeof(uint64_t) + n_parts * sizeof(RemotePart) : 0;
   s.frame.resize(sizeof(pre) + hdr_len + desc);
@@ -518,8 +534,6 @@ uint64_t send(Endpoint& ep, int slot, int tag, const void* hdr, size_t hdr_len,
     s.parts.assign(parts, parts + n_parts);
   }
   s.left = s.frame.size() + (single ? 0 : s.payload);
-  // FIFO per channel: older sends go first; this one starts only behind an empty queue.
-  push(ep, p, tag);
   if (tx.queue.empty()) advance(p, tag, s);
   if (s.left > 0) {
     tx.queue.push_back(std::move(s));

@@ -27,7 +27,12 @@
 // probe_single_copy) that it can read this process's memory travels as a descriptor (this
 // process's addresses of the parts) instead of bytes; the receiver copies the parts straight out
 // of the sender with process_vm_readv and acknowledges, which completes the send. Until then the
-// sender's parts must stay alive and unchanged, as for any send not yet complete.
+// sender's parts must stay alive and unchanged, as for any send not yet complete. With such a
+// peer (and single_copy_min < SIZE_MAX) a smaller payload goes the same way when its frame would
+// not wholly fit the ring's free space now, so a send stays pending only while its descriptor
+// does not fit (thousands of unreceived messages): sends then complete with no further call of
+// the sender, which may block elsewhere (a collective) while the peer receives. Without single
+// copy, pending bytes move only inside this endpoint's calls.
 //
 // Errors are std::runtime_error naming this rank, the peer and the tag. Protocol errors (a
 // timeout, a dead peer, an interrupt, a corrupt frame) poison the pair's segment: every later
@@ -137,8 +142,9 @@ struct Endpoint {
   int spin_iters = 2000;  // as shm::Comm (shm_collectives.h); open lowers it when oversubscribed
   int spin_now = 2000;
   uint64_t yields_before_sleep = 16384;
-  // Payloads of at least this many bytes go single-copy to a peer that can read this process
-  // (SIZE_MAX: never). Both paths interleave freely on a channel; set it between calls.
+  // Payloads of at least this many bytes go single-copy to a peer that can read this process,
+  // and smaller ones that would not fit the ring at once (SIZE_MAX: never, not even these).
+  // Both paths interleave freely on a channel; set it between calls.
   size_t single_copy_min = kDefaultSingleCopyMin;
 
   std::vector<Peer> peers;  // by slot, in attach order
@@ -168,7 +174,7 @@ bool probe_single_copy(Endpoint& ep, int slot);
 bool single_copy(Endpoint& ep, int slot);
 
 // Queues a message [header][payload = parts concatenated] to the peer of `slot` on `tag`, and
-// copies as much of it as fits now. The header (at most kMaxHeaderBytes) is copied at once;
+// copies as much of it as fits now (single copy: see above for which payloads go by address). The header (at most kMaxHeaderBytes) is copied at once;
 // the parts are read until the send completes. Returns the send's id, or 0 when it completed
 // at once (every byte in the ring: the caller may reuse its buffers).
 uint64_t send(Endpoint& ep, int slot, int tag, const void* hdr, size_t hdr_len,

@@ -16,15 +16,18 @@ and gradients.
 Sends behave as if buffered without limit: every blocking call (a receive, a wait) keeps pushing
 this rank's pending sends while it waits, so a schedule that is deadlock-free with buffered sends
 (what ``fastpar.pipeline`` validates) is deadlock-free here. Messages of one (peer, tag) arrive in
-the order they were sent.
+the order they were sent. Where single copy works (below), a send that does not fit the ring's
+free space goes by address whatever its size, so no bytes stay queued and the peer can take them
+while this rank blocks outside these channels (a tensor-parallel all-reduce); without it, queued
+bytes move only inside this rank's calls on the channels. ``pending()`` counts queued sends.
 
 One segment per pair of ranks, created by the lower rank in ``/dev/shm`` (mode 0600, a reaper
 unlinks it if the creator dies during set-up) and unlinked once both ranks mapped it, so a rank
 that dies later leaks nothing. Kernel protocol and layout: ``csrc/shm/README.md``.
 
-Payloads of at least ``single_copy_min`` bytes (64 KiB) go single-copy where the pair allows it:
-the receiver reads them straight out of the sender's memory (``process_vm_readv``), one copy
-instead of two through the ring. Set-up probes whether it can (ptrace rules, containers and pid
+Payloads of at least ``single_copy_min`` bytes (64 KiB), and smaller ones that would not fit the
+ring at once, go single-copy where the pair allows it: the receiver reads them straight out of the
+sender's memory (``process_vm_readv``), one copy instead of two through the ring. Set-up probes whether it can (ptrace rules, containers and pid
 namespaces may forbid it); ``single_copy`` says, per peer, which path this rank's sends take.
 """
 
@@ -371,6 +374,18 @@ class ShmP2P:
     def progress(self) -> None:
         """Pushes pending sends as far as the rings allow; never blocks."""
         self._call("progress", self._ops.shm_p2p_progress.default)
+
+    def pending(self) -> int:
+        """Sends of this rank with bytes not yet in their ring, after pushing what fits (never
+        blocks). Only this rank's later calls on the channels move them, so a nonzero count
+        before a collective that the peer's progress depends on can deadlock until the timeout.
+        Stays 0 towards peers with single copy unless a ring is full of descriptors."""
+        return self._call("pending", self._ops.shm_p2p_pending.default)[0]
+
+    def unread(self) -> int:
+        """Single-copy sends of this rank wholly in their ring whose payload the peer has not
+        read yet (they complete without this rank's help)."""
+        return self._call("unread", self._ops.shm_p2p_pending.default)[1]
 
     def _send_finished(self, send_id: int) -> bool:
         if self._ep is None:
