@@ -36,220 +36,22 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
-import re
 
 import torch
 import torch.distributed as dist
 
-from fastpar import _native
 from fastpar.comm import collectives
+from fastpar.comm.p2p_engines import SendHandle, _engine_choice, _ShmEngine, _TorchEngine
+from fastpar.comm.p2p_messages import (_WHAT, ACTIVATION, GRADIENT, P2PError, P2PTimeout,
+                                       _abort_reason, _decode, _encode, _encode_abort,
+                                       _same_shapes, _TIMEOUT, describe, spec_of)
 
-ACTIVATION, GRADIENT = 0, 1
-_WHAT = ("activation", "gradient")
-_MAGIC = 0x46505032  # "FPP2"
-HEADER_MAX = 256  # int64 words; the torch engine sends headers of exactly this size
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
-_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
-_TIMEOUT = re.compile(r"[Tt]imed out|waited .* s\b|timeout", re.S)
-
-
-class P2PError(RuntimeError):
-    """A pipeline message went wrong: a mismatch with the schedule, or a peer that died."""
-
-
-class P2PTimeout(P2PError, TimeoutError):
-    """A pipeline wait ran past the job's timeout."""
-
-
-def spec_of(values) -> tuple:
-    """What a message says of its tensors: ``((dtype, shape, requires_grad) or None, ...)``."""
-    values = values if isinstance(values, (tuple, list)) else (values,)
-    return tuple(None if v is None else (v.dtype, tuple(v.shape), bool(v.requires_grad))
-                 for v in values)
-
-
-def describe(spec) -> str:
-    def one(e):
-        return "none" if e is None else f"{str(e[0]).removeprefix('torch.')} {list(e[1])}"
-    return ", ".join(one(e) for e in spec) if len(spec) != 1 else one(spec[0])
-
-
-def _same_shapes(a, b) -> bool:
-    """Specs agree on every present tensor's dtype and shape (requires_grad may differ)."""
-    return len(a) == len(b) and all(
-        x is None or y is None or (x[0] == y[0] and x[1] == y[1]) for x, y in zip(a, b))
-
-
-def _encode(direction: int, mb: int, stage: int, values, is_tuple: bool,
-            scattered: list[bool]) -> torch.Tensor:
-    words = [_MAGIC, direction, mb, stage, len(values), int(is_tuple)]
-    for v, cut in zip(values, scattered):
-        if v is None:
-            words += [0, 0, 0, 0]
-            continue
-        if v.dtype not in _CODE:
-            raise P2PError(f"fastpar p2p: cannot send a {v.dtype} tensor between stages")
-        words += [_CODE[v.dtype], int(v.requires_grad), int(cut), v.dim(), *v.shape]
-    if len(words) > HEADER_MAX:
-        raise P2PError(f"fastpar p2p: a message of {len(values)} tensors needs a header of "
-                       f"{len(words)} words, more than {HEADER_MAX}; send fewer tensors")
-    return torch.tensor(words, dtype=torch.int64)
-
-
-_ABORT = 2  # word 5 of a header: this message says the sender gave up (no payload)
-
-
-def _encode_abort(reason: str) -> torch.Tensor:
-    data = reason.encode()[:8 * (HEADER_MAX - 8)]
-    data += b"\0" * (-len(data) % 8)
-    words = torch.frombuffer(bytearray(data), dtype=torch.int64) if data else \
-        torch.empty(0, dtype=torch.int64)
-    head = torch.tensor([_MAGIC, -1, -1, -1, 0, _ABORT, len(data)], dtype=torch.int64)
-    return torch.cat([head, words])
-
-
-def _abort_reason(header: torch.Tensor) -> str | None:
-    """The reason of an abort message, ``None`` for a normal one."""
-    if header.numel() < 7 or int(header[5]) != _ABORT:
-        return None
-    n = int(header[6])
-    return header[7:7 + (n + 7) // 8].numpy().tobytes()[:n].decode(errors="replace").rstrip("\0")
-
-
-def _decode(header: torch.Tensor):
-    """``(direction, mb, stage, is_tuple, [(dtype, shape, requires_grad, scattered) or None])``"""
-    w = header.tolist()
-    if not w or w[0] != _MAGIC:
-        raise P2PError(f"fastpar p2p: a message without fastpar's header arrived (first word "
-                       f"{w[0] if w else None!r}); is something else sending on this channel?")
-    direction, mb, stage, n, is_tuple = w[1:6]
-    entries, i = [], 6
-    for _ in range(n):
-        code, grad, cut, ndim = w[i:i + 4]
-        shape = tuple(w[i + 4:i + 4 + ndim])
-        i += 4 + ndim
-        entries.append(None if code == 0 else (_DTYPES[code - 1], shape, bool(grad), bool(cut)))
-    return direction, mb, stage, bool(is_tuple), entries
-
-
-class SendHandle:
-    """An in-flight send: keeps its tensors alive until ``wait()`` (bounded by the channel's
-    timeout) or ``is_completed()`` says it is done."""
-
-    def __init__(self, works=(), keep=(), timeout: float = math.inf):
-        self._works, self._keep, self._timeout = list(works), keep, timeout
-
-    def is_completed(self) -> bool:
-        if all(w.is_completed() for w in self._works):
-            self._works, self._keep = [], ()
-        return not self._works
-
-    def wait(self) -> None:
-        for w in self._works:
-            if math.isinf(self._timeout):
-                w.wait()
-            else:
-                w.wait(datetime.timedelta(seconds=self._timeout))
-        self._works, self._keep = [], ()
-
-
-class _TorchEngine:
-    """Batched isend/irecv on one clone of the group per direction."""
-
-    def __init__(self, clones, timeout: float, device):
-        self.clones, self.timeout, self.device = clones, timeout, device
-
-    def _wait(self, work) -> None:
-        if math.isinf(self.timeout):
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=self.timeout))
-
-    def isend(self, peer: int, direction: int, header: torch.Tensor, parts):
-        padded = torch.zeros(HEADER_MAX, dtype=torch.int64, device=self.device)
-        padded[:header.numel()] = header
-        ops = [dist.P2POp(dist.isend, t, peer, self.clones[direction])
-               for t in (padded, *parts)]
-        return SendHandle(dist.batch_isend_irecv(ops), keep=(padded, parts),
-                          timeout=self.timeout)
-
-    def recv_header(self, peer: int, direction: int, device) -> torch.Tensor:
-        header = torch.empty(HEADER_MAX, dtype=torch.int64, device=device)
-        # batched like the sender's ops (NCCL pairs a batch with a batch)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, peer,
-                                                       self.clones[direction])]):
-            self._wait(work)
-        return header.cpu()
-
-    def recv_payload(self, peer: int, direction: int, parts) -> None:
-        if parts:
-            ops = [dist.P2POp(dist.irecv, t, peer, self.clones[direction]) for t in parts]
-            for work in dist.batch_isend_irecv(ops):
-                self._wait(work)
-
-    def close(self) -> None:
-        pass
-
-
-class _ShmEngine:
-    """The shm rings. A receive takes header and payload in one call when the message has the
-    layout of the last one from the same peer, direction and stage: it receives into fresh
-    buffers of that layout, then falls back to header-then-payload when they do not fit."""
-
-    def __init__(self, rings):
-        from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS
-
-        self.rings = rings
-        self.header = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)  # reused by receives
-        self._layout: dict = {}  # (peer, direction, stage) -> ((dtype, numel), ...) seen last
-
-    def isend(self, peer, direction, header, parts):
-        return self.rings.isend(peer, direction, header, list(parts))
-
-    def recv_header(self, peer, direction, device):
-        return self.rings.recv_header(peer, direction)
-
-    def recv_payload(self, peer, direction, parts):
-        self.rings.recv_payload(peer, direction, list(parts))
-
-    def recv(self, peer, direction, stage):
-        """``(header, buffers)``: the header (a view of ``self.header``, valid until the next
-        receive) and the payload in buffers of the last layout, or ``None`` when it did not fit
-        (then ``recv_payload`` takes it)."""
-        layout = self._layout.get((peer, direction, stage), ())
-        bufs = [torch.empty(n, dtype=d, device="cpu") for d, n in layout]
-        n, filled = self.rings.recv(peer, direction, self.header, bufs)
-        return self.header[:n], (bufs if filled else None)
-
-    def remember(self, peer, direction, stage, layout) -> None:
-        self._layout[(peer, direction, stage)] = layout
-
-    def close(self):
-        self.rings.close()
-
+__all__ = ["ACTIVATION", "GRADIENT", "Channels", "P2PError", "P2PTimeout", "SendHandle",
+           "describe", "recv_backward", "recv_forward", "send_backward",
+           "send_backward_recv_forward", "send_forward", "send_forward_recv_backward",
+           "spec_of"]
 
 _LAST: list = []  # the most recently built Channels, for the module-level verbs
-
-
-def _engine_choice(engine: str, same_host: bool, device: torch.device) -> tuple[str, str]:
-    forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
-    if engine == "auto" and forced in ("shm", "gloo", "nccl"):
-        engine = "shm" if forced == "shm" else "torch"
-    if engine not in ("auto", "shm", "torch"):
-        raise ValueError(f"p2p engine must be 'auto', 'shm' or 'torch', got {engine!r}")
-    native = _native.available() and hasattr(torch.ops.fastpar, "shm_p2p_send")
-    if engine == "auto":
-        if device.type == "cpu" and same_host and native:
-            return "shm", "every stage of the group is on this host, tensors on the CPU"
-        return "torch", ("not every stage is on this host" if not same_host else
-                         f"tensors on {device.type}" if device.type != "cpu" else
-                         "the native extension (with its p2p rings) is not built")
-    if engine == "shm" and not (device.type == "cpu" and same_host):
-        raise ValueError(f"the shm p2p engine needs every stage on one host and CPU tensors "
-                         f"(same host: {same_host}, device: {device})")
-    return engine, "forced"
 
 
 class Channels:

@@ -1,0 +1,128 @@
+"""The engines under ``fastpar.comm.p2p.Channels``: batched isend/irecv on clones of the group
+(NCCL / gloo), fastpar's shared-memory rings, and the policy that picks one."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from fastpar import _native
+from fastpar.comm.p2p_messages import HEADER_MAX
+
+class SendHandle:
+    """An in-flight send: keeps its tensors alive until ``wait()`` (bounded by the channel's
+    timeout) or ``is_completed()`` says it is done."""
+
+    def __init__(self, works=(), keep=(), timeout: float = math.inf):
+        self._works, self._keep, self._timeout = list(works), keep, timeout
+
+    def is_completed(self) -> bool:
+        if all(w.is_completed() for w in self._works):
+            self._works, self._keep = [], ()
+        return not self._works
+
+    def wait(self) -> None:
+        for w in self._works:
+            if math.isinf(self._timeout):
+                w.wait()
+            else:
+                w.wait(datetime.timedelta(seconds=self._timeout))
+        self._works, self._keep = [], ()
+
+
+class _TorchEngine:
+    """Batched isend/irecv on one clone of the group per direction."""
+
+    def __init__(self, clones, timeout: float, device):
+        self.clones, self.timeout, self.device = clones, timeout, device
+
+    def _wait(self, work) -> None:
+        if math.isinf(self.timeout):
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+
+    def isend(self, peer: int, direction: int, header: torch.Tensor, parts):
+        padded = torch.zeros(HEADER_MAX, dtype=torch.int64, device=self.device)
+        padded[:header.numel()] = header
+        ops = [dist.P2POp(dist.isend, t, peer, self.clones[direction])
+               for t in (padded, *parts)]
+        return SendHandle(dist.batch_isend_irecv(ops), keep=(padded, parts),
+                          timeout=self.timeout)
+
+    def recv_header(self, peer: int, direction: int, device) -> torch.Tensor:
+        header = torch.empty(HEADER_MAX, dtype=torch.int64, device=device)
+        # batched like the sender's ops (NCCL pairs a batch with a batch)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, peer,
+                                                       self.clones[direction])]):
+            self._wait(work)
+        return header.cpu()
+
+    def recv_payload(self, peer: int, direction: int, parts) -> None:
+        if parts:
+            ops = [dist.P2POp(dist.irecv, t, peer, self.clones[direction]) for t in parts]
+            for work in dist.batch_isend_irecv(ops):
+                self._wait(work)
+
+    def close(self) -> None:
+        pass
+
+
+class _ShmEngine:
+    """The shm rings. A receive takes header and payload in one call when the message has the
+    layout of the last one from the same peer, direction and stage: it receives into fresh
+    buffers of that layout, then falls back to header-then-payload when they do not fit."""
+
+    def __init__(self, rings):
+        from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS
+
+        self.rings = rings
+        self.header = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)  # reused by receives
+        self._layout: dict = {}  # (peer, direction, stage) -> ((dtype, numel), ...) seen last
+
+    def isend(self, peer, direction, header, parts):
+        return self.rings.isend(peer, direction, header, list(parts))
+
+    def recv_header(self, peer, direction, device):
+        return self.rings.recv_header(peer, direction)
+
+    def recv_payload(self, peer, direction, parts):
+        self.rings.recv_payload(peer, direction, list(parts))
+
+    def recv(self, peer, direction, stage):
+        """``(header, buffers)``: the header (a view of ``self.header``, valid until the next
+        receive) and the payload in buffers of the last layout, or ``None`` when it did not fit
+        (then ``recv_payload`` takes it)."""
+        layout = self._layout.get((peer, direction, stage), ())
+        bufs = [torch.empty(n, dtype=d, device="cpu") for d, n in layout]
+        n, filled = self.rings.recv(peer, direction, self.header, bufs)
+        return self.header[:n], (bufs if filled else None)
+
+    def remember(self, peer, direction, stage, layout) -> None:
+        self._layout[(peer, direction, stage)] = layout
+
+    def close(self):
+        self.rings.close()
+
+
+def _engine_choice(engine: str, same_host: bool, device: torch.device) -> tuple[str, str]:
+    forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
+    if engine == "auto" and forced in ("shm", "gloo", "nccl"):
+        engine = "shm" if forced == "shm" else "torch"
+    if engine not in ("auto", "shm", "torch"):
+        raise ValueError(f"p2p engine must be 'auto', 'shm' or 'torch', got {engine!r}")
+    native = _native.available() and hasattr(torch.ops.fastpar, "shm_p2p_send")
+    if engine == "auto":
+        if device.type == "cpu" and same_host and native:
+            return "shm", "every stage of the group is on this host, tensors on the CPU"
+        return "torch", ("not every stage is on this host" if not same_host else
+                         f"tensors on {device.type}" if device.type != "cpu" else
+                         "the native extension (with its p2p rings) is not built")
+    if engine == "shm" and not (device.type == "cpu" and same_host):
+        raise ValueError(f"the shm p2p engine needs every stage on one host and CPU tensors "
+                         f"(same host: {same_host}, device: {device})")
+    return engine, "forced"
