@@ -1,0 +1,226 @@
+"""The reduction cycle of ``fastpar.DataParallel``: gradient-ready hooks, ordered bucket launches,
+completion, unused parameters.
+
+One cycle per backward outside ``no_sync()``:
+  - a post-accumulate-grad hook marks its parameter ready; when every parameter of a bucket is
+    ready the bucket may be launched (``comm.all_reduce(bucket, async_op=True)``).
+  - ordering: buckets are launched strictly in index order (bucket k only after buckets < k); a
+    bucket ready early waits for its predecessors. Every rank derives the same buckets from the
+    same model (the wrapper checks this at construction), so every rank issues the same
+    collectives in the same order, whatever order its autograd engine runs in.
+  - completion: the hook that makes the last parameter ready launches what is left, waits for
+    every handle and divides each bucket by the dp size once. So ``loss.backward()`` alone
+    returns with averaged gradients; no end-of-backward callback of the autograd engine is used.
+  - a cycle that never completes (a trainable parameter got no gradient) is found at the next
+    forward or by ``finish()``: an error naming the parameters, raised alike on every rank
+    because which parameters a model uses is a property of its structure.
+    ``find_unused_parameters=True`` instead walks the autograd graph at the end of the forward
+    and marks the parameters it does not reach ready (they contribute what their bucket holds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastpar import comm
+from fastpar.data_parallel.buckets import Bucket, ParamSpec, plan_buckets
+
+
+class Reducer:
+    """Owns the buckets of ``params`` (trainable, in registration order, named ``names``) and the
+    state of the current reduction cycle over ``group`` (``dp_size`` ranks)."""
+
+    def __init__(self, params, names, *, group, dp_size: int, bucket_mb: float, overlap: bool,
+                 find_unused_parameters: bool, reduce_dtype):
+        self._params, self._names = list(params), list(names)
+        self.group, self.dp_size, self.overlap = group, dp_size, overlap
+        self.find_unused_parameters, self.reduce_dtype = find_unused_parameters, reduce_dtype
+        self._build_buckets(bucket_mb)
+        self.sync = True  # whether the current backward reduces (set by each forward)
+        self._reset_cycle()
+        self._hooks = []
+
+    @property
+    def params(self) -> list:
+        return self._params
+
+    def attach(self) -> None:
+        """Register the post-accumulate-grad hook of every parameter."""
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(self._params)]
+
+    def _build_buckets(self, bucket_mb: float) -> None:
+        def bucket_dtype(p):
+            return self.reduce_dtype if self.reduce_dtype is not None and \
+                p.is_floating_point() else p.dtype
+
+        specs = [ParamSpec(p.numel(), (bucket_dtype(p), p.device),
+                           torch.empty((), dtype=bucket_dtype(p)).element_size())
+                 for p in self._params]
+        plan = plan_buckets(specs, max(1, int(bucket_mb * 2**20)))
+        self.buckets: tuple[Bucket, ...] = tuple(
+            Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx],
+                   *specs[idx[0]].key) for k, idx in enumerate(plan))
+        self._where = [None] * len(self._params)  # param index -> (bucket, view)
+        for b, idx in zip(self.buckets, plan):
+            for i, view in zip(idx, b.views):
+                self._where[i] = (b, view)
+        with torch.no_grad():
+            for p, (b, view) in zip(self._params, self._where):
+                if p.grad is not None:  # gradients the module already held are kept
+                    view.copy_(p.grad)
+                if not b.copy:
+                    p.grad = view  # autograd accumulates into the bucket from now on
+
+    # ---- the reduction cycle ------------------------------------------------------------------
+
+    def _reset_cycle(self) -> None:
+        self._ready = [False] * len(self._params)
+        self._n_ready = 0  # params marked ready, by hooks or by the unused-parameter search
+        self._hooked = 0  # params marked ready by their hook in this cycle
+        self._next = 0  # the next bucket to launch
+        self._handles: list[tuple[Bucket, comm.Handle]] = []
+        for b in self.buckets:
+            b.pending = len(b.params)
+
+    def _hook(self, i: int):
+        def on_grad(p: torch.Tensor) -> None:
+            self._gradient_ready(i, p)
+        return on_grad
+
+    @torch.no_grad()
+    def _gradient_ready(self, i: int, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter ``i``: its gradient for this backward is final."""
+        b, view = self._where[i]
+        if b.copy:
+            view.copy_(p.grad)  # the reduce_dtype slot mirrors p.grad
+        elif p.grad.data_ptr() != view.data_ptr():
+            # Autograd replaced the view (grad was None, or create_graph=True): the new tensor is
+            # the whole gradient; put it back into the bucket and point .grad at the bucket again.
+            view.copy_(p.grad)
+            p.grad = view
+        if not self.sync:
+            return  # inside no_sync(): accumulate only
+        if self._ready[i]:
+            raise RuntimeError(
+                f"DataParallel: parameter {self._names[i]!r} received a gradient twice in one "
+                "reduction cycle (two backward passes through parts of one forward?); run all "
+                "but the last backward of a step under no_sync()")
+        self._ready[i] = True
+        self._n_ready += 1
+        self._hooked += 1
+        b.pending -= 1
+        if b.pending == 0 and self.overlap:
+            self._launch_ready()
+        if self._n_ready == len(self._params):
+            self._finish()
+
+    def _launch_ready(self) -> None:
+        """Launch, in index order, every bucket whose predecessors are all launched and whose
+        parameters are all ready. The collectives run while backward computes the next buckets'
+        gradients (truly in the background on gloo/NCCL; shm completes inside the call)."""
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            b = self.buckets[self._next]
+            self._handles.append((b, comm.all_reduce(b.data, group=self.group, async_op=True)))
+            self._next += 1
+
+    def _finish(self) -> None:
+        """Every parameter is ready: launch the rest, wait for all, average, reset the cycle."""
+        self._launch_ready()
+        assert self._next == len(self.buckets), (self._next, len(self.buckets))
+        for b, handle in self._handles:
+            handle.wait()
+            if self.dp_size > 1:
+                b.data.div_(self.dp_size)  # once, in the bucket's dtype (exact for 2^k ranks)
+            if b.copy:
+                for p, view in zip(b.params, b.views):
+                    if p.grad is None:
+                        p.grad = view.to(p.dtype)
+                    else:
+                        p.grad.copy_(view)
+        self._reset_cycle()
+
+    def finish(self) -> None:
+        """Complete a cycle that backward left open (see ``DataParallel.
+        finish_gradient_synchronization``); a no-op after a normal backward."""
+        if self._hooked == 0:  # no backward since the last cycle (maybe a forward alone)
+            self._reset_cycle()
+            return
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        if self.find_unused_parameters:
+            with torch.no_grad():
+                for i in missing:  # the last one completes the cycle (collective)
+                    self._mark_unused(i)
+            return
+        # Launched collectives completed on every rank (same buckets launched everywhere): wait
+        # for them before the state is dropped, then raise.
+        for _, handle in self._handles:
+            handle.wait()
+        self._reset_cycle()
+        names = [self._names[i] for i in missing]
+        raise RuntimeError(
+            f"DataParallel: {len(names)} of {len(self._params)} trainable parameters received no "
+            f"gradient in the last backward: {names}. Their buckets were never reduced, so that "
+            "step's gradients are not averaged over the dp group. Every dp rank raises this "
+            "error: which parameters a model uses is a property of its structure, alike on all "
+            "replicas. Set requires_grad=False on parameters the model never uses, or pass "
+            "find_unused_parameters=True if it skips some on purpose.")
+
+    def _mark_unused(self, i: int) -> None:
+        b, _ = self._where[i]
+        self._ready[i] = True
+        self._n_ready += 1
+        b.pending -= 1
+        if self._hooked and b.pending == 0 and self.overlap:
+            self._launch_ready()
+        if self._hooked and self._n_ready == len(self._params):
+            self._finish()
+
+    @torch.no_grad()
+    def prepare_gradients(self) -> None:
+        """Before a forward: every ``.grad`` points into its bucket again. A gradient set to None
+        (``zero_grad(set_to_none=True)``) gets its view back, zeroed; a reduce_dtype slot takes
+        the value of ``.grad`` (zero if None)."""
+        for p, (b, view) in zip(self._params, self._where):
+            g = p.grad
+            if b.copy:
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+            elif g is None:
+                view.zero_()
+                p.grad = view
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
+
+    def mark_unreached(self, output) -> None:
+        """find_unused_parameters: walk the autograd graph from the outputs; parameters it does
+        not reach get no gradient from this backward and are marked ready now."""
+        reached, seen = set(), set()
+        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
+            if var is not None:
+                reached.add(id(var))
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+        for i, p in enumerate(self._params):
+            if id(p) not in reached and not self._ready[i]:
+                self._mark_unused(i)
+
+
+def _tensors(obj):
+    """The tensors in a (nested) tuple / list / dict output."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)

@@ -1,0 +1,188 @@
+"""``fastpar.DataParallel``: gradients averaged over the dp group, overlapped with backward.
+
+    model = fastpar.DataParallel(model)          # group=None: the topology's dp group
+    opt = torch.optim.AdamW(model.parameters())
+    with model.no_sync():                        # accumulate locally, no communication
+        loss_fn(model(x0), y0).backward()
+    loss_fn(model(x1), y1).backward()            # returns with every gradient averaged
+    opt.step(); opt.zero_grad()
+
+Construction broadcasts every parameter and buffer from dp rank 0, then packs the trainable
+parameters into buckets (``fastpar.data_parallel.buckets``); each ``param.grad`` is a view into
+its bucket, so autograd accumulates straight into the memory the collective reduces. The
+``Reducer`` (``fastpar.data_parallel.reducer``) runs one reduction cycle per backward outside
+``no_sync()``: buckets launched in index order as backward fills them, the last gradient's hook
+waits for all of them and averages, so ``loss.backward()`` alone leaves averaged gradients.
+A trainable parameter that gets no gradient is an error, at the next forward or in
+``finish_gradient_synchronization()``, on every rank (``find_unused_parameters=True``: allowed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpar import comm
+from fastpar.data_parallel.reducer import Reducer
+from fastpar.runtime import group_size, topology
+from fastpar.state_dict import full_state_dict, load_full_state_dict
+
+log = logging.getLogger("fastpar.data_parallel")
+
+PREFIX = "module."  # where nn.Module registers the wrapped module; hidden from state dicts
+
+
+class DataParallel(nn.Module):
+    """Average the gradients of ``module`` over a data-parallel group.
+
+    ``bucket_mb``: bucket cap in MiB (the first bucket is at most 1 MiB). ``overlap``: reduce each
+    bucket as soon as backward has filled it (True) or all of them at the end of backward.
+    ``group``: the dp group (None: ``fastpar.topology().dp_group``, so under TP/PP each
+    tensor/pipeline coordinate averages over its own replicas). ``find_unused_parameters``: allow
+    trainable parameters that get no gradient. ``reduce_dtype``: the dtype the buckets reduce in
+    (e.g. ``torch.float32`` for a bfloat16 model); default: each parameter's own.
+
+    The state dict has the wrapped module's keys (no ``module.`` prefix); ``fastpar.
+    full_state_dict`` sees through the wrapper. A dp group of one rank communicates nothing.
+    """
+
+    def __init__(self, module: nn.Module, *, bucket_mb: float = 25.0, overlap: bool = True,
+                 group=None, find_unused_parameters: bool = False,
+                 reduce_dtype: torch.dtype | None = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
+                                             and reduce_dtype.is_floating_point):
+            raise ValueError(f"reduce_dtype must be a floating torch.dtype, got {reduce_dtype!r}")
+        self.module = module
+        self.group = topology().dp_group if group is None else group
+        self.dp_size = group_size(self.group, "DataParallel")
+        self.overlap, self.find_unused_parameters = bool(overlap), bool(find_unused_parameters)
+        self.reduce_dtype, self.bucket_mb = reduce_dtype, float(bucket_mb)
+        self._src = dist.get_process_group_ranks(self.group)[0]  # global rank of dp rank 0
+
+        self._broadcast_from_rank0()
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], group=self.group,
+                               dp_size=self.dp_size, bucket_mb=self.bucket_mb,
+                               overlap=self.overlap,
+                               find_unused_parameters=self.find_unused_parameters,
+                               reduce_dtype=reduce_dtype)
+        self._check_replicas_agree()
+        self.reducer.attach()  # the gradient hooks, once the replicas are known to agree
+        self._no_sync = False
+        self.register_state_dict_post_hook(_strip_prefix)
+        self.register_load_state_dict_pre_hook(_add_prefix)
+        log.debug("%r", self)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        """Every parameter (frozen ones too) and buffer takes dp rank 0's value."""
+        if self.dp_size == 1:
+            return
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            comm.broadcast(t.data, src=self._src, group=self.group)
+
+    def _check_replicas_agree(self) -> None:
+        """Every rank of the group must build the same buckets, or the collectives would pair up
+        wrongly; one all_gather of (params, elements, buckets) says which rank differs."""
+        if self.dp_size == 1:
+            return
+        params = self.reducer.params
+        mine = torch.tensor([[len(params), sum(p.numel() for p in params),
+                              len(self.buckets)]], dtype=torch.float64)
+        every = comm.all_gather(mine, group=self.group)  # (dp, 3)
+        if not bool((every == every[0]).all()):
+            ranks = dist.get_process_group_ranks(self.group)
+            rows = ", ".join(f"rank {r}: {int(a)} params / {int(b)} elements / {int(c)} buckets"
+                             for r, (a, b, c) in zip(ranks, every.tolist()))
+            raise ValueError(f"DataParallel: the dp replicas hold different models ({rows}); "
+                             "every rank of the dp group must wrap the same module with the "
+                             "same bucket_mb and reduce_dtype")
+
+    # ---- the module ---------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # no backward will follow: leave the cycle alone
+            return self.module(*args, **kwargs)
+        self.reducer.finish()  # the previous cycle must be complete
+        self.reducer.prepare_gradients()
+        self.reducer.sync = not self._no_sync
+        output = self.module(*args, **kwargs)
+        if self.reducer.sync and self.find_unused_parameters:
+            self.reducer.mark_unreached(output)
+        return output
+
+    @property
+    def buckets(self):
+        """The gradient buckets, in launch order."""
+        return self.reducer.buckets
+
+    def finish_gradient_synchronization(self) -> None:
+        """Complete a reduction cycle that backward left open, or say why it cannot.
+
+        Nothing to do after a normal backward (its last gradient hook finished the cycle). With
+        ``find_unused_parameters=True`` the parameters that got no gradient are marked ready and
+        the cycle completes (collective: call it on every rank); otherwise an error names them.
+        """
+        self.reducer.finish()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside this block reduce nothing: gradients
+        accumulate in the buckets, and the next backward outside reduces all of it."""
+        old, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def _full_state_dict(self):  # fastpar.full_state_dict sees through the wrapper
+        return full_state_dict(self.module)
+
+    def _load_full_state_dict(self, state_dict, strict=True):
+        return load_full_state_dict(self.module, state_dict, strict=strict)
+
+    def extra_repr(self) -> str:
+        sizes = ", ".join(f"{b.nbytes / 2**20:.3g}" for b in self.buckets[:4])
+        more = ", ..." if len(self.buckets) > 4 else ""
+        why = "dp group of one rank: no communication" if self.dp_size == 1 else (
+            "each bucket reduced as soon as backward fills it" if self.overlap
+            else "all buckets reduced after backward")
+        return (f"dp={self.dp_size}, buckets={len(self.buckets)} [{sizes}{more}] MiB, "
+                f"overlap={self.overlap} ({why}), find_unused_parameters="
+                f"{self.find_unused_parameters}, reduce_dtype={self.reduce_dtype}")
+
+
+def _strip_prefix(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: ``<prefix>module.<key>`` -> ``<prefix><key>`` (order kept)."""
+    inner = prefix + PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        for key in [k for k in meta if k == inner[:-1] or k.startswith(inner)]:
+            value = meta.pop(key)
+            meta[(prefix + key[len(inner):]) if key != inner[:-1] else prefix[:-1]] = value
+
+
+def _add_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                unexpected_keys, error_msgs) -> None:
+    """load_state_dict pre-hook: the wrapped module's keys ``<prefix><key>`` are loaded into
+    ``<prefix>module.<key>``."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + PREFIX + key[len(prefix):]] = state_dict.pop(key)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        for key in [k for k in meta if k == prefix[:-1] or k.startswith(prefix)]:
+            rest = key[len(prefix):] if key != prefix[:-1] else ""
+            meta[prefix + PREFIX + rest if rest else prefix + PREFIX[:-1]] = meta[key]

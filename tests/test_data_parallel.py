@@ -1,0 +1,348 @@
+"""fastpar.DataParallel against a serial model trained on the full batch.
+
+Each dp replica gets its 1/dp slice of every micro-batch; the serial model (float32) and its
+float64 copy see the whole batch. Several Adam steps, each accumulating two micro-batches (the
+first under ``no_sync()``), with every gradient and the final weights checked against the float64
+reference within ``fastpar.testing``'s rounding bound. Cases: dp 1, 2 and 4 (one parameter per
+bucket and one bucket for all, overlap on and off, a frozen layer, replicas perturbed before the
+wrap so that only the broadcast from dp rank 0 makes them equal); tp 2 x dp 2 on 4 ranks
+(``ParallelMLP`` against ``SerialMLP``, each dp replica its own data); an unused parameter (the
+error on every rank, and ``find_unused_parameters=True``); buffers broadcast at construction;
+state dict keys; a bfloat16 model reducing in float32. One launch per layout.
+"""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.multirank import run_ranks
+
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, tp)
+STEPS, ACCUM, MB = 3, 2, 4  # Adam steps, micro-batches per step, rows per replica per micro-batch
+TINY = 1e-6  # bucket_mb: every parameter in a bucket of its own
+
+
+class Checks:
+    def __init__(self):
+        self.checked, self.worst = [], (0.0, "")
+
+    def close(self, name, got, ref, serial, **kw):
+        from fastpar.testing import assert_close
+
+        ratio = assert_close(name, got, ref, serial, **kw)
+        self.worst = max(self.worst, (ratio, name))
+        self.checked.append(name)
+
+
+def serial_net():
+    """A frozen first layer, then two trainable ones: x (N, 12) -> (N, 6)."""
+    net = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(),
+                        nn.Linear(24, 6))
+    net[0].requires_grad_(False)
+    return net
+
+
+def train_and_compare(c, topo, tag, ser, par, x_shape, y_shape, local, gen, **dp_kwargs):
+    """Train ``ser`` (float32, full batch), its float64 copy and ``DataParallel(par)`` (this
+    replica's slice) for STEPS Adam steps of ACCUM micro-batches; compare every gradient and the
+    final weights. ``local(name, full)``: this rank's part of a serial tensor (its TP shard)."""
+    import fastpar
+
+    dp, r = topo.dp_size, topo.dp_rank
+    ref = copy.deepcopy(ser).double()
+    with torch.no_grad():  # replicas differ before the wrap: the broadcast must fix that
+        for p in par.parameters():
+            p.add_(float(r))
+    model = fastpar.DataParallel(par, **dp_kwargs)
+    for name, p in model.module.named_parameters():
+        assert torch.equal(p, local(name, dict(ser.named_parameters())[name])), \
+            f"{tag}: {name} differs from dp rank 0's after the wrap"
+    opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (ser, ref, model)]
+    for step in range(STEPS):
+        for m in range(ACCUM):
+            x = torch.randn(dp * x_shape[0], *x_shape[1:], generator=gen)
+            y = torch.randn(dp * y_shape[0], *y_shape[1:], generator=gen)
+            for net, dtype in ((ser, torch.float32), (ref, torch.float64)):
+                (F.mse_loss(net(x.to(dtype)), y.to(dtype)) / ACCUM).backward()
+            last = m == ACCUM - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                out = model(x.chunk(dp)[r])
+                (F.mse_loss(out, y.chunk(dp)[r]) / ACCUM).backward()
+        serial_p, ref_p = dict(ser.named_parameters()), dict(ref.named_parameters())
+        for name, p in model.module.named_parameters():
+            if not p.requires_grad:
+                assert p.grad is None, f"{tag}: frozen {name} got a gradient"
+                continue
+            c.close(f"{tag}.step{step}.d{name}", p.grad, local(name, ref_p[name].grad),
+                    local(name, serial_p[name].grad))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of zeroing, views re-attached
+    serial_p, ref_p = dict(ser.named_parameters()), dict(ref.named_parameters())
+    for name, p in model.module.named_parameters():
+        c.close(f"{tag}.{name}", p, local(name, ref_p[name]), local(name, serial_p[name]))
+    return model
+
+
+def check_dp_training(c, topo, seed):
+    for bucket_mb in (TINY, 25.0):
+        for overlap in (True, False):
+            tag = f"dp{topo.dp_size}.b{bucket_mb:g}.overlap{int(overlap)}"
+            torch.manual_seed(seed)
+            ser = serial_net()
+            gen = torch.Generator().manual_seed(seed + 1)
+            model = train_and_compare(c, topo, tag, ser, copy.deepcopy(ser), (MB, 12), (MB, 6),
+                                      lambda name, t: t, gen, bucket_mb=bucket_mb,
+                                      overlap=overlap)
+            n_buckets = len(model.buckets)
+            assert n_buckets == (4 if bucket_mb == TINY else 1), (tag, model.buckets)
+            assert model.state_dict().keys() == ser.state_dict().keys()
+            sd = fastpar_full(model)
+            assert sd.keys() == ser.state_dict().keys()
+            model.load_state_dict(ser.state_dict())  # serial keys load into the wrapper
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ser.parameters()))
+            c.checked.append(f"{tag}.state_dict")
+
+
+def fastpar_full(model):
+    import fastpar
+
+    return fastpar.full_state_dict(model)
+
+
+def fastpar_load_full(model, sd):
+    import fastpar
+
+    return fastpar.load_full_state_dict(model, sd)
+
+
+def check_tp_training(c, topo, seed):
+    """tp x dp: ParallelMLP shards under DataParallel over the dp group; each dp replica its own
+    slice of the batch, the same slice on the ranks of one tp group."""
+    from fastpar import nn as pnn
+    from fastpar.testing import SerialMLP
+
+    torch.manual_seed(seed)
+    ser = SerialMLP(16, 32)
+    par = pnn.ParallelMLP(16, 32, seed=seed)
+
+    def local(name, full):
+        owner, _, leaf = name.rpartition(".")
+        module = par.get_submodule(owner) if owner else par
+        return module.shard_full(leaf, full) if isinstance(module, pnn.ShardedModule) else full
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    model = train_and_compare(c, topo, f"tp{topo.tp_size}xdp{topo.dp_size}", ser, par,
+                              (MB, 3, 16), (MB, 3, 16), local, gen, bucket_mb=TINY)
+    full = fastpar_full(model)
+    assert full.keys() == ser.state_dict().keys()
+    ref = ser.state_dict()
+    for k, v in full.items():  # float32 after the same steps: close, not equal
+        assert (v - ref[k]).abs().max().item() < 1e-4, k
+    fastpar_load_full(model, ser.state_dict())  # each rank takes its shards of the serial one
+    assert all(torch.equal(p, local(n, dict(ser.named_parameters())[n]))
+               for n, p in model.module.named_parameters())
+    c.checked.append("tp.full_state_dict")
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(6, 4)
+        self.unused = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def check_unused(c, topo, seed):
+    import fastpar
+
+    dp, r = topo.dp_size, topo.dp_rank
+    x = torch.randn(dp * 2, 6, generator=torch.Generator().manual_seed(seed))
+    for bucket_mb in (TINY, 25.0):
+        for finish in (False, True):  # the error at the next forward, or in the finish step
+            torch.manual_seed(seed)
+            model = fastpar.DataParallel(Unused(), bucket_mb=bucket_mb)
+            model(x.chunk(dp)[r]).sum().backward()
+            try:
+                model.finish_gradient_synchronization() if finish else model(x)
+                raise AssertionError("an unused parameter did not raise")
+            except RuntimeError as exc:
+                msg = str(exc)
+                assert "'unused.weight'" in msg and "'unused.bias'" in msg, msg
+                assert "Every dp rank raises" in msg and "find_unused_parameters=True" in msg
+            c.checked.append(f"unused.error.b{bucket_mb:g}.finish{int(finish)}")
+        # find_unused_parameters=True: the used layer averages, the unused one gets zeros.
+        torch.manual_seed(seed)
+        ser = Unused()
+        model = fastpar.DataParallel(copy.deepcopy(ser), bucket_mb=bucket_mb,
+                                     find_unused_parameters=True)
+        ref = copy.deepcopy(ser).double()
+        for it in range(2):
+            ser.zero_grad()
+            ref.zero_grad()
+            model.module.zero_grad()
+            ser(x).sum().backward()
+            ref(x.double()).sum().backward()
+            model(x.chunk(dp)[r]).sum().backward()
+            for name in ("weight", "bias"):
+                got = getattr(model.module.used, name).grad * dp  # the mean of local sums
+                c.close(f"unused.find.b{bucket_mb:g}.it{it}.used.d{name}", got,
+                        getattr(ref.used, name).grad, getattr(ser.used, name).grad)
+                assert torch.equal(getattr(model.module.unused, name).grad,
+                                   torch.zeros_like(getattr(ser.unused, name)))
+        model.finish_gradient_synchronization()  # nothing open: a no-op
+
+
+class Reversed(nn.Module):
+    """Registered a then b, run b then a: backward makes the buckets ready in reverse order."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.b(x)))
+
+
+def check_launch_order(c, topo, seed):
+    """Buckets are launched in index order on every rank; with overlap, during backward (before
+    the last gradient is ready), without it, only at the end."""
+    import fastpar
+    from fastpar import comm
+
+    real, launched = comm.all_reduce, []
+    gen = torch.Generator().manual_seed(seed)
+    for net, overlap in ((serial_net, True), (serial_net, False), (Reversed, True)):
+        torch.manual_seed(seed)
+        model = fastpar.DataParallel(net(), bucket_mb=TINY, overlap=overlap)
+        index = {b.data.data_ptr(): b.index for b in model.buckets}
+        n = len(model.reducer.params)
+        x = torch.randn(4, 12 if net is serial_net else 6, generator=gen)
+
+        def spy(t, *a, _index=index, _reducer=model.reducer, **k):
+            launched.append((_index[t.data_ptr()], _reducer._hooked))  # (bucket, hooks run)
+            return real(t, *a, **k)
+
+        comm.all_reduce = spy
+        try:
+            launched.clear()
+            model(x).sum().backward()
+        finally:
+            comm.all_reduce = real
+        assert [i for i, _ in launched] == list(range(len(model.buckets))), launched
+        at = [h for _, h in launched]
+        if net is Reversed:  # a's buckets (2, 3) are ready first and wait for b's (0, 1)
+            assert at[0] >= 3 and at[2:] == [n, n], at
+        elif not overlap:
+            assert all(h == n for h in at), at
+        else:
+            assert at == list(range(1, n + 1)), at  # each bucket as soon as its gradient is
+        c.checked.append(f"launch_order.{net.__name__}.overlap{int(overlap)}")
+
+
+def check_buffers_and_bf16(c, topo, seed):
+    import fastpar
+    from fastpar import comm
+
+    dp, r = topo.dp_size, topo.dp_rank
+    bn = nn.BatchNorm1d(5)
+    with torch.no_grad():
+        bn.running_mean.fill_(float(r + 1))
+        bn.running_var.fill_(float(10 * r + 2))
+    bn.num_batches_tracked.fill_(r + 3)
+    model = fastpar.DataParallel(bn)
+    assert torch.equal(bn.running_mean, torch.ones(5)) and torch.equal(bn.running_var,
+                                                                       torch.full((5,), 2.0))
+    assert int(bn.num_batches_tracked) == 3
+    every = comm.all_gather(bn.running_var.unsqueeze(0), group=topo.dp_group)
+    assert all(torch.equal(every[0], every[i]) for i in range(dp))
+    assert model.state_dict().keys() == nn.BatchNorm1d(5).state_dict().keys()
+    c.checked.append("buffers")
+
+    # bfloat16 model, float32 buckets: gradients reduced in float32 and cast back.
+    torch.manual_seed(seed)
+    ser = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
+    ref = copy.deepcopy(ser).double()
+    model = fastpar.DataParallel(copy.deepcopy(ser), bucket_mb=TINY, reduce_dtype=torch.float32)
+    assert all(b.copy and b.dtype == torch.float32 for b in model.buckets)
+    gen = torch.Generator().manual_seed(seed + 3)
+    for it in range(2):
+        x = torch.randn(dp * 4, 8, generator=gen)
+        for net in (ser, ref, model.module):
+            net.zero_grad()
+        ser(x.bfloat16()).float().square().mean().backward()
+        ref(x.double()).square().mean().backward()
+        with model.no_sync():  # half the local batch each, accumulated in bfloat16
+            model(x.chunk(dp)[r][:2].bfloat16()).float().square().mean().div(2).backward()
+        model(x.chunk(dp)[r][2:].bfloat16()).float().square().mean().div(2).backward()
+        sp, rp = dict(ser.named_parameters()), dict(ref.named_parameters())
+        for name, p in model.module.named_parameters():
+            assert p.grad.dtype == torch.bfloat16
+            c.close(f"bf16.it{it}.d{name}", p.grad, rp[name].grad, sp[name].grad)
+
+
+def body_dp(tp, seed):
+    import fastpar
+
+    topo = fastpar.init(tp=tp, timeout=60)
+    c = Checks()
+    if tp == 1:
+        check_dp_training(c, topo, seed)
+        check_unused(c, topo, seed)
+        check_launch_order(c, topo, seed)
+        check_buffers_and_bf16(c, topo, seed)
+    else:
+        check_tp_training(c, topo, seed)
+    return {"checked": c.checked, "worst": c.worst}
+
+
+@pytest.mark.parametrize("world,tp", LAYOUTS, ids=[f"w{w}tp{t}" for w, t in LAYOUTS])
+def test_data_parallel(world, tp):
+    launch = run_ranks(world, body_dp, tp=tp, seed=1234, timeout=90)
+    values = launch.values()
+    assert all(v["checked"] == values[0]["checked"] for v in values)
+    assert len(values[0]["checked"]) > 10
+
+
+def test_bucket_plan():
+    from fastpar.data_parallel import plan_buckets
+    from fastpar.data_parallel.buckets import ParamSpec
+
+    f32, bf16 = (torch.float32, "cpu"), (torch.bfloat16, "cpu")
+    mib = 1 << 20
+    specs = [ParamSpec(n, key, 4 if key is f32 else 2) for n, key in
+             [(mib // 8, f32), (mib // 8, f32), (mib // 8, bf16), (mib, f32), (mib // 4, f32),
+              (mib // 8, f32)]]
+    # Reverse order; the first float32 bucket capped at 1 MiB (0.5 + 1 MiB do not fit), the rest
+    # up to 8 MiB; bfloat16 in a bucket of its own, ordered by where it opened.
+    assert plan_buckets(specs, 8 * mib) == [[5], [4, 3, 1, 0], [2]]
+    assert plan_buckets(specs, 1) == [[5], [4], [3], [2], [1], [0]]
+
+
+def test_bench_runs(tmp_path):
+    """bench/data_parallel.py still runs (tiny model) and writes its documented JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.multirank import BIN, ROOT
+
+    out = tmp_path / "dp.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable,
+                           "bench/data_parallel.py", "--hidden", "32", "--steps", "1",
+                           "--warmup", "1", "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    variants = {(r["engine"], r["variant"]) for r in result["records"]}
+    assert ("gloo", "torch-ddp") in variants and ("shm", "dp-overlap") in variants, variants
+    assert set(result["hidden_fraction"]) == {"shm", "gloo"}
