@@ -147,7 +147,10 @@ class SplitBackward:
                     for acc, dw in zip(accs, dws):
                         if dw is not None:
                             p = acc.variable
-                            p.grad = dw if p.grad is None else p.grad + dw
+                            if p.grad is None:
+                                p.grad = dw
+                            else:
+                                p.grad.add_(dw)  # in place: no new buffer per microbatch
             finally:
                 for h in clamps:
                     h.remove()
