@@ -14,6 +14,7 @@ from fastpar.version import __version__, check_torch
 check_torch(_torch.__version__)  # before anything that needs a newer torch is imported
 
 from fastpar import nn  # noqa: E402
+from fastpar import optim  # noqa: E402
 from fastpar.data_parallel import DataParallel  # noqa: E402
 from fastpar.grid import Grid, Topology  # noqa: E402
 from fastpar.parallelize import parallelize  # noqa: E402
@@ -21,4 +22,5 @@ from fastpar.runtime import init, is_initialized, shutdown, topology  # noqa: E4
 from fastpar.state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
 __all__ = ["DataParallel", "Grid", "Topology", "__version__", "full_state_dict", "init",
-           "is_initialized", "load_full_state_dict", "nn", "parallelize", "shutdown", "topology"]
+           "is_initialized", "load_full_state_dict", "nn", "optim", "parallelize", "shutdown",
+           "topology"]

@@ -1,0 +1,314 @@
+"""fastpar.optim.DistributedOptimizer (ZeRO-1) against a serial model trained on the full batch.
+
+The serial model (float32) and its float64 copy step with ``torch.optim`` on the whole batch;
+the ZeRO model is a plain copy on every rank, each dp rank backpropagating its 1/dp slice, and
+the optimizer averages those per-rank gradients. Parameters are compared with the float64
+reference within ``fastpar.testing``'s rounding bound after every step. Cases, one launch per
+world size (1, 2, 4; dp = world): Adam (a frozen layer and a never-used parameter), AdamW with
+weight decay and a StepLR schedule, SGD with momentum; ``clip_grad_norm_`` (norm value and
+clipped update, both clipping and not); ``state_bytes`` about 1/dp of the serial state; the
+per-rank state dict round trip; a consolidated state saved at dp 2 (a pair of ranks) and
+reloaded at dp = world and at dp 1, training on equal to the reference. One more launch at
+tp 2 x dp 2: ``ParallelMLP`` with ZeRO over dp and ``clip_grad_norm_(model=)`` against the
+serial ``SerialMLP`` clip.
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.multirank import run_ranks
+
+MB = 4  # rows per dp rank per step
+
+
+class Checks:
+    def __init__(self):
+        self.checked, self.worst = [], (0.0, "")
+
+    def close(self, name, got, ref, serial):
+        from fastpar.testing import assert_close
+
+        ratio = assert_close(name, got, ref, serial)
+        self.worst = max(self.worst, (ratio, name))
+        self.checked.append(name)
+
+
+class Net(nn.Module):
+    """x (N, 10) -> (N, 5): a frozen layer, two trainable ones, and a parameter never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(10, 16), nn.Linear(16, 13), nn.Linear(13, 5)
+        self.a.requires_grad_(False)
+        self.unused = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def batches(seed, n, dp_max=4):
+    """``n`` (x, y) full batches; dp ranks slice them, so the rows are a multiple of any dp."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(dp_max * MB, 10, generator=gen), torch.randn(dp_max * MB, 5,
+                                                                        generator=gen))
+            for _ in range(n)]
+
+
+def serial_step(net, opt, x, y, max_norm=None):
+    opt.zero_grad()
+    F.mse_loss(net(x.to(net.b.weight.dtype)), y.to(net.b.weight.dtype)).backward()
+    norm = None
+    if max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+    opt.step()
+    return norm
+
+
+def zero_step(net, opt, x, y, group, max_norm=None):
+    from fastpar.runtime import group_rank, group_size
+
+    dp, r = group_size(group), group_rank(group)
+    F.mse_loss(net(x.chunk(dp)[r]), y.chunk(dp)[r]).backward()  # mean over this rank's rows
+    norm = opt.clip_grad_norm_(max_norm) if max_norm is not None else None
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # the next backward accumulates into zeros
+    return norm
+
+
+def compare(c, tag, par, ref, ser):
+    rp, sp = dict(ref.named_parameters()), dict(ser.named_parameters())
+    for name, p in par.named_parameters():
+        c.close(f"{tag}.{name}", p, rp[name], sp[name])
+
+
+def check_training(c, topo, seed):
+    from fastpar.optim import DistributedOptimizer
+
+    cases = [("adam.clip", torch.optim.Adam, {"lr": 1e-2}, 0.05, None),
+             ("adam.noclip", torch.optim.Adam, {"lr": 1e-2}, 1e3, None),
+             ("adamw.steplr", torch.optim.AdamW, {"lr": 2e-2, "weight_decay": 0.1}, None, 0.5),
+             ("sgd", torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}, 0.05, None)]
+    data = batches(seed, 4)
+    for name, cls, kw, max_norm, gamma in cases:
+        tag = f"dp{topo.dp_size}.{name}"
+        torch.manual_seed(seed)
+        ser = Net()
+        if cls is torch.optim.AdamW:  # decay moves a zero-gradient master: no unused param
+            ser.unused.requires_grad_(False)
+        ref, par = copy.deepcopy(ser).double(), copy.deepcopy(ser)
+        trainable = [p for p in ser.parameters() if p.requires_grad]
+        opts = [cls([p for p in m.parameters() if p.requires_grad], **kw) for m in (ser, ref)]
+        opt = DistributedOptimizer(par.parameters(), cls, **kw)
+        scheds = []
+        if gamma is not None:
+            scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=gamma) for o in (*opts, opt)]
+        for step, (x, y) in enumerate(data):
+            ns, nr = (serial_step(m, o, x, y, max_norm) for m, o in zip((ser, ref), opts))
+            n = zero_step(par, opt, x, y, topo.dp_group, max_norm)
+            if max_norm is not None:
+                c.close(f"{tag}.step{step}.norm", n, nr, ns)
+                if step == 0:  # the clip cases clip (at least at first), noclip does not
+                    assert (float(nr) > max_norm) == (name != "adam.noclip"), (tag, float(nr))
+            for s in scheds:
+                s.step()
+            compare(c, f"{tag}.step{step}", par, ref, ser)
+        if scheds:
+            lrs = {o.param_groups[0]["lr"] for o in (*opts, opt)}
+            assert lrs == {kw["lr"] * gamma ** len(data)}, lrs
+        assert torch.equal(par.a.weight, ser.a.weight)  # frozen: untouched
+        if cls is torch.optim.Adam:
+            assert torch.equal(par.unused, ser.unused)  # zero gradient, zero Adam update
+        if name == "adam.noclip":  # fp32 masters, exp_avg, exp_avg_sq; a float32 step per group
+            n_el = sum(p.numel() for p in trainable)
+            full = 3 * 4 * n_el + 4
+            got = opt.state_bytes()
+            shard = -(-n_el // topo.dp_size)
+            assert got == 3 * 4 * shard + 4, (got, shard)
+            assert abs(got - full / topo.dp_size) <= 12 + 4, (got, full, topo.dp_size)
+            c.checked.append(f"{tag}.state_bytes")
+
+
+class Mixed(nn.Module):
+    """A float32 layer and a bfloat16 one: two flat groups (float32 masters for both)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(10, 12), nn.Linear(12, 5).to(torch.bfloat16)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x.to(self.l1.weight.dtype)))
+        return self.l2(h.to(self.l2.weight.dtype)).to(self.l1.weight.dtype)
+
+
+def check_mixed(c, topo, seed):
+    """bfloat16 parameters step from float32 masters: no further from the float64 reference
+    than serial Adam on the bfloat16 parameters themselves."""
+    from fastpar import comm
+    from fastpar.optim import DistributedOptimizer
+
+    torch.manual_seed(seed)
+    ser = Mixed()
+    ref, par = copy.deepcopy(ser).double(), copy.deepcopy(ser)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ser, ref)]
+    opt = DistributedOptimizer(par.parameters(), torch.optim.Adam, lr=1e-2)
+    assert [f.master.dtype for f in opt.flat] == [torch.float32, torch.float32]
+    dp, r = topo.dp_size, topo.dp_rank
+    for x, y in batches(seed + 5, 3):
+        for m, o in zip((ser, ref), opts):
+            o.zero_grad()
+            F.mse_loss(m(x), y.to(m.l1.weight.dtype)).backward()
+            o.step()
+        F.mse_loss(par(x.chunk(dp)[r]), y.chunk(dp)[r]).backward()
+        opt.step()
+        opt.zero_grad()
+    compare(c, f"mixed.dp{dp}", par, ref, ser)
+    every = comm.all_gather(par.l2.weight.detach().float().reshape(1, -1), group=topo.dp_group)
+    assert bool((every == every[0]).all()), "dp ranks hold different bfloat16 weights"
+
+
+def check_checkpoints(c, topo, seed):
+    """Phase 1 at dp 2 (or 1 alone), then the same run continued after (a) the per-rank state
+    dict into a new optimizer of the same group, (b) the consolidated state into dp = world and
+    (c) into dp 1; every continuation matches the reference trained straight through."""
+    import torch.distributed as dist
+
+    from fastpar.optim import DistributedOptimizer
+
+    world, rank = topo.world_size, topo.rank
+    if world == 1:
+        first, singles = topo.dp_group, [topo.dp_group]
+    else:
+        pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]  # every rank calls each
+        first = pairs[rank // 2]
+        singles = [dist.new_group([i]) for i in range(world)]
+    single = singles[rank]
+    kw = {"lr": 1e-2, "betas": (0.8, 0.95)}
+    data = batches(seed + 7, 5)
+    k1 = 3
+    torch.manual_seed(seed)
+    ser = Net()
+    ref = copy.deepcopy(ser).double()
+    opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], **kw)
+            for m in (ser, ref)]
+    par = copy.deepcopy(ser)
+    opt = DistributedOptimizer(par.parameters(), torch.optim.Adam, group=first, **kw)
+    for i, (x, y) in enumerate(data):
+        for m, o in zip((ser, ref), opts):
+            serial_step(m, o, x, y)
+        if i < k1:
+            zero_step(par, opt, x, y, first)
+    per_rank = opt.state_dict()
+    buf = io.BytesIO()
+    torch.save(opt.consolidated_state_dict(), buf)
+    consolidated = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    assert consolidated["masters"][0].shape == (sum(
+        p.numel() for p in ser.parameters() if p.requires_grad),)
+
+    for label, group, how in (("same", first, "per_rank"), ("world", topo.dp_group, "full"),
+                              ("one", single, "full")):
+        torch.manual_seed(seed + 99)
+        fresh = Net()  # other weights: the checkpoint must set them
+        fresh.a.load_state_dict(ser.a.state_dict())  # the frozen layer is the model's business
+        new = DistributedOptimizer(fresh.parameters(), torch.optim.Adam, group=group, lr=1.0)
+        if how == "per_rank":
+            new.load_state_dict(per_rank)
+        else:
+            new.load_consolidated_state_dict(consolidated)
+        assert new.param_groups[0]["lr"] == kw["lr"] and new.param_groups[0]["betas"] == (0.8,
+                                                                                          0.95)
+        for x, y in data[k1:]:
+            zero_step(fresh, new, x, y, group)
+        compare(c, f"ckpt.{label}.dp{new.dp_size}", fresh, ref, ser)
+
+    if world > 1:  # the per-rank state dict is tied to its dp size
+        other = DistributedOptimizer(copy.deepcopy(ser).parameters(), torch.optim.Adam,
+                                     group=single, **kw)
+        with pytest.raises(ValueError, match="consolidated_state_dict"):
+            other.load_state_dict(per_rank)
+        c.checked.append("ckpt.per_rank_mismatch")
+
+
+def check_errors(c, topo):
+    from fastpar.optim import DistributedOptimizer
+
+    net = Net()
+    with pytest.raises(TypeError, match="per-group"):
+        DistributedOptimizer([{"params": list(net.parameters())}], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="no trainable"):
+        DistributedOptimizer(net.a.parameters(), torch.optim.SGD, lr=0.1)
+    opt = DistributedOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    assert f"dp={topo.dp_size}" in repr(opt)
+    c.checked.append("errors")
+
+
+def check_tp(c, topo, seed):
+    """tp x dp: ParallelMLP shards, ZeRO over the dp group; clip_grad_norm_(model=) sums the
+    shards over tp once and the replicated fc2 bias once."""
+    from fastpar import nn as pnn
+    from fastpar.optim import DistributedOptimizer
+    from fastpar.testing import SerialMLP
+
+    torch.manual_seed(seed)
+    ser = SerialMLP(8, 16)
+    par = pnn.ParallelMLP(8, 16, seed=seed)
+    ref = copy.deepcopy(ser).double()
+
+    def local(name, full):
+        owner, _, leaf = name.rpartition(".")
+        module = par.get_submodule(owner)
+        return module.shard_full(leaf, full) if isinstance(module, pnn.ShardedModule) else full
+
+    kw = {"lr": 1e-2}
+    opts = [torch.optim.AdamW(m.parameters(), **kw) for m in (ser, ref)]
+    opt = DistributedOptimizer(par.parameters(), torch.optim.AdamW, **kw)
+    gen = torch.Generator().manual_seed(seed + 3)
+    dp, r = topo.dp_size, topo.dp_rank
+    for step in range(3):
+        x, y = torch.randn(dp * MB, 3, 8, generator=gen), torch.randn(dp * MB, 3, 8, generator=gen)
+        norms = []
+        for m, o in zip((ser, ref), opts):
+            o.zero_grad()
+            dt = next(m.parameters()).dtype
+            F.mse_loss(m(x.to(dt)), y.to(dt)).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+            o.step()
+        F.mse_loss(par(x.chunk(dp)[r]), y.chunk(dp)[r]).backward()
+        n = opt.clip_grad_norm_(0.05, model=par)
+        opt.step()
+        opt.zero_grad()
+        c.close(f"tp.step{step}.norm", n, norms[1], norms[0])
+        rp, sp = dict(ref.named_parameters()), dict(ser.named_parameters())
+        for name, p in par.named_parameters():
+            c.close(f"tp.step{step}.{name}", p, local(name, rp[name]), local(name, sp[name]))
+    assert float(norms[1]) > 0.05  # it clipped
+
+
+def body_zero(seed, tp=1):
+    import fastpar
+
+    topo = fastpar.init(tp=tp, timeout=60)
+    c = Checks()
+    if tp > 1:
+        check_tp(c, topo, seed)
+        return {"checked": c.checked, "worst": c.worst}
+    check_errors(c, topo)
+    check_training(c, topo, seed)
+    check_mixed(c, topo, seed)
+    check_checkpoints(c, topo, seed)
+    return {"checked": c.checked, "worst": c.worst}
+
+
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, tp)
+
+
+@pytest.mark.parametrize("world,tp", LAYOUTS, ids=[f"w{w}tp{t}" for w, t in LAYOUTS])
+def test_zero(world, tp):
+    launch = run_ranks(world, body_zero, seed=4321, tp=tp, timeout=90)
+    values = launch.values()
+    assert all(v["checked"] == values[0]["checked"] for v in values)
+    assert len(values[0]["checked"]) > (10 if tp > 1 else 50), values[0]["checked"]
