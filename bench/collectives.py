@@ -1,7 +1,7 @@
 """Collective microbenchmark in the style of nccl-tests: every engine, same run, same sizes.
 
     mpirun -np 2 python bench/collectives.py --ops all_reduce --backends shm,gloo,mpi \\
-        -b 1K -e 64M -f 2 --dtype float32 [--check] [--json PATH] [--plot PATH]
+        -b 1K -e 64M -f 2 --dtype float32 [--check] [--json PATH] [--plot PATH] [--symmetric]
 
 Sizes follow nccl-tests: the bytes of the all_reduce/broadcast/sendrecv buffer, of the gathered
 output for all_gather, of the input for reduce_scatter. Each point: ``-w`` warm-up calls, then
@@ -11,7 +11,9 @@ spread a job sees from call to call). busbw applies the nccl-tests factors (all_
 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and sendrecv 1). The ``memcpy``
 line is this machine's copy of the same bytes on every rank at once; for all_reduce, the
 summary's ``bound`` is that copy time as a fraction of the fastest engine's time (a rank must
-at least read its input and write its result: one copy).
+at least read its input and write its result: one copy). ``--symmetric`` adds an all_reduce line
+"shm (symmetric)" on a ``comm.symmetric_empty`` buffer (no copy in or out; its JSON records carry
+``"symmetric": true``).
 
 More ranks than cores (a laptop): set ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` so idle MPICH ranks sleep.
 """
@@ -66,13 +68,16 @@ def slowest(value: float, topo) -> float:
     return t.item()
 
 
-def make_call(op, backend, count, dtype, topo, fill):
-    """A closure running one collective of ``count`` elements per rank's buffer (see sizes)."""
+def make_call(op, backend, count, dtype, topo, fill, symmetric=False):
+    """A closure running one collective of ``count`` elements per rank's buffer (see sizes);
+    ``symmetric``: the all_reduce buffer comes from ``comm.symmetric_empty``."""
     n, rank, device = topo.world_size, topo.rank, topo.device
     if op == "sendrecv":
         return make_sendrecv(backend, count, dtype, topo, fill)
     per_rank = count // n if op == "all_gather" else count
     x = fill(per_rank, rank).to(device)
+    if symmetric:
+        x = comm.symmetric_empty(per_rank, dtype=dtype).copy_(x)
     if op == "all_reduce":
         # In place, as nccl-tests: timed calls keep reducing the same buffer (no reset copy);
         # --check uses a fresh closure.
@@ -215,15 +220,19 @@ def run(args, topo) -> list[dict]:
         return torch.randn(count, generator=g).to(dtype)
 
     for op in args.ops:
-        for backend in args.backends:
+        lines = [(b, False) for b in args.backends]
+        if args.symmetric and op == "all_reduce" and "shm" in args.backends:
+            lines.append(("shm", True))
+        for backend, symmetric in lines:
+            label = backend + (" (symmetric)" if symmetric else "")
             why = supported(op, backend, topo, dtype)
             if why:
                 if topo.rank == 0:
-                    print(f"# {op} on {backend}: skipped, {why}")
+                    print(f"# {op} on {label}: skipped, {why}")
                 continue
             comm.use_backend(backend)
             if topo.rank == 0:
-                print(f"\n# {op}  backend {backend}  ranks {n}  dtype {args.dtype}")
+                print(f"\n# {op}  backend {label}  ranks {n}  dtype {args.dtype}")
                 print(f"{'size':>12} {'count':>12} {'type':>9} {'time(us)':>11} "
                       f"{'p99(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
             for nbytes in args.sizes:
@@ -231,12 +240,12 @@ def run(args, topo) -> list[dict]:
                 count -= count % n if op in ("all_gather", "reduce_scatter") else 0
                 if count == 0:
                     continue
-                call = make_call(op, backend, count, dtype, topo, fill)
+                call = make_call(op, backend, count, dtype, topo, fill, symmetric)
                 iters = args.iters if nbytes < (8 << 20) else max(5, args.iters // 5)
                 t, p99 = time_calls(call, args.warmup, iters, topo)
                 wrong = -1
                 if args.check:
-                    got = make_call(op, backend, count, dtype, topo, fill)()
+                    got = make_call(op, backend, count, dtype, topo, fill, symmetric)()
                     wrong = count_wrong(got, reference(op, count, dtype, topo, fill), dtype)
                     wrong = int(slowest(float(wrong), topo))
                 size = count * esize
@@ -244,7 +253,7 @@ def run(args, topo) -> list[dict]:
                 rec = {"op": op, "backend": backend, "bytes": size, "count": count,
                        "dtype": args.dtype, "world_size": n, "time_us": t * 1e6,
                        "p99_us": p99 * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * BUS_FACTOR[op](n),
-                       "wrong": wrong}
+                       "wrong": wrong, "symmetric": symmetric}
                 records.append(rec)
                 if topo.rank == 0:
                     print(f"{size:>12} {count:>12} {args.dtype:>9} {t * 1e6:>11.1f} "
@@ -265,7 +274,7 @@ def memcpy_reference(args, topo) -> list[dict]:
                     "dtype": "uint8", "world_size": topo.world_size, "time_us": t * 1e6,
                     "p99_us": p99 * 1e6,
                     "algbw_gbps": nbytes / t / 1e9, "busbw_gbps": nbytes / t / 1e9,
-                    "wrong": 0})
+                    "wrong": 0, "symmetric": False})
         if topo.rank == 0:
             print(f"{nbytes:>12} {t * 1e6:>11.1f} {nbytes / t / 1e9:>8.2f}")
     return out
@@ -277,19 +286,24 @@ def summary(records: list[dict]) -> None:
     table = {}
     for r in records:
         if r["op"] != "memcpy":
-            table.setdefault((r["op"], r["bytes"]), {})[r["backend"]] = r["time_us"]
+            name = r["backend"] + (" (symmetric)" if r.get("symmetric") else "")
+            table.setdefault((r["op"], r["bytes"]), {})[name] = r["time_us"]
     print("\n# summary: time ratios (>1: the first is faster)")
     for (op, nbytes), by in sorted(table.items()):
         parts = []
-        if "shm" in by:
-            for other in ("mpi", "gloo"):
+        for mine in ("shm", "shm (symmetric)"):
+            for other in ("mpi", "gloo") if mine in by else ():
                 if other in by:
-                    parts.append(f"shm/{other} {by[other] / by['shm']:.1f}x")
+                    parts.append(f"{mine}/{other} {by[other] / by[mine]:.1f}x")
+        if "shm" in by and "shm (symmetric)" in by:
+            parts.append(f"symmetric/shm {by['shm'] / by['shm (symmetric)']:.2f}x")
         if "cuda_ipc" in by and "nccl" in by:
             parts.append(f"cuda_ipc/nccl {by['nccl'] / by['cuda_ipc']:.1f}x")
         if op == "all_reduce" and nbytes in copy:
             best = min(by, key=by.get)
             parts.append(f"bound: {best} at {copy[nbytes] / by[best]:.0%} of memcpy")
+            if "shm (symmetric)" in by and best != "shm (symmetric)":
+                parts.append(f"shm (symmetric) at {copy[nbytes] / by['shm (symmetric)']:.0%}")
         if parts:
             print(f"{op:>15} {nbytes:>10} B  " + "  ".join(parts))
 
@@ -305,8 +319,11 @@ def plot(records: list[dict], path: str) -> None:
     ops = sorted({r["op"] for r in records if r["op"] != "memcpy"})
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
-        for backend in sorted({r["backend"] for r in records if r["op"] in (op, "memcpy")}):
-            rows = [r for r in records if r["backend"] == backend and r["op"] in (op, "memcpy")]
+        def name(r):
+            return r["backend"] + (" (symmetric)" if r.get("symmetric") else "")
+
+        for backend in sorted({name(r) for r in records if r["op"] in (op, "memcpy")}):
+            rows = [r for r in records if name(r) == backend and r["op"] in (op, "memcpy")]
             ax.plot([r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker="o",
                     label=backend, linestyle="--" if backend == "memcpy" else "-")
         ax.set(xscale="log", yscale="log", xlabel="bytes", ylabel="busbw (GB/s)",
@@ -331,6 +348,8 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="count wrong elements vs float64")
     p.add_argument("--json", help="write the records to this path")
     p.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="add all_reduce on a comm.symmetric_empty buffer (with shm in --backends)")
     args = p.parse_args()
     args.ops = [o for o in args.ops.split(",") if o]
     args.backends = [b for b in args.backends.split(",") if b]

@@ -24,6 +24,8 @@ TORCH_LIBRARY(fastpar, m) {
         &fastpar::shm_attach);
   m.def("shm_detach(int comm) -> ()", &fastpar::shm_detach);
   m.def("shm_all_reduce(int comm, Tensor(a!) t, str op) -> ()", &fastpar::shm_all_reduce);
+  m.def("shm_all_reduce_symmetric(int comm, Tensor(a!) t, int[] slots, str op) -> ()",
+        &fastpar::shm_all_reduce_symmetric);
   m.def("shm_all_gather(int comm, Tensor inp, Tensor(a!) out, int sig) -> ()",
         &fastpar::shm_all_gather);
   m.def("shm_reduce_scatter(int comm, Tensor inp, Tensor(a!) out, str op) -> ()",

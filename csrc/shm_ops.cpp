@@ -114,6 +114,21 @@ void shm_all_reduce(int64_t handle, at::Tensor& t, const std::string& op) {
   run([&] { shm::all_reduce(c, t.data_ptr(), t.numel(), dt, o); });
 }
 
+void shm_all_reduce_symmetric(int64_t handle, at::Tensor& t, at::IntArrayRef slots,
+                              const std::string& op) {
+  check_cpu(t, "tensor");
+  auto& c = get(handle);
+  TORCH_CHECK(int64_t(slots.size()) == c.world, "fastpar shm all_reduce (symmetric): ",
+              slots.size(), " slot addresses for a group of ", c.world);
+  TORCH_CHECK(slots[c.rank] == reinterpret_cast<int64_t>(t.data_ptr()),
+              "fastpar shm all_reduce (symmetric): the tensor is not this rank's slot");
+  auto dt = dtype_of(t);
+  auto o = op_of(op);
+  void* ptrs[64];
+  for (int r = 0; r < c.world; ++r) ptrs[r] = reinterpret_cast<void*>(slots[r]);
+  run([&] { shm::all_reduce_symmetric(c, ptrs, t.numel(), dt, o); });
+}
+
 void shm_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out, int64_t sig) {
   check_cpu(in, "input");
   check_cpu(out, "output");

@@ -15,6 +15,10 @@ int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes
                    double timeout_s);
 void shm_detach(int64_t comm);
 void shm_all_reduce(int64_t comm, at::Tensor& t, const std::string& op);
+// t is this rank's slot of a symmetric segment; slots[p] the address of rank p's slot in this
+// process (fastpar/comm/symmetric.py).
+void shm_all_reduce_symmetric(int64_t comm, at::Tensor& t, at::IntArrayRef slots,
+                              const std::string& op);
 // sig: the caller's dtype/shape signature, compared across ranks (fastpar/comm/shm.py).
 void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t sig);
 void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,

@@ -10,7 +10,7 @@ import sys
 from tests.multirank import BIN, ROOT
 
 RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
-               "algbw_gbps", "busbw_gbps", "wrong"}
+               "algbw_gbps", "busbw_gbps", "wrong", "symmetric"}
 
 
 def mpirun(n, *args, timeout=180):

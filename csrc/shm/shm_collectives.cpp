@@ -31,7 +31,9 @@ constexpr size_t kPage = 4096;
 // Waiting, liveness and poisoning are shared with shm_p2p.cpp (shm_wait.h).
 using detail::Ident;
 
-enum class Kind : uint32_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4 };
+enum class Kind : uint32_t {
+  AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4, AllReduceSymmetric = 5
+};
 
 // What a rank passed to a call; compared across ranks in the call's first round.
 struct Desc {
@@ -83,6 +85,7 @@ const char* kind_name(Kind k) {
     case Kind::AllGather: return "all_gather";
     case Kind::ReduceScatter: return "reduce_scatter";
     case Kind::Broadcast: return "broadcast";
+    case Kind::AllReduceSymmetric: return "all_reduce (symmetric)";
   }
   return "?";
 }
@@ -158,7 +161,7 @@ void signal_and_wait(Comm& c, Kind k) {
 
 std::string describe(const Desc& d, bool full) {
   Kind k = Kind(d.kind);
-  bool elems = k == Kind::AllReduce || k == Kind::ReduceScatter;
+  bool elems = k == Kind::AllReduce || k == Kind::ReduceScatter || k == Kind::AllReduceSymmetric;
   std::string what = std::to_string(d.count) +
                      (elems ? std::string(" ") + dtype_name(DType(d.dtype)) + " elements"
                             : std::string(" bytes"));
@@ -349,6 +352,30 @@ void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op) {
       std::memcpy(buf + (off + b) * es, half(c, r, c.rounds) + b * es, (e - b) * es);
     }
   }
+}
+
+void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op) {
+  const Desc d = begin_call(c, Kind::AllReduceSymmetric, dt, op, count, 0);
+  const size_t es = dtype_size(dt);
+  if (c.world == 1) return;
+  // Entry: every rank's input is in its slot, and no rank still reads the previous result.
+  first_round_sync(c, d);
+  ++c.rounds;  // the descriptor's parity; the halves are not touched
+  size_t b, e;
+  slice_of(count, c.world, c.rank, &b, &e);
+  constexpr size_t kBlockBytes = 16 << 10;  // the reduced block stays in L1 for the writes
+  alignas(64) char block[kBlockBytes];
+  const size_t per = kBlockBytes / es;
+  const void* srcs[kMaxWorld];
+  for (size_t i = b; i < e; i += per) {
+    const size_t n = std::min(per, e - i);
+    for (int r = 0; r < c.world; ++r) srcs[r] = static_cast<const char*>(slots[r]) + i * es;
+    reduce_into(block, srcs, c.world, n, dt, op);
+    for (int r = 0; r < c.world; ++r)
+      std::memcpy(static_cast<char*>(slots[r]) + i * es, block, n * es);
+  }
+  // Exit: every slice is in every slot.
+  signal_and_wait(c, Kind::AllReduceSymmetric);
 }
 
 void all_gather(Comm& c, const void* in, void* out, size_t bytes, uint64_t sig) {

@@ -96,6 +96,15 @@ const char* poison_message(const Comm& c);
 // on every rank). 16-bit dtypes accumulate in float32, round to nearest-even once.
 void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op);
 
+// In place over a symmetric buffer: slots[p] is rank p's `count` elements, as this process
+// maps them (every rank maps the same segment; slots[rank] is this rank's own data). Rank r
+// reduces slice r of all slots in rank order 0..world-1 into an L1 block and writes it into
+// slice r of every slot: each byte is read once and written once per rank, no copy in or out.
+// The call's flags are this Comm's (two signals: entry, then every slice written). Bitwise the
+// result of all_reduce: same reduction code, same order. A rank passing a plain all_reduce
+// where the others pass this one gets the descriptor mismatch error.
+void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op);
+
 // out[r*bytes:(r+1)*bytes] = in of rank r. `out` holds world*bytes; `in` may alias
 // out + rank*bytes.
 // `sig`: what the bytes are (the caller's dtype and shape, packed into 64 bits; 0 if it has

@@ -163,7 +163,10 @@ def _through_contiguous(t: torch.Tensor, call, async_op: bool):
 
 
 def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
-    """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``)."""
+    """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``).
+
+    On the shm engine a whole ``symmetric_empty`` tensor of this group is reduced where it lies
+    (no copy in or out; bitwise the copying path's result)."""
     route = _route("all_reduce", t, group, op)
     engine, op = route.engine, route.op
     if engine == "local":
@@ -171,7 +174,12 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
     if not t.is_contiguous():  # every engine wants contiguous memory (NCCL, ours); gloo copies
         return _through_contiguous(t, lambda c: all_reduce(c, group, op, True), async_op)
     if engine == "shm":
-        route.comm.all_reduce(t, op)
+        # A whole symmetric tensor of this group (symmetric.py) is reduced where it lies.
+        sym = current().symmetric.get(t.data_ptr())
+        if sym is not None and sym.serves(t, route.group, op):
+            route.comm.all_reduce_symmetric(t, sym.slots, op)
+        else:
+            route.comm.all_reduce(t, op)
     elif engine == "cuda_ipc":
         route.comm.all_reduce(t)
     elif engine == "mpi":

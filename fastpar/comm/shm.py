@@ -140,6 +140,7 @@ class ShmCommunicator:
         self._busy = threading.Lock()
         # Bound overloads: skips the op-packet lookup on every call (~1 us of a ~3 us call).
         self._all_reduce = self._ops.shm_all_reduce.default
+        self._all_reduce_symmetric = self._ops.shm_all_reduce_symmetric.default
         self._all_gather = self._ops.shm_all_gather.default
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
@@ -183,6 +184,11 @@ class ShmCommunicator:
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         self._call("all_reduce", self._all_reduce, t, op)
+
+    def all_reduce_symmetric(self, t: torch.Tensor, slots: list[int], op: str) -> None:
+        """``t`` is this rank's slot of a symmetric segment of this group, ``slots`` every
+        rank's slot address in this process (fastpar/comm/symmetric.py): no copy in or out."""
+        self._call("all_reduce", self._all_reduce_symmetric, t, slots, op)
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         self._call("all_gather", self._all_gather, inp, out, signature(inp), t=inp)

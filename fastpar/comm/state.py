@@ -36,6 +36,9 @@ class CommState:
         self._shm: dict = {}  # id(group) -> ShmCommunicator
         self._mpi: dict = {}  # id(group) -> MPI communicator
         self._ipc: dict = {}  # id(group) -> CudaIpcCommunicator, or None where IPC is off
+        # data_ptr of a symmetric tensor -> its SymmetricSegment (fastpar/comm/symmetric.py);
+        # an entry goes with the tensor's mapping, or at close()
+        self.symmetric: dict = {}
         # close() of what else holds channels of this job (pipeline P2P rings, status boards),
         # run by fastpar.shutdown before the communicators go
         self.closers: list = []
@@ -157,7 +160,8 @@ class CommState:
         closers += [c.close for c in self._shm.values()]
         closers += [c.close for c in self._ipc.values() if c is not None]
         closers += [sub.Free for sub in self._mpi.values()]
-        for table in (self._shm, self._ipc, self._mpi, self._groups, self.routes):
+        for table in (self._shm, self._ipc, self._mpi, self._groups, self.routes,
+                      self.symmetric):
             table.clear()
         first = None
         for close in closers:

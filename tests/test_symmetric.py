@@ -1,0 +1,182 @@
+"""Symmetric tensors (fastpar/comm/symmetric.py over all_reduce_symmetric in
+csrc/shm/shm_collectives.cpp): an all_reduce of a ``comm.symmetric_empty`` tensor is bitwise the
+copying shm path's, on every rank, for every dtype, sum and max, odd sizes on both sides of the
+small-message limit, at world 2, 3 and 4; a view of part of it takes the copying path; ranks that
+disagree on the size get a ValueError naming both; a killed peer is named at once and no
+segment is left in /dev/shm, also when the creator dies while the others have not mapped it."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.multirank import BIN, ROOT, mpich_segments_removed, run_ranks, segments_of
+
+# Elements: 1 and 7 (ranks with an empty slice), 1001 (the copying path's one-round small
+# all_reduce), 20011 and 300007 (several 16 KiB blocks per slice; the copying path's 1 MiB chunks
+# for the largest).
+COUNTS = [1, 7, 1001, 20011, 300007]
+
+
+def body_bitwise():
+    """Every (dtype, op, size): the symmetric result against the copying path's on a copy of the
+    same input; returns a digest of every result so the test compares ranks."""
+    import gc
+    import hashlib
+
+    import torch
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm.shm import ShmCommunicator
+    from fastpar.comm.state import current
+
+    topo = fastpar.init(timeout=60)
+    comm.use_backend("shm")
+    me, n = topo.rank, topo.world_size
+    taken = [0]
+    symmetric = ShmCommunicator.all_reduce_symmetric
+
+    def spy(self, *args):
+        taken[0] += 1
+        return symmetric(self, *args)
+
+    ShmCommunicator.all_reduce_symmetric = spy
+    digests, bad, cases = [], [], 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for op in ("sum", "max"):
+            for count in COUNTS:
+                g = torch.Generator().manual_seed(1000 * me + count)
+                data = (torch.randn(count, generator=g) * 100).to(dtype)
+                if op == "max" and count > 7:  # NaN propagates, inf wins, alike on both paths
+                    data[me * 5] = float("nan")
+                    data[-1 - me] = float("inf")
+                shape = (count,) if count % 2 else (2, count // 2)
+                x = comm.symmetric_empty(*shape, dtype=dtype)
+                x.copy_(data.view(shape))
+                ref = data.clone().view(shape)
+                comm.all_reduce(ref, op=op)  # not symmetric: the copying path
+                comm.all_reduce(x, op=op)
+                cases += 1
+                if not torch.equal(x.reshape(-1).view(torch.uint8),
+                                   ref.reshape(-1).view(torch.uint8)):
+                    bad.append(f"{dtype} {op} {count}")
+                digests.append(hashlib.sha1(x.reshape(-1).view(torch.uint8).numpy()).hexdigest())
+                if count == 20011:  # a view of part of it: the copying path, still right
+                    part, want = x[1:].clone(), x[1:].clone()
+                    before = taken[0]
+                    view = x[1:]
+                    comm.all_reduce(view, op=op)
+                    comm.all_reduce(want, op=op)
+                    assert taken[0] == before, "a partial view took the symmetric path"
+                    assert torch.equal(view.view(torch.uint8), want.view(torch.uint8)), part
+    assert taken[0] == cases, (taken[0], cases)
+    # Ranks that disagree: a ValueError on every rank naming each rank's size, no segment made.
+    try:
+        comm.symmetric_empty(5 + (me == n - 1), dtype=torch.float32)
+        raise AssertionError("mismatched symmetric_empty returned")
+    except ValueError as exc:
+        mismatch = str(exc)
+    x = comm.symmetric_empty(3, dtype=torch.float32).fill_(me + 1)
+    assert comm.all_reduce(x).tolist() == [n * (n + 1) / 2] * 3
+    del x, view, part
+    gc.collect()
+    left = len(current().symmetric)  # every tensor gone: no registry entry left
+    fastpar.shutdown()
+    return {"digests": digests, "bad": bad, "mismatch": mismatch, "left": left}
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_symmetric_all_reduce_is_bitwise_the_copying_path(nranks):
+    values = run_ranks(nranks, body_bitwise, timeout=300).values()
+    for v in values:
+        assert v["bad"] == [], v["bad"]
+        assert v["left"] == 0, v
+        assert "size (5,)" in v["mismatch"] and "size (6,)" in v["mismatch"], v["mismatch"]
+    assert all(v["digests"] == values[0]["digests"] for v in values)
+
+
+def body_peer_killed():
+    """Rank 1 is SIGKILLed after a symmetric all_reduce; rank 0's next one names it at once."""
+    import torch
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(timeout=60)
+    comm.use_backend("shm")
+    x = comm.symmetric_empty(1 << 16, dtype=torch.float32).fill_(1)
+    comm.all_reduce(x)
+    torch.distributed.barrier()
+    pids = [None] * topo.world_size
+    torch.distributed.all_gather_object(pids, os.getpid())
+    if topo.rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun stops the others: report first
+    start = time.monotonic()
+    try:
+        comm.all_reduce(x)
+        raise AssertionError("an all_reduce with a killed peer returned")
+    except RuntimeError as exc:
+        return [time.monotonic() - start, str(exc), pids]
+
+
+def test_killed_peer_is_named_at_once_and_nothing_leaks():
+    launch = run_ranks(2, body_peer_killed, launcher="torchrun", check=False, timeout=90)
+    assert 0 in launch.results and launch.results[0]["ok"], launch.describe()
+    elapsed, message, pids = launch.results[0]["value"]
+    assert "all_reduce (symmetric): rank 0 found rank 1 dead" in message, message
+    assert elapsed < 5, (elapsed, message)
+    assert segments_of(pids) == set()
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_no_segment_left_when_a_rank_dies_during_setup(victim, tmp_path):
+    """Rank 1 agrees on the size, then is slow to map the segment, so rank 0 waits with its name
+    in /dev/shm; then one rank gets SIGKILL: the name goes too (the creator's reaper)."""
+    code = ("import os, time, torch, fastpar\n"
+            "from fastpar import comm\n"
+            "topo = fastpar.init(timeout=120)\n"
+            "comm.use_backend('shm')\n"
+            "comm.all_reduce(torch.ones(2))\n"  # the group's own segment: mapped and unlinked
+            f"open(os.path.join({str(tmp_path)!r}, f'pid{{topo.rank}}'), 'w').write("
+            "str(os.getpid()))\n"
+            "if topo.rank == 1:\n"  # past the size check, slow to map the segment
+            "    import _posixshmem, fastpar.comm.symmetric as sym\n"
+            "    class Slow:\n"
+            "        def shm_open(self, *args, **kwargs):\n"
+            "            time.sleep(60)\n"
+            "            return _posixshmem.shm_open(*args, **kwargs)\n"
+            "        shm_unlink = staticmethod(_posixshmem.shm_unlink)\n"
+            "    sym._posixshmem = Slow\n"
+            "comm.symmetric_empty(1000)\n")
+    before = set(glob.glob("/dev/shm/fastpar-*"))
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+    def ours():
+        pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)
+                if (tmp_path / f"pid{r}").exists()]
+        return {p for p in segments_of(pids) - before if "-sym-" in p}
+
+    with mpich_segments_removed():
+        proc = subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c",
+                                 code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not ours() or not (tmp_path / "pid1").exists()):
+            time.sleep(0.05)
+        pending = ours()
+        os.kill(int((tmp_path / f"pid{victim}").read_text()), signal.SIGKILL)
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+    assert pending, f"the segment never appeared:\n{output}"
+    time.sleep(0.5)
+    assert ours() == set(), output
