@@ -13,6 +13,7 @@ state dict keys; a bfloat16 model reducing in float32. One launch per layout.
 
 import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -58,6 +59,10 @@ def train_and_compare(c, topo, tag, ser, par, x_shape, y_shape, local, gen, **dp
         for p in par.parameters():
             p.add_(float(r))
     model = fastpar.DataParallel(par, **dp_kwargs)
+    # CPU buckets of a dp group on one host live in symmetric memory (reduced in place)
+    want_symmetric = dp > 1 and os.environ.get("FASTPAR_COMM_BACKEND") in (None, "", "shm")
+    assert all(b.symmetric == want_symmetric for b in model.reducer.buckets), \
+        (tag, model.reducer.buckets)
     for name, p in model.module.named_parameters():
         assert torch.equal(p, local(name, dict(ser.named_parameters())[name])), \
             f"{tag}: {name} differs from dp rank 0's after the wrap"

@@ -71,7 +71,7 @@ class Bucket:
     """
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], names: list[str],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, alloc=None):
         self.index, self.params, self.names = index, params, names
         self.dtype, self.device = dtype, device
         self.copy = any(p.dtype != dtype for p in params)
@@ -80,7 +80,11 @@ class Bucket:
         for p in params:
             self.offsets.append(end)
             end += -(-p.numel() // align) * align
-        self.data = torch.zeros(end, dtype=dtype, device=device)  # the padding stays zero
+        # the padding stays zero; ``alloc(numel, dtype, device)`` may place the bucket in
+        # symmetric memory, where the group's all-reduce needs no copy in or out
+        self.data = (alloc(end, dtype, device) if alloc is not None else
+                     torch.zeros(end, dtype=dtype, device=device))
+        self.symmetric = alloc is not None and device.type == "cpu"
         self.views = [self.data[o:o + p.numel()].view(p.shape)
                       for o, p in zip(self.offsets, params)]
         self.pending = len(params)  # parameters not ready yet in the current cycle
@@ -91,4 +95,5 @@ class Bucket:
 
     def __repr__(self) -> str:
         return (f"Bucket({self.index}: {len(self.params)} params, {self.nbytes / 2**20:.3g} MiB "
-                f"{str(self.dtype).removeprefix('torch.')}{', copy' if self.copy else ''})")
+                f"{str(self.dtype).removeprefix('torch.')}{', copy' if self.copy else ''}"
+                f"{', symmetric' if self.symmetric else ''})")

@@ -20,6 +20,8 @@ One cycle per backward outside ``no_sync()``:
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fastpar import comm
@@ -58,9 +60,10 @@ class Reducer:
                            torch.empty((), dtype=bucket_dtype(p)).element_size())
                  for p in self._params]
         plan = plan_buckets(specs, max(1, int(bucket_mb * 2**20)))
+        alloc = self._symmetric_alloc()
         self.buckets: tuple[Bucket, ...] = tuple(
             Bucket(k, [self._params[i] for i in idx], [self._names[i] for i in idx],
-                   *specs[idx[0]].key) for k, idx in enumerate(plan))
+                   *specs[idx[0]].key, alloc=alloc) for k, idx in enumerate(plan))
         self._where = [None] * len(self._params)  # param index -> (bucket, view)
         for b, idx in zip(self.buckets, plan):
             for i, view in zip(idx, b.views):
@@ -71,6 +74,26 @@ class Reducer:
                     view.copy_(p.grad)
                 if not b.copy:
                     p.grad = view  # autograd accumulates into the bucket from now on
+
+    def _symmetric_alloc(self):
+        """Bucket storage in symmetric memory (``comm.symmetric_empty``: the shm all-reduce then
+        reduces it where it lies) when the dp group's CPU all-reduces go to the shm engine;
+        ``None`` (plain tensors) otherwise. Every dp rank decides alike: same group, same
+        policy."""
+        if self.dp_size == 1 or os.environ.get("FASTPAR_SYMMETRIC", "1") == "0":
+            return None
+        from fastpar.comm.state import current
+
+        probe = torch.empty(1)
+        _, _, choice = current().choose("all_reduce", probe, self.group)
+        if choice.engine != "shm":
+            return None
+
+        def alloc(numel, dtype, device):
+            if device.type != "cpu":
+                return torch.zeros(numel, dtype=dtype, device=device)
+            return comm.symmetric_empty(numel, dtype=dtype, group=self.group).zero_()
+        return alloc
 
     # ---- the reduction cycle ------------------------------------------------------------------
 
