@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastpar  # noqa: E402
+from fastpar.runtime.launcher import launched_world_size  # noqa: E402
 from fastpar.pipeline import SCHEDULES, Pipeline  # noqa: E402
 from fastpar.pipeline.timeline import simulate  # noqa: E402
 
@@ -266,7 +267,7 @@ def print_targets(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    args = parse_args(_world_size())
+    args = parse_args(launched_world_size())
     kept = keep_freed_memory() if args.malloc == "keep" else False
     topo = fastpar.init(tp=args.tp, pp=args.pp)  # --pp below the world size: the rest is data parallel
     cpus = os.cpu_count() or 1
@@ -314,19 +315,6 @@ def main() -> int:
             print(f"# wrote {args.json}")
     fastpar.shutdown()
     return 0
-
-
-def _world_size() -> int:
-    from fastpar.runtime.launcher import detect
-
-    info = detect(os.environ)
-    if info.world_size > 0:
-        return info.world_size
-    if info.uses_mpi:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD.Get_size()
-    return 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 import torch
 
 import fastpar
+from fastpar.runtime.launcher import launched_world_size
 from fastpar.testing import SerialMLP
 
 # Configuration.
@@ -59,7 +60,7 @@ def main():
     args = parser.parse_args()
     hidden, ffn = args.hidden, args.ffn
     torch.set_num_threads(THREADS)
-    topo = fastpar.init(tp=_world_size())  # every rank in one TP group
+    topo = fastpar.init(tp=launched_world_size())  # every rank in one TP group
     tp, rank = topo.tp_size, topo.rank
     import torch.distributed as dist
 
@@ -104,21 +105,6 @@ def main():
             with open(args.json, "w") as f:
                 json.dump(records, f, indent=1)
     fastpar.shutdown()
-
-
-def _world_size() -> int:
-    import os
-
-    from fastpar.runtime.launcher import detect
-
-    info = detect(os.environ)
-    if info.world_size > 0:
-        return info.world_size
-    if info.uses_mpi:
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD.Get_size()
-    return 1
 
 
 if __name__ == "__main__":

@@ -159,3 +159,36 @@ def segments_of(pids) -> set[str]:
         if m and m.group(1) in pids:
             found.add(path)
     return found
+
+
+def cut_short_during_setup(code: str, tmp_path, act, keep=lambda path: True):
+    """Run ``code`` under ``mpirun -np 2``; it must write each rank's pid to ``tmp_path/pid<r>``
+    and then stall inside a segment's set-up. Once a segment of this job (``keep(path)``) is
+    in /dev/shm and rank 1 has written its pid, ``act(proc)`` ends the job (a signal to the
+    launcher or a rank). Returns ``(segments seen, segments left 0.5 s after the end, output)``."""
+    import time
+
+    before = set(glob.glob("/dev/shm/fastpar-*"))
+
+    def ours():  # this job's segments only (other jobs may run beside the test)
+        pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)
+                if (tmp_path / f"pid{r}").exists()]
+        return {p for p in segments_of(pids) - before if keep(p)}
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    with mpich_segments_removed():
+        proc = subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c",
+                                 code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not ours() or not (tmp_path / "pid1").exists()):
+            time.sleep(0.05)
+        pending = ours()
+        act(proc)
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+    time.sleep(0.5)
+    return pending, ours(), output

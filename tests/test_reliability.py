@@ -274,14 +274,11 @@ def test_no_segment_left_when_setup_is_cut_short(how, tmp_path):
     name still in /dev/shm; then the job gets SIGTERM (as from a scheduler), or one rank
     SIGKILL: the name goes too (the creator's reaper child unlinks it when the creator dies,
     however it dies)."""
-    import glob
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.multirank import BIN, ROOT, mpich_segments_removed, segments_of
+    from tests.multirank import cut_short_during_setup
 
     code = ("import os, sys, time, torch, fastpar\n"
             "from fastpar import comm\n"
@@ -292,37 +289,17 @@ def test_no_segment_left_when_setup_is_cut_short(how, tmp_path):
             "if topo.rank == 1:\n"
             "    time.sleep(60)\n"
             "comm.all_reduce(torch.ones(2))\n")
-    before = set(glob.glob("/dev/shm/fastpar-*"))
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    with mpich_segments_removed():
-        proc = subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c",
-                                 code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
 
-        def ours():  # this job's segments only (other jobs may run beside the test)
-            pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)
-                    if (tmp_path / f"pid{r}").exists()]
-            return segments_of(pids) - before
-
-        while time.monotonic() < deadline and (not ours()
-                                               or not (tmp_path / "pid1").exists()):
-            time.sleep(0.05)
-        pending = ours()
+    def act(proc):
         time.sleep(0.5)
         if how == "SIGTERM to the job":
             proc.send_signal(signal.SIGTERM)
         else:
-            victim = (tmp_path / f"pid{how[-1]}").read_text()
-            os.kill(int(victim), signal.SIGKILL)
-        try:
-            output = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output = proc.communicate()[0]
+            os.kill(int((tmp_path / f"pid{how[-1]}").read_text()), signal.SIGKILL)
+
+    pending, left, output = cut_short_during_setup(code, tmp_path, act)
     assert pending, f"the segment never appeared:\n{output}"
-    time.sleep(0.5)
-    assert ours() == set(), output
+    assert left == set(), output
 
 
 def body_soak(calls, seed):

@@ -5,16 +5,13 @@ small-message limit, at world 2, 3 and 4; a view of part of it takes the copying
 disagree on the size get a ValueError naming both; a killed peer is named at once and no
 segment is left in /dev/shm, also when the creator dies while the others have not mapped it."""
 
-import glob
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.multirank import BIN, ROOT, mpich_segments_removed, run_ranks, segments_of
+from tests.multirank import cut_short_during_setup, run_ranks, segments_of
 
 # Elements: 1 and 7 (ranks with an empty slice), 1001 (the copying path's one-round small
 # all_reduce), 20011 and 300007 (several 16 KiB blocks per slice; the copying path's 1 MiB chunks
@@ -155,28 +152,9 @@ def test_no_segment_left_when_a_rank_dies_during_setup(victim, tmp_path):
             "        shm_unlink = staticmethod(_posixshmem.shm_unlink)\n"
             "    sym._posixshmem = Slow\n"
             "comm.symmetric_empty(1000)\n")
-    before = set(glob.glob("/dev/shm/fastpar-*"))
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-
-    def ours():
-        pids = [(tmp_path / f"pid{r}").read_text() for r in (0, 1)
-                if (tmp_path / f"pid{r}").exists()]
-        return {p for p in segments_of(pids) - before if "-sym-" in p}
-
-    with mpich_segments_removed():
-        proc = subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c",
-                                 code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not ours() or not (tmp_path / "pid1").exists()):
-            time.sleep(0.05)
-        pending = ours()
-        os.kill(int((tmp_path / f"pid{victim}").read_text()), signal.SIGKILL)
-        try:
-            output = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output = proc.communicate()[0]
+    pending, left, output = cut_short_during_setup(
+        code, tmp_path, lambda proc: os.kill(int((tmp_path / f"pid{victim}").read_text()),
+                                             signal.SIGKILL),
+        keep=lambda path: "-sym-" in path)
     assert pending, f"the segment never appeared:\n{output}"
-    time.sleep(0.5)
-    assert ours() == set(), output
+    assert left == set(), output

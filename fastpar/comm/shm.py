@@ -65,6 +65,17 @@ def _describe(sig: int, mine: dict) -> str:
 _INTERRUPTED = re.compile(r"fastpar shm \w+: rank \d+ was interrupted \(SIGINT\)")
 
 
+def raise_after_kernel(error: Exception, interrupted) -> None:
+    """Raise a kernel call's ``error``; when the kernel ended its wait because it took a pending
+    SIGINT (``interrupted``), let the program's own SIGINT handler run instead (by default a
+    KeyboardInterrupt carrying the error's text)."""
+    if interrupted:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            raise KeyboardInterrupt(str(error))
+        signal.raise_signal(signal.SIGINT)
+    raise error
+
+
 def _posixshmem():
     import _posixshmem  # CPython's shm_open/shm_unlink, without multiprocessing's tracker
 
@@ -176,11 +187,7 @@ class ShmCommunicator:
             interrupted = _INTERRUPTED.match(str(exc))  # SIGINT in this wait, not an earlier one
         finally:
             self._busy.release()
-        if interrupted:  # the kernel took the pending SIGINT: the program's handler runs now
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                raise KeyboardInterrupt(str(error))
-            signal.raise_signal(signal.SIGINT)
-        raise error
+        raise_after_kernel(error, interrupted)
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         self._call("all_reduce", self._all_reduce, t, op)

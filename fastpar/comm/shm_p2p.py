@@ -39,14 +39,13 @@ import logging
 import mmap
 import os
 import secrets
-import signal
 import threading
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.shm import _INTERRUPTED, _posixshmem, _reaper
+from fastpar.comm.shm import _INTERRUPTED, _posixshmem, _reaper, raise_after_kernel
 
 TAG_ACTIVATIONS = 0
 TAG_GRADIENTS = 1
@@ -303,11 +302,7 @@ class ShmP2P:
             error, interrupted = exc, _INTERRUPTED.match(str(exc))
         finally:
             self._busy.release()
-        if interrupted:  # the kernel took the pending SIGINT: the program's handler runs now
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                raise KeyboardInterrupt(str(error))
-            signal.raise_signal(signal.SIGINT)
-        raise error
+        raise_after_kernel(error, interrupted)
 
     def _slot_of(self, peer: int, tag: int, what: str) -> int:
         slot = self._slot.get(peer)

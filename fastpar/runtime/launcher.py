@@ -115,3 +115,19 @@ def detect(env: Mapping[str, str]) -> LaunchInfo:
     if first.launcher == "torchrun" and not 0 <= first.rank < first.world_size:
         raise ValueError(f"RANK {first.rank} is outside WORLD_SIZE {first.world_size}")
     return first
+
+
+def launched_world_size() -> int:
+    """The number of ranks this process was launched among, before ``fastpar.init`` (for a
+    script that needs it to parse its arguments): the launcher's environment, else MPI's world
+    (under an MPI launcher that does not say), else 1."""
+    import os
+
+    info = detect(os.environ)
+    if info.world_size > 0:
+        return info.world_size
+    if info.uses_mpi:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_size()
+    return 1
