@@ -11,8 +11,9 @@ spread a job sees from call to call). busbw applies the nccl-tests factors (all_
 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and sendrecv 1). The ``memcpy``
 line is this machine's copy of the same bytes on every rank at once; for all_reduce, the
 summary's ``bound`` is that copy time as a fraction of the fastest engine's time (a rank must
-at least read its input and write its result: one copy). ``--symmetric`` adds an all_reduce line
-"shm (symmetric)" on a ``comm.symmetric_empty`` buffer (no copy in or out; its JSON records carry
+at least read its input and write its result: one copy). ``--symmetric`` adds a line
+"shm (symmetric)" for all_reduce and reduce_scatter of a ``comm.symmetric_empty`` input and
+all_gather into a symmetric output (no staging copies; its JSON records carry
 ``"symmetric": true``).
 
 More ranks than cores (a laptop): set ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` so idle MPICH ranks sleep.
@@ -68,14 +69,22 @@ def slowest(value: float, topo) -> float:
     return t.item()
 
 
+SYMMETRIC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 def make_call(op, backend, count, dtype, topo, fill, symmetric=False):
     """A closure running one collective of ``count`` elements per rank's buffer (see sizes);
-    ``symmetric``: the all_reduce buffer comes from ``comm.symmetric_empty``."""
+    ``symmetric``: the all_reduce / reduce_scatter input, or the all_gather output, comes from
+    ``comm.symmetric_empty``."""
     n, rank, device = topo.world_size, topo.rank, topo.device
     if op == "sendrecv":
         return make_sendrecv(backend, count, dtype, topo, fill)
     per_rank = count // n if op == "all_gather" else count
     x = fill(per_rank, rank).to(device)
+    if symmetric and op == "all_gather":  # gathered into a symmetric out, x its own block
+        out = comm.symmetric_empty(n * per_rank, dtype=dtype)
+        block = out[rank * per_rank:(rank + 1) * per_rank].copy_(x)
+        return lambda: comm.all_gather(block, out=out)
     if symmetric:
         x = comm.symmetric_empty(per_rank, dtype=dtype).copy_(x)
     if op == "all_reduce":
@@ -221,7 +230,7 @@ def run(args, topo) -> list[dict]:
 
     for op in args.ops:
         lines = [(b, False) for b in args.backends]
-        if args.symmetric and op == "all_reduce" and "shm" in args.backends:
+        if args.symmetric and op in SYMMETRIC_OPS and "shm" in args.backends:
             lines.append(("shm", True))
         for backend, symmetric in lines:
             label = backend + (" (symmetric)" if symmetric else "")
@@ -349,7 +358,8 @@ def main() -> int:
     p.add_argument("--json", help="write the records to this path")
     p.add_argument("--plot", help="write busbw vs size to this PNG (needs matplotlib)")
     p.add_argument("--symmetric", action="store_true",
-                   help="add all_reduce on a comm.symmetric_empty buffer (with shm in --backends)")
+                   help="add all_reduce / all_gather / reduce_scatter on comm.symmetric_empty "
+                   "buffers (with shm in --backends)")
     args = p.parse_args()
     args.ops = [o for o in args.ops.split(",") if o]
     args.backends = [b for b in args.backends.split(",") if b]

@@ -26,6 +26,10 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("shm_all_reduce(int comm, Tensor(a!) t, str op) -> ()", &fastpar::shm_all_reduce);
   m.def("shm_all_reduce_symmetric(int comm, Tensor(a!) t, int[] slots, str op) -> ()",
         &fastpar::shm_all_reduce_symmetric);
+  m.def("shm_all_gather_symmetric(int comm, Tensor(a!) out, int[] slots, int sig) -> ()",
+        &fastpar::shm_all_gather_symmetric);
+  m.def("shm_reduce_scatter_symmetric(int comm, Tensor inp, int[] slots, Tensor(a!) out, "
+        "str op) -> ()", &fastpar::shm_reduce_scatter_symmetric);
   m.def("shm_all_gather(int comm, Tensor inp, Tensor(a!) out, int sig) -> ()",
         &fastpar::shm_all_gather);
   m.def("shm_reduce_scatter(int comm, Tensor inp, Tensor(a!) out, str op) -> ()",
@@ -75,6 +79,8 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("ipc_init(int[] signal_ptrs, int[] buffer_ptrs, int rank, int world, int buffer_bytes)"
         " -> int", &ipc::ipc_init);
   m.def("ipc_all_reduce(int ctx, Tensor(a!) inp_out, int algo) -> ()", &ipc::ipc_all_reduce);
+  m.def("ipc_all_reduce_symmetric(int ctx, Tensor(a!) t, int[] buffers) -> ()",
+        &ipc::ipc_all_reduce_symmetric);
   m.def("ipc_dispose(int ctx) -> ()", &ipc::ipc_dispose);
   m.def("ipc_get_handle(Tensor buf) -> (Tensor, int)", &ipc::ipc_get_handle);
   m.def("ipc_open_handle(Tensor handle, int device) -> int", &ipc::ipc_open_handle);

@@ -114,19 +114,56 @@ void shm_all_reduce(int64_t handle, at::Tensor& t, const std::string& op) {
   run([&] { shm::all_reduce(c, t.data_ptr(), t.numel(), dt, o); });
 }
 
+namespace {
+
+// slots[p]: rank p's symmetric buffer in this process; `own` must be this rank's.
+void symmetric_slots(const shm::Comm& c, at::IntArrayRef slots, const at::Tensor& own,
+                     const char* what, void** ptrs) {
+  TORCH_CHECK(int64_t(slots.size()) == c.world, "fastpar shm ", what, " (symmetric): ",
+              slots.size(), " slot addresses for a group of ", c.world);
+  TORCH_CHECK(slots[c.rank] == reinterpret_cast<int64_t>(own.data_ptr()), "fastpar shm ", what,
+              " (symmetric): the tensor is not this rank's slot");
+  for (int r = 0; r < c.world; ++r) ptrs[r] = reinterpret_cast<void*>(slots[r]);
+}
+
+}  // namespace
+
 void shm_all_reduce_symmetric(int64_t handle, at::Tensor& t, at::IntArrayRef slots,
                               const std::string& op) {
   check_cpu(t, "tensor");
   auto& c = get(handle);
-  TORCH_CHECK(int64_t(slots.size()) == c.world, "fastpar shm all_reduce (symmetric): ",
-              slots.size(), " slot addresses for a group of ", c.world);
-  TORCH_CHECK(slots[c.rank] == reinterpret_cast<int64_t>(t.data_ptr()),
-              "fastpar shm all_reduce (symmetric): the tensor is not this rank's slot");
+  void* ptrs[64];
+  symmetric_slots(c, slots, t, "all_reduce", ptrs);
   auto dt = dtype_of(t);
   auto o = op_of(op);
-  void* ptrs[64];
-  for (int r = 0; r < c.world; ++r) ptrs[r] = reinterpret_cast<void*>(slots[r]);
   run([&] { shm::all_reduce_symmetric(c, ptrs, t.numel(), dt, o); });
+}
+
+void shm_all_gather_symmetric(int64_t handle, at::Tensor& out, at::IntArrayRef slots,
+                              int64_t sig) {
+  check_cpu(out, "output");
+  auto& c = get(handle);
+  TORCH_CHECK(out.nbytes() % c.world == 0, "fastpar shm all_gather (symmetric): ",
+              out.nbytes(), " bytes do not split into ", c.world, " parts");
+  void* ptrs[64];
+  symmetric_slots(c, slots, out, "all_gather", ptrs);
+  run([&] { shm::all_gather_symmetric(c, ptrs, out.nbytes() / c.world, uint64_t(sig)); });
+}
+
+void shm_reduce_scatter_symmetric(int64_t handle, const at::Tensor& in, at::IntArrayRef slots,
+                                  at::Tensor& out, const std::string& op) {
+  check_cpu(in, "input");
+  check_cpu(out, "output");
+  auto& c = get(handle);
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "fastpar shm reduce_scatter (symmetric): "
+              "input is ", in.scalar_type(), " but output is ", out.scalar_type());
+  TORCH_CHECK(in.numel() == out.numel() * c.world, "fastpar shm reduce_scatter (symmetric): "
+              "input holds ", in.numel(), " elements, expected ", c.world, " x ", out.numel());
+  void* ptrs[64];
+  symmetric_slots(c, slots, in, "reduce_scatter", ptrs);
+  auto dt = dtype_of(in);
+  auto o = op_of(op);
+  run([&] { shm::reduce_scatter_symmetric(c, ptrs, out.data_ptr(), out.numel(), dt, o); });
 }
 
 void shm_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out, int64_t sig) {

@@ -19,6 +19,11 @@ void shm_all_reduce(int64_t comm, at::Tensor& t, const std::string& op);
 // process (fastpar/comm/symmetric.py).
 void shm_all_reduce_symmetric(int64_t comm, at::Tensor& t, at::IntArrayRef slots,
                               const std::string& op);
+// out: this rank's symmetric buffer of world blocks, its own block filled; slots as above.
+void shm_all_gather_symmetric(int64_t comm, at::Tensor& out, at::IntArrayRef slots, int64_t sig);
+// in: this rank's symmetric buffer of world blocks; out may be in's block of this rank.
+void shm_reduce_scatter_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRef slots,
+                                  at::Tensor& out, const std::string& op);
 // sig: the caller's dtype/shape signature, compared across ranks (fastpar/comm/shm.py).
 void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t sig);
 void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,

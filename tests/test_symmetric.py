@@ -1,6 +1,6 @@
-"""Symmetric tensors (fastpar/comm/symmetric.py over all_reduce_symmetric in
-csrc/shm/shm_collectives.cpp): an all_reduce of a ``comm.symmetric_empty`` tensor is bitwise the
-copying shm path's, on every rank, for every dtype, sum and max, odd sizes on both sides of the
+"""Symmetric tensors (fastpar/comm/symmetric.py over csrc/shm/shm_symmetric.cpp): an all_reduce
+of a ``comm.symmetric_empty`` tensor, an all_gather into one and a reduce_scatter of one are
+bitwise the copying shm path's, on every rank, for every dtype, sum and max, odd sizes on both sides of the
 small-message limit, at world 2, 3 and 4; a view of part of it takes the copying path; ranks that
 disagree on the size get a ValueError naming both; a killed peer is named at once and no
 segment is left in /dev/shm, also when the creator dies while the others have not mapped it."""
@@ -72,6 +72,7 @@ def body_bitwise():
                     assert taken[0] == before, "a partial view took the symmetric path"
                     assert torch.equal(view.view(torch.uint8), want.view(torch.uint8)), part
     assert taken[0] == cases, (taken[0], cases)
+    bad += gather_and_scatter_cases(me, n, digests)
     # Ranks that disagree: a ValueError on every rank naming each rank's size, no segment made.
     try:
         comm.symmetric_empty(5 + (me == n - 1), dtype=torch.float32)
@@ -85,6 +86,66 @@ def body_bitwise():
     left = len(current().symmetric)  # every tensor gone: no registry entry left
     fastpar.shutdown()
     return {"digests": digests, "bad": bad, "mismatch": mismatch, "left": left}
+
+
+def gather_and_scatter_cases(me, n, digests):
+    """all_gather into a symmetric ``out`` and reduce_scatter of a symmetric input, against the
+    copying path, every dtype and size (per-rank part), sum and max; also ``out=`` a plain
+    tensor. Returns the failed cases; adds the gathered results' digests (alike on all ranks)."""
+    import hashlib
+
+    import torch
+
+    from fastpar import comm
+    from fastpar.comm.shm import ShmCommunicator
+
+    calls = {"ag": 0, "rs": 0}
+    ag, rs = ShmCommunicator.all_gather_symmetric, ShmCommunicator.reduce_scatter_symmetric
+
+    def spy_ag(self, *args):
+        calls["ag"] += 1
+        return ag(self, *args)
+
+    def spy_rs(self, *args):
+        calls["rs"] += 1
+        return rs(self, *args)
+
+    ShmCommunicator.all_gather_symmetric = spy_ag
+    ShmCommunicator.reduce_scatter_symmetric = spy_rs
+    bad, cases = [], 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for count in COUNTS:
+            g = torch.Generator().manual_seed(7 * me + count)
+            part = (torch.randn(count, generator=g) * 100).to(dtype)
+            out = comm.symmetric_empty(n * count, dtype=dtype)
+            out[me * count:(me + 1) * count].copy_(part)
+            got = comm.all_gather(out[me * count:(me + 1) * count], out=out)  # in place
+            plain = comm.all_gather(part, out=torch.full((n * count,), -1.0).to(dtype))
+            ref = comm.all_gather(part)  # the copying path
+            if got.data_ptr() != out.data_ptr() or not (
+                    torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+                    and torch.equal(plain.view(torch.uint8), ref.view(torch.uint8))):
+                bad.append(f"all_gather {dtype} {count}")
+            digests.append(hashlib.sha1(got.view(torch.uint8).numpy()).hexdigest())  # same everywhere
+            for op in ("sum", "max"):
+                whole = (torch.randn(n * count, generator=g) * 100).to(dtype)
+                x = comm.symmetric_empty(n * count, dtype=dtype)
+                x.copy_(whole)
+                ref = comm.reduce_scatter(whole, op=op)
+                got = comm.reduce_scatter(x, op=op)
+                cases += 1
+                if not torch.equal(got.view(torch.uint8), ref.view(torch.uint8)):
+                    bad.append(f"reduce_scatter {dtype} {op} {count}")
+    # A symmetric out of the wrong shape: ValueError before any communication.
+    try:
+        comm.all_gather(torch.ones(3), out=torch.ones(3 * n + 1))
+        bad.append("all_gather accepted a wrong out")
+    except ValueError as exc:
+        assert f"shape ({3 * n},)" in str(exc), exc
+    ShmCommunicator.all_gather_symmetric, ShmCommunicator.reduce_scatter_symmetric = ag, rs
+    if calls != {"ag": 4 * len(COUNTS), "rs": cases}:
+        bad.append(f"symmetric paths taken {calls}, expected {4 * len(COUNTS)} and {cases}")
+    return bad
 
 
 @pytest.mark.parametrize("nranks", [2, 3, 4])

@@ -15,6 +15,7 @@ serial ``SerialMLP`` clip.
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -103,7 +104,12 @@ def check_training(c, topo, seed):
         ref, par = copy.deepcopy(ser).double(), copy.deepcopy(ser)
         trainable = [p for p in ser.parameters() if p.requires_grad]
         opts = [cls([p for p in m.parameters() if p.requires_grad], **kw) for m in (ser, ref)]
+        # SGD takes the copying path (plain buffers), the others symmetric buffers when dp > 1
+        # (the group's collectives go to shm here): both must match the serial optimizer.
+        os.environ["FASTPAR_SYMMETRIC"] = "0" if cls is torch.optim.SGD else "1"
         opt = DistributedOptimizer(par.parameters(), cls, **kw)
+        del os.environ["FASTPAR_SYMMETRIC"]
+        assert opt.symmetric == (topo.dp_size > 1 and cls is not torch.optim.SGD), repr(opt)
         scheds = []
         if gamma is not None:
             scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=gamma) for o in (*opts, opt)]

@@ -79,53 +79,87 @@ int64_t ipc_init(c10::ArrayRef<int64_t> peer_signal_ptrs,
   return reinterpret_cast<int64_t>(ctx.release());
 }
 
-void ipc_all_reduce(int64_t handle, at::Tensor& inp_out, int64_t algo) {
-  Context* ctx = as_context(handle);
-  TORCH_CHECK(inp_out.is_cuda(), "ipc_all_reduce: tensor must be on CUDA, got ", inp_out.device());
-  TORCH_CHECK(inp_out.get_device() == ctx->device, "ipc_all_reduce: tensor is on cuda:",
-              inp_out.get_device(), " but the context was built on cuda:", ctx->device);
-  TORCH_CHECK(inp_out.is_contiguous(), "ipc_all_reduce: tensor must be contiguous");
-  const auto dtype = inp_out.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "ipc_all_reduce: dtype ", dtype, " unsupported (float32, float16, bfloat16)");
-  TORCH_CHECK(algo >= 0 && algo <= 2, "ipc_all_reduce: algo=", algo,
-              " must be 0 (auto), 1 (one-shot) or 2 (two-shot)");
-  const int64_t bytes = inp_out.numel() * static_cast<int64_t>(inp_out.element_size());
-  TORCH_CHECK(bytes % kPackBytes == 0, "ipc_all_reduce: numel=", inp_out.numel(), " x ",
-              inp_out.element_size(), " bytes = ", bytes, " bytes is not a multiple of ",
-              kPackBytes);
-  TORCH_CHECK(bytes <= ctx->buffer_bytes, "ipc_all_reduce: ", bytes,
-              " bytes exceed the registered buffer of ", ctx->buffer_bytes, " bytes");
-  TORCH_CHECK(aligned(reinterpret_cast<int64_t>(inp_out.data_ptr()), kPackBytes),
-              "ipc_all_reduce: data_ptr ", inp_out.data_ptr(), " is not ", kPackBytes,
-              "-byte aligned");
-  if (bytes == 0) return;
+namespace {
 
-  const c10::cuda::CUDAGuard guard(inp_out.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  void* out = inp_out.data_ptr();
-  C10_CUDA_CHECK(cudaMemcpyAsync(ctx->ptrs.buffers[ctx->rank], out, bytes,
-                                 cudaMemcpyDeviceToDevice, stream));
-  const Algo requested = static_cast<Algo>(algo);
+// Checks shared by both entry points; returns the tensor's bytes.
+int64_t check_tensor(const Context* ctx, const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_cuda(), what, ": tensor must be on CUDA, got ", t.device());
+  TORCH_CHECK(t.get_device() == ctx->device, what, ": tensor is on cuda:", t.get_device(),
+              " but the context was built on cuda:", ctx->device);
+  TORCH_CHECK(t.is_contiguous(), what, ": tensor must be contiguous");
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, what,
+              ": dtype ", dtype, " unsupported (float32, float16, bfloat16)");
+  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  TORCH_CHECK(bytes % kPackBytes == 0, what, ": numel=", t.numel(), " x ", t.element_size(),
+              " bytes = ", bytes, " bytes is not a multiple of ", kPackBytes);
+  TORCH_CHECK(aligned(reinterpret_cast<int64_t>(t.data_ptr()), kPackBytes), what, ": data_ptr ",
+              t.data_ptr(), " is not ", kPackBytes, "-byte aligned");
+  return bytes;
+}
+
+// Launches the kernel for t's dtype over `ptrs` on the current stream; one epoch per launch.
+void launch(Context* ctx, const RankPtrs& ptrs, at::Tensor& t, int64_t bytes, Algo algo,
+            cudaStream_t stream) {
+  void* out = t.data_ptr();
   cudaError_t err = cudaErrorInvalidValue;
-  switch (dtype) {
+  switch (t.scalar_type()) {
     case at::kFloat:
-      err = launch_all_reduce<float>(ctx->ptrs, ctx->rank, ctx->world, out, bytes, requested,
-                                     ctx->epoch, kDefaultBlocks, stream);
+      err = launch_all_reduce<float>(ptrs, ctx->rank, ctx->world, out, bytes, algo, ctx->epoch,
+                                     kDefaultBlocks, stream);
       break;
     case at::kHalf:
-      err = launch_all_reduce<__half>(ctx->ptrs, ctx->rank, ctx->world, out, bytes, requested,
+      err = launch_all_reduce<__half>(ptrs, ctx->rank, ctx->world, out, bytes, algo,
                                       ctx->epoch, kDefaultBlocks, stream);
       break;
     case at::kBFloat16:
-      err = launch_all_reduce<__nv_bfloat16>(ctx->ptrs, ctx->rank, ctx->world, out, bytes,
-                                             requested, ctx->epoch, kDefaultBlocks, stream);
+      err = launch_all_reduce<__nv_bfloat16>(ptrs, ctx->rank, ctx->world, out, bytes, algo,
+                                             ctx->epoch, kDefaultBlocks, stream);
       break;
     default:
       break;
   }
   C10_CUDA_CHECK(err);
   ++ctx->epoch;  // only after a successful launch, so all ranks stay in step
+}
+
+}  // namespace
+
+void ipc_all_reduce(int64_t handle, at::Tensor& inp_out, int64_t algo) {
+  Context* ctx = as_context(handle);
+  const int64_t bytes = check_tensor(ctx, inp_out, "ipc_all_reduce");
+  TORCH_CHECK(algo >= 0 && algo <= 2, "ipc_all_reduce: algo=", algo,
+              " must be 0 (auto), 1 (one-shot) or 2 (two-shot)");
+  TORCH_CHECK(bytes <= ctx->buffer_bytes, "ipc_all_reduce: ", bytes,
+              " bytes exceed the registered buffer of ", ctx->buffer_bytes, " bytes");
+  if (bytes == 0) return;
+  const c10::cuda::CUDAGuard guard(inp_out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemcpyAsync(ctx->ptrs.buffers[ctx->rank], inp_out.data_ptr(), bytes,
+                                 cudaMemcpyDeviceToDevice, stream));
+  launch(ctx, ctx->ptrs, inp_out, bytes, static_cast<Algo>(algo), stream);
+}
+
+void ipc_all_reduce_symmetric(int64_t handle, at::Tensor& t, c10::ArrayRef<int64_t> buffers) {
+  Context* ctx = as_context(handle);
+  const int64_t bytes = check_tensor(ctx, t, "ipc_all_reduce (symmetric)");
+  TORCH_CHECK(static_cast<int64_t>(buffers.size()) == ctx->world,
+              "ipc_all_reduce (symmetric): ", buffers.size(), " buffer pointers for world=",
+              ctx->world);
+  TORCH_CHECK(buffers[ctx->rank] == reinterpret_cast<int64_t>(t.data_ptr()),
+              "ipc_all_reduce (symmetric): the tensor is not this rank's symmetric buffer");
+  if (bytes == 0) return;
+  RankPtrs ptrs = ctx->ptrs;  // the group's signals; the tensors themselves as the buffers
+  for (int p = 0; p < ctx->world; ++p) {
+    TORCH_CHECK(buffers[p] != 0 && aligned(buffers[p], kPackBytes),
+                "ipc_all_reduce (symmetric): buffer of rank ", p, " is null or misaligned");
+    ptrs.buffers[p] = reinterpret_cast<void*>(buffers[p]);
+  }
+  const c10::cuda::CUDAGuard guard(t.device());
+  // Two-shot only: its result lands in each slice's owner first and every rank reads a peer's
+  // buffer only for that peer's slice after the mid barrier, so writing the result over the
+  // input is safe. One-shot would overwrite a buffer its peers are still summing.
+  launch(ctx, ptrs, t, bytes, Algo::kTwoShot, c10::cuda::getCurrentCUDAStream());
 }
 
 void ipc_dispose(int64_t handle) { delete reinterpret_cast<Context*>(handle); }

@@ -35,6 +35,12 @@ int64_t ipc_init(c10::ArrayRef<int64_t> peer_signal_ptrs,
 // same sequence of calls with the same sizes and algo.
 void ipc_all_reduce(int64_t ctx, at::Tensor& inp_out, int64_t algo);
 
+// In place over symmetric buffers, no copy in: buffers[p] is rank p's tensor as mapped in this
+// process (buffers[rank] == t.data_ptr()); every rank passes its own tensor of the same size.
+// Uses the context's signals and epoch (so it orders with ipc_all_reduce) and the two-shot
+// kernel (in-place safe); no size limit besides the tensors'. Checks as for ipc_all_reduce.
+void ipc_all_reduce_symmetric(int64_t ctx, at::Tensor& t, c10::ArrayRef<int64_t> buffers);
+
 // The size threshold of algo 0: one-shot strictly below it.
 int64_t ipc_one_shot_max_bytes(int64_t world);
 

@@ -9,6 +9,7 @@
 // round n-1. So a half is never overwritten while a peer may still read it, and no
 // second "done reading" flag is needed. Flags only grow, so nothing is ever reset.
 #include "shm_collectives.h"
+#include "shm_protocol.h"
 #include "shm_reduce.h"
 #include "shm_wait.h"
 
@@ -22,62 +23,7 @@
 
 namespace fastpar {
 namespace shm {
-namespace {
-
-constexpr uint64_t kMagic = 0x3130304d48535046ULL;  // "FPSHM001"
-constexpr uint32_t kVersion = 2;  // 2: process identity in the control lines, signatures
-constexpr int kMaxWorld = 64;
-constexpr size_t kPage = 4096;
-// Waiting, liveness and poisoning are shared with shm_p2p.cpp (shm_wait.h).
-using detail::Ident;
-
-enum class Kind : uint32_t {
-  AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4, AllReduceSymmetric = 5
-};
-
-// What a rank passed to a call; compared across ranks in the call's first round.
-struct Desc {
-  uint32_t kind, dtype, op;
-  int32_t root;
-  uint64_t count;  // elements (reductions) or bytes (all_gather, broadcast)
-  uint64_t call;
-  uint64_t sig;  // the caller's description of the bytes (dtype, shape); 0: none
-};
-
-struct alignas(128) Header {
-  std::atomic<uint64_t> magic;
-  uint32_t version, world;
-  uint64_t slot_bytes, small_max_bytes, chunk_bytes;
-  std::atomic<uint32_t> poison;  // 0 ok, 1 being poisoned, 2 poisoned + message written
-  char message[256];
-};
-
-// One cache line per rank, written only by its owner: flag and descriptors share the
-// line so a peer's acquire of `flag` brings the descriptor along in the same transfer.
-struct alignas(128) Ctrl {
-  std::atomic<uint64_t> flag;
-  Desc desc[2];  // indexed by round parity, like the data halves
-  Ident ident;   // written once by its owner at attach, before its first signal (the flag's
-                 // release publishes it)
-};
-
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
-static_assert(sizeof(Ctrl) == 128, "one control line per rank");
-
-size_t data_offset(int world) {
-  size_t h = sizeof(Header) + size_t(world) * sizeof(Ctrl);
-  return (h + kPage - 1) / kPage * kPage;
-}
-Header* header(const Comm& c) { return static_cast<Header*>(c.base); }
-Ctrl* ctrl(const Comm& c, int r) {
-  return reinterpret_cast<Ctrl*>(static_cast<char*>(c.base) + sizeof(Header)) + r;
-}
-size_t half_bytes(const Comm& c) { return c.slot_bytes / 2; }
-// Half (round & 1) of rank r's slot.
-char* half(const Comm& c, int r, uint64_t round) {
-  return static_cast<char*>(c.base) + data_offset(c.world) + size_t(r) * c.slot_bytes +
-         (round & 1) * half_bytes(c);
-}
+namespace proto {
 
 const char* kind_name(Kind k) {
   switch (k) {
@@ -86,6 +32,8 @@ const char* kind_name(Kind k) {
     case Kind::ReduceScatter: return "reduce_scatter";
     case Kind::Broadcast: return "broadcast";
     case Kind::AllReduceSymmetric: return "all_reduce (symmetric)";
+    case Kind::AllGatherSymmetric: return "all_gather (symmetric)";
+    case Kind::ReduceScatterSymmetric: return "reduce_scatter (symmetric)";
   }
   return "?";
 }
@@ -161,7 +109,8 @@ void signal_and_wait(Comm& c, Kind k) {
 
 std::string describe(const Desc& d, bool full) {
   Kind k = Kind(d.kind);
-  bool elems = k == Kind::AllReduce || k == Kind::ReduceScatter || k == Kind::AllReduceSymmetric;
+  bool elems = k == Kind::AllReduce || k == Kind::ReduceScatter ||
+               k == Kind::AllReduceSymmetric || k == Kind::ReduceScatterSymmetric;
   std::string what = std::to_string(d.count) +
                      (elems ? std::string(" ") + dtype_name(DType(d.dtype)) + " elements"
                             : std::string(" bytes"));
@@ -177,7 +126,7 @@ std::string describe(const Desc& d, bool full) {
   return s;
 }
 
-Desc begin_call(Comm& c, Kind k, DType dt, Op op, size_t count, int root, uint64_t sig = 0) {
+Desc begin_call(Comm& c, Kind k, DType dt, Op op, size_t count, int root, uint64_t sig) {
   if (header(c)->poison.load(std::memory_order_acquire) != 0) throw_poisoned(c, k);
   ++c.calls;
   return Desc{uint32_t(k), uint32_t(dt), uint32_t(op), root, count, c.calls, sig};
@@ -209,7 +158,9 @@ void slice_of(size_t n, int world, int r, size_t* begin, size_t* end) {
   *end = std::min(n, *begin + per);
 }
 
-}  // namespace
+}  // namespace proto
+
+using namespace proto;
 
 // ---- public API -------------------------------------------------------------------
 
@@ -352,30 +303,6 @@ void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op) {
       std::memcpy(buf + (off + b) * es, half(c, r, c.rounds) + b * es, (e - b) * es);
     }
   }
-}
-
-void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op) {
-  const Desc d = begin_call(c, Kind::AllReduceSymmetric, dt, op, count, 0);
-  const size_t es = dtype_size(dt);
-  if (c.world == 1) return;
-  // Entry: every rank's input is in its slot, and no rank still reads the previous result.
-  first_round_sync(c, d);
-  ++c.rounds;  // the descriptor's parity; the halves are not touched
-  size_t b, e;
-  slice_of(count, c.world, c.rank, &b, &e);
-  constexpr size_t kBlockBytes = 16 << 10;  // the reduced block stays in L1 for the writes
-  alignas(64) char block[kBlockBytes];
-  const size_t per = kBlockBytes / es;
-  const void* srcs[kMaxWorld];
-  for (size_t i = b; i < e; i += per) {
-    const size_t n = std::min(per, e - i);
-    for (int r = 0; r < c.world; ++r) srcs[r] = static_cast<const char*>(slots[r]) + i * es;
-    reduce_into(block, srcs, c.world, n, dt, op);
-    for (int r = 0; r < c.world; ++r)
-      std::memcpy(static_cast<char*>(slots[r]) + i * es, block, n * es);
-  }
-  // Exit: every slice is in every slot.
-  signal_and_wait(c, Kind::AllReduceSymmetric);
 }
 
 void all_gather(Comm& c, const void* in, void* out, size_t bytes, uint64_t sig) {

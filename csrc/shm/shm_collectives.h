@@ -105,6 +105,18 @@ void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op);
 // where the others pass this one gets the descriptor mismatch error.
 void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op);
 
+// Over a symmetric buffer of world*bytes per rank: slots[p] is rank p's buffer, whose block p
+// (bytes [p*bytes, (p+1)*bytes)) rank p filled before the call. Rank r copies block p of
+// slots[p] into block p of its own buffer for every p != r: each byte read and written once.
+// (Implemented in shm_symmetric.cpp, like the other two symmetric calls.)
+void all_gather_symmetric(Comm& c, void* const* slots, size_t bytes, uint64_t sig = 0);
+
+// Over symmetric inputs of world*count elements: out[0:count] = op over ranks p, in rank order,
+// of slots[p][rank*count : (rank+1)*count]; bitwise reduce_scatter's result. `out` may be this
+// rank's own block of its input (slots[rank] + rank*count).
+void reduce_scatter_symmetric(Comm& c, void* const* slots, void* out, size_t count, DType dt,
+                              Op op);
+
 // out[r*bytes:(r+1)*bytes] = in of rank r. `out` holds world*bytes; `in` may alias
 // out + rank*bytes.
 // `sig`: what the bytes are (the caller's dtype and shape, packed into 64 bits; 0 if it has

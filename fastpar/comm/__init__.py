@@ -5,6 +5,7 @@
     out = comm.all_gather(t, group=g, dim=-1)         # concatenation along dim
     h = comm.all_reduce(t, async_op=True); ...; h.wait()
     x = comm.symmetric_empty(n, group=g)              # every rank maps it: all_reduce(x) in place
+    comm.all_gather(x[r*k:(r+1)*k], group=g, out=x)   # x symmetric: gathered where it lies
 
 Each collective exists twice: the raw call above (result or ``Handle``), and an autograd
 Function behind a wrapper (``copy_to_tp``, ``reduce_from_tp``, ... in ``autograd.py``) whose
@@ -19,9 +20,9 @@ from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_
                                    scatter_sequence, scatter_to_tp)
 from fastpar.comm.collectives import (Handle, all_gather, all_reduce, broadcast, reduce_scatter,
                                       use_backend)
-from fastpar.comm.symmetric import symmetric_empty
+from fastpar.comm.symmetric import symmetric_available, symmetric_empty
 
 __all__ = ["Handle", "all_gather", "all_gather_sequence", "all_reduce", "broadcast",
            "copy_to_tp", "gather_from_tp", "gather_sequence", "reduce_from_tp",
            "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp",
-           "symmetric_empty", "use_backend"]
+           "symmetric_available", "symmetric_empty", "use_backend"]

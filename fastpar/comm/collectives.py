@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastpar.comm import policy
+from fastpar.comm import policy, symmetric
+from fastpar.comm.shm import signature as shm_signature
 from fastpar.comm.state import current
 
 log = logging.getLogger("fastpar.comm")
@@ -165,8 +166,8 @@ def _through_contiguous(t: torch.Tensor, call, async_op: bool):
 def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
     """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``).
 
-    On the shm engine a whole ``symmetric_empty`` tensor of this group is reduced where it lies
-    (no copy in or out; bitwise the copying path's result)."""
+    On the shm and CUDA IPC engines a whole ``symmetric_empty`` tensor of this group is reduced
+    where it lies (no copy in or out; bitwise the copying path's result)."""
     route = _route("all_reduce", t, group, op)
     engine, op = route.engine, route.op
     if engine == "local":
@@ -175,13 +176,17 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
         return _through_contiguous(t, lambda c: all_reduce(c, group, op, True), async_op)
     if engine == "shm":
         # A whole symmetric tensor of this group (symmetric.py) is reduced where it lies.
-        sym = current().symmetric.get(t.data_ptr())
-        if sym is not None and sym.serves(t, route.group, op):
+        sym = symmetric.lookup(t, route.group, op)
+        if sym is not None:
             route.comm.all_reduce_symmetric(t, sym.slots, op)
         else:
             route.comm.all_reduce(t, op)
     elif engine == "cuda_ipc":
-        route.comm.all_reduce(t)
+        sym = symmetric.lookup(t, route.group, op)  # a CUDA symmetric tensor: in place
+        if sym is not None:
+            route.comm.all_reduce_symmetric(t, sym.slots)
+        else:
+            route.comm.all_reduce(t)
     elif engine == "mpi":
         from mpi4py import MPI
 
@@ -193,16 +198,22 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
     return _done(t, async_op)
 
 
-def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False):
+def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False, *,
+               out: torch.Tensor | None = None):
     """The concatenation along ``dim`` of ``t`` from every rank of the group, in group order.
 
     A 0-dim tensor is gathered into shape ``(n,)`` for a group of ``n`` ranks (``(1,)`` alone,
-    a view)."""
+    a view). ``out`` (``dim=0`` only): a contiguous ``(n * t.shape[0], ...)`` tensor to gather
+    into, returned; ``t`` may already be this rank's block of it (then nothing is copied in).
+    When ``out`` is a whole ``symmetric_empty`` tensor of this group on the shm engine, every
+    rank copies its peers' blocks straight from their buffers (no staging copy)."""
     _check_tensor("all_gather", t)  # arguments are checked before any communication
     if t.dim() == 0:
         t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
     dim = _check_dim("all_gather", t, dim)
     route = _route("all_gather", t, group)
+    if out is not None:
+        return _all_gather_into(t, out, dim, route, async_op)
     engine = route.engine
     if engine == "local":
         return _done(t, async_op)
@@ -228,9 +239,45 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     return Handle(result, work, lambda: torch.cat(stacked.chunk(n, dim=0), dim=dim, out=result))
 
 
+def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_op: bool):
+    """``all_gather(t, out=out)``: this rank's block of ``out`` holds ``t``, then the others."""
+    n = len(route.ranks)
+    want = (n * t.shape[0], *t.shape[1:])
+    if dim != 0 or tuple(out.shape) != want or out.dtype != t.dtype or \
+            out.device != t.device or not out.is_contiguous():
+        raise ValueError(
+            f"all_gather: out must be a contiguous {t.dtype} tensor of shape {want} on "
+            f"{t.device} and dim 0 (the concatenation of {n} ranks' {tuple(t.shape)}); got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous={out.is_contiguous()}, "
+            f"dim {dim}")
+    me = route.ranks.index(current().topo.rank)
+    block = out.narrow(0, me * t.shape[0], t.shape[0])
+    if block.data_ptr() != t.data_ptr() or block.stride() != t.stride():
+        block.copy_(t)
+    engine, work = route.engine, None
+    if engine == "local":
+        pass
+    elif engine == "shm":
+        sym = symmetric.lookup(out, route.group)
+        if sym is not None:
+            route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
+        else:
+            route.comm.all_gather(block, out)  # the kernel allows block to alias out
+    elif engine == "mpi":
+        from mpi4py import MPI
+
+        route.comm.Allgather(MPI.IN_PLACE, _np(out))
+    else:
+        work = dist.all_gather_into_tensor(out, block, group=route.group, async_op=async_op)
+    return Handle(out, work) if async_op and work is not None else _done(out, async_op)
+
+
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
                    async_op: bool = False):
-    """This rank's shard along ``dim`` of ``op`` over the group of ``t``."""
+    """This rank's shard along ``dim`` of ``op`` over the group of ``t``.
+
+    On the shm engine a whole ``symmetric_empty`` tensor of this group (``dim=0``) is reduced
+    where it lies: no copy in."""
     _check_tensor("reduce_scatter", t)  # arguments are checked before any communication
     if t.dim() == 0:
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
@@ -248,7 +295,10 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     inp = t.movedim(dim, 0).contiguous()
     out = torch.empty((inp.shape[0] // n, *inp.shape[1:]), dtype=t.dtype, device=t.device)
     work = None
-    if engine == "shm":
+    sym = symmetric.lookup(inp, route.group, op) if engine == "shm" else None
+    if sym is not None:  # a whole symmetric tensor of this group: reduced where it lies
+        route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
+    elif engine == "shm":
         route.comm.reduce_scatter(inp, out, op)
     elif engine == "mpi":
         route.comm.Reduce_scatter_block(_np(inp), _np(out), op=_mpi_op(op))

@@ -96,6 +96,11 @@ class CudaIpcCommunicator:
             return
         self._ops.ipc_all_reduce(self._ctx, t, 0)
 
+    def all_reduce_symmetric(self, t: torch.Tensor, slots: list[int]) -> None:
+        """``t``: this rank's CUDA symmetric tensor (``comm.symmetric_empty(device=...)``),
+        ``slots`` every rank's as mapped here: reduced in place, no copy into the buffer."""
+        self._ops.ipc_all_reduce_symmetric(self._ctx, t, slots)
+
     def close(self) -> None:
         if self._ctx is None:
             return

@@ -153,6 +153,8 @@ class ShmCommunicator:
         self._all_reduce = self._ops.shm_all_reduce.default
         self._all_reduce_symmetric = self._ops.shm_all_reduce_symmetric.default
         self._all_gather = self._ops.shm_all_gather.default
+        self._all_gather_symmetric = self._ops.shm_all_gather_symmetric.default
+        self._reduce_scatter_symmetric = self._ops.shm_reduce_scatter_symmetric.default
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
 
@@ -200,8 +202,17 @@ class ShmCommunicator:
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         self._call("all_gather", self._all_gather, inp, out, signature(inp), t=inp)
 
+    def all_gather_symmetric(self, out: torch.Tensor, slots: list[int], sig: int) -> None:
+        """``out``: this rank's symmetric buffer of ``world`` blocks, its own block filled."""
+        self._call("all_gather", self._all_gather_symmetric, out, slots, sig)
+
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
         self._call("reduce_scatter", self._reduce_scatter, inp, out, op)
+
+    def reduce_scatter_symmetric(self, inp: torch.Tensor, slots: list[int], out: torch.Tensor,
+                                 op: str) -> None:
+        """``inp``: this rank's symmetric buffer of ``world`` blocks; no copy in."""
+        self._call("reduce_scatter", self._reduce_scatter_symmetric, inp, slots, out, op)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         self._call("broadcast", self._broadcast, t, root, signature(t), t=t)

@@ -49,11 +49,33 @@ class SymmetricSegment:
         self.group, self.ranks, self.dtype, self.numel = group, ranks, dtype, numel
         self.slots = slots  # list of ints: rank p's slot address, p in group order
 
-    def serves(self, t: torch.Tensor, group, op: str) -> bool:
-        """Whether an all_reduce of ``t`` (contiguous, starting at a slot) on ``group`` with
-        ``op`` can take the symmetric path."""
+    def serves(self, t: torch.Tensor, group, op: str = "sum") -> bool:
+        """Whether a collective on ``t`` (contiguous, starting at a slot) over ``group`` with
+        ``op`` can take the symmetric path: the whole tensor, its own group, a kernel op."""
         return (group is self.group and op in _OPS and t.dtype == self.dtype
                 and t.numel() == self.numel)
+
+
+def symmetric_available(group, op: str = "all_reduce") -> bool:
+    """Whether ``symmetric_empty`` tensors would help ``op`` on ``group`` (CPU tensors): the
+    group has several ranks, its CPU ``op`` goes to the shm engine, and ``FASTPAR_SYMMETRIC`` is
+    not ``0``. Every rank of the group answers alike (same group, same policy), so callers may
+    decide collectively on it."""
+    if os.environ.get("FASTPAR_SYMMETRIC", "1") == "0":
+        return False
+    st = current()
+    _, ranks, _ = st.resolve(group)
+    if len(ranks) == 1:
+        return False
+    _, _, choice = st.choose(op, torch.empty(1), group)
+    return choice.engine == "shm"
+
+
+def lookup(t: torch.Tensor, group, op: str = "sum") -> SymmetricSegment | None:
+    """The segment of ``t`` if ``t`` is a whole symmetric tensor that a collective over
+    ``group`` with ``op`` can run in place on; else None."""
+    sym = current().symmetric.get(t.data_ptr())
+    return sym if sym is not None and sym.serves(t, group, op) else None
 
 
 def _size_of(size) -> tuple[int, ...]:
@@ -111,19 +133,30 @@ def _map_segment(group, ranks, group_rank: int, nbytes: int) -> mmap.mmap:
     return mapping
 
 
-def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
-    """A CPU tensor of ``size`` whose memory every rank of ``group`` (``None``: the world) maps:
+def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
+                    device=None) -> torch.Tensor:
+    """A tensor of ``size`` whose memory every rank of ``group`` (``None``: the world) maps:
     an all_reduce of it on ``group`` needs no copy in or out. Collective over the group; the
-    contents start as zeros. A group of one rank, or one spread over hosts, gets a plain
-    ``torch.empty`` (no shared memory to use)."""
+    contents start as zeros on the CPU (uninitialised on a GPU). A group of one rank, or one
+    spread over hosts, gets a plain ``torch.empty`` (no shared memory to use).
+
+    ``device``: CPU (default) uses a shared-memory segment; a CUDA device uses CUDA IPC: each
+    rank allocates its tensor and maps its peers' (``_cuda_symmetric``), and the CUDA IPC
+    engine's all_reduce reduces it in place (two-shot kernel). A GPU symmetric tensor keeps its
+    memory and its peers' mappings until ``fastpar.shutdown``."""
     size = _size_of(size)
     st = current()
     group, ranks, layout = st.resolve(group)
     numel = 1
     for s in size:
         numel *= s
+    device = torch.device("cpu") if device is None else torch.device(device)
     if len(ranks) == 1 or not layout.same_host:
-        return torch.empty(size, dtype=dtype)
+        return torch.empty(size, dtype=dtype, device=device)
+    if device.type == "cuda":
+        return _cuda_symmetric(st, group, ranks, size, numel, dtype, device)
+    if device.type != "cpu":
+        raise ValueError(f"symmetric_empty: device must be cpu or cuda, got {device}")
     _native.require("symmetric tensors")
     _agree(group, ranks, size, dtype)
     if numel == 0:
@@ -140,4 +173,62 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None) -> to
                                          [base + p * slot for p in range(len(ranks))])
     # Runs when the last tensor goes, before the mapping does (`view` holds it).
     weakref.finalize(view, st.symmetric.pop, key, None)
+    return t
+
+
+def _cuda_symmetric(st, group, ranks, size, numel, dtype, device) -> torch.Tensor:
+    """CUDA IPC symmetric tensor: allocate (16-byte padded, as the kernel loads 16 bytes at a
+    time), export the allocation's IPC handle, map every peer's. If any rank cannot (no CUDA
+    build, an expandable segment, a handle that does not open), every rank returns a plain
+    tensor instead and the all_reduce copies as usual; the reason is logged."""
+    import logging
+
+    _agree(group, ranks, size, dtype)
+    esize = torch.empty((), dtype=dtype).element_size()
+    base = torch.empty(-(-max(numel, 1) * esize // 16) * 16, dtype=torch.uint8, device=device)
+    t = base[:numel * esize].view(dtype).view(size)
+    me = ranks.index(st.topo.rank)
+    shared, why = None, None
+    if not _native.status().get("cuda"):
+        why = "fastpar._C was built without CUDA"
+    else:
+        try:
+            handle, offset = torch.ops.fastpar.ipc_get_handle(base)
+            shared = (handle.tolist(), offset)
+        except RuntimeError as exc:
+            why = f"no IPC handle for the allocation: {exc}"
+    everyone = [None] * len(ranks)
+    dist.all_gather_object(everyone, (shared, why), group=group)
+    opened, slots = [], []
+    if all(sh is not None for sh, _ in everyone):
+        try:
+            for p, (sh, _) in enumerate(everyone):
+                if p == me:
+                    slots.append(t.data_ptr())
+                    continue
+                h, off = sh
+                b = torch.ops.fastpar.ipc_open_handle(torch.tensor(h, dtype=torch.uint8),
+                                                      device.index)
+                opened.append(b)
+                slots.append(b + off)
+        except RuntimeError as exc:
+            why = f"opening a peer's IPC handle failed: {exc}"
+    verdict = [None] * len(ranks)
+    dist.all_gather_object(verdict, why or next((w for _, w in everyone if w), None),
+                           group=group)
+    bad = next((v for v in verdict if v), None)
+    if bad is not None:
+        for b in opened:
+            torch.ops.fastpar.ipc_close_handle(b)
+        logging.getLogger("fastpar.comm").info(
+            "symmetric_empty on %s for global ranks %s: a plain tensor (%s)", device, ranks, bad)
+        return t
+    st.symmetric[t.data_ptr()] = SymmetricSegment(group, ranks, dtype, numel, slots)
+
+    def close(base=base, opened=opened):  # at shutdown: unmap the peers, then free ours
+        torch.cuda.synchronize(base.device)
+        for b in opened:
+            torch.ops.fastpar.ipc_close_handle(b)
+
+    st.closers.append(close)
     return t

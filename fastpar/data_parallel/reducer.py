@@ -20,7 +20,6 @@ One cycle per backward outside ``no_sync()``:
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -80,13 +79,7 @@ class Reducer:
         reduces it where it lies) when the dp group's CPU all-reduces go to the shm engine;
         ``None`` (plain tensors) otherwise. Every dp rank decides alike: same group, same
         policy."""
-        if self.dp_size == 1 or os.environ.get("FASTPAR_SYMMETRIC", "1") == "0":
-            return None
-        from fastpar.comm.state import current
-
-        probe = torch.empty(1)
-        _, _, choice = current().choose("all_reduce", probe, self.group)
-        if choice.engine != "shm":
+        if not comm.symmetric_available(self.group, "all_reduce"):
             return None
 
         def alloc(numel, dtype, device):
@@ -188,6 +181,19 @@ class Reducer:
             "error: which parameters a model uses is a property of its structure, alike on all "
             "replicas. Set requires_grad=False on parameters the model never uses, or pass "
             "find_unused_parameters=True if it skips some on purpose.")
+
+    @torch.no_grad()
+    def reduce_all(self) -> None:
+        """Reduce every bucket now (after a pipeline step, ``DataParallel.step``): gradients
+        the hooks did not see are put back into the buckets first; a parameter without one
+        counts as zero. Collective over dp."""
+        self.prepare_gradients()
+        self._reset_cycle()
+        for b in self.buckets:
+            b.pending = 0
+        self._ready = [True] * len(self._params)
+        self._n_ready = len(self._params)
+        self._finish()
 
     def _mark_unused(self, i: int) -> None:
         b, _ = self._where[i]

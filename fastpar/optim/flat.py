@@ -30,7 +30,8 @@ class FlatGroup:
     of the flat parameters (padding zero); it is what the inner optimizer sees.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], dp_size: int, dp_rank: int):
+    def __init__(self, params: list[torch.nn.Parameter], dp_size: int, dp_rank: int,
+                 alloc=None):
         self.params = params
         self.dtype, self.device = params[0].dtype, params[0].device
         self.numels = [p.numel() for p in params]
@@ -43,7 +44,23 @@ class FlatGroup:
         self.padded = self.shard * dp_size
         self.start = dp_rank * self.shard
         self.master = torch.nn.Parameter(self.local(self.flat_params()))
-        self._grad_buf: torch.Tensor | None = None  # (padded,), reused every step
+        # alloc(numel, dtype) -> zeroed tensor, e.g. in symmetric memory (DistributedOptimizer);
+        # None: plain tensors. Both buffers are (padded,) in master_dtype, reused every step.
+        self._alloc = alloc
+        self._grad_buf: torch.Tensor | None = None
+        self._gather_buf: torch.Tensor | None = None
+        if alloc is not None and self.device.type == "cpu":
+            self.buffer("grad"), self.buffer("gather")  # collective: now, in the same order
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The reused ``(padded,)`` buffer ``name`` ("grad" or "gather"), zeroed when made."""
+        attr = f"_{name}_buf"
+        if getattr(self, attr) is None:
+            dt = master_dtype(self.dtype)
+            setattr(self, attr, torch.zeros(self.padded, dtype=dt, device=self.device)
+                    if self._alloc is None or self.device.type != "cpu"
+                    else self._alloc(self.padded, dt))
+        return getattr(self, attr)
 
     @torch.no_grad()
     def flat_params(self) -> torch.Tensor:
@@ -65,10 +82,7 @@ class FlatGroup:
     def flat_grad(self) -> torch.Tensor:
         """The gradients in flat order, ``(padded,)`` in ``master_dtype``; a missing gradient
         (a parameter this backward did not reach) counts as zero."""
-        if self._grad_buf is None:
-            self._grad_buf = torch.zeros(self.padded, dtype=master_dtype(self.dtype),
-                                         device=self.device)
-        buf = self._grad_buf
+        buf = self.buffer("grad")
         for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
             if p.grad is None:
                 buf[a:b].zero_()

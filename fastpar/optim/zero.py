@@ -73,7 +73,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         by_key: dict[tuple, list] = {}  # (dtype, device) -> params, in order of first appearance
         for p in trainable:
             by_key.setdefault((p.dtype, p.device), []).append(p)
-        self.flat = [FlatGroup(ps, self.dp_size, self.dp_rank) for ps in by_key.values()]
+        # Buffers in symmetric memory when the dp group's collectives go to shm: the gradient
+        # reduce-scatter then reads every rank's buffer where it lies, and the parameter
+        # all-gather copies the peers' shards straight out of theirs (no staging copies).
+        alloc = None
+        if comm.symmetric_available(self.group, "all_gather"):
+            def alloc(numel, dtype):  # collective: every dp rank builds the same FlatGroups
+                return comm.symmetric_empty(numel, dtype=dtype, group=self.group).zero_()
+        self.symmetric = alloc is not None
+        self.flat = [FlatGroup(ps, self.dp_size, self.dp_rank, alloc) for ps in by_key.values()]
         self.optimizer_cls, self.kwargs = optimizer_cls, dict(kwargs)
         self.inner = optimizer_cls([f.master for f in self.flat], **kwargs)
         self._reduced = False  # master grads hold this backward's reduced gradient
@@ -100,7 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         groups = "; ".join(f.describe() for f in self.flat)
         return (f"DistributedOptimizer({self.optimizer_cls.__name__}, dp={self.dp_size}, "
-                f"dp_rank={self.dp_rank}, {groups})")
+                f"dp_rank={self.dp_rank}, symmetric={self.symmetric}, {groups})")
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -121,7 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The inner step on the masters, then every rank's parameters from all shards."""
         self.inner.step()
         for f in self.flat:
-            full = comm.all_gather(f.master.detach(), group=self.group)  # (padded,)
+            # (padded,); symmetric: each rank copies its peers' shards out of their buffers
+            full = comm.all_gather(f.master.detach(), group=self.group, out=f.buffer("gather"))
             f.write_params(full)
         self._reduced = False
 
