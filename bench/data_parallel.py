@@ -12,6 +12,9 @@ zero_grad + forward + backward (+ reduction), no optimizer:
                gradients are views of, so no copies) and the division by dp
   dp-sync      fastpar.DataParallel(overlap=False): every bucket reduced after backward
   dp-overlap   fastpar.DataParallel(overlap=True): each bucket launched as backward fills it
+               (on shm its buckets are symmetric tensors: reduced where they lie)
+  dp-overlap-copy  the same with FASTPAR_SYMMETRIC=0: buckets copied in and out of the shm
+               engine's own segment (shown only where dp-overlap's buckets are symmetric)
   torch-ddp    torch.nn.parallel.DistributedDataParallel on gloo (its own buckets, same cap)
 The fastpar variants run on each engine of ``--engines`` (shm completes a collective inside the
 call, so its buckets reduce inline in the backward hooks; gloo runs them in its own thread).
@@ -26,6 +29,7 @@ own, which caps what overlap can hide on such a machine.
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -96,21 +100,28 @@ def step_fn(model, x, finish=None):
 
 
 def variants(args, topo, engine):
-    """``({name: step function}, buckets)`` for one engine (``torch-ddp`` with ``engine=None``)."""
+    """``({name: step function}, buckets, symmetric)`` for one engine (``torch-ddp`` with
+    ``engine=None``); ``symmetric``: DataParallel's buckets are symmetric tensors."""
     x = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(topo.rank))
     g = topo.dp_group
     if engine is None:
         ddp = nn.parallel.DistributedDataParallel(build(args), process_group=g,
                                                   bucket_cap_mb=args.bucket_mb)
-        return {"torch-ddp": step_fn(ddp, x)}, None
+        return {"torch-ddp": step_fn(ddp, x)}, None, False
     plain = build(args)
     blocking = Blocking(build(args), g, topo.dp_size)
     dp_sync = fastpar.DataParallel(build(args), bucket_mb=args.bucket_mb, overlap=False)
     dp_over = fastpar.DataParallel(build(args), bucket_mb=args.bucket_mb, overlap=True)
-    return {"compute": step_fn(plain, x),
+    runs = {"compute": step_fn(plain, x),
             "blocking": step_fn(blocking, x, blocking.finish),
             "dp-sync": step_fn(dp_sync, x),
-            "dp-overlap": step_fn(dp_over, x)}, len(dp_over.buckets)
+            "dp-overlap": step_fn(dp_over, x)}
+    if any(b.symmetric for b in dp_over.buckets):  # the same with copying buckets, beside it
+        os.environ["FASTPAR_SYMMETRIC"] = "0"
+        dp_copy = fastpar.DataParallel(build(args), bucket_mb=args.bucket_mb, overlap=True)
+        del os.environ["FASTPAR_SYMMETRIC"]
+        runs["dp-overlap-copy"] = step_fn(dp_copy, x)
+    return runs, len(dp_over.buckets), any(b.symmetric for b in dp_over.buckets)
 
 
 def slowest(seconds: float) -> float:
@@ -150,9 +161,11 @@ def main() -> int:
 
     topo = fastpar.init()
     engine_list = [e for e in args.engines.split(",") if e]
-    runs, engines, n_buckets = {}, {}, 0
+    runs, engines, n_buckets, symmetric = {}, {}, 0, {}
     for engine in engine_list:
-        steps, n_buckets = variants(args, topo, engine)
+        comm.use_backend(engine)  # DataParallel picks symmetric buckets for the engine in use
+        steps, n_buckets, symmetric[engine] = variants(args, topo, engine)
+        comm.use_backend(None)
         for name, fn in steps.items():
             runs[(engine, name)], engines[(engine, name)] = fn, engine
     for name, fn in variants(args, topo, None)[0].items():
@@ -166,6 +179,8 @@ def main() -> int:
                         "samples_per_s": topo.dp_size * args.batch / t, "params": n_params,
                         "grad_mb": n_params * 4 / 2**20, "bucket_mb": args.bucket_mb,
                         "buckets": n_buckets if name.startswith("dp") else None,
+                        "symmetric": bool(symmetric.get(engine)) and name in ("dp-sync",
+                                                                              "dp-overlap"),
                         "batch_per_rank": args.batch, "world_size": topo.world_size})
     hidden = {}
     for engine in engine_list:
@@ -178,13 +193,13 @@ def main() -> int:
               f"{n_params / 1e6:.2f} M params ({n_params * 4 / 2**20:.1f} MiB of float32 "
               f"gradients), batch {args.batch} per rank, buckets of {args.bucket_mb:g} MiB "
               f"({n_buckets} buckets), median of {args.steps} steps (slowest rank)")
-        print(f"{'variant':>12} {'engine':>7} {'step(ms)':>9} {'samples/s':>10} "
+        print(f"{'variant':>15} {'engine':>7} {'step(ms)':>9} {'samples/s':>10} "
               f"{'vs compute':>11}")
         for r in records:
             base = medians[(r["engine"] if r["engine"] in engine_list else engine_list[0],
                             "compute")] if engine_list else None
             ratio = f"{r['step_ms'] / 1e3 / base:>10.2f}x" if base else f"{'-':>11}"
-            print(f"{r['variant']:>12} {r['engine']:>7} {r['step_ms']:>9.2f} "
+            print(f"{r['variant']:>15} {r['engine']:>7} {r['step_ms']:>9.2f} "
                   f"{r['samples_per_s']:>10.0f} {ratio}")
         for engine, frac in hidden.items():
             shown = "n/a (no exposed communication)" if frac is None else f"{100 * frac:.0f}%"

@@ -22,7 +22,7 @@ from torch import nn
 
 from tests.multirank import run_ranks
 
-LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, tp)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 1, 2)]  # (world, tp, pp)
 STEPS, ACCUM, MB = 3, 2, 4  # Adam steps, micro-batches per step, rows per replica per micro-batch
 TINY = 1e-6  # bucket_mb: every parameter in a bucket of its own
 
@@ -293,24 +293,64 @@ def check_buffers_and_bf16(c, topo, seed):
             c.close(f"bf16.it{it}.d{name}", p.grad, rp[name].grad, sp[name].grad)
 
 
-def body_dp(tp, seed):
+def check_pipeline_training(c, topo, seed):
+    """DataParallel around a Pipeline (pp x dp; also pp 1): ``model.step`` runs the pipeline's
+    microbatches, then reduces; every dp replica trains on its own slice of the batch. The
+    serial-layout weights after each Adam step against the serial model on the full batch
+    (float32) and its float64 copy; schedules 1f1b and zb (whose W pass writes .grad directly)."""
+    import fastpar
+    from fastpar.pipeline import Pipeline
+
+    dp, r = topo.dp_size, topo.dp_rank
+    for schedule in ("1f1b", "zb"):
+        tag = f"pp{topo.pp_size}dp{dp}.{schedule}"
+        torch.manual_seed(seed)
+        ser = serial_net()
+        ref = copy.deepcopy(ser).double()
+        pipe = Pipeline(list(copy.deepcopy(ser)), loss_fn=F.mse_loss, schedule=schedule,
+                        microbatches=2, balance=[3, 2] if topo.pp_size == 2 else None)
+        model = fastpar.DataParallel(pipe, bucket_mb=TINY)
+        opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+                for m in (ser, ref, model)]
+        gen = torch.Generator().manual_seed(seed + 2)
+        for step in range(STEPS):
+            x = torch.randn(dp * 2 * MB, 12, generator=gen)
+            y = torch.randn(dp * 2 * MB, 6, generator=gen)
+            for net, dtype in ((ser, torch.float32), (ref, torch.float64)):
+                F.mse_loss(net(x.to(dtype)), y.to(dtype)).backward()
+            loss = model.step(x.chunk(dp)[r], y.chunk(dp)[r])
+            want = F.mse_loss(ref(x.double()).chunk(dp)[r], y.double().chunk(dp)[r]).item()
+            assert abs(loss - want) <= 1e-5 * max(1.0, abs(want)), (tag, loss, want)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            full = fastpar.full_state_dict(model)
+            sp, rp = ser.state_dict(), ref.state_dict()
+            for name, t in full.items():
+                c.close(f"{tag}.step{step}.{name}", t, rp[name], sp[name])
+
+
+def body_dp(tp, seed, pp=1):
     import fastpar
 
-    topo = fastpar.init(tp=tp, timeout=60)
+    topo = fastpar.init(tp=tp, pp=pp, timeout=60)
     c = Checks()
-    if tp == 1:
+    if pp > 1:
+        check_pipeline_training(c, topo, seed)
+    elif tp == 1:
         check_dp_training(c, topo, seed)
         check_unused(c, topo, seed)
         check_launch_order(c, topo, seed)
         check_buffers_and_bf16(c, topo, seed)
+        check_pipeline_training(c, topo, seed)
     else:
         check_tp_training(c, topo, seed)
     return {"checked": c.checked, "worst": c.worst}
 
 
-@pytest.mark.parametrize("world,tp", LAYOUTS, ids=[f"w{w}tp{t}" for w, t in LAYOUTS])
-def test_data_parallel(world, tp):
-    launch = run_ranks(world, body_dp, tp=tp, seed=1234, timeout=90)
+@pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"w{w}tp{t}pp{p}" for w, t, p in LAYOUTS])
+def test_data_parallel(world, tp, pp):
+    launch = run_ranks(world, body_dp, tp=tp, pp=pp, seed=1234, timeout=90)
     values = launch.values()
     assert all(v["checked"] == values[0]["checked"] for v in values)
     assert len(values[0]["checked"]) > 10

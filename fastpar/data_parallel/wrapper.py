@@ -122,6 +122,28 @@ class DataParallel(nn.Module):
             self.reducer.mark_unreached(output)
         return output
 
+    def step(self, *args, **kwargs):
+        """For a wrapped ``fastpar.pipeline.Pipeline``: its ``step(inputs, targets)`` (every
+        microbatch's backward accumulates into the buckets, nothing is reduced meanwhile), then
+        every bucket reduced over dp, unless inside ``no_sync()``. Returns the pipeline's loss
+        (this replica's mean; average it over dp for the global one). Collective over dp.
+
+        The reduction runs after the pipeline's last backward, not overlapped with it: which
+        backward is a parameter's last depends on the schedule (and the zero-bubble W pass
+        writes ``.grad`` without the hooks), so readiness is not known per parameter here."""
+        step = getattr(self.module, "step", None)
+        if step is None:
+            raise TypeError(f"DataParallel.step needs a wrapped module with .step (a fastpar "
+                            f"Pipeline); {type(self.module).__name__} has none: call the "
+                            "wrapper itself, then backward")
+        self.reducer.finish()
+        self.reducer.prepare_gradients()
+        self.reducer.sync = False  # the hooks only keep .grad in the buckets
+        loss = step(*args, **kwargs)
+        if not self._no_sync:
+            self.reducer.reduce_all()
+        return loss
+
     @property
     def buckets(self):
         """The gradient buckets, in launch order."""
