@@ -6,6 +6,17 @@ query head with its kv head), the output projection row-parallel. Shapes, batch-
 
     x (B, T, H) -> q (B, nh/tp, T, hd), k, v (B, nkv/tp, T, hd) -> sdpa -> (B, T, nh/tp * hd)
                 -> o_proj -> (B, T, H)           (sequence_parallel: x, y are (B, T/tp, H))
+
+Rotary position embedding (``rope_base``, RoFormer / GPT-NeoX "rotate half" layout) turns each
+head's q and k, at position p of the full sequence (under sequence parallelism the entry has
+already gathered it, so p runs over 0..T-1 on every rank), by angles that grow with p: for
+``i < hd/2``, ``theta_i = rope_base ** (-2i / hd)`` and the pair (i, i + hd/2) becomes::
+
+    y_i        = x_i cos(p theta_i) - x_{i+hd/2} sin(p theta_i)
+    y_{i+hd/2} = x_{i+hd/2} cos(p theta_i) + x_i sin(p theta_i)
+
+so ``q_p . k_s`` depends on the positions only through ``p - s``. Heads are independent, so the
+rotation needs no communication.
 """
 
 from __future__ import annotations
@@ -20,15 +31,35 @@ from fastpar.nn.sharding import generator, resolve_group
 from fastpar.runtime import group_size
 
 
+def rotary_tables(seq_len: int, head_dim: int, base: float, dtype, device):
+    """``(cos, sin)``, each ``(T, hd/2)``: ``cos(p theta_i)``, ``sin(p theta_i)`` for positions
+    ``p < seq_len``. The angles are formed in float64 and rounded once to ``dtype``."""
+    half = head_dim // 2
+    inv_freq = base ** (-2.0 * torch.arange(half, dtype=torch.float64, device=device) / head_dim)
+    angle = torch.arange(seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq
+    return angle.cos().to(dtype), angle.sin().to(dtype)  # (T, hd/2) each
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` (B, heads, T, hd) rotated pairwise by ``cos``/``sin`` (T, hd/2); see the module
+    docstring."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (B, heads, T, hd/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 class ParallelSelfAttention(nn.Module):
     """``num_kv_heads=None``: MHA. Projections ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` are
     drawn in that order from ``seed``. ``attn_dropout`` runs on the per-TP-rank stream (heads are
-    sharded); ``dropout`` on the output as in ``ParallelMLP``."""
+    sharded); ``dropout`` on the output as in ``ParallelMLP``. ``rope_base``: rotate q and k by
+    rotary position embedding with that base (e.g. 10000.0; ``None``: no position information
+    here); the head dim must be even."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, *, causal: bool = True, attn_dropout: float = 0.0,
                  dropout: float = 0.0, sequence_parallel: bool = False, sequence_dim: int = 1,
-                 overlap=None, chunks=None, group=None, device=None, dtype=None, seed=None):
+                 overlap=None, chunks=None, group=None, device=None, dtype=None, seed=None,
+                 rope_base: float | None = None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.group = resolve_group(group)
@@ -46,6 +77,11 @@ class ParallelSelfAttention(nn.Module):
             raise ValueError(f"ParallelSelfAttention is batch-first: sequence_dim must be 1, got "
                              f"{sequence_dim}")
         self.head_dim = hidden_size // num_heads
+        if rope_base is not None and (rope_base <= 0 or self.head_dim % 2):
+            raise ValueError(f"rotary embedding needs rope_base > 0 and an even head dim; got "
+                             f"rope_base {rope_base}, head dim {self.head_dim} (hidden_size "
+                             f"{hidden_size} / num_heads {num_heads})")
+        self.rope_base = rope_base
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads // tp
         self.causal, self.attn_dropout, self.dropout = causal, attn_dropout, dropout
         self.sequence_parallel = sequence_parallel
@@ -65,6 +101,9 @@ class ParallelSelfAttention(nn.Module):
         k = self.k_proj.local(x).view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj.local(x).view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
         # q (B, nh/tp, T, hd); k, v (B, nkv/tp, T, hd)
+        if self.rope_base is not None:  # positions 0..T-1 of the full (gathered) sequence
+            cos, sin = rotary_tables(T, self.head_dim, self.rope_base, q.dtype, q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.attn_dropout if self.training else 0.0
         gqa = self.local_heads != self.local_kv_heads
         if p:

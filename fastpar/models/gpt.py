@@ -1,0 +1,348 @@
+"""A GPT language model built from ``fastpar.nn`` layers, as a list of layers a pipeline can cut.
+
+    topo = fastpar.init(tp=2, pp=2)                          # mpirun -np 4 python train.py
+    cfg = PRESETS["small"]
+    pipe = Pipeline(gpt_layers(cfg, seed=0), loss_fn=gpt_loss, microbatches=4)
+    model = GPT(cfg, seed=0)                                 # or: every layer in one module
+
+The layers, batch-first, ``V/tp`` the vocab shard (``T/tp`` with sequence parallelism)::
+
+    embedding   tokens (B, T) int64 -> h (B, T, H)        [SP: (B, T/tp, H), reduce-scattered]
+                h = tok[tokens] (+ pos[0..T-1] when positions="learned"), then dropout
+    block x L   h = h + attn(norm1(h));  h = h + mlp(norm2(h))                  (pre-norm)
+    head        logits_shard = norm(h) @ W_out_shard.T    (B, T, V/tp)   [SP: gathers T first]
+    gpt_loss    mean over tokens of cross-entropy(logits, targets), vocab-parallel
+
+Serial and parallel are the same code: a group of one rank is the serial model. ``group=None``
+means the topology's tp group (``fastpar.nn``'s rule; without ``fastpar.init`` it raises, and a
+single process runs the serial model after a plain ``fastpar.init()``).
+
+Initialisation does not depend on tp or on the pipeline cut: layer ``i`` draws the serial (CPU
+float32) tensors in parameter order from a generator seeded by ``(seed, i)`` and keeps its shard.
+Weights ~ N(0, init_std), residual output projections (the row-parallel ``o_proj``, ``down_proj``
+/ ``fc2``) ~ N(0, init_std / sqrt(2 L)) as in GPT-2; biases 0, norm weights 1.
+
+Tied embeddings: the head's output weight is a separate Parameter holding the embedding's values
+and vocab rows (a pipeline puts them on different stages); both stay equal when both get the
+tied weight's gradient, the sum of the two: after backward call
+``sum_tied_grads(modules, topo.embedding_group)`` (it sums the grads of
+``tied_parameters(modules)`` here and over the first and last pipeline stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections import OrderedDict
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.comm.autograd import copy_to_tp
+from fastpar.nn import (ColumnParallelLinear, LayerNorm, ParallelMLP, ParallelSelfAttention,
+                        RMSNorm, RowParallelLinear, ShardedModule, VocabParallelEmbedding,
+                        vocab_parallel_cross_entropy)
+from fastpar.nn import random as tp_random
+from fastpar.nn.sharding import copy_into, resolve_group
+from fastpar.runtime import group_rank, group_size
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Sizes and choices of the model. ``kv_heads=None``: as many as ``heads`` (MHA; fewer is
+    grouped-query attention). ``ffn_hidden=None``: ``4 * hidden`` for gelu; for swiglu
+    ``8/3 * hidden`` rounded up to a multiple of 8 (about the parameters of the gelu MLP).
+    ``bias``: biases in every linear layer and in LayerNorm (the head never has one).
+    ``dropout``: on the embedding output, the attention probabilities and both residual
+    branches."""
+
+    vocab_size: int = 256  # byte-level
+    seq_len: int = 64
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    mlp: str = "swiglu"  # "swiglu" | "gelu"
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    positions: str = "rope"  # "rope" | "learned"
+    tie_embeddings: bool = False
+    sequence_parallel: bool = False
+    dropout: float = 0.0
+    bias: bool = False
+    rope_base: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.mlp == "gelu":
+            return 4 * self.hidden
+        return -(-self.hidden // 3) * 8  # ceil(8/3 * hidden / 8) * 8
+
+    def validate(self, tp: int = 1) -> None:
+        """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks."""
+        bad = []
+        for name in ("vocab_size", "seq_len", "layers", "hidden", "heads", "kv_heads",
+                     "ffn_hidden"):
+            value = getattr(self, name)
+            if (value is not None or name not in ("kv_heads", "ffn_hidden")) and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                bad.append(f"{name} must be a positive integer, got {value!r}")
+        for name, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
+                              ("positions", ("rope", "learned"))):
+            if getattr(self, name) not in allowed:
+                bad.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            bad.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.init_std > 0 or not self.rope_base > 0:
+            bad.append(f"init_std {self.init_std} and rope_base {self.rope_base} must be > 0")
+        if bad:
+            raise ValueError("GPTConfig: " + "; ".join(bad))
+        kv, ffn = self.num_kv_heads, self.ffn_size
+        if self.hidden % self.heads:
+            bad.append(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        elif self.positions == "rope" and (self.hidden // self.heads) % 2:
+            bad.append(f"rope needs an even head dim, got hidden {self.hidden} / heads "
+                       f"{self.heads} = {self.hidden // self.heads}")
+        if self.heads % kv:
+            bad.append(f"heads {self.heads} is not divisible by kv_heads {kv}")
+        for name, value in (("heads", self.heads), ("kv_heads", kv), ("vocab_size",
+                            self.vocab_size), ("ffn_hidden", ffn)):
+            if value % tp:
+                bad.append(f"{name} {value} is not divisible by tp {tp}")
+        if self.sequence_parallel and self.seq_len % tp:
+            bad.append(f"seq_len {self.seq_len} is not divisible by tp {tp} (sequence_parallel)")
+        if bad:
+            raise ValueError("GPTConfig: " + "; ".join(bad))
+
+    def num_params(self) -> int:
+        """Parameters of the serial model, the tied output weight (a copy) counted once."""
+        h, v, kv_dim, ffn, b = self.hidden, self.vocab_size, \
+            self.num_kv_heads * (self.hidden // self.heads), self.ffn_size, int(self.bias)
+        norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
+        attn = 2 * h * h + 2 * h * kv_dim + b * (2 * h + 2 * kv_dim)
+        mlp = (2 * h * ffn + b * (ffn + h)) if self.mlp == "gelu" else \
+            (3 * h * ffn + b * (2 * ffn + h))
+        embedding = v * h + (self.seq_len * h if self.positions == "learned" else 0)
+        head = norm + (0 if self.tie_embeddings else v * h)
+        return embedding + self.layers * (2 * norm + attn + mlp) + head
+
+
+PRESETS = {
+    # ~0.12 M parameters: trains in seconds on a CPU.
+    "tiny": GPTConfig(seq_len=64, layers=2, hidden=64, heads=4, kv_heads=2),
+    # ~3.0 M parameters: the demo of `mpirun -np 4 python -m fastpar.train --tp 2 --pp 2`.
+    "small": GPTConfig(seq_len=128, layers=4, hidden=256, heads=8, kv_heads=4),
+}
+
+
+def layer_generator(seed: int, index: int) -> torch.Generator:
+    """Layer ``index``'s generator, seeded with a hash of ``(seed, index)``: a stage that builds
+    only its own layers draws what the whole model would."""
+    digest = hashlib.sha256(f"fastpar.gpt:{seed}:{index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _normal(shape, std: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
+def _materialise(module: nn.Module, cfg: GPTConfig, seed: int, index: int) -> nn.Module:
+    """Give ``module`` (built on meta) its values on the current default device; see the module
+    docstring. Under ``torch.device("meta")`` (a pipeline weighing layers) it stays on meta."""
+    device = torch.empty(0).device  # the default device, as a plain constructor would use
+    if device.type == "meta":
+        return module
+    module.to_empty(device=device)
+    gen = layer_generator(seed, index)
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+    for owner in module.modules():
+        for name, p in owner.named_parameters(recurse=False):
+            if isinstance(owner, (LayerNorm, RMSNorm)):
+                value = torch.ones(p.shape) if name == "weight" else torch.zeros(p.shape)
+            elif name == "bias":
+                value = torch.zeros(p.shape)
+            else:  # the serial tensor, then this rank's shard of it
+                sharded = isinstance(owner, ShardedModule)
+                std = residual_std if isinstance(owner, RowParallelLinear) else cfg.init_std
+                full = _normal(owner.full_shape(name) if sharded else p.shape, std, gen)
+                value = owner.shard_full(name, full) if sharded else full
+            copy_into(p, value)
+    return module
+
+
+def _norm(cfg: GPTConfig, group):
+    if cfg.norm == "layernorm":
+        return LayerNorm(cfg.hidden, bias=cfg.bias, sequence_parallel=cfg.sequence_parallel,
+                         group=group, device="meta")
+    return RMSNorm(cfg.hidden, sequence_parallel=cfg.sequence_parallel, group=group,
+                   device="meta")
+
+
+class GPTEmbedding(nn.Module):
+    """tokens (B, T) -> (B, T, H), or (B, T/tp, H) under sequence parallelism (Megatron's rule:
+    the vocab-parallel lookup is reduce-scattered along the sequence instead of all-reduced).
+    Learned positions ``pos`` are replicated; under SP each rank adds its own T/tp rows, and
+    their gradient is summed over the tp group (``copy_to_tp``)."""
+
+    def __init__(self, cfg: GPTConfig, group):
+        super().__init__()
+        self.group, self.cfg = group, cfg
+        self.sequence_parallel, self.dropout = cfg.sequence_parallel, cfg.dropout
+        self.tok = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, sequence_parallel=
+                                          cfg.sequence_parallel, group=group, device="meta")
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden, device="meta") \
+            if cfg.positions == "learned" else None
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """The token embedding (V/tp rows) when ``tie_embeddings``, else None."""
+        return self.tok.weight if self.cfg.tie_embeddings else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens)  # (B, T, H); SP: (B, T/tp, H)
+        if self.pos is not None:
+            if tokens.shape[1] > self.cfg.seq_len:
+                raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the "
+                                 f"{self.cfg.seq_len} learned positions (seq_len)")
+            t = h.shape[1]
+            if self.sequence_parallel:  # rows of this rank's tokens; dW summed over ranks
+                start = group_rank(self.group) * t
+                h = h + copy_to_tp(self.pos.weight, self.group)[start:start + t]
+            else:
+                h = h + self.pos.weight[:t]
+        if self.dropout and self.training:  # under SP each rank holds other tokens: own mask
+            with tp_random.fork("tp", self.group) if self.sequence_parallel else nullcontext():
+                h = F.dropout(h, self.dropout, training=True)
+        return h
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: ``h + attn(norm1(h))``, then ``h + mlp(norm2(h))``; shapes
+    as the embedding's output, (B, T, H) or (B, T/tp, H)."""
+
+    def __init__(self, cfg: GPTConfig, group):
+        super().__init__()
+        sp, p = cfg.sequence_parallel, cfg.dropout
+        rope = cfg.rope_base if cfg.positions == "rope" else None
+        self.norm1 = _norm(cfg, group)
+        self.attn = ParallelSelfAttention(cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.bias,
+                                          attn_dropout=p, dropout=p, sequence_parallel=sp,
+                                          group=group, device="meta", rope_base=rope)
+        self.norm2 = _norm(cfg, group)
+        self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_size, cfg.mlp, cfg.bias, p,
+                               sequence_parallel=sp, group=group, device="meta")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn(self.norm1(h))
+        return h + self.mlp(self.norm2(h))
+
+
+class GPTHead(nn.Module):
+    """(B, T, H) [SP: (B, T/tp, H)] -> logits shard (B, T, V/tp): the final norm, then a
+    column-parallel projection without gather (under SP its entry all-gathers the sequence)."""
+
+    def __init__(self, cfg: GPTConfig, group):
+        super().__init__()
+        self.cfg = cfg
+        self.norm = _norm(cfg, group)
+        self.out = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, bias=False,
+                                        sequence_parallel=cfg.sequence_parallel, group=group,
+                                        device="meta")
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        """The output weight (V/tp rows, the embedding's) when ``tie_embeddings``, else None."""
+        return self.out.weight if self.cfg.tie_embeddings else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(h))
+
+
+def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0) -> list:
+    """Zero-argument factories of the layers in order: embedding, ``cfg.layers`` blocks, head.
+
+    ``group``: the tp group (None: the topology's). Each factory builds on the default device
+    (meta under ``torch.device("meta")``) with the values of the serial model for ``seed``."""
+    group = resolve_group(group)
+    cfg.validate(group_size(group))
+    last = cfg.layers + 1
+
+    def embedding():
+        return _materialise(GPTEmbedding(cfg, group), cfg, seed, 0)
+
+    def block(i):
+        return lambda: _materialise(GPTBlock(cfg, group), cfg, seed, i)
+
+    def head():
+        module = _materialise(GPTHead(cfg, group), cfg, seed, last)
+        if cfg.tie_embeddings and not module.out.weight.is_meta:
+            # The embedding's first draw of layer 0, sharded the same way (V/tp rows).
+            full = _normal((cfg.vocab_size, cfg.hidden), cfg.init_std, layer_generator(seed, 0))
+            copy_into(module.out.weight, module.out.shard_full("weight", full))
+        return module
+
+    return [embedding, *(block(i) for i in range(1, cfg.layers + 1)), head]
+
+
+def gpt_loss(logits_shard: torch.Tensor, targets: torch.Tensor, *, group=None) -> torch.Tensor:
+    """Mean cross-entropy over all tokens: logits shard (B, T, V/tp), targets (B, T) int64 ->
+    float32 scalar, as ``F.cross_entropy`` of the full logits. ``group``: the tp group of the
+    head (None: the topology's)."""
+    return vocab_parallel_cross_entropy(logits_shard, targets, group=group)
+
+
+class GPT(nn.Sequential):
+    """Every layer of ``gpt_layers(cfg, group=group, seed=seed)`` in one module (children "0" ..
+    str(L + 1): the same state-dict keys as the pipeline). tokens (B, T) -> logits (B, T, V/tp)."""
+
+    def __init__(self, cfg: GPTConfig, group=None, seed: int = 0):
+        super().__init__(*(factory() for factory in gpt_layers(cfg, group=group, seed=seed)))
+        self.cfg = cfg
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):  # some of the layers: a plain nn.Sequential, same names
+            return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
+
+
+def tied_parameters(modules) -> list[nn.Parameter]:
+    """The tied Parameters held by ``modules`` (a module or an iterable of them, e.g. a
+    pipeline's chunks): the embedding's then the head's, 0, 1 or 2 of them."""
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    found = {}
+    for kind in (GPTEmbedding, GPTHead):
+        for module in modules:
+            for sub in module.modules():
+                if isinstance(sub, kind) and sub.tied_weight is not None:
+                    found.setdefault(id(sub.tied_weight), sub.tied_weight)
+    return list(found.values())
+
+
+def sum_tied_grads(modules, group=None) -> None:
+    """Give every tied Parameter the gradient of the tied weight: the sum of all copies' grads,
+    here and over ``group`` (the topology's ``embedding_group``: first and last pipeline stage;
+    None or one rank: local only). Call after backward, before clipping and the optimizer step;
+    a missing grad counts as zeros."""
+    from fastpar.comm.collectives import all_reduce
+
+    params = tied_parameters(modules)
+    if not params:  # untied (then no rank has any), or a middle stage (in no embedding group)
+        return
+    total = sum((p.grad for p in params if p.grad is not None), torch.zeros_like(params[0]))
+    if group is not None and group_size(group) > 1:
+        all_reduce(total, group)
+    for p in params:  # in place: a data-parallel reducer may hold views of the grads
+        if p.grad is None:
+            p.grad = total.clone()
+        else:
+            p.grad.copy_(total)

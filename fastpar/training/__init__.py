@@ -1,0 +1,14 @@
+"""Single-process pieces of the training job (`python -m fastpar.train`), each its own module:
+
+    fastpar.training.data        byte-level corpus, a sampler that is a pure function of
+                                 (seed, step), fixed validation batches
+    fastpar.training.checkpoint  atomic, verified checkpoints (safetensors + JSON, no pickle)
+    fastpar.training.metrics     JSON-lines metrics, the human log line, the loss plot
+
+Import the module you need (`from fastpar.training import checkpoint`); nothing here imports
+safetensors or matplotlib until it is used.
+"""
+
+from fastpar.training import checkpoint, data, metrics
+
+__all__ = ["checkpoint", "data", "metrics"]

@@ -1,0 +1,305 @@
+"""Training checkpoints: written atomically, verified on load, read without unpickling.
+
+Usage:
+
+    path = save("runs/a", step, model=fastpar.full_state_dict(model),
+                optimizer=flat_optimizer_tensors, meta={"config": ..., "rng": capture_rng_state()})
+    ckpt = load("runs/a")              # follows runs/a/latest; or load("runs/a/step_00000100")
+    check_model_shapes({k: v.shape for k, v in serial_sd.items()}, ckpt.model, ckpt.path)
+
+Layout of a checkpoint directory:
+
+    runs/a/latest                       "step_00000100\\n": always names a complete checkpoint
+    runs/a/step_00000100/model.safetensors      serial-layout model tensors (any tp/pp/dp loads it)
+    runs/a/step_00000100/optimizer.safetensors  flat name -> tensor
+    runs/a/step_00000100/meta.json      {"format", "step", "files": {name: {"bytes", "sha256"}},
+                                         "meta": the caller's JSON-serialisable dict}
+
+save() writes everything into a hidden sibling `.tmp-step_XXXXXXXX-<pid>`, fsyncs the files and
+the directory, renames it into place, then replaces `latest` (tmp file + fsync + os.replace). An
+exception, Ctrl-C or a crash at any point leaves the previous checkpoint and `latest` intact;
+leftover `.tmp-*` entries are removed by the next save. One process (rank 0) writes a directory.
+By default the newest KEEP = 3 step directories are kept; `keep=None` keeps all.
+"""
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+
+import torch
+
+FORMAT = "fastpar-checkpoint-v1"
+KEEP = 3
+FILES = ("model.safetensors", "optimizer.safetensors")
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as exc:  # not a hard dependency of fastpar's communication layers
+        raise ImportError("fastpar checkpoints need safetensors: pip install safetensors") from exc
+    return safetensors.torch
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    step: int
+    model: dict        # name -> CPU tensor, serial layout
+    optimizer: dict    # name -> CPU tensor
+    meta: dict         # what the caller passed to save()
+    path: str          # the step directory
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path, data):
+    """Write bytes to a new file and fsync it."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _serialize(tensors, what):
+    """name -> tensor  ->  safetensors bytes (CPU, contiguous; tied tensors stored twice)."""
+    cpu, seen = {}, set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}[{name!r}] is a {type(t).__name__}, not a tensor")
+        t = t.detach().to("cpu").contiguous()
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # safetensors refuses tensors that share storage
+        seen.add(key)
+        cpu[name] = t
+    return _safetensors().save(cpu)
+
+
+def _json_path(obj, where="meta"):
+    """The first key path in obj that JSON cannot encode faithfully, for the error message."""
+    if isinstance(obj, dict):
+        items = obj.items()
+        bad = next((f"{where} key {k!r}" for k in obj if not isinstance(k, str)), None)
+    elif isinstance(obj, (list, tuple)):
+        items, bad = enumerate(obj), None
+    else:
+        ok = isinstance(obj, (str, int, float, bool, type(None)))
+        return None if ok else f"{where} ({type(obj).__name__})"
+    return bad or next(filter(None, (_json_path(v, f"{where}[{k!r}]") for k, v in items)), None)
+
+
+def _remove(path):
+    """Delete a file or tree; a directory is first renamed to a .tmp- name (atomic), so an
+    interrupted delete never leaves a half-deleted step directory under its real name."""
+    if os.path.isdir(path) and not os.path.basename(path).startswith(".tmp-"):
+        parent, name = os.path.split(path)
+        hidden = os.path.join(parent, f".tmp-del-{name}-{os.getpid()}")
+        os.rename(path, hidden)
+        path = hidden
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _step_dirs(root):
+    """{step: path} of the step directories under root (complete by construction)."""
+    found = {}
+    for name in os.listdir(root):
+        m = _STEP_DIR.fullmatch(name)
+        if m and os.path.isfile(os.path.join(root, name, "meta.json")):
+            found[int(m.group(1))] = os.path.join(root, name)
+    return found
+
+
+def save(dir, step, *, model, optimizer, meta, keep=KEEP):
+    """Write checkpoint `dir/step_{step:08d}` and point `dir/latest` at it; returns its path.
+
+    `model` and `optimizer` map names to tensors (any device; saved as contiguous CPU copies),
+    `meta` is JSON-serialisable (str keys; tuples come back as lists). An existing step
+    directory is never overwritten (ValueError). Tensors that share storage (tied weights) are
+    stored once per name. Peak host memory is about twice the serialised size.
+    """
+    step = int(step)
+    if step < 0 or (keep is not None and int(keep) < 1):
+        raise ValueError(f"save needs step >= 0 and keep >= 1 (or None), got step {step}, "
+                         f"keep {keep}")
+    bad = _json_path(meta)
+    if bad:
+        raise ValueError(f"checkpoint meta must be JSON-serialisable; {bad} is not")
+    os.makedirs(dir, exist_ok=True)
+    for name in os.listdir(dir):  # leftovers of interrupted saves
+        if name.startswith(".tmp-") or name.startswith(".latest.tmp-"):
+            _remove(os.path.join(dir, name))
+    name = f"step_{step:08d}"
+    final = os.path.join(dir, name)
+    if os.path.lexists(final):
+        raise ValueError(f"checkpoint {final} already exists; save step {step} to another "
+                         f"directory or delete it first")
+    blobs = {"model.safetensors": _serialize(model, "model"),
+             "optimizer.safetensors": _serialize(optimizer, "optimizer")}
+    files = {f: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+             for f, b in blobs.items()}
+    record = json.dumps({"format": FORMAT, "step": step, "files": files, "meta": meta}, indent=1)
+    tmp = os.path.join(dir, f".tmp-{name}-{os.getpid()}")
+    try:
+        os.mkdir(tmp)
+        for fname, blob in blobs.items():
+            _write_file(os.path.join(tmp, fname), blob)
+        _write_file(os.path.join(tmp, "meta.json"), record.encode())  # last: marks completeness
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(dir)
+    except BaseException:  # includes KeyboardInterrupt: the partial tmp dir goes, then re-raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    latest_tmp = os.path.join(dir, f".latest.tmp-{os.getpid()}")
+    _write_file(latest_tmp, f"{name}\n".encode())
+    os.replace(latest_tmp, os.path.join(dir, "latest"))
+    _fsync_dir(dir)
+    if keep is not None:
+        old = sorted(s for s in _step_dirs(dir) if s != step)
+        for s in old[:max(0, len(old) - (int(keep) - 1))]:
+            _remove(os.path.join(dir, f"step_{s:08d}"))
+    return final
+
+
+def _resolve(path):
+    """A step directory, or a parent directory's `latest` (else its highest step directory)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint path {path!r} does not exist or is not a directory")
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        if not _STEP_DIR.fullmatch(name):
+            raise ValueError(f"checkpoint {latest} names {name!r}, not a step directory")
+        return os.path.join(path, name)
+    steps = _step_dirs(path)
+    if not steps:
+        raise ValueError(f"no checkpoint in {path!r}: no latest file, no step_* directory with "
+                         f"a meta.json")
+    return steps[max(steps)]
+
+
+def _read_verified(path, fname, want):
+    """The bytes of path/fname, checked against meta.json's size and sha256."""
+    bad = f"checkpoint {path} is incomplete or corrupt: "
+    if not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
+        raise ValueError(f"{bad}meta.json has no size and sha256 for {fname}")
+    if not os.path.isfile(os.path.join(path, fname)):
+        raise ValueError(f"{bad}{fname} is missing")
+    with open(os.path.join(path, fname), "rb") as f:
+        data = f.read()
+    if len(data) != want["bytes"]:
+        raise ValueError(f"{bad}{fname} has {len(data)} bytes, meta.json says {want['bytes']}")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != want["sha256"]:
+        raise ValueError(f"{bad}{fname} has sha256 {digest[:16]}..., meta.json says "
+                         f"{want['sha256'][:16]}...")
+    return data
+
+
+def load(path):
+    """Read and verify a checkpoint -> Checkpoint(step, model, optimizer, meta, path).
+
+    `path` is a step directory or a directory save() wrote into. Each file's size and sha256
+    are checked against meta.json; nothing is unpickled (safetensors + JSON).
+    """
+    path = _resolve(path)
+    try:
+        with open(os.path.join(path, "meta.json"), "rb") as f:
+            record = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"checkpoint {path} is incomplete or corrupt: meta.json: {exc}") from exc
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"{path}/meta.json is not a {FORMAT} record")
+    tensors = {}
+    for fname in FILES:
+        data = _read_verified(path, fname, record.get("files", {}).get(fname))
+        try:
+            tensors[fname] = _safetensors().load(data)
+        except Exception as exc:
+            raise ValueError(f"checkpoint {path}: {fname} is not valid safetensors: {exc}") from exc
+    return Checkpoint(step=int(record["step"]), model=tensors["model.safetensors"],
+                      optimizer=tensors["optimizer.safetensors"], meta=record["meta"], path=path)
+
+
+def check_model_shapes(expected, got, where, limit=10):
+    """ValueError unless `got` (name -> tensor) has exactly the keys and shapes of `expected`
+    (name -> torch.Size or tuple); the message lists the first `limit` of each kind."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong = [f"{k} (model {tuple(expected[k])}, checkpoint {tuple(got[k].shape)})"
+             for k in sorted(set(expected) & set(got))
+             if tuple(expected[k]) != tuple(got[k].shape)]
+    parts = []
+    for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                         ("shape mismatches", wrong)):
+        if items:
+            more = f", ... and {len(items) - limit} more" if len(items) > limit else ""
+            parts.append(f"{len(items)} {label}: {', '.join(items[:limit])}{more}")
+    if parts:
+        raise ValueError(f"checkpoint {where} was saved from a different model: "
+                         + "; ".join(parts))
+
+
+def encode_rng(state):
+    """A torch RNG state (uint8 tensor) -> base64 text."""
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
+
+
+def decode_rng(text):
+    """base64 text -> a torch RNG state (uint8 tensor)."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def capture_rng_state():
+    """This process's RNG states as JSON-able data: torch CPU, every CUDA device (if any),
+    Python's random, NumPy's legacy global generator (if NumPy imports)."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": encode_rng(torch.get_rng_state()),
+             "python": {"version": version, "internal": list(internal), "gauss_next": gauss}}
+    if torch.cuda.is_available():
+        state["cuda"] = [encode_rng(s) for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state["numpy"] = {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return state
+
+
+def restore_rng_state(state):
+    """The inverse of capture_rng_state(). CUDA states are restored only when the device count
+    matches (a resume under another layout draws fresh ones); absent entries are left alone."""
+    if "torch" in state:
+        torch.set_rng_state(decode_rng(state["torch"]))
+    if "python" in state:
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([decode_rng(s) for s in cuda])
+    if "numpy" in state:
+        import numpy as np
+        n = state["numpy"]
+        np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"],
+                             n["has_gauss"], n["cached_gaussian"]))
