@@ -34,6 +34,7 @@ import math
 import torch
 
 from fastpar import comm
+from fastpar.optim.clip import sharded_params
 from fastpar.optim.flat import FlatGroup
 from fastpar.runtime import group_rank, group_size, topology
 
@@ -206,12 +207,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _norm_weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """Per flat group, ``(shard,)`` of 1 (counted) or 0 (a tp-replicated element on a tp
         rank other than 0)."""
-        sharded = set()
-        for mod in model.modules():
-            dims = getattr(mod, "shard_dims", None)  # fastpar.nn.ShardedModule's declaration
-            if dims and group_size(mod.group) > 1:
-                sharded.update(id(getattr(mod, n)) for n in dims if getattr(mod, n, None)
-                               is not None)
+        sharded = sharded_params(model)
         count_replicated = topology().tp_rank == 0
         out = []
         for f in self.flat:

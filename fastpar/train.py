@@ -1,0 +1,372 @@
+"""The main job: train a GPT with tensor, pipeline and data parallelism, the same as one process.
+
+    mpirun -np 4 python -m fastpar.train --tp 2 --pp 2              # dp = world / (tp x pp)
+    python -m fastpar.train --preset tiny --steps 100                # one process, serial
+    mpirun -np 4 python -m fastpar.train --tp 2 --pp 2 --save ckpt --save-every 50
+    mpirun -np 2 python -m fastpar.train --resume ckpt               # any other layout
+
+Each step: the global batch (a pure function of (seed, step): ``fastpar.training.data``) is cut
+into dp slices; ``DataParallel(Pipeline(gpt_layers(cfg)))`` runs the microbatches through the
+stages (tp inside each layer) and averages the gradients over dp (``--zero``: a ZeRO-1
+``DistributedOptimizer`` reduce-scatters them instead); tied embedding gradients are summed over
+the first and last stage; the gradients are clipped by the serial model's global norm; AdamW
+steps. The initial weights depend only on ``--seed``, so every layout starts from the serial
+model and, up to float32 rounding, follows the same loss curve.
+
+Rank 0 shows a progress bar and a line every ``--log-every`` steps, validation loss every
+``--val-every``, JSON lines with ``--metrics``, and a loss plot at the end (``--plot``).
+Checkpoints (``--save``) hold the serial layout (safetensors) and reload under any layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import torch
+
+DEFAULT_STEPS = {"tiny": 200, "small": 150}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fastpar.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--tp", type=int, default=1, help="tensor-parallel size")
+    a("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
+    a("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
+    a("--microbatches", type=int, default=None, help="per step (default: 2 x pp, at least 1)")
+    a("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
+    a("--preset", default="small", choices=["tiny", "small"])
+    a("--steps", type=int, default=None, help="total steps (default: tiny 200, small 150)")
+    a("--global-batch", type=int, default=16, help="sequences per step over all dp ranks")
+    a("--seq-len", type=int, default=None)
+    a("--layers", type=int, default=None)
+    a("--hidden", type=int, default=None)
+    a("--heads", type=int, default=None)
+    a("--kv-heads", type=int, default=None)
+    a("--tie-embeddings", action="store_true")
+    a("--sequence-parallel", action="store_true")
+    a("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    a("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of lr")
+    a("--warmup", type=int, default=None, help="linear warm-up steps (default: steps / 10)")
+    a("--weight-decay", type=float, default=0.1)
+    a("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    a("--seed", type=int, default=0)
+    a("--data", default=None, help="a text file or directory (default: the Python stdlib)")
+    a("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a("--zero", action="store_true", help="ZeRO-1: optimizer state sharded over dp")
+    a("--save", default=None, help="checkpoint directory")
+    a("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    a("--resume", default=None, help="checkpoint directory (or one step_* in it) to continue")
+    a("--log-every", type=int, default=10)
+    a("--val-every", type=int, default=None, help="steps between validations (default: 5 logs)")
+    a("--val-batches", type=int, default=4)
+    a("--metrics", default=None, help="JSON-lines file (rank 0)")
+    a("--plot", default="fastpar_train_loss.png", help="loss plot written at the end ('' : none)")
+    a("--timeout", type=float, default=300.0, help="seconds any collective may wait for a peer")
+    a("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    return p.parse_args(argv)
+
+
+def model_config(args):
+    from fastpar.models import PRESETS
+
+    overrides = {k: v for k, v in (("seq_len", args.seq_len), ("layers", args.layers),
+                                   ("hidden", args.hidden), ("heads", args.heads),
+                                   ("kv_heads", args.kv_heads)) if v is not None}
+    if args.tie_embeddings:
+        overrides["tie_embeddings"] = True
+    if args.sequence_parallel:
+        overrides["sequence_parallel"] = True
+    if "heads" in overrides and "kv_heads" not in overrides:
+        overrides["kv_heads"] = None  # a new head count: MHA unless told
+    return dataclasses.replace(PRESETS[args.preset], **overrides)
+
+
+def check_layout(args, topo, cfg) -> int:
+    """ValueError (on every rank) for a batch the layout cannot cut; returns microbatches."""
+    dp = topo.dp_size
+    m = args.microbatches or max(1, 2 * topo.pp_size)
+    cfg.validate(topo.tp_size)
+    if args.global_batch % (dp * m):
+        raise ValueError(f"global batch {args.global_batch} is not divisible by dp {dp} x "
+                         f"microbatches {m} (world {topo.world_size} = tp {topo.tp_size} x pp "
+                         f"{topo.pp_size} x dp {dp})")
+    if args.dtype == "bfloat16" and topo.device.type != "cuda":
+        print("[fastpar.train] note: bfloat16 on CPU is slow; it is meant for GPUs",
+              file=sys.stderr)
+    return m
+
+
+def lr_lambda(args, steps: int):
+    warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
+
+    def f(step: int) -> float:  # step: optimizer steps taken so far
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
+
+
+class Trainer:
+    """Everything one rank needs for the run, built once (``Trainer(args)``), then ``run()``."""
+
+    def __init__(self, args):
+        import fastpar
+        from fastpar.models import gpt_layers, gpt_loss
+        from fastpar.pipeline import Pipeline
+        from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
+
+        self.args = args
+        self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, timeout=args.timeout)
+        self.cfg = cfg = model_config(args)
+        self.microbatches = check_layout(args, topo, cfg)
+        self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]
+        corpus = load_corpus(args.data, cfg.seq_len) if args.data else builtin_corpus()
+        self.corpus_info = corpus.describe()
+        self.sampler = Sampler(corpus.train, cfg.seq_len, args.global_batch, args.seed)
+        rows = args.global_batch // topo.dp_size
+        self.val = [(x.chunk(topo.dp_size)[topo.dp_rank], y.chunk(topo.dp_size)[topo.dp_rank])
+                    for x, y in val_batches(corpus.val, args.val_batches, cfg.seq_len,
+                                            args.global_batch)]
+        self.rows = rows
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        self.pipe = Pipeline(gpt_layers(cfg, seed=args.seed), loss_fn=gpt_loss,
+                             schedule=args.schedule, microbatches=self.microbatches,
+                             virtual_stages=args.virtual_stages).to(dtype)
+        self.loss_fn = gpt_loss
+        if args.zero:
+            self.model = self.pipe
+            self.opt = fastpar.optim.DistributedOptimizer(
+                self.pipe.parameters(), torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
+                weight_decay=args.weight_decay)
+        else:
+            self.model = fastpar.DataParallel(self.pipe, reduce_dtype=torch.float32
+                                              if dtype != torch.float32 else None)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                         weight_decay=args.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
+        self.start = 0
+        self.records: list[dict] = []
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step on batch ``step``; returns (global mean loss, grad norm)."""
+        from fastpar import comm, optim
+        from fastpar.models import sum_tied_grads
+        from fastpar.nn import random as tp_random
+
+        topo, args = self.topo, self.args
+        tp_random.seed(self.sampler_seed(step))  # dropout streams: a function of (seed, step)
+        x, y = self.sampler.shard(step, topo.dp_rank, topo.dp_size)
+        loss = self.model.step(x, y)  # this replica's mean; DataParallel reduced the grads
+        sum_tied_grads(list(self.pipe.modules()), topo.embedding_group)
+        if args.zero:
+            norm = self.opt.clip_grad_norm_(args.clip if args.clip > 0 else math.inf,
+                                            model=self.pipe)
+        elif args.clip > 0:
+            norm = optim.clip_grad_norm_(self.pipe, args.clip)
+        else:
+            norm = torch.tensor(float("nan"))
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        total = torch.tensor([loss], dtype=torch.float64)
+        comm.all_reduce(total, group=topo.dp_group)  # mean over dp of equal-sized slices
+        return total.item() / topo.dp_size, float(norm)
+
+    def sampler_seed(self, step: int) -> int:
+        from fastpar.training.data import mix_seed
+
+        return mix_seed(self.args.seed + 1, step) % (2 ** 62)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean loss over the fixed validation batches (the same tokens under every layout)."""
+        from fastpar import comm
+
+        self.pipe.eval()
+        total = torch.zeros(1, dtype=torch.float64)
+        for x, y in self.val:
+            logits = self.pipe.forward(x)
+            total += self.loss_fn(logits.to(self.topo.device), y.to(self.topo.device)).double().cpu()
+        self.pipe.train()
+        comm.all_reduce(total, group=self.topo.dp_group)
+        return total.item() / (len(self.val) * self.topo.dp_size)
+
+    # ---- the run -----------------------------------------------------------------------------
+
+    def run(self) -> list[dict]:
+        from fastpar.training import checkpoint as ckpt
+        from fastpar.training.metrics import MetricsWriter, format_line, plot_losses
+
+        args, topo = self.args, self.topo
+        lead = topo.rank == 0
+        if args.resume:
+            self.resume(args.resume)
+        if lead:
+            self.banner()
+        metrics = MetricsWriter(args.metrics if lead else None, resume=bool(args.resume),
+                                resume_step=self.start if args.resume else None)
+        bar = None
+        if lead and not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.steps, initial=self.start, desc="train", unit="step",
+                       dynamic_ncols=True, file=sys.stderr)
+        val_every = args.val_every or 5 * args.log_every
+        tokens = args.global_batch * self.cfg.seq_len
+        window = []
+        for step in range(self.start, self.steps):
+            t0 = time.perf_counter()
+            loss, norm = self.train_step(step)
+            dt = time.perf_counter() - t0
+            window.append(dt)
+            done = step + 1
+            rec = {"step": done, "loss": loss, "lr": self.sched.get_last_lr()[0],
+                   "grad_norm": norm, "step_time_s": dt, "tokens_per_s": tokens / dt}
+            rec.update(self.mfu(tokens / dt))
+            if done % val_every == 0 or done == self.steps:
+                rec["val_loss"] = self.validate()
+            self.records.append(rec)
+            metrics.write(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            if lead and (done % args.log_every == 0 or done == self.steps or "val_loss" in rec):
+                mean = sum(window) / len(window)
+                line = format_line({**rec, "step_time_s": mean, "tokens_per_s": tokens / mean})
+                (bar.write if bar is not None else print)(line)
+                window = []
+            if args.save and (done == self.steps or (args.save_every and
+                                                      done % args.save_every == 0)):
+                self.save(done)
+        if bar is not None:
+            bar.close()
+        metrics.close()
+        if lead and args.plot and self.records:
+            past = metrics_records(args.metrics) if args.resume and args.metrics else self.records
+            path = plot_losses(past, args.plot)
+            print(f"[fastpar.train] loss plot: {os.path.abspath(path)}", flush=True)
+        return self.records
+
+    def banner(self) -> None:
+        t, cfg = self.topo, self.cfg
+        print(f"[fastpar.train] world {t.world_size} = tp {t.tp_size} x pp {t.pp_size} x dp "
+              f"{t.dp_size} on {t.device.type}; schedule {self.args.schedule}, "
+              f"{self.microbatches} microbatches of {self.rows // self.microbatches} "
+              f"sequences; {'ZeRO-1 ' if self.args.zero else ''}AdamW lr {self.args.lr:g}",
+              flush=True)
+        print(f"[fastpar.train] model: {self.args.preset} preset, {cfg.num_params() / 1e6:.2f} M "
+              f"params ({cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/"
+              f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}); steps {self.start} -> {self.steps}, "
+              f"global batch {self.args.global_batch}", flush=True)
+        print(f"[fastpar.train] data: {self.corpus_info}", flush=True)
+
+    def mfu(self, tokens_per_s: float) -> dict:
+        """Model-FLOPs utilisation on a GPU: 6 N + 12 L H T FLOPs per token (forward and
+        backward, attention included) over the devices' bf16 dense peak."""
+        if self.topo.device.type != "cuda":
+            return {}
+        peak = gpu_peak_flops(torch.cuda.get_device_name(self.topo.device))
+        if peak is None:
+            return {}
+        cfg = self.cfg
+        flops = 6 * cfg.num_params() + 12 * cfg.layers * cfg.hidden * cfg.seq_len
+        return {"mfu": tokens_per_s * flops / (peak * self.topo.world_size)}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        """Collective: gather the serial layout, rank 0 writes it atomically."""
+        import fastpar
+        from fastpar.training import checkpoint as ckpt
+        from fastpar.training.state import serial_optimizer_state
+
+        weights = fastpar.full_state_dict(self.model)
+        opt_tensors, scalars = serial_optimizer_state(self.pipe, self.opt)
+        if self.topo.rank == 0:
+            meta = {"model": dataclasses.asdict(self.cfg), "seed": self.args.seed,
+                    "global_batch": self.args.global_batch, "optimizer_scalars": scalars,
+                    "scheduler": scheduler_state(self.sched),
+                    "layout": {"tp": self.topo.tp_size, "pp": self.topo.pp_size,
+                               "dp": self.topo.dp_size, "zero": self.args.zero},
+                    "dtype": self.args.dtype}
+            path = ckpt.save(self.args.save, step, model=weights, optimizer=opt_tensors,
+                             meta=meta)
+            print(f"[fastpar.train] saved step {step} to {path}", flush=True)
+        torch.distributed.barrier()
+
+    def resume(self, where: str) -> None:
+        """Continue from a checkpoint saved under any layout of the same model."""
+        import fastpar
+        from fastpar.training import checkpoint as ckpt
+        from fastpar.training.state import load_serial_optimizer_state
+
+        c = ckpt.load(where)
+        saved = c.meta.get("model", {})
+        mine = dataclasses.asdict(self.cfg)
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in mine.items()
+                if k not in ("sequence_parallel", "dropout") and saved.get(k) != v]
+        if diff:
+            raise ValueError(f"checkpoint {c.path} was saved from a different model: "
+                             + "; ".join(diff))
+        expected = {k: tuple(v.shape) for k, v in fastpar.full_state_dict(self.model).items()}
+        ckpt.check_model_shapes(expected, c.model, c.path)
+        if c.step > self.steps:
+            raise ValueError(f"checkpoint {c.path} is at step {c.step}, past --steps "
+                             f"{self.steps}")
+        fastpar.load_full_state_dict(self.model, c.model)
+        load_serial_optimizer_state(self.pipe, self.opt, c.optimizer,
+                                    c.meta.get("optimizer_scalars", {}))
+        self.sched.load_state_dict({**self.sched.state_dict(), **c.meta["scheduler"]})
+        for group, lr in zip(self.opt.param_groups, self.sched.get_last_lr()):
+            group["lr"] = lr
+        self.start = c.step
+        if self.topo.rank == 0:
+            lay = c.meta.get("layout", {})
+            print(f"[fastpar.train] resumed {c.path} at step {c.step} (saved under tp "
+                  f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')})", flush=True)
+
+
+def scheduler_state(sched) -> dict:
+    """The LR scheduler's JSON-able state (LambdaLR keeps its lambdas out of it)."""
+    return {k: v for k, v in sched.state_dict().items()
+            if isinstance(v, (int, float, list, bool, type(None)))}
+
+
+def metrics_records(path):
+    from fastpar.training.metrics import read_records
+
+    return read_records(path)
+
+
+# Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, SXM parts).
+_PEAKS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+          ("A10", 125e12), ("V100", 125e12))
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    return next((peak for key, peak in _PEAKS if key in name), None)
+
+
+def main(argv=None) -> int:
+    import fastpar
+
+    args = parse_args(argv)
+    try:
+        Trainer(args).run()
+    finally:
+        fastpar.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
