@@ -154,6 +154,10 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
         self.start = 0
         self.records: list[dict] = []
+        # Who is who: a launcher that reports a dead process by pid (MPICH) is then readable.
+        self.pids = [None] * topo.world_size
+        torch.distributed.all_gather_object(self.pids, (os.getpid(), topo.hosts[topo.rank]
+                                                        if topo.hosts else ""))
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -269,6 +273,10 @@ class Trainer:
               f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}); steps {self.start} -> {self.steps}, "
               f"global batch {self.args.global_batch}", flush=True)
         print(f"[fastpar.train] data: {self.corpus_info}", flush=True)
+        ranks = ", ".join(f"{r}: pid {pid}" + (f" on {host}" if host else "")
+                          for r, (pid, host) in enumerate(self.pids[:16]))
+        more = f", ... ({len(self.pids)} ranks)" if len(self.pids) > 16 else ""
+        print(f"[fastpar.train] ranks: {ranks}{more}", flush=True)
 
     def mfu(self, tokens_per_s: float) -> dict:
         """Model-FLOPs utilisation on a GPU: 6 N + 12 L H T FLOPs per token (forward and

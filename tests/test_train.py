@@ -1,0 +1,202 @@
+"""The main job (``fastpar.train``): every layout trains the same model as one process.
+
+One launch per world size runs several short trainings in turn (``Trainer(...).run()``, then
+``fastpar.shutdown()``), tiny preset, 20 steps, the same seed and global batch:
+- 4 ranks: tp 2 x pp 2 (saving at steps 10 and 20), its exact resume from step 10, tp 2 x dp 2
+  (a tp group smaller than the world), pp 2 x dp 2 with ZeRO-1, and tp 2 x pp 2 interleaved with
+  tied embeddings and sequence parallelism;
+- 2 ranks: pp 2, tp 2, dp 2, and dp 2 resumed from the tp 2 x pp 2 checkpoint (resharding);
+- 1 rank: the serial runs (plain and tied), a resume of the 4-rank checkpoint, and the errors for a
+  truncated checkpoint, one of a different model and a batch the layout cannot cut.
+Loss curves must agree with the serial one to a relative 1e-3 (the issue's bound; in practice
+~1e-7), and the same-layout resume bitwise. Then, under mpirun: a killed rank ends the job
+quickly, named; SIGINT while checkpoints are being written leaves a loadable one.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.multirank import BIN, ROOT, run_ranks
+
+BASE = ["--preset", "tiny", "--steps", "20", "--log-every", "10", "--no-progress", "--plot", "",
+        "--timeout", "60"]
+PARITY = 1e-3  # relative, per step (issue 11)
+
+
+def body_runs(runs):
+    """Each (name, argv) trained in turn; {name: [[step, loss, val_loss or None], ...]} or
+    {name: "ValueError: ..."} for a run that raised ValueError."""
+    import fastpar
+    from fastpar.train import Trainer, parse_args
+
+    out = {}
+    for name, argv in runs:
+        try:
+            records = Trainer(parse_args(BASE + argv)).run()
+            out[name] = [[r["step"], r["loss"], r.get("val_loss")] for r in records]
+        except ValueError as exc:
+            out[name] = f"ValueError: {exc}"
+        finally:
+            fastpar.shutdown()
+    return out
+
+
+def curve(result):
+    return {int(step): loss for step, loss, _ in result}
+
+
+def assert_parity(name, got, ref, bound=PARITY):
+    assert isinstance(got, list), (name, got)
+    g, r = curve(got), curve(ref)
+    assert set(g) <= set(r) and g, (name, sorted(g), sorted(r))
+    worst = max(abs(g[s] - r[s]) / abs(r[s]) for s in g)
+    assert worst < bound, (name, worst, g, r)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    ck = str(tmp_path_factory.mktemp("ckpt"))
+    runs = [("tp2pp2", ["--tp", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
+            ("tp2pp2.resume", ["--tp", "2", "--pp", "2", "--resume",
+                               os.path.join(ck, "step_00000010")]),
+            ("tp2dp2", ["--tp", "2"]),
+            ("pp2dp2.zero", ["--pp", "2", "--zero"]),
+            ("tp2pp2.interleaved.tied.sp", ["--tp", "2", "--pp", "2", "--virtual-stages", "2",
+                                            "--schedule", "interleaved", "--tie-embeddings",
+                                            "--sequence-parallel"])]
+    values = run_ranks(4, body_runs, runs=runs, timeout=240).values()
+    assert all(v == values[0] for v in values), "ranks disagree on the losses"
+    return values[0], ck
+
+
+def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
+    four, ck = four_ranks
+    step10 = os.path.join(ck, "step_00000010")
+    two = run_ranks(2, body_runs, runs=[
+        ("pp2", ["--pp", "2"]), ("tp2", ["--tp", "2"]), ("dp2", []),
+        ("dp2.resume", ["--resume", step10])], timeout=180).values()
+    assert two[0] == two[1]
+    two = two[0]
+    truncated = str(tmp_path / "truncated")
+    shutil.copytree(step10, truncated)
+    with open(os.path.join(truncated, "model.safetensors"), "r+b") as f:
+        f.truncate(100)
+    one = run_ranks(1, body_runs, runs=[
+        ("serial", []), ("serial.tied", ["--tie-embeddings"]),
+        ("serial.resume", ["--resume", ck]),  # the parent dir: its latest, step 20 -> nothing
+        ("serial.resume10", ["--resume", step10]),
+        ("truncated", ["--resume", truncated]),
+        ("other-model", ["--layers", "3", "--resume", step10]),
+        ("bad-batch", ["--global-batch", "10", "--microbatches", "4"])], timeout=180).values()[0]
+    serial = one["serial"]
+    assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
+    for name in ("tp2pp2", "tp2dp2", "pp2dp2.zero"):
+        assert_parity(name, four[name], serial)
+    assert_parity("interleaved.tied.sp", four["tp2pp2.interleaved.tied.sp"], one["serial.tied"])
+    for name in ("pp2", "tp2", "dp2"):
+        assert_parity(name, two[name], serial)
+    # Resume: the same layout continues bitwise; other layouts continue the same curve.
+    resumed = curve(four["tp2pp2.resume"])
+    assert sorted(resumed) == list(range(11, 21))
+    assert all(resumed[s] == curve(four["tp2pp2"])[s] for s in resumed), resumed
+    assert_parity("dp2.resume", two["dp2.resume"], serial)
+    assert_parity("serial.resume10", one["serial.resume10"], serial)
+    assert one["serial.resume"] == [], one["serial.resume"]  # step 20 of 20: nothing to do
+    # Validation loss (same tokens under every layout) at step 20.
+    vals = {n: r[-1][2] for n, r in (("serial", serial), ("tp2pp2", four["tp2pp2"]),
+                                      ("dp2", two["dp2"]))}
+    assert max(vals.values()) - min(vals.values()) < PARITY * vals["serial"], vals
+    # Errors name what is wrong.
+    assert "incomplete or corrupt" in one["truncated"] and "model.safetensors" in \
+        one["truncated"], one["truncated"]
+    assert "different model" in one["other-model"] and "layers: checkpoint 2, this run 3" in \
+        one["other-model"], one["other-model"]
+    assert "global batch 10 is not divisible by dp 1 x microbatches 4" in one["bad-batch"], \
+        one["bad-batch"]
+
+
+def _mpirun_train(args):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-m",
+                             "fastpar.train", *BASE[:2], "--steps", "100000", "--no-progress",
+                             "--plot", "", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _wait_lines(path, n, proc, deadline=90):
+    end = time.monotonic() + deadline
+    while time.monotonic() < end and proc.poll() is None:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {n} metrics lines in {deadline} s (exit {proc.poll()})")
+
+
+def _rank_pids(marker):
+    """{rank: pid} of the processes whose command line holds ``marker`` (MPICH's PMI_RANK)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            if marker not in cmd or "fastpar.train" not in cmd:
+                continue
+            env = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        for item in env.split("\0"):
+            if item.startswith("PMI_RANK="):
+                found[int(item.split("=")[1])] = int(pid)
+    return found
+
+
+def test_killed_rank_ends_the_job_named(tmp_path):
+    """SIGKILL to rank 1 mid-training: the job ends well within --timeout and the output names
+    the dead process (MPICH names its pid; the banner maps pids to ranks)."""
+    metrics = str(tmp_path / "m.jsonl")
+    proc = _mpirun_train(["--pp", "2", "--timeout", "20", "--metrics", metrics])
+    try:
+        _wait_lines(metrics, 3, proc)
+        pids = _rank_pids(metrics)
+        assert set(pids) == {0, 1}, pids
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        out = proc.communicate(timeout=60)[0]
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert elapsed < 20, (elapsed, out[-2000:])
+    assert f"1: pid {pids[1]}" in out, out[-2000:]  # the banner's map
+    assert f"PID {pids[1]}" in out or "rank 1" in out, out[-2000:]
+
+
+def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the job's process group, as a terminal sends it) while a checkpoint is
+    written every step: the latest complete one loads, and training resumes from it."""
+    from fastpar.training import checkpoint
+
+    ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
+    proc = _mpirun_train(["--pp", "2", "--save", ck, "--save-every", "1", "--metrics", metrics])
+    try:
+        _wait_lines(metrics, 4, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, out[-2000:]
+    c = checkpoint.load(ck)
+    assert c.step >= 3, c.step
+    resumed = run_ranks(1, body_runs, runs=[("resume", ["--resume", ck, "--steps",
+                                                        str(c.step + 2)])],
+                        timeout=120).values()[0]["resume"]
+    assert [s for s, _, _ in resumed] == [c.step + 1, c.step + 2], resumed
