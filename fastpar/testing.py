@@ -1,8 +1,9 @@
 """What tests and benchmarks of parallel layers share: serial reference blocks and a tolerance
 derived from the serial model's own rounding error.
 
-    from fastpar.testing import SerialMLP, assert_close
+    from fastpar.testing import Checks, SerialMLP, assert_close
     assert_close("mlp.out", parallel_out, ref64_out, serial_out)
+    c = Checks(); c.close("mlp.out", parallel_out, ref64_out, serial_out)   # + c.worst, c.checked
 
 **The tolerance.** A parallel result differs from the serial one only by rounding: the same sums
 taken in another order, split over ranks and joined by a collective. So it is compared with a
@@ -67,6 +68,20 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, serial: torch.
         f"{torch.finfo(dtype).eps * ref.double().norm().item():.3g}); |ref| = "
         f"{ref.double().norm().item():.3g}")
     return err / bound if bound else 0.0
+
+
+class Checks:
+    """Many ``assert_close`` checks in one multi-rank body: ``checked`` lists their names (so a
+    test can compare ranks and count them), ``worst`` is ``(error / bound, name)`` of the
+    closest call."""
+
+    def __init__(self):
+        self.checked, self.worst = [], (0.0, "")
+
+    def close(self, name, got, ref, serial, **kw):
+        ratio = assert_close(name, got, ref, serial, **kw)
+        self.worst = max(self.worst, (ratio, name))
+        self.checked.append(name)
 
 
 class SerialMLP(nn.Module):

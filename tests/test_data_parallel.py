@@ -20,23 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.testing import Checks
 from tests.multirank import run_ranks
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 1, 2)]  # (world, tp, pp)
 STEPS, ACCUM, MB = 3, 2, 4  # Adam steps, micro-batches per step, rows per replica per micro-batch
 TINY = 1e-6  # bucket_mb: every parameter in a bucket of its own
-
-
-class Checks:
-    def __init__(self):
-        self.checked, self.worst = [], (0.0, "")
-
-    def close(self, name, got, ref, serial, **kw):
-        from fastpar.testing import assert_close
-
-        ratio = assert_close(name, got, ref, serial, **kw)
-        self.worst = max(self.worst, (ratio, name))
-        self.checked.append(name)
 
 
 def serial_net():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import fastpar
 from fastpar.models import (GPT, PRESETS, GPTConfig, gpt_layers, gpt_loss, sum_tied_grads,
                             tied_parameters)
+from fastpar.testing import Checks
 from tests.multirank import run_ranks
 
 B, T = 4, 8  # batch (two microbatches in the pipeline), sequence (divisible by every tp)
@@ -166,17 +167,7 @@ def test_serial_float32_against_float64_and_tied_grads(single):
 # -- multi-rank -------------------------------------------------------------------------------
 
 
-class Checker:
-    def __init__(self):
-        self.checked, self.worst = [], (0.0, "")
-
-    def close(self, name, got, ref, serial):
-        from fastpar.testing import assert_close
-
-        ratio = assert_close(name, got, ref, serial)
-        self.worst = max(self.worst, (ratio, name))
-        self.checked.append(name)
-
+class Checker(Checks):
     def grads(self, tag, named, ser, ref):
         """Every parameter gradient of ``named`` (name -> (owner, leaf, param), serial names)
         against the serial and reference models' gradients, cut to this rank's shard."""

@@ -22,21 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.testing import Checks
 from tests.multirank import run_ranks
 
 MB = 4  # rows per dp rank per step
-
-
-class Checks:
-    def __init__(self):
-        self.checked, self.worst = [], (0.0, "")
-
-    def close(self, name, got, ref, serial):
-        from fastpar.testing import assert_close
-
-        ratio = assert_close(name, got, ref, serial)
-        self.worst = max(self.worst, (ratio, name))
-        self.checked.append(name)
 
 
 class Net(nn.Module):
