@@ -104,21 +104,19 @@ class MetricsWriter:
         return f"MetricsWriter({self.path!r})"
 
 
+# (record key, how the log line shows it), in line order.
+_FIELDS = (("loss", "loss {:.4f}"), ("val_loss", "val loss {:.4f}"),
+           ("tokens_per_s", "{:,.0f} tok/s"), ("step_time_s", "{:.1f} ms"), ("lr", "lr {:.2e}"),
+           ("grad_norm", "grad norm {:.3f}"), ("mfu", "MFU {:.1%}"))
+
+
 def format_line(record):
     """The human log line of a record; fields that are absent are left out."""
     parts = [f"step {record['step']}" if "step" in record else "step ?"]
-    if "loss" in record:
-        parts.append(f"loss {record['loss']:.4f}")
-    if "val_loss" in record:
-        parts.append(f"val loss {record['val_loss']:.4f}")
-    if "tokens_per_s" in record:
-        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
-    if "step_time_s" in record:
-        parts.append(f"{record['step_time_s'] * 1e3:.1f} ms")
-    if "lr" in record:
-        parts.append(f"lr {record['lr']:.2e}")
-    if "grad_norm" in record:
-        parts.append(f"grad norm {record['grad_norm']:.3f}")
+    for key, fmt in _FIELDS:
+        if key in record:
+            value = record[key] * 1e3 if key == "step_time_s" else record[key]
+            parts.append(fmt.format(value))
     return " | ".join(parts)
 
 
