@@ -215,6 +215,7 @@ class Trainer:
         lead = topo.rank == 0
         if args.resume:
             self.resume(args.resume)
+        self.check_save_dir()
         if lead:
             self.banner()
         metrics = MetricsWriter(args.metrics if lead else None, resume=bool(args.resume),
@@ -311,6 +312,19 @@ class Trainer:
                              meta=meta)
             print(f"[fastpar.train] saved step {step} to {path}", flush=True)
         torch.distributed.barrier()
+
+    def check_save_dir(self) -> None:
+        """Before training, not at the first save: checkpoints this run would have to overwrite
+        (a finished run's) are an error; checkpoints are never overwritten."""
+        save = self.args.save
+        if not save or not os.path.isdir(save):
+            return
+        later = sorted(d for d in os.listdir(save) if d.startswith("step_")
+                       and d[5:].isdigit() and int(d[5:]) > self.start)
+        if later:
+            raise ValueError(f"--save {save} already holds checkpoints past step {self.start} "
+                             f"({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}): "
+                             f"resume from it (--resume {save}) or save elsewhere")
 
     def resume(self, where: str) -> None:
         """Continue from a checkpoint saved under any layout of the same model."""

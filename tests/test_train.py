@@ -94,7 +94,8 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         ("serial.resume10", ["--resume", step10]),
         ("truncated", ["--resume", truncated]),
         ("other-model", ["--layers", "3", "--resume", step10]),
-        ("bad-batch", ["--global-batch", "10", "--microbatches", "4"])], timeout=180).values()[0]
+        ("bad-batch", ["--global-batch", "10", "--microbatches", "4"]),
+        ("save-over", ["--save", ck])], timeout=180).values()[0]
     serial = one["serial"]
     assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
     for name in ("tp2pp2", "tp2dp2", "pp2dp2.zero"):
@@ -120,6 +121,8 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         one["other-model"], one["other-model"]
     assert "global batch 10 is not divisible by dp 1 x microbatches 4" in one["bad-batch"], \
         one["bad-batch"]
+    assert "already holds checkpoints past step 0 (step_00000010, step_00000020)" in \
+        one["save-over"], one["save-over"]
 
 
 def _mpirun_train(args):
