@@ -71,3 +71,23 @@ def test_pipeline_bench_runs_every_configuration(tmp_path):
         stem = traces / f"pipeline-{schedule}-{engine}-pp2"
         assert json.loads(stem.with_suffix(".json").read_text())["traceEvents"], stem
         assert stem.with_suffix(".png").read_bytes().startswith(b"\x89PNG"), stem
+
+
+def test_train_throughput_bench_runs_at_one_rank(tmp_path):
+    out = tmp_path / "train.json"
+    mpirun(1, "bench/train_throughput.py", "--preset", "tiny", "--global-batch", "4",
+           "--warmup", "1", "--steps", "2", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["env"]["world_size"] == 1 and result["config"]["preset"] == "tiny"
+    fastpar_rec, plain_rec = result["records"]
+    assert (fastpar_rec["variant"], plain_rec["variant"]) == ("fastpar", "plain")
+    for r in result["records"]:
+        assert r["section"] == "overhead" and r["microbatches"] == 2 and r["world_size"] == 1, r
+        assert r["step_ms_max"] >= r["step_ms"] >= r["step_ms_min"] > 0, r
+        assert math.isfinite(r["tokens_per_s"]) and math.isfinite(r["final_loss"]), r
+    assert math.isclose(result["fastpar_over_plain"],
+                        fastpar_rec["tokens_per_s"] / plain_rec["tokens_per_s"])
+    # The same work: the same weights, batches and optimizer give the same losses up to float32
+    # rounding (a loss near 5 has ulps of 5e-7; two cross-entropy orders and three AdamW steps
+    # keep the difference within a few hundred of them).
+    assert fastpar_rec["loss_diff_max"] < 1e-4, fastpar_rec

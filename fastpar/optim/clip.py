@@ -44,10 +44,11 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     sharded = sharded_params(model)
     count_replicated = topology().tp_rank == 0
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    counted = [p.grad.detach() for p in model.parameters()
+               if p.grad is not None and (id(p) in sharded or count_replicated)]
     local = torch.zeros(1, dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is not None and (id(p) in sharded or count_replicated):
-            local += p.grad.detach().double().pow(2).sum().cpu()
+    if counted:  # one fused norm per device and dtype (torch's own), squared in float64
+        local += torch.nn.utils.get_total_norm(counted, 2.0).double().cpu() ** 2
     mp = topology().mp_group
     if mp is not None and group_size(mp) > 1:
         comm.all_reduce(local, group=mp)
