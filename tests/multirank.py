@@ -146,6 +146,45 @@ def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
     return launch
 
 
+def body_each(target: str, cases: list[dict]) -> list:
+    """``target(**case)`` (a body's "module:name") for each case in turn on this rank, ``fastpar.shutdown()`` after each
+    (so cases may init different layouts); the list of values."""
+    import importlib
+
+    import fastpar
+
+    module, name = target.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    values = []
+    for case in cases:
+        try:
+            values.append(fn(**case))
+        finally:
+            fastpar.shutdown()
+    return values
+
+
+class PerWorld:
+    """Parametrized layouts of one world size share a launch (a launch costs seconds):
+
+        runs = PerWorld(body, {4: [dict(tp=4, seed=1), dict(tp=2, seed=2)], 2: [...]})
+        values = runs(4, tp=2, seed=2)     # every rank's body(tp=2, seed=2), in rank order
+
+    The first call for a world size launches all of its cases (``body_each``); a failing case
+    fails that launch, so every test of that size reports it."""
+
+    def __init__(self, body, cases: dict[int, list[dict]], **launch_kwargs):
+        self.body, self.cases, self.launch_kwargs = _target_name(body), cases, launch_kwargs
+        self.values: dict[int, list] = {}
+
+    def __call__(self, world: int, **case) -> list:
+        if world not in self.values:
+            self.values[world] = run_ranks(world, body_each, target=self.body,
+                                           cases=self.cases[world], **self.launch_kwargs).values()
+        index = self.cases[world].index(case)
+        return [v[index] for v in self.values[world]]
+
+
 def segments_of(pids) -> set[str]:
     """fastpar's segments in /dev/shm created by one of ``pids`` (their names carry the
     creator's pid: ``fastpar-<pid>-...``, ``fastpar-p2p-<pid>-...``), so that a check for

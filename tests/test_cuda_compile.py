@@ -71,24 +71,19 @@ def _nvcc() -> str:
     return nvcc
 
 
-def _compile(cmd: list, timeout: int = 120) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (f"nvcc failed ({proc.returncode}):\n{' '.join(cmd)}\n"
-                                  f"{proc.stdout}\n{proc.stderr}")
+def _finish(job, what: str, timeout: int = 240) -> None:
+    cmd, proc = job
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, (f"nvcc ({what}) failed ({proc.returncode}):\n{' '.join(cmd)}\n"
+                                  f"{out}\n{err}")
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_kernels_compile(arch, tmp_path):
-    nvcc = _nvcc()
-    src = tmp_path / "ipc_allreduce_kernels.cu"
-    src.write_text(KERNEL_TU)
-    _compile([nvcc, "-c", "-O3", "-std=c++17", *ARCHS[arch], *TORCH_NVCC_MACROS,
-              "-Werror", "all-warnings", "-I", CSRC_CUDA, str(src),
-              "-o", str(tmp_path / f"kernels_{arch}.o")])
-
-
-def test_glue_compiles(tmp_path):
-    nvcc = _nvcc()
+def _glue_command(nvcc: str, tmp_path) -> list | str:
+    """The nvcc command compiling the torch glue, or why it cannot run here."""
     torch = pytest.importorskip("torch")
     from torch.utils import cpp_extension
 
@@ -103,11 +98,45 @@ def test_glue_compiles(tmp_path):
         stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         include_dirs = [str(tmp_path / "include"), *include_dirs]
     elif missing:
-        pytest.skip(f"torch {torch.__version__} (CUDA {torch.version.cuda}) lacks the CUDA "
-                    f"headers ipc_allreduce.cu includes: {', '.join(missing)}")
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) lacks the CUDA headers "
+                f"ipc_allreduce.cu includes: {', '.join(missing)}")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [arg for d in include_dirs for arg in ("-I", d)]
-    _compile([nvcc, "-c", "-O3", "-std=c++20", "-arch=sm_80", *TORCH_NVCC_MACROS,
-              "--expt-relaxed-constexpr", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
-              "-I", CSRC_CUDA, os.path.join(CSRC_CUDA, "ipc_allreduce.cu"),
-              "-o", str(tmp_path / "ipc_allreduce.o")], timeout=180)
+    return [nvcc, "-c", "-O3", "-std=c++20", "-arch=sm_80", *TORCH_NVCC_MACROS,
+            "--expt-relaxed-constexpr", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+            "-I", CSRC_CUDA, os.path.join(CSRC_CUDA, "ipc_allreduce.cu"),
+            "-o", str(tmp_path / "ipc_allreduce.o")]
+
+
+@pytest.fixture(scope="module")
+def nvcc_jobs(tmp_path_factory):
+    """Every compile of this file started at once (nvcc is single-threaded; the machine has
+    more than one core): {arch: (cmd, Popen), "glue": (cmd, Popen) or the reason it cannot}."""
+    nvcc = _nvcc()
+    tmp_path = tmp_path_factory.mktemp("nvcc")
+    src = tmp_path / "ipc_allreduce_kernels.cu"
+    src.write_text(KERNEL_TU)
+    commands = {arch: [nvcc, "-c", "-O3", "-std=c++17", *flags, *TORCH_NVCC_MACROS, "-Werror",
+                       "all-warnings", "-I", CSRC_CUDA, str(src),
+                       "-o", str(tmp_path / f"kernels_{arch}.o")] for arch, flags in ARCHS.items()}
+    commands["glue"] = _glue_command(nvcc, tmp_path)
+    jobs = {name: cmd if isinstance(cmd, str) else
+            (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)) for name, cmd in commands.items()}
+    yield jobs
+    for job in jobs.values():
+        if not isinstance(job, str) and job[1].poll() is None:
+            job[1].kill()
+            job[1].communicate()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_kernels_compile(arch, nvcc_jobs):
+    _finish(nvcc_jobs[arch], f"kernels, {arch}")
+
+
+def test_glue_compiles(nvcc_jobs):
+    job = nvcc_jobs["glue"]
+    if isinstance(job, str):
+        pytest.skip(job)
+    _finish(job, "glue")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.testing import Checks
-from tests.multirank import run_ranks
+from tests.multirank import PerWorld
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 1, 2)]  # (world, tp, pp)
 STEPS, ACCUM, MB = 3, 2, 4  # Adam steps, micro-batches per step, rows per replica per micro-batch
@@ -337,10 +337,13 @@ def body_dp(tp, seed, pp=1):
     return {"checked": c.checked, "worst": c.worst}
 
 
+RUNS = PerWorld(body_dp, {w: [dict(tp=t, pp=p, seed=1234) for v, t, p in LAYOUTS if v == w]
+                          for w, _, _ in LAYOUTS}, timeout=180)
+
+
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"w{w}tp{t}pp{p}" for w, t, p in LAYOUTS])
 def test_data_parallel(world, tp, pp):
-    launch = run_ranks(world, body_dp, tp=tp, pp=pp, seed=1234, timeout=90)
-    values = launch.values()
+    values = RUNS(world, tp=tp, pp=pp, seed=1234)
     assert all(v["checked"] == values[0]["checked"] for v in values)
     assert len(values[0]["checked"]) > 10
 

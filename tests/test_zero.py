@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.testing import Checks
-from tests.multirank import run_ranks
+from tests.multirank import PerWorld
 
 MB = 4  # rows per dp rank per step
 
@@ -301,9 +301,12 @@ def body_zero(seed, tp=1):
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, tp)
 
 
+RUNS = PerWorld(body_zero, {w: [dict(seed=4321, tp=t) for v, t in LAYOUTS if v == w]
+                             for w, _ in LAYOUTS}, timeout=120)
+
+
 @pytest.mark.parametrize("world,tp", LAYOUTS, ids=[f"w{w}tp{t}" for w, t in LAYOUTS])
 def test_zero(world, tp):
-    launch = run_ranks(world, body_zero, seed=4321, tp=tp, timeout=90)
-    values = launch.values()
+    values = RUNS(world, seed=4321, tp=tp)
     assert all(v["checked"] == values[0]["checked"] for v in values)
     assert len(values[0]["checked"]) > (10 if tp > 1 else 50), values[0]["checked"]
