@@ -239,6 +239,9 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     return Handle(result, work, lambda: torch.cat(stacked.chunk(n, dim=0), dim=dim, out=result))
 
 
+SYMMETRIC_GATHER_MIN = 64 << 10  # bytes per rank from which all_gather(out=symmetric) pays
+
+
 def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_op: bool):
     """``all_gather(t, out=out)``: this rank's block of ``out`` holds ``t``, then the others."""
     n = len(route.ranks)
@@ -258,7 +261,8 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
     if engine == "local":
         pass
     elif engine == "shm":
-        sym = symmetric.lookup(out, route.group)
+        # Small parts: the copying kernel's one round beats the symmetric entry + exit signals.
+        sym = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
         if sym is not None:
             route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
         else:
