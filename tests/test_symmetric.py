@@ -29,6 +29,7 @@ def body_bitwise():
 
     import fastpar
     from fastpar import comm
+    from fastpar.comm.collectives import SYMMETRIC_ALL_REDUCE_MIN
     from fastpar.comm.shm import ShmCommunicator
     from fastpar.comm.state import current
 
@@ -71,7 +72,12 @@ def body_bitwise():
                     comm.all_reduce(want, op=op)
                     assert taken[0] == before, "a partial view took the symmetric path"
                     assert torch.equal(view.view(torch.uint8), want.view(torch.uint8)), part
-    assert taken[0] == cases, (taken[0], cases)
+    # The symmetric kernel from SYMMETRIC_ALL_REDUCE_MIN bytes (below, the copying kernel's one
+    # round is faster and works on the same memory).
+    big = sum(c * torch.empty((), dtype=d).element_size() >= SYMMETRIC_ALL_REDUCE_MIN
+              for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+              for c in COUNTS) * 2  # sum and max
+    assert taken[0] == big and 0 < big < cases, (taken[0], big, cases)
     bad += gather_and_scatter_cases(me, n, digests)
     # Ranks that disagree: a ValueError on every rank naming each rank's size, no segment made.
     try:
@@ -144,14 +150,17 @@ def gather_and_scatter_cases(me, n, digests):
         assert f"shape ({3 * n},)" in str(exc), exc
     ShmCommunicator.all_gather_symmetric, ShmCommunicator.reduce_scatter_symmetric = ag, rs
     # all_gather takes the symmetric kernel from SYMMETRIC_GATHER_MIN bytes per rank (below it
-    # the copying kernel's single round is faster); reduce_scatter always.
-    from fastpar.comm.collectives import SYMMETRIC_GATHER_MIN
+    # the copying kernel's single round is faster), ...
+    # reduce_scatter from SYMMETRIC_SCATTER_MIN bytes of input.
+    from fastpar.comm.collectives import SYMMETRIC_GATHER_MIN, SYMMETRIC_SCATTER_MIN
 
-    big = sum(count * torch.empty((), dtype=d).element_size() >= SYMMETRIC_GATHER_MIN
-              for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-              for count in COUNTS)
-    if calls != {"ag": big, "rs": cases} or not 0 < big < 4 * len(COUNTS):
-        bad.append(f"symmetric paths taken {calls}, expected {big} and {cases}")
+    def over(limit, ranks):
+        return sum(count * ranks * torch.empty((), dtype=d).element_size() >= limit
+                   for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+                   for count in COUNTS)
+    want = {"ag": over(SYMMETRIC_GATHER_MIN, 1), "rs": 2 * over(SYMMETRIC_SCATTER_MIN, n)}
+    if calls != want or not 0 < want["ag"] < 4 * len(COUNTS) or not 0 < want["rs"] < cases:
+        bad.append(f"symmetric paths taken {calls}, expected {want} of {cases}")
     return bad
 
 

@@ -26,6 +26,14 @@ from fastpar.comm.state import current
 
 log = logging.getLogger("fastpar.comm")
 
+# Below these sizes the copying shm kernels' single round beats the symmetric kernels' entry and
+# exit signals (measured: 2 and 4 ranks on 2 cores, bench/collectives.py --symmetric; the
+# signals cost most when ranks share cores), so symmetric tensors that small take the copying
+# kernels, which work on any memory. Bytes of the tensor passed (all_gather: per rank).
+SYMMETRIC_ALL_REDUCE_MIN = 16 << 10
+SYMMETRIC_GATHER_MIN = 64 << 10
+SYMMETRIC_SCATTER_MIN = 256 << 10
+
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "prod": dist.ReduceOp.PRODUCT}
 
@@ -176,7 +184,8 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
         return _through_contiguous(t, lambda c: all_reduce(c, group, op, True), async_op)
     if engine == "shm":
         # A whole symmetric tensor of this group (symmetric.py) is reduced where it lies.
-        sym = symmetric.lookup(t, route.group, op)
+        sym = symmetric.lookup(t, route.group, op) \
+            if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN else None
         if sym is not None:
             route.comm.all_reduce_symmetric(t, sym.slots, op)
         else:
@@ -239,8 +248,6 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     return Handle(result, work, lambda: torch.cat(stacked.chunk(n, dim=0), dim=dim, out=result))
 
 
-SYMMETRIC_GATHER_MIN = 64 << 10  # bytes per rank from which all_gather(out=symmetric) pays
-
 
 def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_op: bool):
     """``all_gather(t, out=out)``: this rank's block of ``out`` holds ``t``, then the others."""
@@ -261,7 +268,6 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
     if engine == "local":
         pass
     elif engine == "shm":
-        # Small parts: the copying kernel's one round beats the symmetric entry + exit signals.
         sym = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
         if sym is not None:
             route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
@@ -299,7 +305,8 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     inp = t.movedim(dim, 0).contiguous()
     out = torch.empty((inp.shape[0] // n, *inp.shape[1:]), dtype=t.dtype, device=t.device)
     work = None
-    sym = symmetric.lookup(inp, route.group, op) if engine == "shm" else None
+    sym = symmetric.lookup(inp, route.group, op) \
+        if engine == "shm" and inp.nbytes >= SYMMETRIC_SCATTER_MIN else None
     if sym is not None:  # a whole symmetric tensor of this group: reduced where it lies
         route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
     elif engine == "shm":
