@@ -34,6 +34,10 @@ SYMMETRIC_ALL_REDUCE_MIN = 16 << 10
 SYMMETRIC_GATHER_MIN = 64 << 10
 SYMMETRIC_SCATTER_MIN = 256 << 10
 
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
               "prod": dist.ReduceOp.PRODUCT}
 
@@ -235,7 +239,7 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     elif engine == "mpi":
         route.comm.Allgather(_np(inp), _np(stacked))
     else:
-        work = dist.all_gather_into_tensor(stacked, inp, group=route.group, async_op=async_op)
+        work = _all_gather_tensor(stacked, inp, group=route.group, async_op=async_op)
 
     if dim == 0:
         return Handle(stacked, work) if async_op else stacked
@@ -278,7 +282,7 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
 
         route.comm.Allgather(MPI.IN_PLACE, _np(out))
     else:
-        work = dist.all_gather_into_tensor(out, block, group=route.group, async_op=async_op)
+        work = _all_gather_tensor(out, block, group=route.group, async_op=async_op)
     return Handle(out, work) if async_op and work is not None else _done(out, async_op)
 
 
@@ -314,7 +318,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     elif engine == "mpi":
         route.comm.Reduce_scatter_block(_np(inp), _np(out), op=_mpi_op(op))
     else:
-        work = dist.reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=route.group,
+        work = _reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=route.group,
                                           async_op=async_op)
     result = out.movedim(0, dim)  # a view: filled when out is
     return Handle(result, work) if async_op else result
