@@ -208,7 +208,6 @@ class Trainer:
     # ---- the run -----------------------------------------------------------------------------
 
     def run(self) -> list[dict]:
-        from fastpar.training import checkpoint as ckpt
         from fastpar.training.metrics import MetricsWriter, format_line, plot_losses
 
         args, topo = self.args, self.topo
@@ -236,7 +235,9 @@ class Trainer:
             window.append(dt)
             done = step + 1
             rec = {"step": done, "loss": loss, "lr": self.sched.get_last_lr()[0],
-                   "grad_norm": norm, "step_time_s": dt, "tokens_per_s": tokens / dt}
+                   "step_time_s": dt, "tokens_per_s": tokens / dt}
+            if not math.isnan(norm):  # --clip 0 (without --zero): no norm computed
+                rec["grad_norm"] = norm
             rec.update(self.mfu(tokens / dt))
             if done % val_every == 0 or done == self.steps:
                 rec["val_loss"] = self.validate()
@@ -383,10 +384,11 @@ def main(argv=None) -> int:
     import fastpar
 
     args = parse_args(argv)
-    try:
-        Trainer(args).run()
-    finally:
-        fastpar.shutdown()
+    Trainer(args).run()
+    # Only after success: on an error or Ctrl-C the exception must reach fastpar's hook, which
+    # aborts the whole job (a peer may sit in a collective that would otherwise wait for this
+    # rank until the timeout); shutdown would remove that hook first.
+    fastpar.shutdown()
     return 0
 
 

@@ -188,7 +188,8 @@ def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     from fastpar.training import checkpoint
 
     ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
-    proc = _mpirun_train(["--pp", "2", "--save", ck, "--save-every", "1", "--metrics", metrics])
+    proc = _mpirun_train(["--pp", "2", "--save", ck, "--save-every", "1", "--timeout", "20",
+                          "--metrics", metrics])
     try:
         _wait_lines(metrics, 4, proc)
         os.killpg(proc.pid, signal.SIGINT)
