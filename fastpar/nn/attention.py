@@ -82,6 +82,7 @@ class ParallelSelfAttention(nn.Module):
                              f"rope_base {rope_base}, head dim {self.head_dim} (hidden_size "
                              f"{hidden_size} / num_heads {num_heads})")
         self.rope_base = rope_base
+        self._rope_cache: tuple | None = None  # (key, cos, sin) of the last forward's tables
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads // tp
         self.causal, self.attn_dropout, self.dropout = causal, attn_dropout, dropout
         self.sequence_parallel = sequence_parallel
@@ -94,6 +95,15 @@ class ParallelSelfAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden_size, kv_size, bias, **common)
         self.o_proj = RowParallelLinear(hidden_size, hidden_size, bias, **common)
 
+    def _rotary(self, seq_len: int, dtype, device):
+        """``rotary_tables`` for this length, dtype and device, kept from the last call (they
+        are constants: recomputing them cost ~5% of a small GPT's step)."""
+        key = (seq_len, dtype, device)
+        if self._rope_cache is None or self._rope_cache[0] != key:
+            self._rope_cache = (key, *rotary_tables(seq_len, self.head_dim, self.rope_base,
+                                                    dtype, device))
+        return self._rope_cache[1], self._rope_cache[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.q_proj.enter(x)  # (B, T, H), one entry communication for q, k and v
         B, T, _ = x.shape
@@ -102,7 +112,7 @@ class ParallelSelfAttention(nn.Module):
         v = self.v_proj.local(x).view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
         # q (B, nh/tp, T, hd); k, v (B, nkv/tp, T, hd)
         if self.rope_base is not None:  # positions 0..T-1 of the full (gathered) sequence
-            cos, sin = rotary_tables(T, self.head_dim, self.rope_base, q.dtype, q.device)
+            cos, sin = self._rotary(T, q.dtype, q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         p = self.attn_dropout if self.training else 0.0
         gqa = self.local_heads != self.local_kv_heads
