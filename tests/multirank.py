@@ -185,6 +185,18 @@ class PerWorld:
         return [v[index] for v in self.values[world]]
 
 
+def count_calls(cls, *names: str) -> dict[str, int]:
+    """Wrap methods ``names`` of ``cls`` in this process so each call is counted (and passed
+    through): how a rank body checks which kernel a collective took. Returns the live counts."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(self, *args, _real=getattr(cls, name), _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(self, *args, **kwargs)
+        setattr(cls, name, counted)
+    return counts
+
+
 def segments_of(pids) -> set[str]:
     """fastpar's segments in /dev/shm created by one of ``pids`` (their names carry the
     creator's pid: ``fastpar-<pid>-...``, ``fastpar-p2p-<pid>-...``), so that a check for

@@ -4,7 +4,7 @@ bitwise equal to the copying path, interleaved with it."""
 
 import pytest
 
-from tests.multirank import run_ranks
+from tests.multirank import count_calls, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -44,14 +44,7 @@ def symmetric_sweep(topo):
     from fastpar import comm
     from fastpar.comm.cuda_ipc import CudaIpcCommunicator
 
-    taken = [0]
-    real = CudaIpcCommunicator.all_reduce_symmetric
-
-    def spy(self, *args):
-        taken[0] += 1
-        return real(self, *args)
-
-    CudaIpcCommunicator.all_reduce_symmetric = spy
+    taken = count_calls(CudaIpcCommunicator, "all_reduce_symmetric")
     checked = 0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         esize = torch.empty((), dtype=dtype).element_size()
@@ -69,7 +62,7 @@ def symmetric_sweep(topo):
             comm.all_reduce(ref)
             assert torch.equal(x.view(torch.uint8), ref.view(torch.uint8)), (dtype, nbytes)
             checked += 1
-    assert taken[0] == 2 * checked, (taken[0], checked)
+    assert taken["all_reduce_symmetric"] == 2 * checked, (taken, checked)
     return checked
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.multirank import cut_short_during_setup, run_ranks, segments_of
+from tests.multirank import count_calls, cut_short_during_setup, run_ranks, segments_of
 
 # Elements: 1 and 7 (ranks with an empty slice), 1001 (the copying path's one-round small
 # all_reduce), 20011 and 300007 (several 16 KiB blocks per slice; the copying path's 1 MiB chunks
@@ -36,14 +36,10 @@ def body_bitwise():
     topo = fastpar.init(timeout=60)
     comm.use_backend("shm")
     me, n = topo.rank, topo.world_size
-    taken = [0]
-    symmetric = ShmCommunicator.all_reduce_symmetric
+    calls = count_calls(ShmCommunicator, "all_reduce_symmetric")
 
-    def spy(self, *args):
-        taken[0] += 1
-        return symmetric(self, *args)
-
-    ShmCommunicator.all_reduce_symmetric = spy
+    def taken():
+        return calls["all_reduce_symmetric"]
     digests, bad, cases = [], [], 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         for op in ("sum", "max"):
@@ -66,18 +62,18 @@ def body_bitwise():
                 digests.append(hashlib.sha1(x.reshape(-1).view(torch.uint8).numpy()).hexdigest())
                 if count == 20011:  # a view of part of it: the copying path, still right
                     part, want = x[1:].clone(), x[1:].clone()
-                    before = taken[0]
+                    before = taken()
                     view = x[1:]
                     comm.all_reduce(view, op=op)
                     comm.all_reduce(want, op=op)
-                    assert taken[0] == before, "a partial view took the symmetric path"
+                    assert taken() == before, "a partial view took the symmetric path"
                     assert torch.equal(view.view(torch.uint8), want.view(torch.uint8)), part
     # The symmetric kernel from SYMMETRIC_ALL_REDUCE_MIN bytes (below, the copying kernel's one
     # round is faster and works on the same memory).
     big = sum(c * torch.empty((), dtype=d).element_size() >= SYMMETRIC_ALL_REDUCE_MIN
               for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
               for c in COUNTS) * 2  # sum and max
-    assert taken[0] == big and 0 < big < cases, (taken[0], big, cases)
+    assert taken() == big and 0 < big < cases, (taken(), big, cases)
     bad += gather_and_scatter_cases(me, n, digests)
     # Ranks that disagree: a ValueError on every rank naming each rank's size, no segment made.
     try:
@@ -105,19 +101,7 @@ def gather_and_scatter_cases(me, n, digests):
     from fastpar import comm
     from fastpar.comm.shm import ShmCommunicator
 
-    calls = {"ag": 0, "rs": 0}
-    ag, rs = ShmCommunicator.all_gather_symmetric, ShmCommunicator.reduce_scatter_symmetric
-
-    def spy_ag(self, *args):
-        calls["ag"] += 1
-        return ag(self, *args)
-
-    def spy_rs(self, *args):
-        calls["rs"] += 1
-        return rs(self, *args)
-
-    ShmCommunicator.all_gather_symmetric = spy_ag
-    ShmCommunicator.reduce_scatter_symmetric = spy_rs
+    calls = count_calls(ShmCommunicator, "all_gather_symmetric", "reduce_scatter_symmetric")
     bad, cases = [], 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         for count in COUNTS:
@@ -148,7 +132,6 @@ def gather_and_scatter_cases(me, n, digests):
         bad.append("all_gather accepted a wrong out")
     except ValueError as exc:
         assert f"shape ({3 * n},)" in str(exc), exc
-    ShmCommunicator.all_gather_symmetric, ShmCommunicator.reduce_scatter_symmetric = ag, rs
     # all_gather takes the symmetric kernel from SYMMETRIC_GATHER_MIN bytes per rank (below it
     # the copying kernel's single round is faster), ...
     # reduce_scatter from SYMMETRIC_SCATTER_MIN bytes of input.
@@ -158,8 +141,10 @@ def gather_and_scatter_cases(me, n, digests):
         return sum(count * ranks * torch.empty((), dtype=d).element_size() >= limit
                    for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
                    for count in COUNTS)
-    want = {"ag": over(SYMMETRIC_GATHER_MIN, 1), "rs": 2 * over(SYMMETRIC_SCATTER_MIN, n)}
-    if calls != want or not 0 < want["ag"] < 4 * len(COUNTS) or not 0 < want["rs"] < cases:
+    want = {"all_gather_symmetric": over(SYMMETRIC_GATHER_MIN, 1),
+            "reduce_scatter_symmetric": 2 * over(SYMMETRIC_SCATTER_MIN, n)}
+    if calls != want or not 0 < want["all_gather_symmetric"] < 4 * len(COUNTS) or \
+            not 0 < want["reduce_scatter_symmetric"] < cases:
         bad.append(f"symmetric paths taken {calls}, expected {want} of {cases}")
     return bad
 
