@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import math
 import os
 import sys
@@ -140,7 +141,6 @@ class Trainer:
         self.pipe = Pipeline(gpt_layers(cfg, seed=args.seed), loss_fn=gpt_loss,
                              schedule=args.schedule, microbatches=self.microbatches,
                              virtual_stages=args.virtual_stages).to(dtype)
-        self.loss_fn = gpt_loss
         if args.zero:
             self.model = self.pipe
             self.opt = fastpar.optim.DistributedOptimizer(
@@ -152,6 +152,7 @@ class Trainer:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                          weight_decay=args.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
+        self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
         self.start = 0
         self.records: list[dict] = []
         # Who is who: a launcher that reports a dead process by pid (MPICH) is then readable.
@@ -171,14 +172,14 @@ class Trainer:
         tp_random.seed(self.sampler_seed(step))  # dropout streams: a function of (seed, step)
         x, y = self.sampler.shard(step, topo.dp_rank, topo.dp_size)
         loss = self.model.step(x, y)  # this replica's mean; DataParallel reduced the grads
-        sum_tied_grads(list(self.pipe.modules()), topo.embedding_group)
-        if args.zero:
-            norm = self.opt.clip_grad_norm_(args.clip if args.clip > 0 else math.inf,
-                                            model=self.pipe)
-        elif args.clip > 0:
-            norm = optim.clip_grad_norm_(self.pipe, args.clip)
+        if self.cfg.tie_embeddings:  # the same on every rank: the embedding group's collective
+            sum_tied_grads(self.stage_modules, topo.embedding_group)
+        if args.clip <= 0:
+            norm = torch.tensor(float("nan"))  # no clip, no norm (ZeRO's step reduces itself)
+        elif args.zero:
+            norm = self.opt.clip_grad_norm_(args.clip, model=self.pipe)
         else:
-            norm = torch.tensor(float("nan"))
+            norm = optim.clip_grad_norm_(self.pipe, args.clip)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -187,20 +188,23 @@ class Trainer:
         return total.item() / topo.dp_size, float(norm)
 
     def sampler_seed(self, step: int) -> int:
-        from fastpar.training.data import mix_seed
-
-        return mix_seed(self.args.seed + 1, step) % (2 ** 62)
+        """The dropout streams' seed for ``step``: a hash of (seed, step) in its own namespace
+        (not the data sampler's, whose stream for another seed it would otherwise equal)."""
+        digest = hashlib.blake2b(f"fastpar.dropout:{self.args.seed}:{step}".encode(),
+                                 digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 2
 
     @torch.no_grad()
     def validate(self) -> float:
         """Mean loss over the fixed validation batches (the same tokens under every layout)."""
         from fastpar import comm
+        from fastpar.models import gpt_loss
 
         self.pipe.eval()
         total = torch.zeros(1, dtype=torch.float64)
         for x, y in self.val:
             logits = self.pipe.forward(x)
-            total += self.loss_fn(logits.to(self.topo.device), y.to(self.topo.device)).double().cpu()
+            total += gpt_loss(logits.to(self.topo.device), y.to(self.topo.device)).double().cpu()
         self.pipe.train()
         comm.all_reduce(total, group=self.topo.dp_group)
         return total.item() / (len(self.val) * self.topo.dp_size)
@@ -208,7 +212,8 @@ class Trainer:
     # ---- the run -----------------------------------------------------------------------------
 
     def run(self) -> list[dict]:
-        from fastpar.training.metrics import MetricsWriter, format_line, plot_losses
+        from fastpar.training.metrics import (MetricsWriter, format_line, plot_losses,
+                                              read_records)
 
         args, topo = self.args, self.topo
         lead = topo.rank == 0
@@ -258,7 +263,7 @@ class Trainer:
             bar.close()
         metrics.close()
         if lead and args.plot and self.records:
-            past = metrics_records(args.metrics) if args.resume and args.metrics else self.records
+            past = read_records(args.metrics) if args.resume and args.metrics else self.records
             path = plot_losses(past, args.plot)
             print(f"[fastpar.train] loss plot: {os.path.abspath(path)}", flush=True)
         return self.records
@@ -341,6 +346,12 @@ class Trainer:
         if diff:
             raise ValueError(f"checkpoint {c.path} was saved from a different model: "
                              + "; ".join(diff))
+        data = [f"{k}: checkpoint {c.meta.get(k)!r}, this run {v!r}"
+                for k, v in (("seed", self.args.seed), ("global_batch", self.args.global_batch))
+                if c.meta.get(k) != v]
+        if data:  # the batches are a function of (seed, step) and the global batch
+            raise ValueError(f"checkpoint {c.path} was trained on another data stream: "
+                             + "; ".join(data) + " (pass the same --seed and --global-batch)")
         expected = {k: tuple(v.shape) for k, v in fastpar.full_state_dict(self.model).items()}
         ckpt.check_model_shapes(expected, c.model, c.path)
         if c.step > self.steps:
@@ -363,12 +374,6 @@ def scheduler_state(sched) -> dict:
     """The LR scheduler's JSON-able state (LambdaLR keeps its lambdas out of it)."""
     return {k: v for k, v in sched.state_dict().items()
             if isinstance(v, (int, float, list, bool, type(None)))}
-
-
-def metrics_records(path):
-    from fastpar.training.metrics import read_records
-
-    return read_records(path)
 
 
 # Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, SXM parts).

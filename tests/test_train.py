@@ -94,6 +94,7 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         ("serial.resume10", ["--resume", step10]),
         ("truncated", ["--resume", truncated]),
         ("other-model", ["--layers", "3", "--resume", step10]),
+        ("other-seed", ["--seed", "1", "--resume", step10]),
         ("bad-batch", ["--global-batch", "10", "--microbatches", "4"]),
         ("save-over", ["--save", ck])], timeout=180).values()[0]
     serial = one["serial"]
@@ -119,6 +120,8 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         one["truncated"], one["truncated"]
     assert "different model" in one["other-model"] and "layers: checkpoint 2, this run 3" in \
         one["other-model"], one["other-model"]
+    assert "another data stream: seed: checkpoint 0, this run 1" in one["other-seed"], \
+        one["other-seed"]
     assert "global batch 10 is not divisible by dp 1 x microbatches 4" in one["bad-batch"], \
         one["bad-batch"]
     assert "already holds checkpoints past step 0 (step_00000010, step_00000020)" in \
@@ -161,10 +164,11 @@ def _rank_pids(marker):
 
 
 def test_killed_rank_ends_the_job_named(tmp_path):
-    """SIGKILL to rank 1 mid-training: the job ends well within --timeout and the output names
+    """SIGKILL to rank 1 mid-training: the job ends well within --timeout (20 s of 60: a detection
+    that fell back to the timeout could not pass) and the output names
     the dead process (MPICH names its pid; the banner maps pids to ranks)."""
     metrics = str(tmp_path / "m.jsonl")
-    proc = _mpirun_train(["--pp", "2", "--timeout", "20", "--metrics", metrics])
+    proc = _mpirun_train(["--pp", "2", "--timeout", "60", "--metrics", metrics])
     try:
         _wait_lines(metrics, 3, proc)
         pids = _rank_pids(metrics)

@@ -100,8 +100,9 @@ class ParallelSelfAttention(nn.Module):
         are constants: recomputing them cost ~5% of a small GPT's step)."""
         key = (seq_len, dtype, device)
         if self._rope_cache is None or self._rope_cache[0] != key:
-            self._rope_cache = (key, *rotary_tables(seq_len, self.head_dim, self.rope_base,
-                                                    dtype, device))
+            with torch.inference_mode(False):  # kept tensors must be usable by a later backward
+                self._rope_cache = (key, *rotary_tables(seq_len, self.head_dim, self.rope_base,
+                                                        dtype, device))
         return self._rope_cache[1], self._rope_cache[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
