@@ -320,6 +320,23 @@ def check_pipeline_training(c, topo, seed):
                 c.close(f"{tag}.step{step}.{name}", t, rp[name], sp[name])
 
 
+def check_replicas_differ(c, topo):
+    """A replica with another model: a ValueError naming it on every rank, no hang (the check
+    runs before the broadcasts and the symmetric bucket allocations)."""
+    import fastpar
+
+    if topo.dp_size == 1:
+        return
+    net = nn.Linear(3, 4 if topo.dp_rank == 0 else 5)
+    try:
+        fastpar.DataParallel(net)
+        raise AssertionError("DataParallel accepted replicas of different models")
+    except ValueError as exc:
+        assert "hold different models" in str(exc) and "16 elements" in str(exc) \
+            and "20 elements" in str(exc), exc
+    c.checked.append("replicas_differ")
+
+
 def body_dp(tp, seed, pp=1):
     import fastpar
 
@@ -333,6 +350,7 @@ def body_dp(tp, seed, pp=1):
         check_launch_order(c, topo, seed)
         check_buffers_and_bf16(c, topo, seed)
         check_pipeline_training(c, topo, seed)
+        check_replicas_differ(c, topo)
     else:
         check_tp_training(c, topo, seed)
     return {"checked": c.checked, "worst": c.worst}

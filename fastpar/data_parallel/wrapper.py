@@ -68,15 +68,17 @@ class DataParallel(nn.Module):
         self.reduce_dtype, self.bucket_mb = reduce_dtype, float(bucket_mb)
         self._src = dist.get_process_group_ranks(self.group)[0]  # global rank of dp rank 0
 
-        self._broadcast_from_rank0()
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # Before any other collective: a replica that differs would pair the broadcasts and
+        # the (collective) symmetric bucket allocations up wrongly instead of raising.
+        self._check_replicas_agree([p for _, p in named])
+        self._broadcast_from_rank0()
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], group=self.group,
                                dp_size=self.dp_size, bucket_mb=self.bucket_mb,
                                overlap=self.overlap,
                                find_unused_parameters=self.find_unused_parameters,
                                reduce_dtype=reduce_dtype)
-        self._check_replicas_agree()
-        self.reducer.attach()  # the gradient hooks, once the replicas are known to agree
+        self.reducer.attach()
         self._no_sync = False
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
@@ -92,19 +94,22 @@ class DataParallel(nn.Module):
         for t in [*self.module.parameters(), *self.module.buffers()]:
             comm.broadcast(t.data, src=self._src, group=self.group)
 
-    def _check_replicas_agree(self) -> None:
-        """Every rank of the group must build the same buckets, or the collectives would pair up
-        wrongly; one all_gather of (params, elements, buckets) says which rank differs."""
+    def _check_replicas_agree(self, params) -> None:
+        """Every rank of the group must hold the same model and bucket settings (then the bucket
+        plan, a pure function of them, is the same too), or the collectives would pair up
+        wrongly; one all_gather says which rank differs."""
         if self.dp_size == 1:
             return
-        params = self.reducer.params
-        mine = torch.tensor([[len(params), sum(p.numel() for p in params),
-                              len(self.buckets)]], dtype=torch.float64)
-        every = comm.all_gather(mine, group=self.group)  # (dp, 3)
+        tensors = [*self.module.parameters(), *self.module.buffers()]  # what is broadcast
+        itemsize = 0 if self.reduce_dtype is None else self.reduce_dtype.itemsize
+        mine = torch.tensor([[len(params), sum(p.numel() for p in params), len(tensors),
+                              self.bucket_mb, itemsize]], dtype=torch.float64)
+        every = comm.all_gather(mine, group=self.group)  # (dp, 5)
         if not bool((every == every[0]).all()):
             ranks = dist.get_process_group_ranks(self.group)
-            rows = ", ".join(f"rank {r}: {int(a)} params / {int(b)} elements / {int(c)} buckets"
-                             for r, (a, b, c) in zip(ranks, every.tolist()))
+            rows = ", ".join(f"rank {r}: {int(a)} trainable params / {int(b)} elements / "
+                             f"{int(c)} tensors, bucket_mb {d:g}, reduce itemsize {int(e)}"
+                             for r, (a, b, c, d, e) in zip(ranks, every.tolist()))
             raise ValueError(f"DataParallel: the dp replicas hold different models ({rows}); "
                              "every rank of the dp group must wrap the same module with the "
                              "same bucket_mb and reduce_dtype")
