@@ -55,6 +55,5 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     total = local[0].sqrt()
     coef = min(1.0, float(max_norm) / (total.item() + 1e-6))
     if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+        torch._foreach_mul_(grads, coef)  # one fused kernel per device and dtype
     return total

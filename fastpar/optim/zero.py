@@ -200,8 +200,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     comm.all_reduce(local, group=grp)
             total = local[0] ** (1.0 / norm_type)
         coef = min(1.0, float(max_norm) / (total.item() + 1e-6))
-        for g in grads:
-            g.mul_(coef)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
         return total.to(grads[0].dtype)
 
     def _norm_weights(self, model: torch.nn.Module) -> list[torch.Tensor]:

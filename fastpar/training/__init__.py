@@ -4,6 +4,7 @@
                                  (seed, step), fixed validation batches
     fastpar.training.checkpoint  atomic, verified checkpoints (safetensors + JSON, no pickle)
     fastpar.training.metrics     JSON-lines metrics, the human log line, the loss plot
+    fastpar.training.state       optimizer state in the serial layout (collective; resharding)
 
 Import the module you need (`from fastpar.training import checkpoint`); nothing here imports
 safetensors or matplotlib until it is used.

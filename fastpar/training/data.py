@@ -10,8 +10,9 @@ Usage:
 
 The vocabulary is the 256 byte values. `Sampler.batch(step)` is a pure function of (seed, step),
 so the same seed and global batch give the same tokens under any tp/pp/dp layout, and the data
-position of a run is just its step number: a run resumed from a checkpoint of step S draws
-`batch(S + 1)` next, with no sampler state to save.
+position of a run is just its step number: steps are counted from 0, so a checkpoint saved after
+S steps has consumed `batch(0)` .. `batch(S - 1)` and the resumed run draws `batch(S)` next, with
+no sampler state to save.
 
 Corpora are split by bytes: the first 95% is training text, the last 5% validation text. For the
 builtin corpus (files in sorted order) the validation text is the tail of the last few files, so
