@@ -48,7 +48,9 @@ def extension():
     if want_cuda():
         macros.append(("FASTPAR_WITH_CUDA", "1"))
         nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr",
-                "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+                "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                # PTX too, so newer GPUs (sm100) JIT the kernels instead of failing to launch
+                "-gencode=arch=compute_90,code=compute_90"]
         return cpp_extension.CUDAExtension(
             "fastpar._C", cpp + sources("csrc/cuda/*.cu"), define_macros=macros,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc})

@@ -33,7 +33,7 @@ import fastpar
 from fastpar import comm
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
-BACKENDS = ("shm", "gloo", "mpi", "nccl", "cuda_ipc")
+BACKENDS = ("shm", "gloo", "mpi", "nccl", "cuda_ipc", "nccl_mpi")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
               "sendrecv": lambda n: 1.0}
@@ -201,10 +201,27 @@ def memcpy_time(nbytes, warmup, iters, topo):
 def supported(op, backend, topo, dtype) -> str | None:
     """None, or why this backend cannot run this op here (the row is skipped, saying so)."""
     cuda = topo.device.type == "cuda"
-    if backend in ("nccl", "cuda_ipc") and not cuda:
+    if backend in ("nccl", "cuda_ipc", "nccl_mpi") and not cuda:
         return f"{backend} needs CUDA"
-    if backend in ("shm", "mpi", "gloo") and cuda:
+    if backend in ("shm", "mpi") and cuda:
         return f"{backend} is benchmarked on CPU tensors only"
+    if backend == "gloo" and cuda and topo.backend != "gloo":
+        return "gloo is benchmarked on CUDA tensors only where it is the job's backend " \
+               "(FASTPAR_SHARED_GPU: the engine cuda_ipc falls back to)"
+    if backend in ("nccl", "nccl_mpi") and topo.world_size > 1 and \
+            torch.cuda.device_count() < topo.world_size:
+        return (f"NCCL needs one GPU per rank ({topo.world_size} ranks share "
+                f"{torch.cuda.device_count()} GPU(s) here)")
+    if backend == "nccl" and topo.backend != "nccl":
+        return f"the job's torch.distributed backend is {topo.backend}, not nccl"
+    if backend == "nccl_mpi":
+        from fastpar.comm import nccl_mpi
+
+        why = nccl_mpi.unavailable(mpi_launched=topo.mpi_comm is not None)
+        if why:
+            return why
+        if op == "sendrecv":
+            return "nccl_mpi has no send/recv here (pipeline P2P on GPUs uses NCCL)"
     if backend == "cuda_ipc" and op != "all_reduce":
         return "cuda_ipc implements all_reduce only"
     if op == "sendrecv" and backend == "cuda_ipc":
@@ -275,7 +292,7 @@ def run(args, topo) -> list[dict]:
 def memcpy_reference(args, topo) -> list[dict]:
     out = []
     if topo.rank == 0:
-        print(f"\n# memcpy reference: every rank copies the same bytes at once")
+        print("\n# memcpy reference: every rank copies the same bytes at once")
         print(f"{'size':>12} {'time(us)':>11} {'GB/s':>8}")
     for nbytes in args.sizes:
         t, p99 = memcpy_time(nbytes, args.warmup, args.iters if nbytes < (8 << 20) else 5, topo)
@@ -306,8 +323,10 @@ def summary(records: list[dict]) -> None:
                     parts.append(f"{mine}/{other} {by[other] / by[mine]:.1f}x")
         if "shm" in by and "shm (symmetric)" in by:
             parts.append(f"symmetric/shm {by['shm'] / by['shm (symmetric)']:.2f}x")
-        if "cuda_ipc" in by and "nccl" in by:
-            parts.append(f"cuda_ipc/nccl {by['nccl'] / by['cuda_ipc']:.1f}x")
+        for mine, other in (("cuda_ipc", "nccl"), ("cuda_ipc", "nccl_mpi"), ("nccl_mpi", "nccl"),
+                            ("cuda_ipc", "gloo")):
+            if mine in by and other in by:
+                parts.append(f"{mine}/{other} {by[other] / by[mine]:.2f}x")
         if op == "all_reduce" and nbytes in copy:
             best = min(by, key=by.get)
             parts.append(f"bound: {best} at {copy[nbytes] / by[best]:.0%} of memcpy")

@@ -76,15 +76,21 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("ipc_meta_size() -> int", &ipc::ipc_meta_size);
   m.def("ipc_max_world() -> int", &ipc::ipc_max_world);
   m.def("ipc_one_shot_max_bytes(int world) -> int", &ipc::ipc_one_shot_max_bytes);
-  m.def("ipc_init(int[] signal_ptrs, int[] buffer_ptrs, int rank, int world, int buffer_bytes)"
-        " -> int", &ipc::ipc_init);
+  m.def("ipc_init(int[] signal_ptrs, int[] buffer_ptrs, int rank, int world, int buffer_bytes, "
+        "int[] global_ranks, float timeout_s, int device) -> int", &ipc::ipc_init);
+  m.def("ipc_set_timeout(int ctx, float timeout_s) -> ()", &ipc::ipc_set_timeout);
   m.def("ipc_all_reduce(int ctx, Tensor(a!) inp_out, int algo) -> ()", &ipc::ipc_all_reduce);
   m.def("ipc_all_reduce_symmetric(int ctx, Tensor(a!) t, int[] buffers) -> ()",
         &ipc::ipc_all_reduce_symmetric);
+  m.def("ipc_error(int ctx) -> str", &ipc::ipc_error);
   m.def("ipc_dispose(int ctx) -> ()", &ipc::ipc_dispose);
+  m.def("ipc_alloc(int bytes, int device) -> int", &ipc::ipc_alloc);
+  m.def("ipc_free(int ptr, int device) -> ()", &ipc::ipc_free);
+  m.def("ipc_export(int ptr, int device) -> Tensor", &ipc::ipc_export);
   m.def("ipc_get_handle(Tensor buf) -> (Tensor, int)", &ipc::ipc_get_handle);
   m.def("ipc_open_handle(Tensor handle, int device) -> int", &ipc::ipc_open_handle);
-  m.def("ipc_close_handle(int base_ptr) -> ()", &ipc::ipc_close_handle);
+  m.def("ipc_close_handle(int base_ptr, int device) -> ()", &ipc::ipc_close_handle);
+  m.def("ipc_p2p_link(int a, int b) -> (bool, bool)", &ipc::ipc_p2p_link);
 #endif
 }
 

@@ -95,7 +95,15 @@ def report(topo) -> dict | None:
         return None
     return {"world_size": topo.world_size, "tp": topo.tp_size, "pp": topo.pp_size,
             "dp": topo.dp_size, "backend": topo.backend, "versions": versions(topo),
-            "ranks": entries, "engines": engine_table(topo)}
+            "ranks": entries, "engines": engine_table(topo), "gpu_engines": gpu_engines()}
+
+
+def gpu_engines() -> dict:
+    """Whether our GPU engines would run on this machine, and why: cuda_ipc for groups of 2, 4
+    and 8 ranks (``policy.ipc_limit``'s table), nccl_mpi's availability."""
+    from fastpar.comm import cuda_ipc, nccl_mpi
+
+    return {"cuda_ipc": cuda_ipc.describe(), "nccl_mpi": nccl_mpi.unavailable() or "available"}
 
 
 def format_report(rep: dict) -> str:
@@ -103,6 +111,11 @@ def format_report(rep: dict) -> str:
     width = max(len(k) for k in rep["versions"])
     for key, value in rep["versions"].items():
         lines.append(f"  {key:<{width}}  {value if value is not None else '-'}")
+    lines.append("")
+    lines.append("GPU engines on this machine:")
+    for line in rep["gpu_engines"]["cuda_ipc"]:
+        lines.append(f"  cuda_ipc  {line}")
+    lines.append(f"  nccl_mpi  {rep['gpu_engines']['nccl_mpi']}")
     lines.append("")
     lines.append(f"rank map: world {rep['world_size']} = tp {rep['tp']} x pp {rep['pp']} x "
                  f"dp {rep['dp']}, backend {rep['backend']}")

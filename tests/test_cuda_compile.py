@@ -37,17 +37,26 @@ TORCH_NVCC_MACROS = [
 KERNEL_TU = r"""
 #include "ipc_allreduce.cuh"
 
+#include <cstddef>
+
 namespace fp = fastpar::ipc;
 
 template cudaError_t fp::launch_all_reduce<float>(
-    const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, uint64_t, int, cudaStream_t);
+    const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, const fp::Sync&, int, cudaStream_t);
 template cudaError_t fp::launch_all_reduce<__half>(
-    const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, uint64_t, int, cudaStream_t);
+    const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, const fp::Sync&, int, cudaStream_t);
 template cudaError_t fp::launch_all_reduce<__nv_bfloat16>(
-    const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, uint64_t, int, cudaStream_t);
+    const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, const fp::Sync&, int, cudaStream_t);
 
-static_assert(sizeof(fp::Signal) == fp::kMaxBlocks * fp::kMaxRanks * sizeof(uint64_t),
-              "signal block layout");
+// The flags, the owner's per-block launch counts and its abort word each on their own
+// 128-byte lines; the whole block a multiple of 128 so the buffer after it stays aligned.
+static_assert(offsetof(fp::Signal, count) == fp::kMaxBlocks * fp::kMaxRanks * sizeof(uint64_t),
+              "signal block layout: flags");
+static_assert(offsetof(fp::Signal, abort) % 128 == 0 && sizeof(fp::Signal) % 128 == 0,
+              "signal block layout: counts, abort");
+// Kernel arguments carry no per-call value (CUDA-graph replay must stay correct): the launch
+// signature is pointers, the rank, the size and the timeout only.
+static_assert(sizeof(fp::Sync) == 16, "Sync: status pointer and timeout");
 """
 
 # Headers (relative to torch's include dirs) that ipc_allreduce.cu needs, directly or through

@@ -51,6 +51,11 @@ def test_info_text_single_process_and_torchrun():
                  "engines on rank 0's groups", "every op  local   group of one rank"):
         assert word in proc.stdout, proc.stdout
     assert "not loaded (single launch)" in proc.stdout
+    # our GPU engines say whether they would run here, and why not (this build has no CUDA)
+    assert "GPU engines on this machine:" in proc.stdout
+    assert "cuda_ipc  off: fastpar._C was built without CUDA" in proc.stdout \
+        or "cuda_ipc  2 ranks:" in proc.stdout, proc.stdout
+    assert "nccl_mpi  " in proc.stdout
     # Under torchrun (and alone) info never initialises MPI, even with mpi4py installed.
     code = ("import sys; from fastpar import info; rc = info.main(['--tp', '2', '--json']); "
             "assert 'mpi4py.MPI' not in sys.modules, 'info imported mpi4py.MPI'; sys.exit(rc)")

@@ -13,8 +13,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "ipc_allreduce.cuh"
 
@@ -29,7 +34,21 @@ struct Context {
   int world = 0;
   int device = 0;
   int64_t buffer_bytes = 0;
-  uint64_t epoch = 0;  // launches so far; identical on all ranks
+  std::vector<int64_t> global_ranks;
+  Sync sync{};               // status (device view of status_host) and timeout
+  Status* status_host = nullptr;  // cudaHostAlloc'd, mapped; written by a timed-out kernel
+  // The previous launch, so that the next one waits for it when it comes on another stream
+  // (calls share one staging buffer and one set of flags). Eager launches and launches being
+  // captured are tracked apart: a capture may only wait on work of the same capture, and a
+  // capture must not make the next eager launch forget the previous eager one.
+  struct Last {
+    cudaEvent_t event = nullptr;
+    cudaStream_t stream = nullptr;
+    unsigned long long capture = 0;  // capture id (captured launches only)
+    bool valid = false;
+  };
+  Last eager, captured;
+  uint64_t calls = 0;  // launches attempted (for error messages)
 };
 
 Context* as_context(int64_t handle) {
@@ -38,6 +57,39 @@ Context* as_context(int64_t handle) {
 }
 
 bool aligned(int64_t ptr, int64_t alignment) { return ptr % alignment == 0; }
+
+const char* barrier_name(uint64_t value) {
+  switch ((value - 1) % 3) {
+    case 0: return "start";
+    case 1: return "mid";
+    default: return "end";
+  }
+}
+
+std::string error_of(const Context* ctx) {
+  const volatile Status* st = ctx->status_host;
+  if (st->code == 0) return {};
+  std::atomic_thread_fence(std::memory_order_acquire);  // the fields after the code (aarch64)
+  std::ostringstream out;
+  out << "fastpar cuda_ipc all_reduce on global ranks [";
+  for (size_t i = 0; i < ctx->global_ranks.size(); ++i)
+    out << (i ? ", " : "") << ctx->global_ranks[i];
+  const int peer = st->peer;
+  const uint64_t value = st->value;
+  out << "] timed out: global rank " << ctx->global_ranks[ctx->rank] << " (block " << st->block
+      << ") waited " << double(st->waited_ns) * 1e-9 << " s for global rank "
+      << (peer >= 0 && peer < ctx->world ? ctx->global_ranks[peer] : -1) << " at the "
+      << barrier_name(value) << " barrier of that block's launch " << (value - 1) / 3
+      << " (of " << ctx->calls << " this rank attempted). A peer died, skipped the call, or "
+      << "called with another size or dtype. The communicator is unusable and the results of "
+      << "that call and later ones are wrong: fastpar.shutdown() and init again.";
+  return out.str();
+}
+
+void check_usable(const Context* ctx, const char* what) {
+  const std::string err = error_of(ctx);
+  TORCH_CHECK(err.empty(), what, ": ", err);
+}
 
 }  // namespace
 
@@ -49,9 +101,21 @@ int64_t ipc_one_shot_max_bytes(int64_t world) {
   return one_shot_max_bytes(static_cast<int>(world));
 }
 
+namespace {
+
+uint64_t timeout_ns_of(double timeout_s) {
+  TORCH_CHECK(timeout_s > 0, "ipc: timeout_s=", timeout_s, " must be positive");
+  return std::isinf(timeout_s) || timeout_s * 1e9 >= 1.8e19
+             ? 0
+             : static_cast<uint64_t>(timeout_s * 1e9) + 1;
+}
+
+}  // namespace
+
 int64_t ipc_init(c10::ArrayRef<int64_t> peer_signal_ptrs,
                  c10::ArrayRef<int64_t> peer_buffer_ptrs, int64_t rank, int64_t world,
-                 int64_t buffer_bytes) {
+                 int64_t buffer_bytes, c10::ArrayRef<int64_t> global_ranks, double timeout_s,
+                 int64_t device) {
   TORCH_CHECK(world >= 2 && world <= kMaxRanks, "ipc_init: world=", world, " must be in [2, ",
               kMaxRanks, "]");
   TORCH_CHECK(rank >= 0 && rank < world, "ipc_init: rank=", rank, " not in [0, ", world, ")");
@@ -59,6 +123,8 @@ int64_t ipc_init(c10::ArrayRef<int64_t> peer_signal_ptrs,
               "ipc_init: got ", peer_signal_ptrs.size(), " signal pointers for world=", world);
   TORCH_CHECK(static_cast<int64_t>(peer_buffer_ptrs.size()) == world,
               "ipc_init: got ", peer_buffer_ptrs.size(), " buffer pointers for world=", world);
+  TORCH_CHECK(static_cast<int64_t>(global_ranks.size()) == world,
+              "ipc_init: got ", global_ranks.size(), " global ranks for world=", world);
   TORCH_CHECK(buffer_bytes > 0 && buffer_bytes % kPackBytes == 0, "ipc_init: buffer_bytes=",
               buffer_bytes, " must be a positive multiple of ", kPackBytes);
   auto ctx = std::make_unique<Context>();
@@ -74,9 +140,32 @@ int64_t ipc_init(c10::ArrayRef<int64_t> peer_signal_ptrs,
   }
   ctx->rank = static_cast<int>(rank);
   ctx->world = static_cast<int>(world);
-  ctx->device = c10::cuda::current_device();
+  ctx->device = static_cast<int>(device);
   ctx->buffer_bytes = buffer_bytes;
+  ctx->global_ranks.assign(global_ranks.begin(), global_ranks.end());
+  ctx->sync.timeout_ns = timeout_ns_of(timeout_s);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(ctx->device));
+  void* host = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(Status), cudaHostAllocMapped));
+  std::memset(host, 0, sizeof(Status));
+  ctx->status_host = static_cast<Status*>(host);
+  void* dev = nullptr;
+  cudaError_t err = cudaHostGetDevicePointer(&dev, host, 0);
+  if (err == cudaSuccess)
+    err = cudaEventCreateWithFlags(&ctx->eager.event, cudaEventDisableTiming);
+  if (err == cudaSuccess)
+    err = cudaEventCreateWithFlags(&ctx->captured.event, cudaEventDisableTiming);
+  if (err != cudaSuccess) {
+    if (ctx->eager.event != nullptr) cudaEventDestroy(ctx->eager.event);
+    cudaFreeHost(host);
+    C10_CUDA_CHECK(err);
+  }
+  ctx->sync.status = static_cast<Status*>(dev);
   return reinterpret_cast<int64_t>(ctx.release());
+}
+
+void ipc_set_timeout(int64_t handle, double timeout_s) {
+  as_context(handle)->sync.timeout_ns = timeout_ns_of(timeout_s);
 }
 
 namespace {
@@ -95,32 +184,54 @@ int64_t check_tensor(const Context* ctx, const at::Tensor& t, const char* what) 
               " bytes = ", bytes, " bytes is not a multiple of ", kPackBytes);
   TORCH_CHECK(aligned(reinterpret_cast<int64_t>(t.data_ptr()), kPackBytes), what, ": data_ptr ",
               t.data_ptr(), " is not ", kPackBytes, "-byte aligned");
+  check_usable(ctx, what);
   return bytes;
 }
 
-// Launches the kernel for t's dtype over `ptrs` on the current stream; one epoch per launch.
-void launch(Context* ctx, const RankPtrs& ptrs, at::Tensor& t, int64_t bytes, Algo algo,
-            cudaStream_t stream) {
+// Enqueues one all-reduce of t on the current stream, after the context's previous launch:
+// the optional copy of t into this rank's staging buffer, then the kernel for t's dtype over
+// `ptrs`. Errors left by unrelated earlier work are cleared first, so that they are not taken
+// for this launch's; the kernel advances the per-block counts itself, so a failed launch
+// leaves nothing on the host out of step (its peers time out and say so).
+void enqueue(Context* ctx, const RankPtrs& ptrs, at::Tensor& t, int64_t bytes, Algo algo,
+             bool copy_in) {
+  const c10::cuda::CUDAGuard guard(t.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  (void)cudaGetLastError();
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  unsigned long long capture = 0;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capturing, &capture));
+  const bool in_capture = capturing == cudaStreamCaptureStatusActive;
+  Context::Last& last = in_capture ? ctx->captured : ctx->eager;
+  if (last.valid && last.stream != stream && (!in_capture || last.capture == capture))
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, last.event, 0));
+  ++ctx->calls;
   void* out = t.data_ptr();
+  if (copy_in)
+    C10_CUDA_CHECK(cudaMemcpyAsync(ptrs.buffers[ctx->rank], out, bytes, cudaMemcpyDeviceToDevice,
+                                   stream));
   cudaError_t err = cudaErrorInvalidValue;
   switch (t.scalar_type()) {
     case at::kFloat:
-      err = launch_all_reduce<float>(ptrs, ctx->rank, ctx->world, out, bytes, algo, ctx->epoch,
+      err = launch_all_reduce<float>(ptrs, ctx->rank, ctx->world, out, bytes, algo, ctx->sync,
                                      kDefaultBlocks, stream);
       break;
     case at::kHalf:
-      err = launch_all_reduce<__half>(ptrs, ctx->rank, ctx->world, out, bytes, algo,
-                                      ctx->epoch, kDefaultBlocks, stream);
+      err = launch_all_reduce<__half>(ptrs, ctx->rank, ctx->world, out, bytes, algo, ctx->sync,
+                                      kDefaultBlocks, stream);
       break;
     case at::kBFloat16:
       err = launch_all_reduce<__nv_bfloat16>(ptrs, ctx->rank, ctx->world, out, bytes, algo,
-                                             ctx->epoch, kDefaultBlocks, stream);
+                                             ctx->sync, kDefaultBlocks, stream);
       break;
     default:
       break;
   }
   C10_CUDA_CHECK(err);
-  ++ctx->epoch;  // only after a successful launch, so all ranks stay in step
+  C10_CUDA_CHECK(cudaEventRecord(last.event, stream));
+  last.stream = stream;
+  last.capture = in_capture ? capture : 0;
+  last.valid = true;
 }
 
 }  // namespace
@@ -133,11 +244,7 @@ void ipc_all_reduce(int64_t handle, at::Tensor& inp_out, int64_t algo) {
   TORCH_CHECK(bytes <= ctx->buffer_bytes, "ipc_all_reduce: ", bytes,
               " bytes exceed the registered buffer of ", ctx->buffer_bytes, " bytes");
   if (bytes == 0) return;
-  const c10::cuda::CUDAGuard guard(inp_out.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemcpyAsync(ctx->ptrs.buffers[ctx->rank], inp_out.data_ptr(), bytes,
-                                 cudaMemcpyDeviceToDevice, stream));
-  launch(ctx, ctx->ptrs, inp_out, bytes, static_cast<Algo>(algo), stream);
+  enqueue(ctx, ctx->ptrs, inp_out, bytes, static_cast<Algo>(algo), /*copy_in=*/true);
 }
 
 void ipc_all_reduce_symmetric(int64_t handle, at::Tensor& t, c10::ArrayRef<int64_t> buffers) {
@@ -155,14 +262,61 @@ void ipc_all_reduce_symmetric(int64_t handle, at::Tensor& t, c10::ArrayRef<int64
                 "ipc_all_reduce (symmetric): buffer of rank ", p, " is null or misaligned");
     ptrs.buffers[p] = reinterpret_cast<void*>(buffers[p]);
   }
-  const c10::cuda::CUDAGuard guard(t.device());
   // Two-shot only: its result lands in each slice's owner first and every rank reads a peer's
   // buffer only for that peer's slice after the mid barrier, so writing the result over the
   // input is safe. One-shot would overwrite a buffer its peers are still summing.
-  launch(ctx, ptrs, t, bytes, Algo::kTwoShot, c10::cuda::getCurrentCUDAStream());
+  enqueue(ctx, ptrs, t, bytes, Algo::kTwoShot, /*copy_in=*/false);
 }
 
-void ipc_dispose(int64_t handle) { delete reinterpret_cast<Context*>(handle); }
+std::string ipc_error(int64_t handle) { return error_of(as_context(handle)); }
+
+void ipc_dispose(int64_t handle) {
+  Context* ctx = reinterpret_cast<Context*>(handle);
+  if (ctx == nullptr) return;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(ctx->device));
+  if (ctx->eager.event != nullptr) cudaEventDestroy(ctx->eager.event);
+  if (ctx->captured.event != nullptr) cudaEventDestroy(ctx->captured.event);
+  if (ctx->status_host != nullptr) cudaFreeHost(ctx->status_host);
+  delete ctx;
+}
+
+int64_t ipc_alloc(int64_t bytes, int64_t device) {
+  TORCH_CHECK(bytes > 0, "ipc_alloc: bytes=", bytes, " must be positive");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  void* ptr = nullptr;
+  C10_CUDA_CHECK(cudaMalloc(&ptr, static_cast<size_t>(bytes)));
+  cudaError_t err = cudaMemset(ptr, 0, static_cast<size_t>(bytes));
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    cudaFree(ptr);
+    C10_CUDA_CHECK(err);
+  }
+  return reinterpret_cast<int64_t>(ptr);
+}
+
+void ipc_free(int64_t ptr, int64_t device) {
+  TORCH_CHECK(ptr != 0, "ipc_free: null pointer");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  C10_CUDA_CHECK(cudaFree(reinterpret_cast<void*>(ptr)));
+}
+
+namespace {
+
+at::Tensor handle_bytes(const cudaIpcMemHandle_t& handle) {
+  at::Tensor bytes = at::empty({static_cast<int64_t>(sizeof(handle))}, at::kByte);
+  std::memcpy(bytes.data_ptr(), &handle, sizeof(handle));
+  return bytes;
+}
+
+}  // namespace
+
+at::Tensor ipc_export(int64_t ptr, int64_t device) {
+  TORCH_CHECK(ptr != 0, "ipc_export: null pointer");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaIpcMemHandle_t handle;
+  C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(ptr)));
+  return handle_bytes(handle);
+}
 
 std::tuple<at::Tensor, int64_t> ipc_get_handle(const at::Tensor& buf) {
   TORCH_CHECK(buf.is_cuda(), "ipc_get_handle: tensor must be on CUDA, got ", buf.device());
@@ -170,15 +324,13 @@ std::tuple<at::Tensor, int64_t> ipc_get_handle(const at::Tensor& buf) {
   void* ptr = buf.data_ptr();
   size_t base_size = 0;
   // Base of the cudaMalloc'd segment the caching allocator carved buf from
-  // (fails for expandable segments, which cudaIpcGetMemHandle can't share).
+  // (raises for expandable segments, which cudaIpcGetMemHandle can't share).
   void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(ptr, &base_size);
   TORCH_CHECK(base != nullptr, "ipc_get_handle: no base allocation for ", ptr);
   cudaIpcMemHandle_t handle;
   C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base));
-  at::Tensor bytes = at::empty({static_cast<int64_t>(sizeof(handle))}, at::kByte);
-  std::memcpy(bytes.data_ptr(), &handle, sizeof(handle));
   const int64_t offset = static_cast<const char*>(ptr) - static_cast<const char*>(base);
-  return {bytes, offset};
+  return {handle_bytes(handle), offset};
 }
 
 int64_t ipc_open_handle(const at::Tensor& handle, int64_t device) {
@@ -196,13 +348,19 @@ int64_t ipc_open_handle(const at::Tensor& handle, int64_t device) {
   return reinterpret_cast<int64_t>(base);
 }
 
-void ipc_close_handle(int64_t base_ptr) {
+void ipc_close_handle(int64_t base_ptr, int64_t device) {
   TORCH_CHECK(base_ptr != 0, "ipc_close_handle: null pointer");
-  void* base = reinterpret_cast<void*>(base_ptr);
-  cudaPointerAttributes attr;
-  C10_CUDA_CHECK(cudaPointerGetAttributes(&attr, base));
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(attr.device));
-  C10_CUDA_CHECK(cudaIpcCloseMemHandle(base));
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  C10_CUDA_CHECK(cudaIpcCloseMemHandle(reinterpret_cast<void*>(base_ptr)));
+}
+
+std::tuple<bool, bool> ipc_p2p_link(int64_t a, int64_t b) {
+  int access = 0, atomics = 0;
+  C10_CUDA_CHECK(cudaDeviceGetP2PAttribute(&access, cudaDevP2PAttrAccessSupported,
+                                           static_cast<int>(a), static_cast<int>(b)));
+  C10_CUDA_CHECK(cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported,
+                                           static_cast<int>(a), static_cast<int>(b)));
+  return {access != 0, atomics != 0};
 }
 
 }  // namespace ipc

@@ -1,7 +1,9 @@
 // Pure CUDA kernels for an intra-node all-reduce (sum) over CUDA IPC.
 //
 // This header owns no memory and includes no torch: the caller (ipc_allreduce.cu)
-// hands in the peers' mapped pointers and a per-launch counter.
+// hands in the peers' mapped pointers, this rank's host-mapped status record and the
+// barrier timeout. Every kernel argument is the same on every launch of a context
+// (no per-call counter), so a launch captured in a CUDA graph is correct on replay.
 //
 // Math (world W, rank r, registered buffers buf_0..buf_{W-1}, each holding rank
 // p's input x_p before the launch):
@@ -25,7 +27,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
 
 namespace fastpar {
 namespace ipc {
@@ -35,15 +36,37 @@ constexpr int kMaxBlocks = 64;  // flag slots per rank; also the launch cap
 constexpr int kThreads = 512;
 constexpr int kDefaultBlocks = 36;
 constexpr int kPackBytes = 16;  // one uint4 load/store
-// A barrier that waits longer than this for a peer (dead, or skipped the call) traps the kernel:
-// the process then gets a CUDA error at its next synchronisation instead of spinning forever.
-constexpr uint64_t kBarrierTimeoutNs = 120ull * 1000 * 1000 * 1000;
 
-// The signal block of one rank. Rank p's block b writes flag[b][p] of every
-// peer's Signal (including its own) when it reaches a barrier; rank r's block b
-// waits on its own flag[b][0..W-1]. Flags only ever grow (see barrier values).
+// The signal block of one rank (zeroed once before the first launch).
+//   flag[b][p]: written by rank p's block b when it reaches a barrier (every rank,
+//               this one included, writes into every rank's block); read by the owner.
+//   count[b]:   launches of this context that block b took part in, advanced by the
+//               kernel itself after its last barrier. Owner only. Identical on all
+//               ranks because every rank makes the same launches with the same grids.
+//   abort:      set (owner only) by the first block that timed out; later launches
+//               return at once and the host refuses them.
 struct Signal {
   alignas(128) uint64_t flag[kMaxBlocks][kMaxRanks];
+  alignas(128) uint64_t count[kMaxBlocks];
+  alignas(128) uint32_t abort;
+};
+
+// Written by the first block of this rank whose barrier timed out, in host-mapped
+// pinned memory: the host reads it without synchronising (ipc_allreduce.cu).
+struct Status {
+  uint32_t code;  // 0: fine; kTimedOut
+  int32_t peer;   // group rank waited for
+  int32_t block;
+  int32_t pad;
+  uint64_t value;      // barrier value waited for (see start_value)
+  uint64_t waited_ns;  // how long it waited
+};
+constexpr uint32_t kTimedOut = 1;
+
+// What every launch of a context passes besides the pointers.
+struct Sync {
+  Status* status;       // device pointer of this rank's host-mapped Status
+  uint64_t timeout_ns;  // a barrier waiting longer gives up (0: wait for ever)
 };
 
 // Everything a launch needs, passed by value (lives in the kernel param space).
@@ -54,12 +77,12 @@ struct RankPtrs {
 
 enum class Algo : int { kAuto = 0, kOneShot = 1, kTwoShot = 2 };
 
-// Barrier values for launch number `epoch` (0, 1, 2, ... identical on all
-// ranks): three strictly increasing values per launch, so a flag that is >= the
-// value waited for proves the peer reached this barrier (or a later one).
-__host__ __device__ constexpr uint64_t start_value(uint64_t epoch) { return 3 * epoch + 1; }
-__host__ __device__ constexpr uint64_t mid_value(uint64_t epoch) { return 3 * epoch + 2; }
-__host__ __device__ constexpr uint64_t end_value(uint64_t epoch) { return 3 * epoch + 3; }
+// Barrier values of a block's launch number `c` (its count[b] at entry): three
+// strictly increasing values per launch, so a flag that is >= the value waited for
+// proves the peer reached this barrier (or a later one).
+__host__ __device__ constexpr uint64_t start_value(uint64_t c) { return 3 * c + 1; }
+__host__ __device__ constexpr uint64_t mid_value(uint64_t c) { return 3 * c + 2; }
+__host__ __device__ constexpr uint64_t end_value(uint64_t c) { return 3 * c + 3; }
 
 // ---------------------------------------------------------------- memory ops
 
@@ -123,33 +146,53 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-// All threads of the block call this. Thread t < W tells rank t that this
-// block arrived (release, so the block's earlier loads/stores are ordered
-// before it via the preceding __syncthreads), then waits until rank t's same
-// block arrived (acquire), and the trailing __syncthreads publishes that.
+// All threads of the block call this; returns false (in every thread) when the
+// wait timed out here or the context was aborted by another block's timeout.
+// Thread t < W tells rank t that this block arrived (release, so the block's
+// earlier loads/stores are ordered before it via the leading __syncthreads), then
+// waits until rank t's same block arrived (acquire); the trailing __syncthreads
+// publishes that. A timeout is recorded once in the host-mapped Status; the
+// kernel then returns instead of trapping, so the CUDA context survives and the
+// host can raise an error naming the ranks.
 template <int W>
-__device__ __forceinline__ void block_barrier(const RankView<W>& view, int rank, uint64_t value) {
+__device__ __forceinline__ bool block_barrier(const RankView<W>& view, int rank, uint64_t value,
+                                              const Sync& sync) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   if (threadIdx.x < unsigned(W)) {
     const int peer = threadIdx.x;
     store_release_sys(&pick<W>(view.signals, peer)->flag[blockIdx.x][rank], value);
-    const uint64_t* mine = &pick<W>(view.signals, rank)->flag[blockIdx.x][peer];
+    Signal* self = pick<W>(view.signals, rank);
+    const uint64_t* mine = &self->flag[blockIdx.x][peer];
     uint64_t start = 0;
     for (uint32_t spin = 0; load_acquire_sys(mine) < value; ++spin) {
-      if ((spin & 1023u) != 1023u) continue;  // read the clock now and then
+      if ((spin & 1023u) != 1023u) continue;  // look at the clock and the abort word now and then
+      if (*reinterpret_cast<volatile uint32_t*>(&self->abort) != 0) {
+        failed = 1;
+        break;
+      }
       const uint64_t now = global_timer_ns();
       if (start == 0) {
         start = now;
-      } else if (now - start > kBarrierTimeoutNs) {
-        printf("fastpar cuda_ipc all_reduce: rank %d (block %d) waited over %llu s for rank %d "
-               "at barrier value %llu; a peer died or skipped the call. Trapping.\n",
-               rank, int(blockIdx.x), (unsigned long long)(kBarrierTimeoutNs / 1000000000ull),
-               peer, (unsigned long long)value);
-        __trap();
+      } else if (sync.timeout_ns != 0 && now - start > sync.timeout_ns) {
+        if (atomicCAS(&self->abort, 0u, 1u) == 0u) {  // the first to give up reports
+          volatile Status* st = sync.status;
+          st->peer = peer;
+          st->block = int(blockIdx.x);
+          st->value = value;
+          st->waited_ns = now - start;
+          __threadfence_system();
+          st->code = kTimedOut;
+          __threadfence_system();
+        }
+        failed = 1;
+        break;
       }
     }
   }
   __syncthreads();
+  return failed == 0;
 }
 
 // ------------------------------------------------------------ dtype packing
@@ -239,37 +282,64 @@ __device__ __forceinline__ uint4 reduce_pack(const RankView<W>& view, int64_t i)
 
 // ------------------------------------------------------------------ kernels
 
+// Kernel entry: this block's launch number (count[b]) and whether the context is
+// still usable, read by one thread and shared so the whole block agrees.
+template <int W>
+__device__ __forceinline__ bool enter(const RankView<W>& view, int rank, uint64_t& c) {
+  __shared__ uint64_t count;
+  __shared__ int aborted;
+  if (threadIdx.x == 0) {
+    Signal* self = pick<W>(view.signals, rank);
+    count = self->count[blockIdx.x];
+    aborted = *reinterpret_cast<volatile uint32_t*>(&self->abort) != 0;
+  }
+  __syncthreads();
+  c = count;
+  return aborted == 0;
+}
+
+// Kernel exit after the last barrier: every thread of the block has read count[b]
+// (the barrier's trailing __syncthreads), so one thread advances it.
+template <int W>
+__device__ __forceinline__ void leave(const RankView<W>& view, int rank, uint64_t c) {
+  if (threadIdx.x == 0) pick<W>(view.signals, rank)->count[blockIdx.x] = c + 1;
+}
+
 // One-shot: every rank reads the whole message from all W buffers.
 //   ptrs:    peers' signals and buffers (buffers hold the inputs)
+//   sync:    this rank's status record and the barrier timeout
 //   rank:    this rank, 0 <= rank < W
 //   out:     this rank's result, n_packs * 16 bytes (may be the user tensor)
 //   n_packs: message size in 16-byte packs
-//   epoch:   launch counter, identical on all ranks, +1 per launch
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads, 1)
-    one_shot_kernel(RankPtrs ptrs, int rank, void* __restrict__ out, int64_t n_packs,
-                    uint64_t epoch) {
+    one_shot_kernel(RankPtrs ptrs, Sync sync, int rank, void* __restrict__ out, int64_t n_packs) {
   const RankView<W> view = make_view<W>(ptrs);
-  block_barrier<W>(view, rank, start_value(epoch));  // all inputs are in place
+  uint64_t c;
+  if (!enter<W>(view, rank, c)) return;
+  if (!block_barrier<W>(view, rank, start_value(c), sync)) return;  // all inputs are in place
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n_packs; i += stride)
     store_pack(out, i, reduce_pack<T, W>(view, i));
-  block_barrier<W>(view, rank, end_value(epoch));  // nobody reads my buffer any more
+  if (!block_barrier<W>(view, rank, end_value(c), sync)) return;  // nobody reads my buffer now
+  leave<W>(view, rank, c);
 }
 
 // Two-shot: slice q = packs [q * part, min((q + 1) * part, n_packs)).
 // Reduce-scatter into the owner's buffer, then all-gather from the owners.
-// Arguments as for one_shot_kernel.
+// Arguments as for one_shot_kernel; `out` may be this rank's buffer (symmetric
+// tensors: reduced in place), so it is not __restrict__.
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads, 1)
-    two_shot_kernel(RankPtrs ptrs, int rank, void* __restrict__ out, int64_t n_packs,
-                    uint64_t epoch) {
+    two_shot_kernel(RankPtrs ptrs, Sync sync, int rank, void* out, int64_t n_packs) {
   const RankView<W> view = make_view<W>(ptrs);
   const int64_t part = (n_packs + W - 1) / W;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint64_t c;
+  if (!enter<W>(view, rank, c)) return;
 
-  block_barrier<W>(view, rank, start_value(epoch));  // all inputs are in place
+  if (!block_barrier<W>(view, rank, start_value(c), sync)) return;  // all inputs are in place
 
   // Reduce-scatter: my slice, summed from every buffer, written over my own
   // buffer's slice (peers only read their own slices of my buffer meanwhile).
@@ -278,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   void* mine = pick<W>(view.buffers, rank);
   for (int64_t i = lo + tid; i < hi; i += stride) store_pack(mine, i, reduce_pack<T, W>(view, i));
 
-  block_barrier<W>(view, rank, mid_value(epoch));  // every slice is reduced
+  if (!block_barrier<W>(view, rank, mid_value(c), sync)) return;  // every slice is reduced
 
   // All-gather: slice q from its owner q, in rank order. Pack i is read here by
   // the same tid (so the same block) that reduced it on its owner, which is why
@@ -291,7 +361,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_pack(out, i, load_pack(view.buffers[q], i));
   }
 
-  block_barrier<W>(view, rank, end_value(epoch));  // nobody reads my buffer any more
+  if (!block_barrier<W>(view, rank, end_value(c), sync)) return;  // nobody reads my buffer now
+  leave<W>(view, rank, c);
 }
 
 // ------------------------------------------------------------- host helpers
@@ -318,21 +389,22 @@ inline int num_blocks(int64_t n_packs, int world, Algo algo, int max_blocks) {
 }
 
 template <typename T, int W>
-inline void launch_world(Algo algo, int blocks, const RankPtrs& ptrs, int rank, void* out,
-                         int64_t n_packs, uint64_t epoch, cudaStream_t stream) {
+inline void launch_world(Algo algo, int blocks, const RankPtrs& ptrs, const Sync& sync, int rank,
+                         void* out, int64_t n_packs, cudaStream_t stream) {
   if (algo == Algo::kOneShot)
-    one_shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(ptrs, rank, out, n_packs, epoch);
+    one_shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(ptrs, sync, rank, out, n_packs);
   else
-    two_shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(ptrs, rank, out, n_packs, epoch);
+    two_shot_kernel<T, W><<<blocks, kThreads, 0, stream>>>(ptrs, sync, rank, out, n_packs);
 }
 
 // Launch one all-reduce of `bytes` (multiple of 16) of T on `stream`. The input
 // must already be in ptrs.buffers[rank] (stream-ordered before this launch).
 // Returns cudaErrorInvalidValue for an unsupported world/size, else the launch
-// status. Every rank must pass the same bytes, world, algo, max_blocks, epoch.
+// status. Every rank must pass the same bytes, world, algo and max_blocks, in the
+// same order of launches (the per-block counts must stay in step).
 template <typename T>
 inline cudaError_t launch_all_reduce(const RankPtrs& ptrs, int rank, int world, void* out,
-                                     int64_t bytes, Algo algo, uint64_t epoch, int max_blocks,
+                                     int64_t bytes, Algo algo, const Sync& sync, int max_blocks,
                                      cudaStream_t stream) {
   if (bytes % kPackBytes != 0 || world < 2 || world > kMaxRanks || rank < 0 || rank >= world)
     return cudaErrorInvalidValue;
@@ -340,13 +412,13 @@ inline cudaError_t launch_all_reduce(const RankPtrs& ptrs, int rank, int world, 
   const Algo chosen = choose_algo(bytes, world, algo);
   const int blocks = num_blocks(n_packs, world, chosen, max_blocks);
   switch (world) {
-    case 2: launch_world<T, 2>(chosen, blocks, ptrs, rank, out, n_packs, epoch, stream); break;
-    case 3: launch_world<T, 3>(chosen, blocks, ptrs, rank, out, n_packs, epoch, stream); break;
-    case 4: launch_world<T, 4>(chosen, blocks, ptrs, rank, out, n_packs, epoch, stream); break;
-    case 5: launch_world<T, 5>(chosen, blocks, ptrs, rank, out, n_packs, epoch, stream); break;
-    case 6: launch_world<T, 6>(chosen, blocks, ptrs, rank, out, n_packs, epoch, stream); break;
-    case 7: launch_world<T, 7>(chosen, blocks, ptrs, rank, out, n_packs, epoch, stream); break;
-    case 8: launch_world<T, 8>(chosen, blocks, ptrs, rank, out, n_packs, epoch, stream); break;
+    case 2: launch_world<T, 2>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
+    case 3: launch_world<T, 3>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
+    case 4: launch_world<T, 4>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
+    case 5: launch_world<T, 5>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
+    case 6: launch_world<T, 6>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
+    case 7: launch_world<T, 7>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
+    case 8: launch_world<T, 8>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
   }
   return cudaGetLastError();
 }

@@ -6,14 +6,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <c10/util/ArrayRef.h>
 
 namespace fastpar {
 namespace ipc {
 
-// Bytes of one rank's signal (flag) block; allocate this much, 128-byte
-// aligned, zero it once before ipc_init, and never write it again.
+// Bytes of one rank's signal block; it sits at the start of the rank's IPC
+// allocation (ipc_alloc zeroes it), and nothing but the kernels writes it.
 int64_t ipc_meta_size();
 
 // Largest world size the kernels support (8).
@@ -22,42 +23,71 @@ int64_t ipc_max_world();
 // Build a context for this rank. The vectors hold, per rank 0..world-1, the
 // signal-block and registered-buffer device pointers as seen by THIS process
 // (own rank: local pointers; peers: ipc_open_handle base + offset). All
-// buffers are buffer_bytes long. The current CUDA device is recorded and every
-// ipc_all_reduce must use it. Returns an opaque handle (heap pointer).
+// buffers are buffer_bytes long. global_ranks names the group's ranks in errors;
+// timeout_s bounds every barrier wait (inf: no bound). Every call must use tensors on
+// CUDA device `device`. Returns an opaque handle (heap pointer).
 int64_t ipc_init(c10::ArrayRef<int64_t> peer_signal_ptrs,
                  c10::ArrayRef<int64_t> peer_buffer_ptrs, int64_t rank, int64_t world,
-                 int64_t buffer_bytes);
+                 int64_t buffer_bytes, c10::ArrayRef<int64_t> global_ranks, double timeout_s,
+                 int64_t device);
+
+// The barrier timeout of later launches (launches already enqueued or captured keep theirs).
+void ipc_set_timeout(int64_t ctx, double timeout_s);
 
 // In-place sum over all ranks of inp_out (float32/float16/bfloat16, contiguous,
 // on the context's device, nbytes % 16 == 0, nbytes <= buffer_bytes).
 // algo: 0 auto (one-shot below ipc_one_shot_max_bytes(world)), 1 one-shot,
-// 2 two-shot. Enqueued on the current CUDA stream; every rank must make the
-// same sequence of calls with the same sizes and algo.
+// 2 two-shot. Enqueued on the current CUDA stream, after the context's previous
+// launch whatever stream that was on (an event wait; eager launches after eager
+// ones, captured ones after those of the same capture), so calls from several
+// streams never share the staging buffer at once; CUDA-graph capturable (a
+// replay must be stream-ordered with eager calls by the caller). Every
+// rank must make the same sequence of calls with the same sizes and algo. Raises
+// (naming global ranks) if an earlier launch of the context timed out.
 void ipc_all_reduce(int64_t ctx, at::Tensor& inp_out, int64_t algo);
 
 // In place over symmetric buffers, no copy in: buffers[p] is rank p's tensor as mapped in this
 // process (buffers[rank] == t.data_ptr()); every rank passes its own tensor of the same size.
-// Uses the context's signals and epoch (so it orders with ipc_all_reduce) and the two-shot
-// kernel (in-place safe); no size limit besides the tensors'. Checks as for ipc_all_reduce.
+// Uses the context's signals and launch order (so it orders with ipc_all_reduce) and the
+// two-shot kernel (in-place safe); no size limit besides the tensors'. Checks as for
+// ipc_all_reduce.
 void ipc_all_reduce_symmetric(int64_t ctx, at::Tensor& t, c10::ArrayRef<int64_t> buffers);
 
 // The size threshold of algo 0: one-shot strictly below it.
 int64_t ipc_one_shot_max_bytes(int64_t world);
 
-// Free the context (does not close IPC handles, free buffers or synchronize).
+// "" while the context is fine; else the error a timed-out barrier left (naming
+// global ranks). Reads host-mapped memory: no synchronisation.
+std::string ipc_error(int64_t ctx);
+
+// Free the context (event and status record; does not close IPC handles, free
+// buffers or synchronize).
 void ipc_dispose(int64_t ctx);
 
+// cudaMalloc'd memory owned by the caller (not the caching allocator, so that any
+// PYTORCH_CUDA_ALLOC_CONF can export it), zeroed and synchronised; ipc_free frees it.
+int64_t ipc_alloc(int64_t bytes, int64_t device);
+void ipc_free(int64_t ptr, int64_t device);
+
+// The 64 cudaIpcMemHandle_t bytes (uint8 CPU tensor) of an ipc_alloc pointer.
+at::Tensor ipc_export(int64_t ptr, int64_t device);
+
 // (handle, offset): the 64 cudaIpcMemHandle_t bytes (uint8 CPU tensor) of the
-// allocation holding buf's data, and the byte offset of buf.data_ptr() from
-// that allocation's base (the caching allocator sub-allocates).
+// caching-allocator segment holding buf's data, and the byte offset of buf.data_ptr() from
+// that segment's base (symmetric tensors). Raises for memory that cannot be exported
+// (expandable segments, cudaMallocAsync).
 std::tuple<at::Tensor, int64_t> ipc_get_handle(const at::Tensor& buf);
 
 // Map a peer's allocation into this process on CUDA device `device`; returns
 // its base pointer (add the peer's offset). Do not open your own handle.
 int64_t ipc_open_handle(const at::Tensor& handle, int64_t device);
 
-// Unmap a base pointer returned by ipc_open_handle.
-void ipc_close_handle(int64_t base_ptr);
+// Unmap a base pointer returned by ipc_open_handle on `device` (the device it was opened on).
+void ipc_close_handle(int64_t base_ptr, int64_t device);
+
+// (P2P access supported, native atomics supported) from device a to device b
+// (cudaDeviceGetP2PAttribute); native atomics over the link mean NVLink in practice.
+std::tuple<bool, bool> ipc_p2p_link(int64_t a, int64_t b);
 
 }  // namespace ipc
 }  // namespace fastpar

@@ -11,7 +11,7 @@ Each collective exists twice: the raw call above (result or ``Handle``), and an 
 Function behind a wrapper (``copy_to_tp``, ``reduce_from_tp``, ... in ``autograd.py``) whose
 docstring states its forward and backward.
 
-``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi`` (read once, by ``fastpar.init``) or
+``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi|nccl_mpi`` (read once, by ``fastpar.init``) or
 ``comm.use_backend(name)`` forces one engine; a forced engine that cannot serve a call raises.
 """
 

@@ -200,6 +200,8 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
             route.comm.all_reduce_symmetric(t, sym.slots)
         else:
             route.comm.all_reduce(t)
+    elif engine == "nccl_mpi":  # enqueued on the current stream: complete for the host
+        route.comm.all_reduce(t, op)
     elif engine == "mpi":
         from mpi4py import MPI
 
@@ -234,7 +236,7 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     inp = t.contiguous()
     stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]), dtype=t.dtype, device=t.device)
     work = None
-    if engine == "shm":
+    if engine in ("shm", "nccl_mpi"):
         route.comm.all_gather(inp, stacked)
     elif engine == "mpi":
         route.comm.Allgather(_np(inp), _np(stacked))
@@ -277,6 +279,8 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
             route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
         else:
             route.comm.all_gather(block, out)  # the kernel allows block to alias out
+    elif engine == "nccl_mpi":
+        route.comm.all_gather(block, out)  # NCCL's in-place form: block is out's rank block
     elif engine == "mpi":
         from mpi4py import MPI
 
@@ -313,7 +317,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
         if engine == "shm" and inp.nbytes >= SYMMETRIC_SCATTER_MIN else None
     if sym is not None:  # a whole symmetric tensor of this group: reduced where it lies
         route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
-    elif engine == "shm":
+    elif engine in ("shm", "nccl_mpi"):
         route.comm.reduce_scatter(inp, out, op)
     elif engine == "mpi":
         route.comm.Reduce_scatter_block(_np(inp), _np(out), op=_mpi_op(op))
@@ -334,7 +338,7 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False)
         return _done(t, async_op)
     if not t.is_contiguous():
         return _through_contiguous(t, lambda c: broadcast(c, src, group, True), async_op)
-    if engine == "shm":
+    if engine in ("shm", "nccl_mpi"):
         route.comm.broadcast(t, ranks.index(src))
     elif engine == "mpi":
         route.comm.Bcast(_np(t), root=ranks.index(src))

@@ -8,6 +8,8 @@ Engines:
   ``cuda_ipc``  our CUDA IPC all-reduce (CUDA tensors, one node, small/medium messages)
   ``nccl``/``gloo``  torch.distributed's engine for the device
   ``mpi``       the MPI library's own collective through mpi4py (CPU; only when forced)
+  ``nccl_mpi``  a raw NCCL communicator through CuPy, bootstrapped by MPI (CUDA; only when
+                forced: for CUDA-graph capture and the overlap kernels' own streams)
 
 ``FASTPAR_COMM_BACKEND=<engine>`` forces one; a forced engine that cannot serve a call is an
 error naming why, never a silent substitute.
@@ -19,12 +21,70 @@ import dataclasses
 
 import torch
 
-ENGINES = ("shm", "cuda_ipc", "nccl", "gloo", "mpi")
+ENGINES = ("shm", "cuda_ipc", "nccl", "gloo", "mpi", "nccl_mpi")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 REDUCE_OPS = ("all_reduce", "reduce_scatter")
 SHM_REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 IPC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MPI_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.int8)
+NCCL_MPI_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+                   torch.int64, torch.uint8, torch.int8)
+
+
+# --------------------------------------------------------------- cuda_ipc size limits
+
+KiB, MiB = 1 << 10, 1 << 20
+# cuda_ipc's largest message (also the size of its staging buffer) by compute capability and
+# world size, on GPUs with NVLink between every pair. Source: vLLM's custom all-reduce,
+# CUSTOM_ALL_REDUCE_MAX_SIZES in vllm/distributed/device_communicators/all_reduce_utils.py,
+# where each entry is where its one-/two-shot IPC kernels stop beating NCCL (H100 = sm90,
+# B200 = sm100; 2, 4, 6 and 8 GPUs). Our kernels are the same kind (one-shot, two-shot, flag
+# barriers), so we start from those crossovers until bench/collectives.py measures our own on
+# such machines. An odd world size takes the next even entry (the smaller limit).
+IPC_MAX_BYTES = {
+    (9, 0): {2: 64 * MiB, 4: 32 * MiB, 6: 512 * KiB, 8: 256 * KiB},
+    (10, 0): {2: 2 * MiB, 4: 2 * MiB, 6: 1 * MiB, 8: 1 * MiB},
+}
+# Other architectures (sm80 A100, sm89): vLLM's default max_size of the custom all-reduce.
+IPC_DEFAULT_MAX_BYTES = 8 * MiB
+# More GPUs than this with PCIe P2P only: off. vLLM disables its custom all-reduce there (every
+# rank reading every peer over a shared PCIe switch is slower than NCCL's ring).
+IPC_PCIE_MAX_WORLD = 2
+IPC_MIN_CAPABILITY = (8, 0)  # bf16 kernels; built for sm_80 and sm_90 (+ PTX for newer)
+IPC_LINKS = ("nvlink", "pcie", "same_gpu", "none")
+
+
+def ipc_limit(capability: tuple[int, int], world: int, link: str) -> tuple[int, str]:
+    """``(max_bytes, reason)`` for a cuda_ipc communicator of ``world`` ranks on GPUs of
+    ``capability`` joined by ``link``: "nvlink" (every pair), "pcie" (P2P, not every pair over
+    NVLink), "same_gpu" (every rank on one GPU, FASTPAR_SHARED_GPU testing) or "none" (some
+    pair has no P2P access). ``max_bytes == 0``: off, and the reason says why."""
+    if link not in IPC_LINKS:
+        raise ValueError(f"link must be one of {', '.join(IPC_LINKS)}, got {link!r}")
+    if not 2 <= world <= 8:
+        return 0, f"group of {world} ranks is outside 2..8"
+    cap = tuple(capability)
+    sm = f"sm{cap[0]}{cap[1]}"
+    if cap < IPC_MIN_CAPABILITY:
+        return 0, f"{sm} is older than sm80 (the kernels need bf16 and are built for sm80+)"
+    if link == "none":
+        return 0, "some pair of the group's GPUs has no P2P access"
+    if link == "pcie" and world > IPC_PCIE_MAX_WORLD:
+        return 0, (f"{world} GPUs joined by PCIe only: off above {IPC_PCIE_MAX_WORLD} "
+                   "(as in vLLM; NCCL's ring is faster there)")
+    where = {"nvlink": "NVLink between every pair", "pcie": "2 GPUs over PCIe P2P",
+             "same_gpu": "every rank on one GPU (testing: measures the protocol, not a link)"}
+    table = IPC_MAX_BYTES.get(cap)
+    if table is None:
+        return IPC_DEFAULT_MAX_BYTES, (f"{sm}, {world} ranks, {where[link]}: up to "
+                                       f"{IPC_DEFAULT_MAX_BYTES >> 20} MiB (vLLM's default)")
+    limit = table[world + world % 2]
+    return limit, (f"{sm}, {world} ranks, {where[link]}: up to {_size(limit)} (vLLM's table "
+                   f"for {sm} at {world + world % 2} GPUs)")
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= MiB else f"{n >> 10} KiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +95,10 @@ class Layout:
     same_host: bool  # every member on one host
     native: bool = True  # fastpar._C loaded (shm)
     ipc_ready: bool = False  # a CUDA IPC communicator exists for this group (probed)
-    ipc_max_bytes: int = 0  # its registered buffer size
+    ipc_max_bytes: int = 0  # its registered buffer size (ipc_limit's max_bytes)
     pg_backend: str = "gloo"  # torch.distributed's backend for the group
+    # why nccl_mpi cannot run here ("" when it can; asked only when it is forced)
+    nccl_mpi: str = "not checked"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +137,8 @@ def _ipc_refusal(op: str, device: str, layout: Layout, nbytes: int,
     if nbytes % 16:
         return f"{nbytes} bytes is not a multiple of 16"
     if nbytes > layout.ipc_max_bytes:
-        return f"{nbytes} bytes exceeds the {layout.ipc_max_bytes}-byte IPC buffer"
+        return (f"{nbytes} bytes exceeds the group's cuda_ipc limit of {layout.ipc_max_bytes} "
+                "bytes (policy.ipc_limit)")
     return None
 
 
@@ -92,6 +155,14 @@ def _refusal(engine: str, op: str, device: str, layout: Layout, nbytes: int,
     if engine == "gloo":
         return None if layout.pg_backend == "gloo" else (
             f"the group's torch.distributed backend is {layout.pg_backend}, not gloo")
+    if engine == "nccl_mpi":
+        if device != "cuda":
+            return f"nccl_mpi needs CUDA tensors, got {device}"
+        if layout.nccl_mpi:
+            return layout.nccl_mpi
+        if dtype not in NCCL_MPI_DTYPES:
+            return f"nccl_mpi cannot carry {dtype}"
+        return None
     if engine == "mpi":
         if device != "cpu":
             return f"mpi serves CPU tensors, got {device}"

@@ -36,6 +36,7 @@ class CommState:
         self._shm: dict = {}  # id(group) -> ShmCommunicator
         self._mpi: dict = {}  # id(group) -> MPI communicator
         self._ipc: dict = {}  # id(group) -> CudaIpcCommunicator, or None where IPC is off
+        self._nccl_mpi: dict = {}  # id(group) -> NcclMpiCommunicator
         # data_ptr of a symmetric tensor -> its SymmetricSegment (fastpar/comm/symmetric.py);
         # an entry goes with the tensor's mapping, or at close()
         self.symmetric: dict = {}
@@ -78,9 +79,17 @@ class CommState:
             if comm is not None:
                 layout = Layout(**{**layout.__dict__, "ipc_ready": True,
                                    "ipc_max_bytes": comm.max_bytes})
+        if self.forced == "nccl_mpi":
+            layout = self._with_nccl_mpi(layout)
         choice = policy.choose(op, t.device.type, layout, t.numel() * t.element_size(), t.dtype,
                                reduce_op=reduce_op, forced=self.forced)
         return group, ranks, choice
+
+    def _with_nccl_mpi(self, layout):
+        from fastpar.comm.nccl_mpi import unavailable
+
+        why = unavailable(mpi_launched=self.topo.mpi_comm is not None) or ""
+        return Layout(**{**layout.__dict__, "nccl_mpi": why})
 
     def communicator(self, engine: str, group, ranks, device):
         """The engine's communicator for the group (``None`` for torch.distributed engines)."""
@@ -90,6 +99,8 @@ class CommState:
             return self.mpi(group, ranks)
         if engine == "cuda_ipc":
             return self.cuda_ipc(group, ranks, device)
+        if engine == "nccl_mpi":
+            return self.nccl_mpi(group, ranks, device)
         return None
 
     def shm(self, group, ranks):
@@ -119,14 +130,26 @@ class CommState:
         if key not in self._ipc:
             comm = None
             if os.environ.get("FASTPAR_CUDA_IPC", "1") != "0":
-                from fastpar.comm.cuda_ipc import CudaIpcCommunicator
+                from fastpar.comm.cuda_ipc import CudaIpcCommunicator, check_not_capturing
 
-                comm, why = CudaIpcCommunicator.create(group, ranks, self.topo.rank, device)
+                check_not_capturing(ranks, "the CUDA IPC communicator")
+                comm, why = CudaIpcCommunicator.create(group, ranks, self.topo.rank, device,
+                                                       self.topo.timeout)
                 if comm is None:
                     log.info("cuda_ipc off for group %s, falling back to %s: %s", ranks,
                              dist.get_backend(group), why)
             self._ipc[key] = comm
         return self._ipc[key]
+
+    def nccl_mpi(self, group, ranks, device):
+        key = id(group)
+        if key not in self._nccl_mpi:
+            from fastpar.comm.cuda_ipc import check_not_capturing
+            from fastpar.comm.nccl_mpi import NcclMpiCommunicator
+
+            check_not_capturing(ranks, "the nccl_mpi communicator")
+            self._nccl_mpi[key] = NcclMpiCommunicator(self.mpi(group, ranks), device)
+        return self._nccl_mpi[key]
 
     def engine_table(self, groups: dict, device_type: str, nbytes: int,
                      dtype: torch.dtype = torch.float32) -> list[dict]:
@@ -138,6 +161,8 @@ class CommState:
             if group is None:
                 continue
             _, ranks, layout = self.resolve(group)
+            if self.forced == "nccl_mpi":
+                layout = self._with_nccl_mpi(layout)
             for op in policy.OPS:
                 try:
                     choice = policy.choose(op, device_type, layout, nbytes, dtype,
@@ -159,9 +184,10 @@ class CommState:
         self.closers = []
         closers += [c.close for c in self._shm.values()]
         closers += [c.close for c in self._ipc.values() if c is not None]
+        closers += [c.close for c in self._nccl_mpi.values()]
         closers += [sub.Free for sub in self._mpi.values()]
-        for table in (self._shm, self._ipc, self._mpi, self._groups, self.routes,
-                      self.symmetric):
+        for table in (self._shm, self._ipc, self._nccl_mpi, self._mpi, self._groups,
+                      self.routes, self.symmetric):
             table.clear()
         first = None
         for close in closers:

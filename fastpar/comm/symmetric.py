@@ -154,6 +154,8 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
     if len(ranks) == 1 or not layout.same_host:
         return torch.empty(size, dtype=dtype, device=device)
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, by number (the ops need one)
+            device = torch.device("cuda", torch.cuda.current_device())
         return _cuda_symmetric(st, group, ranks, size, numel, dtype, device)
     if device.type != "cpu":
         raise ValueError(f"symmetric_empty: device must be cpu or cuda, got {device}")
@@ -178,57 +180,61 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
 
 def _cuda_symmetric(st, group, ranks, size, numel, dtype, device) -> torch.Tensor:
     """CUDA IPC symmetric tensor: allocate (16-byte padded, as the kernel loads 16 bytes at a
-    time), export the allocation's IPC handle, map every peer's. If any rank cannot (no CUDA
-    build, an expandable segment, a handle that does not open), every rank returns a plain
-    tensor instead and the all_reduce copies as usual; the reason is logged."""
+    time), export the allocation's IPC handle, map every peer's, each step agreed over the
+    group (``cuda_ipc.agreed_step``). If any rank cannot (no CUDA build, an expandable segment or
+    cudaMallocAsync, a handle that does not open), every rank returns a plain tensor instead and
+    the all_reduce copies as usual; the reason is logged."""
     import logging
 
+    from fastpar.comm import cuda_ipc
+
+    cuda_ipc.check_not_capturing(ranks, "a CUDA symmetric tensor")
     _agree(group, ranks, size, dtype)
     esize = torch.empty((), dtype=dtype).element_size()
     base = torch.empty(-(-max(numel, 1) * esize // 16) * 16, dtype=torch.uint8, device=device)
     t = base[:numel * esize].view(dtype).view(size)
     me = ranks.index(st.topo.rank)
-    shared, why = None, None
-    if not _native.status().get("cuda"):
-        why = "fastpar._C was built without CUDA"
-    else:
-        try:
-            handle, offset = torch.ops.fastpar.ipc_get_handle(base)
-            shared = (handle.tolist(), offset)
-        except RuntimeError as exc:
-            why = f"no IPC handle for the allocation: {exc}"
-    everyone = [None] * len(ranks)
-    dist.all_gather_object(everyone, (shared, why), group=group)
-    opened, slots = [], []
-    if all(sh is not None for sh, _ in everyone):
-        try:
-            for p, (sh, _) in enumerate(everyone):
-                if p == me:
-                    slots.append(t.data_ptr())
-                    continue
-                h, off = sh
+    opened = []
+
+    def export():
+        if not _native.status().get("cuda"):
+            raise cuda_ipc.Refused("fastpar._C was built without CUDA")
+        handle, offset = torch.ops.fastpar.ipc_get_handle(base)
+        return handle.tolist(), offset
+
+    def open_peers():
+        for p, (h, off) in enumerate(shared):
+            if p != me:
                 b = torch.ops.fastpar.ipc_open_handle(torch.tensor(h, dtype=torch.uint8),
                                                       device.index)
                 opened.append(b)
-                slots.append(b + off)
-        except RuntimeError as exc:
-            why = f"opening a peer's IPC handle failed: {exc}"
-    verdict = [None] * len(ranks)
-    dist.all_gather_object(verdict, why or next((w for _, w in everyone if w), None),
-                           group=group)
-    bad = next((v for v in verdict if v), None)
-    if bad is not None:
+        return [t.data_ptr() if p == me else opened[p - (p > me)] + off
+                for p, (_, off) in enumerate(shared)]
+
+    def close_opened():
         for b in opened:
-            torch.ops.fastpar.ipc_close_handle(b)
+            torch.ops.fastpar.ipc_close_handle(b, device.index)
+        opened.clear()
+
+    shared, why = cuda_ipc.agreed_step(group, ranks, "exporting the tensor's IPC handle", export)
+    if why is None:
+        slots, why = cuda_ipc.agreed_step(group, ranks, "opening the peers' handles", open_peers)
+        slots = slots[me]
+    if why is not None:
+        close_opened()
         logging.getLogger("fastpar.comm").info(
-            "symmetric_empty on %s for global ranks %s: a plain tensor (%s)", device, ranks, bad)
+            "symmetric_empty on %s for global ranks %s: a plain tensor (%s)", device, ranks, why)
         return t
     st.symmetric[t.data_ptr()] = SymmetricSegment(group, ranks, dtype, numel, slots)
 
-    def close(base=base, opened=opened):  # at shutdown: unmap the peers, then free ours
+    def close(base=base):
+        """At shutdown, on every rank: nobody is in a kernel on these tensors (sync, barrier),
+        unmap the peers', and only after a second barrier let ours go (a peer must not hold a
+        mapping of memory its owner has freed)."""
         torch.cuda.synchronize(base.device)
-        for b in opened:
-            torch.ops.fastpar.ipc_close_handle(b)
+        cuda_ipc.all_agree(True, group, device)
+        close_opened()
+        cuda_ipc.all_agree(True, group, device)
 
     st.closers.append(close)
     return t
