@@ -355,17 +355,16 @@ def test_a_skipped_call_times_out_naming_the_ranks():
             assert out["waited"] < 30, out  # the job's 8 s, not the old 120 s trap
 
 
-def test_nccl_mpi_one_process_and_graph_capture():
+def body_nccl_mpi_one():
     """NCCL refuses two ranks on one GPU, so the real NCCL runs on a 1-rank communicator:
     every op, on torch's current stream, and inside a captured graph."""
-    cupy = pytest.importorskip("cupy", reason="nccl_mpi needs CuPy (fastpar[gpu])")
-    del cupy
     import torch
     from mpi4py import MPI
 
     from fastpar.comm.nccl_mpi import NcclMpiCommunicator
 
     dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
     comm = NcclMpiCommunicator(MPI.COMM_SELF, dev)
     x = torch.randn(1000, device=dev, dtype=torch.bfloat16)
     want = x.clone()
@@ -390,5 +389,12 @@ def test_nccl_mpi_one_process_and_graph_capture():
         static.fill_(k)
         graph.replay()
         torch.cuda.synchronize()
-        assert static.eq(2 * k).all()
+        assert static.eq(2 * k).all(), k
     comm.close()
+    return True
+
+
+def test_nccl_mpi_one_process_and_graph_capture():
+    pytest.importorskip("cupy", reason="nccl_mpi needs CuPy (fastpar[gpu])")
+    # its own process: MPI_Init (mpi4py) stays out of the pytest process that launches the rest
+    assert run_ranks(1, body_nccl_mpi_one, launcher="torchrun", timeout=120).values() == [True]
