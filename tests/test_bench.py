@@ -91,3 +91,17 @@ def test_train_throughput_bench_runs_at_one_rank(tmp_path):
     # rounding (a loss near 5 has ulps of 5e-7; two cross-entropy orders and three AdamW steps
     # keep the difference within a few hundred of them).
     assert fastpar_rec["loss_diff_max"] < 1e-4, fastpar_rec
+
+
+def test_overlap_bench_runs(tmp_path):
+    out = tmp_path / "o.json"
+    text = mpirun(2, "bench/overlap.py", "--small", "--backends", "gloo,shm", "--chunks", "3",
+                  "--reps", "1", "--json", str(out))
+    assert "hidden" in text
+    rows = json.loads(out.read_text())
+    # column and row, sequence parallel off and on, two engines, one chunk count
+    assert len(rows) == 2 * 2 * 2 and {r["engine"] for r in rows} == {"gloo", "shm"}
+    for r in rows:
+        assert r["tp"] == 2 and r["chunks"] == 3
+        assert min(r["gemm_ms"], r["comm_ms"], r["sequential_ms"], r["overlapped_ms"]) > 0
+        assert math.isclose(r["speedup"], r["sequential_ms"] / r["overlapped_ms"])

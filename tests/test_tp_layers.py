@@ -207,6 +207,7 @@ def body_layers(tp, seed):
                           sp=sp, ref=ref)
 
         check_cross_entropy(c, dtype)
+    check_overlap(c)
     check_rng(c, topo, seed)
     check_dropout(c, topo)
     check_errors(c)
@@ -373,15 +374,57 @@ def check_dropout(c, topo):
     c.checked.append("dropout.attn")
 
 
+def check_overlap(c):
+    """overlap=True with chunks 1, 2, 3 and 4 (uneven pieces: 2 x 28 tokens, 28 / tp sequence
+    per rank), sequence parallelism on and off, against the same serial modules as above: the
+    column and row layers, the MLP and attention blocks (one overlapped entry for q, k, v)."""
+    from fastpar import nn as pnn
+    from fastpar.testing import SerialAttention, SerialMLP
+
+    t2 = 28
+    for dtype_name in DTYPES:
+        dtype = getattr(torch, dtype_name)
+        for sp in (False, True):
+            for chunks in (1, 2, 3, 4):
+                s = c.seed()
+                tag = f"overlap.{dtype_name}.sp{int(sp)}.k{chunks}"
+                kw = dict(sequence_parallel=sp, overlap=True, chunks=chunks, dtype=dtype)
+                torch.manual_seed(s)
+                ser = nn.Linear(16, 24)
+                par = pnn.ColumnParallelLinear(16, 24, gather_output=sp, seed=s, **kw)
+                c.compare(f"{tag}.column", par, ser.to(dtype), c.randn(B, t2, 16), sp=sp,
+                          sp_out=False, out_parallel=not sp)
+                torch.manual_seed(s)
+                ser = nn.Linear(24, 16)
+                par = pnn.RowParallelLinear(24, 16, seed=torch.Generator().manual_seed(s), **kw)
+                c.compare(f"{tag}.row", par, ser.to(dtype), c.randn(B, t2, 24), sp=sp,
+                          sp_in=False, in_parallel=True)
+                want = c.n > 1
+                assert par.overlap_decision.enabled == want, par.overlap_decision
+                assert ("overlap: on" in repr(par)) == want, repr(par)
+                torch.manual_seed(s)
+                ser = SerialMLP(16, 32, "swiglu")
+                par = pnn.ParallelMLP(16, 32, "swiglu", seed=s, **kw)
+                c.compare(f"{tag}.mlp", par, ser.to(dtype), c.randn(B, t2, 16), sp=sp)
+                assert par.up_proj.overlap_decision == par.gate_proj.overlap_decision
+                torch.manual_seed(s)
+                ser = SerialAttention(32, 8, 4, bias=True, sdpa=True)
+                par = pnn.ParallelSelfAttention(32, 8, 4, bias=True, seed=s, **kw)
+                ref = copy.deepcopy(ser).double()
+                ref.sdpa = False
+                c.compare(f"{tag}.attn", par, ser.to(dtype), c.randn(B, t2, 32), sp=sp, ref=ref)
+
+
 def check_errors(c):
     from fastpar import nn as pnn
 
     n = c.n
-    try:
-        pnn.ColumnParallelLinear(8, 8, overlap=True)
-        raise AssertionError("overlap=True did not raise")
-    except NotImplementedError as exc:
-        assert "later issue" in str(exc)
+    for bad in (dict(overlap="yes"), dict(chunks=0), dict(chunks=2.0), dict(chunks=True)):
+        try:
+            pnn.ColumnParallelLinear(8, 8, **bad)
+            raise AssertionError(f"{bad} did not raise")
+        except ValueError as exc:
+            assert repr(next(iter(bad.values()))) in str(exc), exc
     pnn.RowParallelLinear(8, 8, overlap=False, chunks=2)
     try:
         pnn.VocabParallelEmbedding.from_serial(nn.Embedding(8, 4, max_norm=1.0, sparse=True))
@@ -432,7 +475,7 @@ RUNS = PerWorld(body_layers, {w: [dict(tp=t, seed=2000 + 10 * w + t) for v, t in
 def test_layers_against_serial(world, tp):
     values = RUNS(world, tp=tp, seed=2000 + 10 * world + tp)
     counts = {len(v["checked"]) for v in values}
-    assert len(counts) == 1 and counts.pop() > 250
+    assert len(counts) == 1 and counts.pop() > 250 + 16 * 14
     # Report how close to the bound the worst check came (pytest -s shows it).
     ratio, name = max(tuple(v["worst"]) for v in values)
     print(f"world {world} tp {tp}: worst error / bound = {ratio:.3f} ({name})")

@@ -106,11 +106,12 @@ class ParallelSelfAttention(nn.Module):
         return self._rope_cache[1], self._rope_cache[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.q_proj.enter(x)  # (B, T, H), one entry communication for q, k and v
-        B, T, _ = x.shape
-        q = self.q_proj.local(x).view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj.local(x).view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj.local(x).view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        # one entry communication for q, k and v (overlapped with their GEMMs by policy)
+        q, k, v = ColumnParallelLinear.shared_forward(x, [self.q_proj, self.k_proj, self.v_proj])
+        B, T, _ = q.shape  # (B, T, nh/tp * hd): the full sequence
+        q = q.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
         # q (B, nh/tp, T, hd); k, v (B, nkv/tp, T, hd)
         if self.rope_base is not None:  # positions 0..T-1 of the full (gathered) sequence
             cos, sin = self._rotary(T, q.dtype, q.device)

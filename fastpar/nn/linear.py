@@ -12,6 +12,12 @@ With ``n`` ranks in the TP group and ``W`` the serial ``(out, in)`` weight::
 Sequence parallelism (``sequence_parallel=True``): outside the TP region activations are sharded
 along ``sequence_dim``; the column layer all-gathers its input (reduce-scatter in backward) and
 the row layer reduce-scatters its output (all-gather in backward) instead of the all-reduces.
+
+Overlap (``fastpar/nn/overlap.py``): ``overlap=True`` cuts the GEMM into ``chunks`` pieces along
+the tokens and runs each piece's collective while the next computes, and runs the column
+layer's dgrad collective behind its wgrad GEMM; ``overlap=None`` lets ``overlap.decide`` choose
+from the device, the engine and the sizes. ``layer.overlap_decision`` (and ``extra_repr``) says
+what the last forward did and why.
 """
 
 from __future__ import annotations
@@ -22,17 +28,31 @@ from torch import nn
 
 from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                    reduce_from_tp, reduce_scatter_sequence, scatter_to_tp)
+from fastpar.nn import overlap as ov
 from fastpar.nn.sharding import ShardedModule, copy_into, full_linear, generator, resolve_group
 from fastpar.runtime import group_size
 
 
 def check_overlap(overlap, chunks) -> None:
-    """``overlap=True`` is not implemented yet; say so rather than silently run the plain path."""
-    if overlap:
-        raise NotImplementedError("overlap=True: overlapped communication of parallel linear "
-                                  "layers comes in a later issue; pass overlap=None or False")
-    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+    if overlap not in (None, True, False):
+        raise ValueError(f"overlap must be True, False or None (the policy decides), got "
+                         f"{overlap!r}")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                               or chunks < 1):
         raise ValueError(f"chunks must be a positive integer or None, got {chunks!r}")
+
+
+def _engine(group, op: str, device: str, nbytes: int, dtype) -> str:
+    """The engine the comm policy gives ``op`` of ``nbytes`` on ``group`` (creates nothing)."""
+    from fastpar.comm import policy
+    from fastpar.comm.state import current
+
+    st = current()
+    _, _, layout = st.resolve(group)
+    try:
+        return policy.choose(op, device, layout, nbytes, dtype, forced=st.forced).engine
+    except ValueError:  # a forced engine that cannot serve it: the call itself will say so
+        return str(st.forced)
 
 
 class _ParallelLinear(ShardedModule):
@@ -45,6 +65,8 @@ class _ParallelLinear(ShardedModule):
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.overlap, self.chunks = overlap, chunks
+        self.overlap_decision: ov.Decision | None = None  # the last forward's
+        self._decision_key = None
         size = (out_features, in_features)[sharded_dim]
         if size % self.tp:
             kind = ("out_features", "in_features")[sharded_dim]
@@ -81,10 +103,33 @@ class _ParallelLinear(ShardedModule):
             layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
 
+    def _seq_dim(self, x: torch.Tensor) -> int:
+        return self.sequence_dim % x.dim()
+
+    def _decide(self, x: torch.Tensor, op: str, features: int) -> ov.Decision:
+        """The overlap decision for an input like ``x`` whose collective is ``op`` over
+        ``features`` per full-sequence token; kept per input shape, logged when it changes."""
+        key = (tuple(x.shape), x.dtype, x.device.type)
+        if key != self._decision_key:
+            tokens = x.numel() // x.shape[-1] * (self.tp if self.sequence_parallel else 1)
+            nbytes = tokens * features * x.element_size()
+            device = x.device.type
+            engine = _engine(self.group, op, device, nbytes, x.dtype) if self.tp > 1 else "local"
+            decision = ov.decide(self.overlap, self.chunks, tp=self.tp, device=device,
+                                 engine=engine, nbytes=nbytes)
+            if decision != self.overlap_decision:
+                ov.log.debug("%s(%d -> %d, tp %d) on input %s: overlap %s", type(self).__name__,
+                             self.in_features, self.out_features, self.tp, tuple(x.shape),
+                             decision)
+            self.overlap_decision, self._decision_key = decision, key
+        return self.overlap_decision
+
     def extra_repr(self) -> str:
+        said = (f"overlap={self.overlap}, chunks={self.chunks}" if self.overlap_decision is None
+                else f"overlap: {self.overlap_decision}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.tp}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, {said}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -115,8 +160,26 @@ class ColumnParallelLinear(_ParallelLinear):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.local(self.enter(x))
+        y = self.shared_forward(x, [self])[0]
         return gather_from_tp(y, self.group) if self.gather_output else y
+
+    @staticmethod
+    def shared_forward(x: torch.Tensor, layers: list) -> list[torch.Tensor]:
+        """Each layer's output shard for one input (q, k, v; gate, up): the input enters the
+        TP region once, overlapped with the GEMMs when the first layer's decision says so (the
+        layers share its group, sequence parallelism and decision)."""
+        first = layers[0]
+        op = "all_gather" if first.sequence_parallel else "all_reduce"
+        decision = first._decide(x, op, first.in_features)
+        for layer in layers[1:]:
+            layer.overlap_decision = decision
+        if decision.enabled:
+            params = [layer.weight for layer in layers] + [layer.bias for layer in layers]
+            return list(ov.ColumnParallelOverlap.apply(
+                x, first.group, first.sequence_parallel, first._seq_dim(x), decision.chunks,
+                len(layers), *params))
+        x = first.enter(x)
+        return [layer.local(x) for layer in layers]
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -136,17 +199,23 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = "reduce_scatter" if self.sequence_parallel else "all_reduce"
+        decision = self._decide(x, op, self.out_features)
         if self.tp == 1:
             return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        # The matmul output is fresh and saved by nobody, so it is reduced in place.
-        partial = F.linear(x, self.weight)
+        if decision.enabled:
+            y = ov.RowParallelOverlap.apply(x, self.weight, self.group, self.sequence_parallel,
+                                            self._seq_dim(x), decision.chunks)
+        elif self.sequence_parallel:
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.sequence_dim)
+        else:
+            # The matmul output is fresh and saved by nobody, so it is reduced in place.
+            y = reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
         if self.sequence_parallel:
-            y = reduce_scatter_sequence(partial, self.group, self.sequence_dim)
             # The bias is replicated but meets only this rank's tokens: sum its grad over ranks.
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
         else:
-            y = reduce_from_tp(partial, self.group, inplace=True)
             bias = self.bias
         return y if bias is None else y + bias

@@ -57,8 +57,9 @@ class ParallelMLP(nn.Module):
             h = F.gelu(self.fc1(x))  # (..., ffn / tp)
             y = self.fc2(h)
         else:
-            x = self.gate_proj.enter(x)  # one entry communication for both column layers
-            h = F.silu(self.gate_proj.local(x)) * self.up_proj.local(x)  # (..., ffn / tp)
+            # one entry communication for both column layers (overlapped by policy)
+            gate, up = ColumnParallelLinear.shared_forward(x, [self.gate_proj, self.up_proj])
+            h = F.silu(gate) * up  # (..., ffn / tp)
             y = self.down_proj(h)
         if self.dropout and self.training:
             region = tp_random.fork("tp", self.group) if self.sequence_parallel \
