@@ -377,17 +377,24 @@ def check_dropout(c, topo):
 def check_overlap(c):
     """overlap=True with chunks 1, 2, 3 and 4 (uneven pieces: 2 x 28 tokens, 28 / tp sequence
     per rank), sequence parallelism on and off, against the same serial modules as above: the
-    column and row layers, the MLP and attention blocks (one overlapped entry for q, k, v)."""
+    column and row layers, the MLP and attention blocks (one overlapped entry for q, k, v).
+    The CPU groups' engine is shm, which completes each call before returning; chunks 3 runs
+    again on gloo, whose calls really are in flight (its own thread) while the GEMMs run.
+    bfloat16 (rounding, not the decomposition, differs) runs chunks 3 only."""
+    from fastpar import comm
     from fastpar import nn as pnn
     from fastpar.testing import SerialAttention, SerialMLP
 
     t2 = 28
     for dtype_name in DTYPES:
         dtype = getattr(torch, dtype_name)
-        for sp in (False, True):
-            for chunks in (1, 2, 3, 4):
+        every_k = (1, 2, 3, 4) if dtype == torch.float32 else (3,)
+        for sp, chunks, engine in [(sp, k, None) for sp in (False, True) for k in every_k] \
+                + [(False, 3, "gloo"), (True, 3, "gloo")]:
+            previous = comm.use_backend(engine)
+            try:
                 s = c.seed()
-                tag = f"overlap.{dtype_name}.sp{int(sp)}.k{chunks}"
+                tag = f"overlap.{dtype_name}.sp{int(sp)}.k{chunks}.{engine or 'policy'}"
                 kw = dict(sequence_parallel=sp, overlap=True, chunks=chunks, dtype=dtype)
                 torch.manual_seed(s)
                 ser = nn.Linear(16, 24)
@@ -413,6 +420,8 @@ def check_overlap(c):
                 ref = copy.deepcopy(ser).double()
                 ref.sdpa = False
                 c.compare(f"{tag}.attn", par, ser.to(dtype), c.randn(B, t2, 32), sp=sp, ref=ref)
+            finally:
+                comm.use_backend(previous)
 
 
 def check_errors(c):
@@ -475,7 +484,7 @@ RUNS = PerWorld(body_layers, {w: [dict(tp=t, seed=2000 + 10 * w + t) for v, t in
 def test_layers_against_serial(world, tp):
     values = RUNS(world, tp=tp, seed=2000 + 10 * world + tp)
     counts = {len(v["checked"]) for v in values}
-    assert len(counts) == 1 and counts.pop() > 250 + 16 * 14
+    assert len(counts) == 1 and counts.pop() > 250 + 14 * 14
     # Report how close to the bound the worst check came (pytest -s shows it).
     ratio, name = max(tuple(v["worst"]) for v in values)
     print(f"world {world} tp {tp}: worst error / bound = {ratio:.3f} ({name})")
