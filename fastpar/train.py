@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--kv-heads", type=int, default=None)
     a("--tie-embeddings", action="store_true")
     a("--sequence-parallel", action="store_true")
+    a("--overlap", default="auto", choices=["auto", "on", "off"],
+      help="overlap the tensor-parallel layers' communication with their GEMMs (auto: the "
+           "layers' policy decides; the first step says what it did)")
     a("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     a("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of lr")
     a("--warmup", type=int, default=None, help="linear warm-up steps (default: steps / 10)")
@@ -84,6 +87,7 @@ def model_config(args):
         overrides["tie_embeddings"] = True
     if args.sequence_parallel:
         overrides["sequence_parallel"] = True
+    overrides["overlap"] = {"auto": None, "on": True, "off": False}[args.overlap]
     if "heads" in overrides and "kv_heads" not in overrides:
         overrides["kv_heads"] = None  # a new head count: MHA unless told
     return dataclasses.replace(PRESETS[args.preset], **overrides)
@@ -248,6 +252,8 @@ class Trainer:
                 rec["val_loss"] = self.validate()
             self.records.append(rec)
             metrics.write(rec)
+            if lead and step == self.start:
+                self.say_overlap()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -284,6 +290,21 @@ class Trainer:
                           for r, (pid, host) in enumerate(self.pids[:16]))
         more = f", ... ({len(self.pids)} ranks)" if len(self.pids) > 16 else ""
         print(f"[fastpar.train] ranks: {ranks}{more}", flush=True)
+
+    def say_overlap(self) -> None:
+        """What the overlap policy did in the first step's parallel linear layers (rank 0's
+        stage), and why: printed once."""
+        from fastpar.nn import ColumnParallelLinear, RowParallelLinear
+
+        seen: dict = {}
+        for module in self.model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
+                    and module.overlap_decision is not None:
+                key = str(module.overlap_decision)
+                seen[key] = seen.get(key, 0) + 1
+        for decision, count in seen.items():
+            print(f"[fastpar.train] overlap of communication in {count} parallel linear "
+                  f"layers: {decision}", flush=True)
 
     def mfu(self, tokens_per_s: float) -> dict:
         """Model-FLOPs utilisation on a GPU: 6 N + 12 L H T FLOPs per token (forward and
@@ -342,7 +363,7 @@ class Trainer:
         saved = c.meta.get("model", {})
         mine = dataclasses.asdict(self.cfg)
         diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in mine.items()
-                if k not in ("sequence_parallel", "dropout") and saved.get(k) != v]
+                if k not in ("sequence_parallel", "overlap", "dropout") and saved.get(k) != v]
         if diff:
             raise ValueError(f"checkpoint {c.path} was saved from a different model: "
                              + "; ".join(diff))

@@ -4,7 +4,7 @@ One launch per world size runs several short trainings in turn (``Trainer(...).r
 ``fastpar.shutdown()``), tiny preset, 20 steps, the same seed and global batch:
 - 4 ranks: tp 2 x pp 2 (saving at steps 10 and 20), its exact resume from step 10, tp 2 x dp 2
   (a tp group smaller than the world), pp 2 x dp 2 with ZeRO-1, and tp 2 x pp 2 interleaved with
-  tied embeddings and sequence parallelism;
+  tied embeddings, sequence parallelism and the layers' communication overlapped (--overlap on);
 - 2 ranks: pp 2, tp 2, dp 2, and dp 2 resumed from the tp 2 x pp 2 checkpoint (resharding);
 - 1 rank: the serial runs (plain and tied), a resume of the 4-rank checkpoint, and the errors for a
   truncated checkpoint, one of a different model and a batch the layout cannot cut.
@@ -70,7 +70,7 @@ def four_ranks(tmp_path_factory):
             ("pp2dp2.zero", ["--pp", "2", "--zero"]),
             ("tp2pp2.interleaved.tied.sp", ["--tp", "2", "--pp", "2", "--virtual-stages", "2",
                                             "--schedule", "interleaved", "--tie-embeddings",
-                                            "--sequence-parallel"])]
+                                            "--sequence-parallel", "--overlap", "on"])]
     values = run_ranks(4, body_runs, runs=runs, timeout=240).values()
     assert all(v == values[0] for v in values), "ranks disagree on the losses"
     return values[0], ck

@@ -71,6 +71,7 @@ class GPTConfig:
     positions: str = "rope"  # "rope" | "learned"
     tie_embeddings: bool = False
     sequence_parallel: bool = False
+    overlap: bool | None = None  # the parallel linear layers' (None: their policy decides)
     dropout: float = 0.0
     bias: bool = False
     rope_base: float = 10000.0
@@ -237,10 +238,12 @@ class GPTBlock(nn.Module):
         self.norm1 = _norm(cfg, group)
         self.attn = ParallelSelfAttention(cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.bias,
                                           attn_dropout=p, dropout=p, sequence_parallel=sp,
-                                          group=group, device="meta", rope_base=rope)
+                                          overlap=cfg.overlap, group=group, device="meta",
+                                          rope_base=rope)
         self.norm2 = _norm(cfg, group)
         self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_size, cfg.mlp, cfg.bias, p,
-                               sequence_parallel=sp, group=group, device="meta")
+                               sequence_parallel=sp, overlap=cfg.overlap, group=group,
+                               device="meta")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.norm1(h))
@@ -256,8 +259,8 @@ class GPTHead(nn.Module):
         self.cfg = cfg
         self.norm = _norm(cfg, group)
         self.out = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, bias=False,
-                                        sequence_parallel=cfg.sequence_parallel, group=group,
-                                        device="meta")
+                                        sequence_parallel=cfg.sequence_parallel,
+                                        overlap=cfg.overlap, group=group, device="meta")
 
     @property
     def tied_weight(self) -> nn.Parameter | None:
