@@ -19,6 +19,9 @@ fi
 deps="mpi4py>=4 numpy safetensors tqdm matplotlib pytest>=8 pytest-timeout setuptools wheel ninja transformers>=5.24,<6"
 [ "${FASTPAR_SYSTEM_MPI:-0}" = "1" ] || deps="$deps mpich"
 pip_q $deps
+# Triton (fastpar.kernels; on CPU its interpreter runs the kernel tests). A CUDA torch brings its
+# own pinned triton: keep that one.
+python -c "import triton" 2>/dev/null || pip_q "triton${FASTPAR_TRITON:-==3.9.0}"
 so=$(ls fastpar/_C*.so 2>/dev/null | head -1 || true)
 if [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -type f | head -1)" ] \
     || ! python -c "import fastpar" 2>/dev/null; then
