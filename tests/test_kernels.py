@@ -185,8 +185,9 @@ class TestInterpreter:  # exp(-z) in tl.sigmoid for z << 0: inf, and sigmoid is 
                                              r"\(cdiv\(M, block_m\),\) = \(1,\)"):
             kernels.linear_with_flags(x, w, torch.zeros(2, dtype=torch.int32))
 
-    @pytest.mark.xfail(strict=True, raises=AssertionError, reason=BF16_ON_INTERPRETER + "; when this passes, drop the "
-                       "bfloat16 refusal in fastpar/kernels/linear.py check_operands")
+    @pytest.mark.xfail(strict=True, raises=AssertionError,
+                       reason=BF16_ON_INTERPRETER + "; when this passes, drop the bfloat16 "
+                       "refusal in fastpar/kernels/gemm.py check_operands")
     def test_interpreter_bfloat16_dot_is_still_wrong(self, kernels):
         launch = importlib.import_module("fastpar.kernels.gemm")._launch  # past the refusal
         x, w, _ = _operands((16,), 16, 16, torch.bfloat16, "cpu")
