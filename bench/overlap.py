@@ -35,15 +35,15 @@ SHAPES = (("mlp-up 1024x1024->4096", 1024, 1024, 4096),
 WARMUP, REPS = 2, 7
 
 
-def median_seconds(fn, barrier, reps=REPS) -> float:
+def median_seconds(fn, barrier, reps=REPS, warmup=WARMUP) -> float:
     times = []
-    for i in range(WARMUP + reps):
+    for i in range(warmup + reps):
         barrier()
         start = time.perf_counter()
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        if i >= WARMUP:
+        if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -115,6 +115,7 @@ def main():
     parser.add_argument("--chunks", default="2,4", help="chunk counts to try (default 2,4)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--reps", type=int, default=REPS)
+    parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke test)")
     parser.add_argument("--json", help="write the records here (rank 0)")
     args = parser.parse_args()
@@ -136,7 +137,8 @@ def main():
                     for k in (int(c) for c in args.chunks.split(",")):
                         gemm, comm_only, seq, ovl = case_runs(kind, sp, tokens, fin, fout, k,
                                                               topo, dtype)
-                        t = {key: slowest(median_seconds(fn, barrier, args.reps), topo)
+                        t = {key: slowest(median_seconds(fn, barrier, args.reps, args.warmup),
+                                          topo)
                              for key, fn in (("gemm", gemm), ("comm", comm_only),
                                              ("sequential", seq), ("overlapped", ovl))}
                         rec = {"case": f"{kind} {name}", "sp": sp, "engine": backend,

@@ -96,7 +96,7 @@ def test_train_throughput_bench_runs_at_one_rank(tmp_path):
 def test_overlap_bench_runs(tmp_path):
     out = tmp_path / "o.json"
     text = mpirun(2, "bench/overlap.py", "--small", "--backends", "gloo,shm", "--chunks", "3",
-                  "--reps", "1", "--json", str(out))
+                  "--reps", "1", "--warmup", "0", "--json", str(out))
     assert "hidden" in text
     rows = json.loads(out.read_text())
     # column and row, sequence parallel off and on, two engines, one chunk count

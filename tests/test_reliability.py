@@ -19,7 +19,7 @@ def body_group_timeout(engine, init_timeout):
     comm.use_backend(engine)
     comm.all_reduce(torch.ones(2), group=topo.dp_group)  # set-up done: the wait is the engine's
     if topo.rank == 1:
-        time.sleep(3 * init_timeout)
+        time.sleep(2 * init_timeout)
         return "slept"
     start = time.monotonic()
     try:

@@ -377,7 +377,8 @@ def check_dropout(c, topo):
 def check_overlap(c):
     """overlap=True with chunks 1, 2, 3 and 4 (uneven pieces: 2 x 28 tokens, 28 / tp sequence
     per rank), sequence parallelism on and off, against the same serial modules as above: the
-    column and row layers, the MLP and attention blocks (one overlapped entry for q, k, v).
+    column and row layers, and at chunks 3 the MLP and attention blocks (one overlapped entry for
+    q, k, v).
     The CPU groups' engine is shm, which completes each call before returning; chunks 3 runs
     again on gloo, whose calls really are in flight (its own thread) while the GEMMs run.
     bfloat16 (rounding, not the decomposition, differs) runs chunks 3 only."""
@@ -409,6 +410,8 @@ def check_overlap(c):
                 want = c.n > 1
                 assert par.overlap_decision.enabled == want, par.overlap_decision
                 assert ("overlap: on" in repr(par)) == want, repr(par)
+                if chunks != 3:  # the blocks (shared column entry) at one chunk count
+                    continue
                 torch.manual_seed(s)
                 ser = SerialMLP(16, 32, "swiglu")
                 par = pnn.ParallelMLP(16, 32, "swiglu", seed=s, **kw)
@@ -484,7 +487,7 @@ RUNS = PerWorld(body_layers, {w: [dict(tp=t, seed=2000 + 10 * w + t) for v, t in
 def test_layers_against_serial(world, tp):
     values = RUNS(world, tp=tp, seed=2000 + 10 * world + tp)
     counts = {len(v["checked"]) for v in values}
-    assert len(counts) == 1 and counts.pop() > 250 + 14 * 14
+    assert len(counts) == 1 and counts.pop() > 250 + 14 * 6
     # Report how close to the bound the worst check came (pytest -s shows it).
     ratio, name = max(tuple(v["worst"]) for v in values)
     print(f"world {world} tp {tp}: worst error / bound = {ratio:.3f} ({name})")
