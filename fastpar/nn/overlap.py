@@ -43,14 +43,18 @@ from fastpar.runtime import group_size
 
 log = logging.getLogger("fastpar.nn")
 
-# overlap=None: the smallest collective (bytes per call of the layer, before chunking) worth
-# cutting up. Below it the collective is latency-bound and k calls cost more than the GEMM time
-# they could hide. CPU (gloo): from bench/overlap.py on 2 cores (see the issue note); CUDA: a
-# starting point until bench/overlap.py measures a GPU with one GPU per rank.
-CPU_MIN_BYTES = 1 << 20
+# overlap=None on CUDA: the smallest collective (bytes per call of the layer, before chunking)
+# worth cutting up; below it the collective is latency-bound and k calls cost more than the GEMM
+# time they could hide. A starting point until bench/overlap.py measures a GPU per rank.
 CUDA_MIN_BYTES = 1 << 20
 CUDA_FOUR_CHUNKS_BYTES = 16 << 20  # from here 4 chunks (the first chunk's GEMM is exposed)
 SYNC_ENGINES = ("shm", "mpi")  # complete a collective before returning: nothing overlaps
+# overlap=None on CPU: off. Measured (bench/overlap.py, 2 ranks on 2 cores, 1024 tokens, hidden
+# 1024 / ffn 4096, gloo, chunks 2 and 4): overlapped / sequential 0.83x-1.14x, most cases at or
+# below 1.0x: the ranks' GEMMs and gloo's thread share the same cores, so there is no idle
+# resource for the collective to hide in, and the chunking's copies cost more than it hides.
+CPU_REASON = ("on CPU the GEMMs and the collectives share the cores: measured 0.83x-1.14x on 2 "
+              "cores (bench/overlap.py); overlap=True forces it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +81,12 @@ def decide(overlap, chunks, *, tp: int, device: str, engine: str, nbytes: int) -
     if device == "cpu" and engine in SYNC_ENGINES:
         return Decision(False, 1, f"the {engine} engine completes a collective before it "
                                   "returns: nothing to overlap with")
-    floor = CPU_MIN_BYTES if device == "cpu" else CUDA_MIN_BYTES
-    if nbytes < floor:
-        return Decision(False, 1, f"{nbytes} bytes per collective < {floor}: latency-bound, "
-                                  "chunks would cost more than they hide")
-    k = chunks or (4 if device == "cuda" and nbytes >= CUDA_FOUR_CHUNKS_BYTES else 2)
+    if device == "cpu":
+        return Decision(False, 1, CPU_REASON)
+    if nbytes < CUDA_MIN_BYTES:
+        return Decision(False, 1, f"{nbytes} bytes per collective < {CUDA_MIN_BYTES}: "
+                                  "latency-bound, chunks would cost more than they hide")
+    k = chunks or (4 if nbytes >= CUDA_FOUR_CHUNKS_BYTES else 2)
     return Decision(True, k, f"{nbytes} bytes per collective on {engine} ({device})")
 
 
