@@ -83,6 +83,10 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("ipc_all_reduce_symmetric(int ctx, Tensor(a!) t, int[] buffers) -> ()",
         &ipc::ipc_all_reduce_symmetric);
   m.def("ipc_error(int ctx) -> str", &ipc::ipc_error);
+  m.def("ipc_staging(int ctx, ScalarType dtype, int numel) -> Tensor", &ipc::ipc_staging);
+  m.def("ipc_wait_idle(int ctx) -> ()", &ipc::ipc_wait_idle);
+  m.def("ipc_all_reduce_flagged(int ctx, Tensor(a!) out, Tensor flags, int block_rows, "
+        "int expected) -> ()", &ipc::ipc_all_reduce_flagged);
   m.def("ipc_dispose(int ctx) -> ()", &ipc::ipc_dispose);
   m.def("ipc_alloc(int bytes, int device) -> int", &ipc::ipc_alloc);
   m.def("ipc_free(int ptr, int device) -> ()", &ipc::ipc_free);

@@ -3,8 +3,9 @@
     pytest tests/test_cuda_compile.py -v
 
 1. The pure kernel header ipc_allreduce.cuh compiles with nvcc for sm_80 and sm_90, with every
-   kernel instantiated (float, half, bfloat16 x world 2..8 x one-shot/two-shot), under the same
-   half/bf16 macros torch's CUDAExtension passes. Skips only when nvcc is not on the PATH.
+   kernel instantiated (float, half, bfloat16 x world 2..8 x one-shot, two-shot and the flagged
+   one-shot), under the same half/bf16 macros torch's CUDAExtension passes. Skips only when nvcc
+   is not on the PATH.
 2. The torch glue ipc_allreduce.cu compiles against the installed torch's headers. A CPU wheel
    lacks only the generated c10/cuda/impl/cuda_cmake_macros.h; the test writes it as torch's
    CUDA build does. Skips when nvcc is missing or other headers are, naming them.
@@ -48,6 +49,15 @@ template cudaError_t fp::launch_all_reduce<__half>(
     const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, const fp::Sync&, int, cudaStream_t);
 template cudaError_t fp::launch_all_reduce<__nv_bfloat16>(
     const fp::RankPtrs&, int, int, void*, int64_t, fp::Algo, const fp::Sync&, int, cudaStream_t);
+template cudaError_t fp::launch_flagged_all_reduce<float>(
+    const fp::RankPtrs&, int, int, void*, int64_t, int64_t, const int*, int, const fp::Sync&,
+    cudaStream_t);
+template cudaError_t fp::launch_flagged_all_reduce<__half>(
+    const fp::RankPtrs&, int, int, void*, int64_t, int64_t, const int*, int, const fp::Sync&,
+    cudaStream_t);
+template cudaError_t fp::launch_flagged_all_reduce<__nv_bfloat16>(
+    const fp::RankPtrs&, int, int, void*, int64_t, int64_t, const int*, int, const fp::Sync&,
+    cudaStream_t);
 
 // The flags, the owner's per-block launch counts and its abort word each on their own
 // 128-byte lines; the whole block a multiple of 128 so the buffer after it stays aligned.
@@ -66,6 +76,7 @@ GENERATED_HEADER = "c10/cuda/impl/cuda_cmake_macros.h"
 GLUE_HEADERS = [
     "ATen/core/Tensor.h",
     "ATen/ops/empty.h",
+    "ATen/ops/from_blob.h",
     "c10/cuda/CUDACachingAllocator.h",
     "c10/cuda/CUDAException.h",
     "c10/cuda/CUDAGuard.h",

@@ -225,6 +225,16 @@ def body_ipc():
     if mine is not None:
         assert _ipc(mine[0]) is not None
 
+    # 9a. the signal-driven row layer (Triton GEMM into the staging buffer, one-shot per finished
+    # row block), then the copying path again on the same staging buffer
+    comm.use_backend(None)
+    signal_checked = _signal_driven_row_layer(topo, check)
+    comm.use_backend("cuda_ipc")
+    ins = _inputs(n, 65536, torch.float32, seed=9)
+    x = ins[rank].to(dev)
+    comm.all_reduce(x)
+    check("copying path after the signal-driven layer", x, _reference(ins))
+
     # 9. a setup failure on one rank (opening a peer's handle): every rank falls back
     comm.use_backend(None)
     real_open = cuda_ipc.Driver.open
@@ -256,7 +266,43 @@ def body_ipc():
     check("after re-init", x, _reference(ins))
     fastpar.shutdown()
     return {"checks": check.count, "before_reinit": counted, "failed": check.failed[:10],
-            "limit": limit, "reason": ipc.reason}
+            "limit": limit, "reason": ipc.reason, "signal": signal_checked}
+
+
+def _signal_driven_row_layer(topo, check) -> str:
+    """RowParallelLinear(overlap=True) on CUDA takes the signal-driven forward; its output
+    against float64 over every rank's shard, within the rounding of a K-term fp32 GEMM per rank,
+    the rounding of each rank's partial to the dtype and of the sum; gradients flow."""
+    import torch
+    import torch.distributed as dist
+
+    from fastpar import nn as pnn
+
+    n, rank, dev = topo.world_size, topo.rank, topo.device
+    said = ""
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = pnn.RowParallelLinear(512 * n, 384, overlap=True, dtype=dtype, device=dev,
+                                      seed=11)
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(3, 100, 512, generator=g).to(dtype).to(dev).requires_grad_(True)
+        y = layer(x)  # (3, 100, 384): 300 rows, 3 row blocks
+        said = str(layer.overlap_decision)
+        assert "signal-driven: Triton GEMM" in said, said
+        shards = [None] * n
+        dist.all_gather_object(shards, (x.detach().cpu(), layer.weight.detach().cpu()))
+        ref = sum(xr.double() @ wr.double().T for xr, wr in shards) + layer.bias.double().cpu()
+        mag = sum(xr.double().abs() @ wr.double().abs().T for xr, wr in shards)
+        eps = torch.finfo(torch.float32).eps
+        bound = (512 + n + 2) * eps * mag + (n + 1) * torch.finfo(dtype).eps * (
+            mag + layer.bias.double().abs().cpu())
+        err = (y.detach().double().cpu() - ref).abs()
+        check.count += 1
+        if not bool((err <= bound).all()):
+            check.failed.append(f"signal-driven row layer {dtype}: worst error / bound "
+                                f"{(err / bound).max().item():.3g}")
+        y.float().square().sum().backward()
+        assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+    return said
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])

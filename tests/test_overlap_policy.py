@@ -4,7 +4,9 @@ tests/test_tp_layers.py (check_overlap)."""
 
 import pytest
 
-from fastpar.nn.overlap import CUDA_FOUR_CHUNKS_BYTES, decide, pieces
+import torch
+
+from fastpar.nn.overlap import CUDA_FOUR_CHUNKS_BYTES, decide, pieces, signal_path, signal_refusal
 
 MiB = 1 << 20
 
@@ -46,3 +48,31 @@ def test_pieces_cover_the_range_evenly(length, chunks, want):
     got = pieces(length, chunks)
     assert got == want
     assert max(b - a for a, b in got) - min(b - a for a, b in got) <= 1
+
+
+OK = dict(device="cuda", sp=False, triton=None, ipc_max_bytes=64 * MiB, dtype=torch.bfloat16,
+          rows=4096, cols=4096, sms=132)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({}, None),  # an H100/H200 and a 4096-token bf16 layer: served
+    (dict(rows=8192, cols=4096, dtype=torch.float16), None),  # 64 row blocks, 64 MiB: still
+    (dict(device="cpu"), "needs CUDA tensors, got cpu"),
+    (dict(sp=True), "not sequence parallelism's reduce-scatter"),
+    (dict(triton="Triton runs in its interpreter"), "needs compiled Triton: Triton runs in"),
+    (dict(ipc_max_bytes=0), "needs the group's cuda_ipc communicator"),
+    (dict(dtype=torch.float64), "not torch.float64"),
+    (dict(ipc_max_bytes=256 << 10), "exceed the cuda_ipc limit of 262144"),
+    (dict(cols=4095), "a row of 8190 bytes is not a multiple of 16"),
+    (dict(rows=8193, cols=1024), "65 row blocks of 128; the consumer takes at most 64"),
+    (dict(rows=4096, sms=60), "over half of the GPU's 60 multiprocessors"),
+])
+def test_signal_driven_path_refusals(change, words):
+    why = signal_refusal(**{**OK, **change})
+    assert why is None if words is None else words in why, why
+
+
+def test_signal_driven_path_falls_back_on_cpu_with_its_reason():
+    x, w = torch.ones(4, 8), torch.ones(6, 8)
+    comm, why = signal_path(x, w, group=None, sp=False)  # refused before any group is asked
+    assert comm is None and why == "signal-driven path needs CUDA tensors, got cpu"

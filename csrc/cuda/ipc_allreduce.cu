@@ -7,6 +7,7 @@
 // getCurrentCUDAStream (at::cuda re-exports c10::cuda) without pulling in the
 // cuBLAS/cuSPARSE headers, which a bare CUDA toolkit may not ship.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -76,6 +77,14 @@ std::string error_of(const Context* ctx) {
     out << (i ? ", " : "") << ctx->global_ranks[i];
   const int peer = st->peer;
   const uint64_t value = st->value;
+  if (st->code == kProducerTimedOut) {
+    out << "] timed out: global rank " << ctx->global_ranks[ctx->rank] << " waited "
+        << double(st->waited_ns) * 1e-9 << " s for its own GEMM to publish row block "
+        << st->block << " (flag value " << value << "); the producer kernel did not run or "
+        << "was given other flags. The communicator is unusable: fastpar.shutdown() and init "
+        << "again.";
+    return out.str();
+  }
   out << "] timed out: global rank " << ctx->global_ranks[ctx->rank] << " (block " << st->block
       << ") waited " << double(st->waited_ns) * 1e-9 << " s for global rank "
       << (peer >= 0 && peer < ctx->world ? ctx->global_ranks[peer] : -1) << " at the "
@@ -193,8 +202,8 @@ int64_t check_tensor(const Context* ctx, const at::Tensor& t, const char* what) 
 // `ptrs`. Errors left by unrelated earlier work are cleared first, so that they are not taken
 // for this launch's; the kernel advances the per-block counts itself, so a failed launch
 // leaves nothing on the host out of step (its peers time out and say so).
-void enqueue(Context* ctx, const RankPtrs& ptrs, at::Tensor& t, int64_t bytes, Algo algo,
-             bool copy_in) {
+template <typename Launch>
+void enqueue(Context* ctx, const at::Tensor& t, Launch&& launch_on) {
   const c10::cuda::CUDAGuard guard(t.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   (void)cudaGetLastError();
@@ -206,32 +215,41 @@ void enqueue(Context* ctx, const RankPtrs& ptrs, at::Tensor& t, int64_t bytes, A
   if (last.valid && last.stream != stream && (!in_capture || last.capture == capture))
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream, last.event, 0));
   ++ctx->calls;
-  void* out = t.data_ptr();
-  if (copy_in)
-    C10_CUDA_CHECK(cudaMemcpyAsync(ptrs.buffers[ctx->rank], out, bytes, cudaMemcpyDeviceToDevice,
-                                   stream));
-  cudaError_t err = cudaErrorInvalidValue;
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      err = launch_all_reduce<float>(ptrs, ctx->rank, ctx->world, out, bytes, algo, ctx->sync,
-                                     kDefaultBlocks, stream);
-      break;
-    case at::kHalf:
-      err = launch_all_reduce<__half>(ptrs, ctx->rank, ctx->world, out, bytes, algo, ctx->sync,
-                                      kDefaultBlocks, stream);
-      break;
-    case at::kBFloat16:
-      err = launch_all_reduce<__nv_bfloat16>(ptrs, ctx->rank, ctx->world, out, bytes, algo,
-                                             ctx->sync, kDefaultBlocks, stream);
-      break;
-    default:
-      break;
-  }
-  C10_CUDA_CHECK(err);
+  C10_CUDA_CHECK(launch_on(stream));
   C10_CUDA_CHECK(cudaEventRecord(last.event, stream));
   last.stream = stream;
   last.capture = in_capture ? capture : 0;
   last.valid = true;
+}
+
+// The kernel for t's dtype: F(T{}) with T = float, __half or __nv_bfloat16.
+template <typename F>
+cudaError_t by_dtype(const at::Tensor& t, F&& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(__half{});
+    case at::kBFloat16: return f(__nv_bfloat16{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The copying and symmetric all-reduce: the optional copy of t into this rank's staging buffer,
+// then the kernel over `ptrs`, writing t.
+void enqueue_all_reduce(Context* ctx, const RankPtrs& ptrs, at::Tensor& t, int64_t bytes,
+                        Algo algo, bool copy_in) {
+  void* out = t.data_ptr();
+  enqueue(ctx, t, [&](cudaStream_t stream) {
+    if (copy_in) {
+      const cudaError_t err = cudaMemcpyAsync(ptrs.buffers[ctx->rank], out, bytes,
+                                              cudaMemcpyDeviceToDevice, stream);
+      if (err != cudaSuccess) return err;
+    }
+    return by_dtype(t, [&](auto zero) {
+      using T = decltype(zero);
+      return launch_all_reduce<T>(ptrs, ctx->rank, ctx->world, out, bytes, algo, ctx->sync,
+                                  kDefaultBlocks, stream);
+    });
+  });
 }
 
 }  // namespace
@@ -244,7 +262,7 @@ void ipc_all_reduce(int64_t handle, at::Tensor& inp_out, int64_t algo) {
   TORCH_CHECK(bytes <= ctx->buffer_bytes, "ipc_all_reduce: ", bytes,
               " bytes exceed the registered buffer of ", ctx->buffer_bytes, " bytes");
   if (bytes == 0) return;
-  enqueue(ctx, ctx->ptrs, inp_out, bytes, static_cast<Algo>(algo), /*copy_in=*/true);
+  enqueue_all_reduce(ctx, ctx->ptrs, inp_out, bytes, static_cast<Algo>(algo), /*copy_in=*/true);
 }
 
 void ipc_all_reduce_symmetric(int64_t handle, at::Tensor& t, c10::ArrayRef<int64_t> buffers) {
@@ -265,7 +283,68 @@ void ipc_all_reduce_symmetric(int64_t handle, at::Tensor& t, c10::ArrayRef<int64
   // Two-shot only: its result lands in each slice's owner first and every rank reads a peer's
   // buffer only for that peer's slice after the mid barrier, so writing the result over the
   // input is safe. One-shot would overwrite a buffer its peers are still summing.
-  enqueue(ctx, ptrs, t, bytes, Algo::kTwoShot, /*copy_in=*/false);
+  enqueue_all_reduce(ctx, ptrs, t, bytes, Algo::kTwoShot, /*copy_in=*/false);
+}
+
+at::Tensor ipc_staging(int64_t handle, at::ScalarType dtype, int64_t numel) {
+  Context* ctx = as_context(handle);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "ipc_staging: dtype ", dtype, " unsupported (float32, float16, bfloat16)");
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK(numel >= 0 && bytes <= ctx->buffer_bytes, "ipc_staging: ", numel, " elements of ",
+              dtype, " (", bytes, " bytes) do not fit the registered buffer of ",
+              ctx->buffer_bytes, " bytes");
+  // A view of memory the communicator owns: valid until it is closed.
+  return at::from_blob(ctx->ptrs.buffers[ctx->rank], {numel},
+                       at::TensorOptions().dtype(dtype).device(at::kCUDA, ctx->device));
+}
+
+void ipc_wait_idle(int64_t handle) {
+  Context* ctx = as_context(handle);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(ctx->device));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  unsigned long long capture = 0;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &capturing, &capture));
+  const bool in_capture = capturing == cudaStreamCaptureStatusActive;
+  const Context::Last& last = in_capture ? ctx->captured : ctx->eager;
+  if (last.valid && last.stream != stream && (!in_capture || last.capture == capture))
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, last.event, 0));
+}
+
+void ipc_all_reduce_flagged(int64_t handle, at::Tensor& out, const at::Tensor& flags,
+                            int64_t block_rows, int64_t expected) {
+  Context* ctx = as_context(handle);
+  const char* what = "ipc_all_reduce_flagged";
+  const int64_t bytes = check_tensor(ctx, out, what);
+  TORCH_CHECK(out.dim() == 2, what, ": out must be 2-D (rows, cols), got ", out.sizes());
+  TORCH_CHECK(bytes <= ctx->buffer_bytes, what, ": ", bytes,
+              " bytes exceed the registered buffer of ", ctx->buffer_bytes, " bytes");
+  const int64_t rows = out.size(0);
+  const int64_t row_bytes = out.size(1) * static_cast<int64_t>(out.element_size());
+  TORCH_CHECK(block_rows > 0 && (block_rows * row_bytes) % kPackBytes == 0, what,
+              ": block_rows=", block_rows, " x ", row_bytes, " bytes per row is not a positive "
+              "multiple of ", kPackBytes);
+  const int64_t blocks = rows == 0 ? 0 : (rows + block_rows - 1) / block_rows;
+  TORCH_CHECK(blocks <= kMaxBlocks, what, ": ", rows, " rows in blocks of ", block_rows, " are ",
+              blocks, " row blocks; at most ", kMaxBlocks);
+  TORCH_CHECK(flags.is_cuda() && flags.get_device() == ctx->device &&
+                  flags.scalar_type() == at::kInt && flags.is_contiguous() &&
+                  flags.numel() == blocks,
+              what, ": flags must be a contiguous int32 tensor of ", blocks, " elements on cuda:",
+              ctx->device, ", got ", flags.scalar_type(), " of ", flags.numel(), " on ",
+              flags.device());
+  if (bytes == 0) return;
+  void* dst = out.data_ptr();
+  const int* f = flags.data_ptr<int>();
+  enqueue(ctx, out, [&](cudaStream_t stream) {
+    return by_dtype(out, [&](auto zero) {
+      using T = decltype(zero);
+      return launch_flagged_all_reduce<T>(ctx->ptrs, ctx->rank, ctx->world, dst, bytes,
+                                          block_rows * row_bytes, f, static_cast<int>(expected),
+                                          ctx->sync, stream);
+    });
+  });
 }
 
 std::string ipc_error(int64_t handle) { return error_of(as_context(handle)); }

@@ -61,7 +61,8 @@ struct Status {
   uint64_t value;      // barrier value waited for (see start_value)
   uint64_t waited_ns;  // how long it waited
 };
-constexpr uint32_t kTimedOut = 1;
+constexpr uint32_t kTimedOut = 1;          // a peer did not reach a barrier
+constexpr uint32_t kProducerTimedOut = 2;  // this rank's producer never published a row block
 
 // What every launch of a context passes besides the pointers.
 struct Sync {
@@ -138,6 +139,12 @@ __device__ __forceinline__ P* pick(P* const (&arr)[W], int i) {
         : "+l"(out)
         : "l"(reinterpret_cast<uint64_t>(arr[p])), "r"(i), "r"(p));
   return reinterpret_cast<P*>(out);
+}
+
+__device__ __forceinline__ int load_acquire_sys_s32(const int* addr) {
+  int value;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(value) : "l"(addr) : "memory");
+  return value;
 }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {
@@ -365,6 +372,67 @@ __global__ void __launch_bounds__(kThreads, 1)
   leave<W>(view, rank, c);
 }
 
+// One-shot over row blocks that another kernel is still producing (the signal-driven
+// GEMM -> all-reduce): the producer writes each rank's rows straight into its registered
+// buffer and, once a row block is complete, adds to flags[b] with release semantics
+// (fastpar/kernels/flags.py). Block b of this kernel owns row block b (packs
+// [b * block_packs, (b + 1) * block_packs)): it waits until flags[b] >= expected (acquire),
+// then runs the one-shot protocol on its packs alone, so finished row blocks are reduced while
+// later ones are still being computed. Grid = row blocks (<= kMaxBlocks), the same on every
+// rank for the same size, so the per-block counts stay in step as for the other kernels.
+//   flags:       this rank's per-row-block counters (device memory of this GPU)
+//   expected:    value of flags[b] once row block b is complete
+//   block_packs: 16-byte packs per row block
+// Other arguments as for one_shot_kernel.
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads, 1)
+    flagged_one_shot_kernel(RankPtrs ptrs, Sync sync, int rank, void* __restrict__ out,
+                            int64_t n_packs, const int* flags, int expected, int64_t block_packs) {
+  const RankView<W> view = make_view<W>(ptrs);
+  uint64_t c;
+  if (!enter<W>(view, rank, c)) return;
+  __shared__ int produced;
+  if (threadIdx.x == 0) {
+    produced = 1;
+    Signal* self = pick<W>(view.signals, rank);
+    uint64_t start = 0;
+    for (uint32_t spin = 0; load_acquire_sys_s32(flags + blockIdx.x) < expected; ++spin) {
+      if ((spin & 1023u) != 1023u) continue;
+      if (*reinterpret_cast<volatile uint32_t*>(&self->abort) != 0) {
+        produced = 0;
+        break;
+      }
+      const uint64_t now = global_timer_ns();
+      if (start == 0) {
+        start = now;
+      } else if (sync.timeout_ns != 0 && now - start > sync.timeout_ns) {
+        if (atomicCAS(&self->abort, 0u, 1u) == 0u) {
+          volatile Status* st = sync.status;
+          st->peer = rank;
+          st->block = int(blockIdx.x);
+          st->value = uint64_t(expected);
+          st->waited_ns = now - start;
+          __threadfence_system();
+          st->code = kProducerTimedOut;
+          __threadfence_system();
+        }
+        produced = 0;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  if (!produced) return;
+  // The producer's rows are in my buffer (acquired above); peers' arrive by the start barrier.
+  if (!block_barrier<W>(view, rank, start_value(c), sync)) return;
+  const int64_t lo = int64_t(blockIdx.x) * block_packs;
+  const int64_t hi = lo + block_packs < n_packs ? lo + block_packs : n_packs;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+    store_pack(out, i, reduce_pack<T, W>(view, i));
+  if (!block_barrier<W>(view, rank, end_value(c), sync)) return;  // nobody reads my buffer now
+  leave<W>(view, rank, c);
+}
+
 // ------------------------------------------------------------- host helpers
 
 // Threshold of Algo::kAuto: one-shot strictly below this many bytes.
@@ -419,6 +487,38 @@ inline cudaError_t launch_all_reduce(const RankPtrs& ptrs, int rank, int world, 
     case 6: launch_world<T, 6>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
     case 7: launch_world<T, 7>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
     case 8: launch_world<T, 8>(chosen, blocks, ptrs, sync, rank, out, n_packs, stream); break;
+  }
+  return cudaGetLastError();
+}
+
+// Launch the flagged one-shot (see flagged_one_shot_kernel) of `bytes` in row blocks of
+// `block_bytes` (both multiples of 16; at most kMaxBlocks row blocks) on `stream`.
+// Returns cudaErrorInvalidValue for an unsupported world/size, else the launch status.
+template <typename T>
+inline cudaError_t launch_flagged_all_reduce(const RankPtrs& ptrs, int rank, int world, void* out,
+                                             int64_t bytes, int64_t block_bytes,
+                                             const int* flags, int expected, const Sync& sync,
+                                             cudaStream_t stream) {
+  if (bytes % kPackBytes != 0 || block_bytes <= 0 || block_bytes % kPackBytes != 0 ||
+      world < 2 || world > kMaxRanks || rank < 0 || rank >= world)
+    return cudaErrorInvalidValue;
+  const int64_t n_packs = bytes / kPackBytes, block_packs = block_bytes / kPackBytes;
+  const int64_t blocks = (n_packs + block_packs - 1) / block_packs;
+  if (blocks < 1 || blocks > kMaxBlocks) return cudaErrorInvalidValue;
+  switch (world) {
+#define FASTPAR_FLAGGED(W)                                                                   \
+  case W:                                                                                     \
+    flagged_one_shot_kernel<T, W><<<int(blocks), kThreads, 0, stream>>>(                      \
+        ptrs, sync, rank, out, n_packs, flags, expected, block_packs);                        \
+    break;
+    FASTPAR_FLAGGED(2)
+    FASTPAR_FLAGGED(3)
+    FASTPAR_FLAGGED(4)
+    FASTPAR_FLAGGED(5)
+    FASTPAR_FLAGGED(6)
+    FASTPAR_FLAGGED(7)
+    FASTPAR_FLAGGED(8)
+#undef FASTPAR_FLAGGED
   }
   return cudaGetLastError();
 }

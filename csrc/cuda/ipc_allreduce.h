@@ -53,6 +53,24 @@ void ipc_all_reduce(int64_t ctx, at::Tensor& inp_out, int64_t algo);
 // ipc_all_reduce.
 void ipc_all_reduce_symmetric(int64_t ctx, at::Tensor& t, c10::ArrayRef<int64_t> buffers);
 
+// This rank's registered (staging) buffer as a 1-D tensor of `numel` elements of `dtype`
+// (a view of memory the context's owner holds; valid until the communicator is closed): a
+// producer may write a message into it directly (ipc_all_reduce_flagged).
+at::Tensor ipc_staging(int64_t ctx, at::ScalarType dtype, int64_t numel);
+
+// The current stream waits for the context's last launch (after which no peer reads this
+// rank's staging buffer): call before a producer writes the staging buffer.
+void ipc_wait_idle(int64_t ctx);
+
+// The signal-driven all-reduce: every rank's producer writes its (rows, cols) message into its
+// staging buffer and adds to flags[b] (release) as row block b (block_rows rows) completes;
+// this one-shot reduces each row block into `out` (rows, cols; contiguous, the staging buffer's
+// dtype) as soon as it is complete on every rank. Enqueued on the current stream, ordered with
+// the context's other launches; at most 64 row blocks; `expected`: flags[b] of a complete row
+// block. Raises, naming the rank, if a producer's flag never came within the timeout.
+void ipc_all_reduce_flagged(int64_t ctx, at::Tensor& out, const at::Tensor& flags,
+                            int64_t block_rows, int64_t expected);
+
 // The size threshold of algo 0: one-shot strictly below it.
 int64_t ipc_one_shot_max_bytes(int64_t world);
 

@@ -91,6 +91,15 @@ class Driver:
     def error(self, ctx: int) -> str:
         return self.ops.ipc_error(ctx)
 
+    def staging(self, ctx: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.ops.ipc_staging(ctx, dtype, numel)
+
+    def wait_idle(self, ctx: int) -> None:
+        self.ops.ipc_wait_idle(ctx)
+
+    def all_reduce_flagged(self, ctx, out, flags, block_rows, expected) -> None:
+        self.ops.ipc_all_reduce_flagged(ctx, out, flags, block_rows, expected)
+
     def dispose(self, ctx: int) -> None:
         self.ops.ipc_dispose(ctx)
 
@@ -263,6 +272,19 @@ class CudaIpcCommunicator:
         """``t``: this rank's CUDA symmetric tensor (``comm.symmetric_empty(device=...)``),
         ``slots`` every rank's as mapped here: reduced in place, no copy into the buffer."""
         self._driver.all_reduce_symmetric(self._ctx, t, slots)
+
+    def staging(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's staging buffer as a (rows, cols) tensor, once no launch of the group
+        still reads it (the current stream waits for the last one): a producer writes the
+        message straight into it for ``all_reduce_flagged``."""
+        self._driver.wait_idle(self._ctx)
+        return self._driver.staging(self._ctx, dtype, rows * cols).view(rows, cols)
+
+    def all_reduce_flagged(self, out: torch.Tensor, flags: torch.Tensor, block_rows: int,
+                           expected: int) -> None:
+        """``out`` = the sum over ranks of their staging buffers (``staging``), row block by
+        row block as each rank's producer publishes ``flags[b] == expected``."""
+        self._driver.all_reduce_flagged(self._ctx, out, flags, block_rows, expected)
 
     def error(self) -> str:
         """"" while usable; else why not (a barrier timed out: names the global ranks)."""

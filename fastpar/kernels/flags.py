@@ -19,12 +19,14 @@ import triton
 from .gemm import INTERPRETED, _input_precision, _linear_kernel, check_operands
 
 
-def linear_with_flags(x2d, weight, flags, *, block_m=128, block_n=128):
+def linear_with_flags(x2d, weight, flags, *, block_m=128, block_n=128, out=None):
     """y = x2d @ weight.T, (M, K) @ (K, N) -> (M, N), adding 1 to flags[m] for each finished
     (block_m, block_n) tile of row block m: row block m is complete once flags[m] has grown by
     cdiv(N, block_n). flags: int32, (cdiv(M, block_m),), on x2d's device; it is added to, not
     reset, so zero it first (or wait for the previous value plus cdiv(N, block_n)).
     Forward only (no autograd). block_m, block_n: powers of two >= 16 (tl.dot's minimum).
+    out: a contiguous (M, N) tensor of x2d's dtype and device to write y into (e.g. a CUDA IPC
+    staging buffer that a consumer reduces from), else a new one.
     """
     name = "fastpar.kernels.linear_with_flags"
     check_operands(name, x2d, weight)
@@ -41,7 +43,15 @@ def linear_with_flags(x2d, weight, flags, *, block_m=128, block_n=128):
         raise ValueError(f"{name}: flags must be a contiguous int32 tensor of shape "
                          f"(cdiv(M, block_m),) = ({n_row_blocks},) on {x2d.device}, got "
                          f"{flags.dtype} {tuple(flags.shape)} on {flags.device}")
-    y = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)  # (M, N)
+    if out is None:
+        y = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)  # (M, N)
+    elif tuple(out.shape) != (M, N) or out.dtype != x2d.dtype or out.device != x2d.device \
+            or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous {x2d.dtype} tensor of shape "
+                         f"({M}, {N}) on {x2d.device}, got {out.dtype} {tuple(out.shape)} on "
+                         f"{out.device}")
+    else:
+        y = out
     if M == 0 or N == 0:
         return y
     block_k = 16 if INTERPRETED else 32 if x2d.dtype == torch.float32 else 64  # 3 stages fit

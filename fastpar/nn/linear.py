@@ -22,6 +22,8 @@ what the last forward did and why.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,6 +69,7 @@ class _ParallelLinear(ShardedModule):
         self.overlap, self.chunks = overlap, chunks
         self.overlap_decision: ov.Decision | None = None  # the last forward's
         self._decision_key = None
+        self._signal_key, self._signal_comm = None, None  # RowParallelLinear._signal's answer
         size = (out_features, in_features)[sharded_dim]
         if size % self.tp:
             kind = ("out_features", "in_features")[sharded_dim]
@@ -198,6 +201,21 @@ class RowParallelLinear(_ParallelLinear):
                          device=device, dtype=dtype, seed=seed)
         self.input_is_parallel = input_is_parallel
 
+    def _signal(self, x: torch.Tensor, decision: ov.Decision):
+        """The communicator of the signal-driven forward, or None; the decision records which
+        and why (CUDA inputs only: on CPU there is nothing to ask)."""
+        if not x.is_cuda:
+            return None
+        if self._signal_key == self._decision_key:  # asked already for inputs like this one
+            return self._signal_comm
+        comm, said = ov.signal_path(x, self.weight, self.group, self.sequence_parallel)
+        self._signal_key, self._signal_comm = self._decision_key, comm
+        if said != decision.signal:
+            self.overlap_decision = dataclasses.replace(decision, signal=said)
+            ov.log.debug("RowParallelLinear(%d -> %d): %s", self.in_features, self.out_features,
+                         said)
+        return comm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = "reduce_scatter" if self.sequence_parallel else "all_reduce"
         decision = self._decide(x, op, self.out_features)
@@ -206,8 +224,9 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         if decision.enabled:
+            signal = self._signal(x, decision)
             y = ov.RowParallelOverlap.apply(x, self.weight, self.group, self.sequence_parallel,
-                                            self._seq_dim(x), decision.chunks)
+                                            self._seq_dim(x), decision.chunks, signal)
         elif self.sequence_parallel:
             y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.sequence_dim)
         else:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +63,11 @@ class Decision:
     enabled: bool
     chunks: int
     reason: str
+    signal: str = ""  # row layer on CUDA: the signal-driven path taken, or why not
 
     def __str__(self) -> str:
-        return (f"on, {self.chunks} chunks" if self.enabled else "off") + f" ({self.reason})"
+        said = (f"on, {self.chunks} chunks" if self.enabled else "off") + f" ({self.reason})"
+        return f"{said}; {self.signal}" if self.signal else said
 
 
 def decide(overlap, chunks, *, tp: int, device: str, engine: str, nbytes: int) -> Decision:
@@ -97,6 +100,102 @@ def pieces(length: int, chunks: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
 
+# ------------------------------------------------------------------ signal-driven row forward
+
+SIGNAL_BLOCK = 128  # rows (and columns) of the producer's tiles; a row block is 128 rows
+SIGNAL_MAX_BLOCKS = 64  # the consumer kernel's grid limit (csrc/cuda: kMaxBlocks)
+_SIGNAL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def signal_refusal(*, device: str, sp: bool, triton: str | None, ipc_max_bytes: int,
+                   dtype: torch.dtype, rows: int, cols: int, sms: int) -> str | None:
+    """Why the signal-driven row forward cannot serve a call (None: it can). That path: the
+    Triton GEMM (``kernels.linear_with_flags``) writes each rank's rows into its CUDA IPC staging
+    buffer and publishes each finished row block; a one-shot consumer on another stream reduces
+    a row block as soon as every rank published it, while later rows are still computed.
+    ``triton``: why Triton cannot compile here (None: it can); ``ipc_max_bytes``: the group's
+    cuda_ipc limit (0: no communicator); ``sms``: the GPU's multiprocessors."""
+    if device != "cuda":
+        return f"signal-driven path needs CUDA tensors, got {device}"
+    if sp:
+        return "signal-driven path: all-reduce only, not sequence parallelism's reduce-scatter"
+    if triton:
+        return f"signal-driven path needs compiled Triton: {triton}"
+    if not ipc_max_bytes:
+        return "signal-driven path needs the group's cuda_ipc communicator, which it has not"
+    if dtype not in _SIGNAL_DTYPES:
+        return f"signal-driven path reduces float32/float16/bfloat16, not {dtype}"
+    esize = torch.empty((), dtype=dtype).element_size()
+    if rows * cols * esize > ipc_max_bytes:
+        return (f"signal-driven path: {rows} x {cols} x {esize} bytes exceed the cuda_ipc limit "
+                f"of {ipc_max_bytes}")
+    if cols * esize % 16:
+        return f"signal-driven path: a row of {cols * esize} bytes is not a multiple of 16"
+    blocks = -(-rows // SIGNAL_BLOCK)
+    if blocks > SIGNAL_MAX_BLOCKS:
+        return (f"signal-driven path: {rows} rows are {blocks} row blocks of {SIGNAL_BLOCK}; the "
+                f"consumer takes at most {SIGNAL_MAX_BLOCKS}")
+    if 2 * blocks > sms:
+        return (f"signal-driven path: {blocks} waiting consumer blocks would hold over half of "
+                f"the GPU's {sms} multiprocessors, which the GEMM needs")
+    return None
+
+
+def _triton_refusal() -> str | None:
+    try:
+        from fastpar.kernels import gemm
+    except ImportError as exc:
+        return f"Triton is not importable ({exc})"
+    return "Triton runs in its interpreter (TRITON_INTERPRET=1)" if gemm.INTERPRETED else None
+
+
+def signal_path(x: torch.Tensor, weight: torch.Tensor, group, sp: bool):
+    """``(communicator, description)`` when the signal-driven row forward serves this call,
+    else ``(None, why not)``. Builds the group's cuda_ipc communicator if need be (collective:
+    every rank of the group decides alike, in the same forward)."""
+    if os.environ.get("FASTPAR_SIGNAL_OVERLAP", "1") == "0":
+        return None, "signal-driven path off (FASTPAR_SIGNAL_OVERLAP=0)"
+    rows, cols = x.numel() // max(x.shape[-1], 1), weight.shape[0]
+    facts = dict(device=x.device.type, sp=sp, dtype=x.dtype, rows=rows, cols=cols)
+    why = signal_refusal(**facts, triton=None, ipc_max_bytes=1 << 62, sms=1 << 30)
+    if why is not None:  # refused before anything is built or imported
+        return None, why
+    from fastpar.comm.state import current
+
+    st = current()
+    g, ranks, layout = st.resolve(group)
+    comm = st.cuda_ipc(g, ranks, x.device) if layout.same_host and \
+        st.forced in (None, "cuda_ipc") else None
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    why = signal_refusal(**facts, triton=_triton_refusal(), sms=sms,
+                         ipc_max_bytes=comm.max_bytes if comm is not None else 0)
+    if why is not None:
+        return None, why
+    return comm, "signal-driven: Triton GEMM -> CUDA IPC one-shot per finished row block"
+
+
+def _signal_row_forward(x2: torch.Tensor, weight: torch.Tensor, comm) -> torch.Tensor:
+    """y = all_reduce(x2 @ weight.T) with the reduction of each finished row block running
+    while the GEMM computes the next ones (see ``signal_refusal``)."""
+    from fastpar.kernels import linear_with_flags
+
+    rows, cols = x2.shape[0], weight.shape[0]
+    flags = torch.zeros(-(-rows // SIGNAL_BLOCK), dtype=torch.int32, device=x2.device)
+    out = torch.empty(rows, cols, dtype=x2.dtype, device=x2.device)
+    staging = comm.staging(rows, cols, x2.dtype)  # the compute stream waits until it is free
+    compute = torch.cuda.current_stream(x2.device)
+    side = _comm_stream(x2.device)
+    side.wait_stream(compute)  # flags zeroed, out allocated, staging free
+    with torch.cuda.stream(side):  # waits on each row block's flag, then reduces it
+        comm.all_reduce_flagged(out, flags, SIGNAL_BLOCK, -(-cols // SIGNAL_BLOCK))
+    # the producer, on the compute stream meanwhile: the GEMM into the staging buffer
+    linear_with_flags(x2, weight, flags, block_m=SIGNAL_BLOCK, block_n=SIGNAL_BLOCK, out=staging)
+    compute.wait_stream(side)
+    flags.record_stream(side)
+    out.record_stream(side)
+    return out
+
+
 # ------------------------------------------------------------------ collectives in flight
 
 _STREAMS: dict = {}  # CUDA device index -> its communication stream
@@ -118,13 +217,18 @@ class _Pending:
         return self.result
 
 
+def _comm_stream(device: torch.device):
+    stream = _STREAMS.get(device.index)
+    if stream is None:
+        stream = _STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
 def _start(collective, t: torch.Tensor, group, **kwargs) -> _Pending:
     if not t.is_cuda:
         return _Pending(handle=collective(t, group, async_op=True, **kwargs))
     compute = torch.cuda.current_stream(t.device)
-    stream = _STREAMS.get(t.device.index)
-    if stream is None:
-        stream = _STREAMS[t.device.index] = torch.cuda.Stream(t.device)
+    stream = _comm_stream(t.device)
     stream.wait_stream(compute)  # t is written by the compute stream
     with torch.cuda.stream(stream):
         result = collective(t, group, **kwargs)
@@ -155,12 +259,16 @@ def _gather_pieces(x: torch.Tensor, group, dim: int, chunks: int):
 
 class RowParallelOverlap(torch.autograd.Function):
     """``y = comm(x_n @ W_n.T)`` chunked (see the module docstring); the bias is the caller's.
-    ``sp``: reduce-scatter along ``dim`` instead of all-reduce."""
+    ``sp``: reduce-scatter along ``dim`` instead of all-reduce. ``signal``: the group's
+    CudaIpcCommunicator when ``signal_path`` chose the signal-driven forward, else None."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sp, dim, chunks):
+    def forward(ctx, x, weight, group, sp, dim, chunks, signal=None):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sp, ctx.dim, ctx.chunks = group, sp, dim, chunks
+        if signal is not None:
+            y2 = _signal_row_forward(x.reshape(-1, x.shape[-1]), weight, signal)
+            return y2.view(*x.shape[:-1], weight.shape[0])
         if sp:
             n = group_size(group)
             xv = _seg_view(x, dim, n)  # (..., n, S/n, ..., in/n)
@@ -188,7 +296,7 @@ class RowParallelOverlap(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])
             dw = dy2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
             dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-            return dx, dw, None, None, None, None
+            return dx, dw, None, None, None, None, None
         n, dim = group_size(ctx.group), ctx.dim
         xv = _seg_view(x, dim, n)  # (.., n, S/n, .., in/n)
         dx = torch.empty_like(x)
@@ -201,7 +309,7 @@ class RowParallelOverlap(torch.autograd.Function):
             if dw is not None:
                 xp = xv.narrow(dim + 1, a, b - a)
                 dw.add_(g.reshape(-1, g.shape[-1]).t().mm(xp.reshape(-1, xp.shape[-1])))
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 # ------------------------------------------------------------------ column-parallel
