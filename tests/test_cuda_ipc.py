@@ -71,6 +71,8 @@ def _ipc(group=None):
 
 
 def body_ipc():
+    import os
+
     import torch
     import torch.distributed as dist
 
@@ -226,9 +228,11 @@ def body_ipc():
         assert _ipc(mine[0]) is not None
 
     # 9a. the signal-driven row layer (Triton GEMM into the staging buffer, one-shot per finished
-    # row block), then the copying path again on the same staging buffer
+    # row block; opt-in), then the copying path again on the same staging buffer
     comm.use_backend(None)
+    os.environ["FASTPAR_SIGNAL_OVERLAP"] = "1"
     signal_checked = _signal_driven_row_layer(topo, check)
+    del os.environ["FASTPAR_SIGNAL_OVERLAP"]
     comm.use_backend("cuda_ipc")
     ins = _inputs(n, 65536, torch.float32, seed=9)
     x = ins[rank].to(dev)
@@ -284,8 +288,8 @@ def _signal_driven_row_layer(topo, check) -> str:
         layer = pnn.RowParallelLinear(512 * n, 384, overlap=True, dtype=dtype, device=dev,
                                       seed=11)
         g = torch.Generator().manual_seed(100 + rank)
-        x = torch.randn(3, 100, 512, generator=g).to(dtype).to(dev).requires_grad_(True)
-        y = layer(x)  # (3, 100, 384): 300 rows, 3 row blocks
+        x = torch.randn(3, 400, 512, generator=g).to(dtype).to(dev).requires_grad_(True)
+        y = layer(x)  # (3, 400, 384): 1200 rows, 10 row blocks of 128 (several waves of tiles)
         said = str(layer.overlap_decision)
         assert "signal-driven: Triton GEMM" in said, said
         shards = [None] * n

@@ -29,9 +29,16 @@ MiB = 1 << 20
     (None, None, 2, "cuda", "cuda_ipc", 4 * MiB, True, 2, "on cuda_ipc"),
     (None, None, 4, "cuda", "nccl", CUDA_FOUR_CHUNKS_BYTES, True, 4, "on nccl"),
     (None, 8, 4, "cuda", "nccl_mpi", CUDA_FOUR_CHUNKS_BYTES, True, 8, "on nccl_mpi"),
+    # autocast: the Functions do not run under it yet, forced or not
+    ("autocast", None, 2, "cuda", "nccl", 64 * MiB, False, 1, "autocast is on"),
+    ("autocast-forced", 2, 2, "cuda", "nccl", 64 * MiB, False, 1, "overlap=True not honoured"),
 ])
 def test_overlap_policy_table(overlap, chunks, tp, device, engine, nbytes, on, k, words):
-    d = decide(overlap, chunks, tp=tp, device=device, engine=engine, nbytes=nbytes)
+    autocast = isinstance(overlap, str)
+    overlap = {"autocast": None, "autocast-forced": True}.get(overlap, overlap) \
+        if autocast else overlap
+    d = decide(overlap, chunks, tp=tp, device=device, engine=engine, nbytes=nbytes,
+               autocast=autocast)
     assert (d.enabled, d.chunks) == (on, k), d
     assert words in d.reason, d
     assert str(d).startswith("on, " if on else "off (")
@@ -66,6 +73,7 @@ OK = dict(device="cuda", sp=False, triton=None, ipc_max_bytes=64 * MiB, dtype=to
     (dict(cols=4095), "a row of 8190 bytes is not a multiple of 16"),
     (dict(rows=8193, cols=1024), "65 row blocks of 128; the consumer takes at most 64"),
     (dict(rows=4096, sms=60), "over half of the GPU's 60 multiprocessors"),
+    (dict(weight_dtype=torch.float32), "input torch.bfloat16 and weight torch.float32 differ"),
 ])
 def test_signal_driven_path_refusals(change, words):
     why = signal_refusal(**{**OK, **change})

@@ -10,7 +10,9 @@ still being computed).
 The kernel is ``_linear_kernel`` with FLAGS on: each program stores its (block_m, block_n) tile of
 y, then (after a CTA barrier) does ``atomic_add(flags[pid_m], 1, sem="release", scope="sys")``.
 The launch is not autotuned: the consumer must know block_m and block_n, and autotuning would run
-the kernel several times and add to the flags each time.
+the kernel several times and add to the flags each time. Tiles go row-major (GROUP_M = 1): row
+block 0's tiles first, so the first row blocks finish early (grouped orders finish every row
+block of a group in the same last wave, leaving the consumer nothing to start on).
 """
 
 import torch
@@ -63,5 +65,5 @@ def linear_with_flags(x2d, weight, flags, *, block_m=128, block_n=128, out=None)
         weight.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=False, ACTIVATION="none", SAVE_PRE=False, FLAGS=True,
         INPUT_PRECISION=_input_precision(x2d.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8, num_warps=8 if big else 4, num_stages=3)
+        BLOCK_K=block_k, GROUP_M=1, num_warps=8 if big else 4, num_stages=3)
     return y

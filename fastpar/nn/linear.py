@@ -44,6 +44,12 @@ def check_overlap(overlap, chunks) -> None:
         raise ValueError(f"chunks must be a positive integer or None, got {chunks!r}")
 
 
+def _forced() -> str | None:
+    from fastpar.comm.state import current
+
+    return current().forced
+
+
 def _engine(group, op: str, device: str, nbytes: int, dtype) -> str:
     """The engine the comm policy gives ``op`` of ``nbytes`` on ``group`` (creates nothing)."""
     from fastpar.comm import policy
@@ -112,14 +118,19 @@ class _ParallelLinear(ShardedModule):
     def _decide(self, x: torch.Tensor, op: str, features: int) -> ov.Decision:
         """The overlap decision for an input like ``x`` whose collective is ``op`` over
         ``features`` per full-sequence token; kept per input shape, logged when it changes."""
-        key = (tuple(x.shape), x.dtype, x.device.type)
+        # the forced engine too: comm.use_backend() between two calls changes the engine
+        forced = _forced() if self.tp > 1 else None
+        autocast = torch.is_autocast_enabled(x.device.type)
+        key = (tuple(x.shape), x.dtype, x.device.type, forced, autocast, self.overlap,
+               self.chunks)
         if key != self._decision_key:
-            tokens = x.numel() // x.shape[-1] * (self.tp if self.sequence_parallel else 1)
+            # the all-gather of a column layer under SP sends tp x its input's tokens
+            tokens = x.numel() // x.shape[-1] * (self.tp if op == "all_gather" else 1)
             nbytes = tokens * features * x.element_size()
             device = x.device.type
             engine = _engine(self.group, op, device, nbytes, x.dtype) if self.tp > 1 else "local"
             decision = ov.decide(self.overlap, self.chunks, tp=self.tp, device=device,
-                                 engine=engine, nbytes=nbytes)
+                                 engine=engine, nbytes=nbytes, autocast=autocast)
             if decision != self.overlap_decision:
                 ov.log.debug("%s(%d -> %d, tp %d) on input %s: overlap %s", type(self).__name__,
                              self.in_features, self.out_features, self.tp, tuple(x.shape),
@@ -206,10 +217,13 @@ class RowParallelLinear(_ParallelLinear):
         and why (CUDA inputs only: on CPU there is nothing to ask)."""
         if not x.is_cuda:
             return None
-        if self._signal_key == self._decision_key:  # asked already for inputs like this one
+        from fastpar.comm.state import current
+
+        key = (self._decision_key, id(current()))  # a new job (shutdown, init) asks again
+        if self._signal_key == key:  # asked already for inputs like this one
             return self._signal_comm
         comm, said = ov.signal_path(x, self.weight, self.group, self.sequence_parallel)
-        self._signal_key, self._signal_comm = self._decision_key, comm
+        self._signal_key, self._signal_comm = key, comm
         if said != decision.signal:
             self.overlap_decision = dataclasses.replace(decision, signal=said)
             ov.log.debug("RowParallelLinear(%d -> %d): %s", self.in_features, self.out_features,

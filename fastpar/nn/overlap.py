@@ -70,15 +70,20 @@ class Decision:
         return f"{said}; {self.signal}" if self.signal else said
 
 
-def decide(overlap, chunks, *, tp: int, device: str, engine: str, nbytes: int) -> Decision:
+def decide(overlap, chunks, *, tp: int, device: str, engine: str, nbytes: int,
+           autocast: bool = False) -> Decision:
     """Whether a layer call overlaps, with how many chunks and why. ``overlap``: the layer's
     setting (True, False, None: this policy); ``chunks``: the layer's (None: the policy's);
     ``engine``: what the comm policy picks for the layer's collective on ``device`` ("cpu",
-    "cuda"); ``nbytes``: that collective's size."""
+    "cuda"); ``nbytes``: that collective's size; ``autocast``: whether autocast is on."""
     if tp == 1:
         return Decision(False, 1, "tp 1: no communication")
     if overlap is False:
         return Decision(False, 1, "overlap=False")
+    if autocast:
+        return Decision(False, 1, "autocast is on: the overlapped Functions do not run under "
+                                  "autocast yet" + (" (overlap=True not honoured)" if overlap
+                                                    else ""))
     if overlap is True:
         return Decision(True, chunks or 2, "overlap=True")
     if device == "cpu" and engine in SYNC_ENGINES:
@@ -108,7 +113,8 @@ _SIGNAL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def signal_refusal(*, device: str, sp: bool, triton: str | None, ipc_max_bytes: int,
-                   dtype: torch.dtype, rows: int, cols: int, sms: int) -> str | None:
+                   dtype: torch.dtype, rows: int, cols: int, sms: int,
+                   weight_dtype: torch.dtype | None = None) -> str | None:
     """Why the signal-driven row forward cannot serve a call (None: it can). That path: the
     Triton GEMM (``kernels.linear_with_flags``) writes each rank's rows into its CUDA IPC staging
     buffer and publishes each finished row block; a one-shot consumer on another stream reduces
@@ -125,6 +131,8 @@ def signal_refusal(*, device: str, sp: bool, triton: str | None, ipc_max_bytes: 
         return "signal-driven path needs the group's cuda_ipc communicator, which it has not"
     if dtype not in _SIGNAL_DTYPES:
         return f"signal-driven path reduces float32/float16/bfloat16, not {dtype}"
+    if weight_dtype is not None and weight_dtype != dtype:
+        return f"signal-driven path: input {dtype} and weight {weight_dtype} differ"
     esize = torch.empty((), dtype=dtype).element_size()
     if rows * cols * esize > ipc_max_bytes:
         return (f"signal-driven path: {rows} x {cols} x {esize} bytes exceed the cuda_ipc limit "
@@ -144,22 +152,27 @@ def signal_refusal(*, device: str, sp: bool, triton: str | None, ipc_max_bytes: 
 def _triton_refusal() -> str | None:
     try:
         from fastpar.kernels import gemm
-    except ImportError as exc:
-        return f"Triton is not importable ({exc})"
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken Triton install
+        return f"Triton is not importable ({type(exc).__name__}: {exc})"
     return "Triton runs in its interpreter (TRITON_INTERPRET=1)" if gemm.INTERPRETED else None
 
 
 def signal_path(x: torch.Tensor, weight: torch.Tensor, group, sp: bool):
     """``(communicator, description)`` when the signal-driven row forward serves this call,
-    else ``(None, why not)``. Builds the group's cuda_ipc communicator if need be (collective:
-    every rank of the group decides alike, in the same forward)."""
-    if os.environ.get("FASTPAR_SIGNAL_OVERLAP", "1") == "0":
-        return None, "signal-driven path off (FASTPAR_SIGNAL_OVERLAP=0)"
+    else ``(None, why not)``. Opt-in (``FASTPAR_SIGNAL_OVERLAP=1``) until it has run on a GPU.
+    Collective over the group on CUDA (it may build the group's cuda_ipc communicator, and the
+    ranks agree on the answer: a rank taking the flagged kernel alone would stall the others),
+    so the caller asks once per kind of input, on every rank."""
     rows, cols = x.numel() // max(x.shape[-1], 1), weight.shape[0]
-    facts = dict(device=x.device.type, sp=sp, dtype=x.dtype, rows=rows, cols=cols)
+    facts = dict(device=x.device.type, sp=sp, dtype=x.dtype, rows=rows, cols=cols,
+                 weight_dtype=weight.dtype)
     why = signal_refusal(**facts, triton=None, ipc_max_bytes=1 << 62, sms=1 << 30)
-    if why is not None:  # refused before anything is built or imported
+    if why is not None:  # refused before anything is built or imported (alike on every rank)
         return None, why
+    if os.environ.get("FASTPAR_SIGNAL_OVERLAP", "0") != "1":
+        return None, ("signal-driven path is opt-in until measured on a GPU "
+                      "(FASTPAR_SIGNAL_OVERLAP=1)")
+    from fastpar.comm.cuda_ipc import all_agree
     from fastpar.comm.state import current
 
     st = current()
@@ -169,8 +182,8 @@ def signal_path(x: torch.Tensor, weight: torch.Tensor, group, sp: bool):
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     why = signal_refusal(**facts, triton=_triton_refusal(), sms=sms,
                          ipc_max_bytes=comm.max_bytes if comm is not None else 0)
-    if why is not None:
-        return None, why
+    if not all_agree(why is None, g, x.device):
+        return None, why or "signal-driven path: a peer cannot take it"
     return comm, "signal-driven: Triton GEMM -> CUDA IPC one-shot per finished row block"
 
 
@@ -185,14 +198,14 @@ def _signal_row_forward(x2: torch.Tensor, weight: torch.Tensor, comm) -> torch.T
     staging = comm.staging(rows, cols, x2.dtype)  # the compute stream waits until it is free
     compute = torch.cuda.current_stream(x2.device)
     side = _comm_stream(x2.device)
-    side.wait_stream(compute)  # flags zeroed, out allocated, staging free
-    with torch.cuda.stream(side):  # waits on each row block's flag, then reduces it
-        comm.all_reduce_flagged(out, flags, SIGNAL_BLOCK, -(-cols // SIGNAL_BLOCK))
-    # the producer, on the compute stream meanwhile: the GEMM into the staging buffer
+    side.wait_stream(compute)  # flags zeroed, out allocated, staging free (not the GEMM below)
+    # The producer is launched first: any error, compile or host stall happens before a
+    # consumer waits on it, and launches serialised (CUDA_LAUNCH_BLOCKING) still complete.
     linear_with_flags(x2, weight, flags, block_m=SIGNAL_BLOCK, block_n=SIGNAL_BLOCK, out=staging)
-    compute.wait_stream(side)
-    flags.record_stream(side)
-    out.record_stream(side)
+    with torch.cuda.stream(side):  # reduces each row block once every rank has published it,
+        # while the GEMM on the compute stream still produces later ones
+        comm.all_reduce_flagged(out, flags, SIGNAL_BLOCK, -(-cols // SIGNAL_BLOCK))
+    compute.wait_stream(side)  # out (and flags) are only touched on the compute stream after
     return out
 
 
