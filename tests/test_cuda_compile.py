@@ -12,7 +12,6 @@
 """
 
 import os
-import pathlib
 import shutil
 import subprocess
 
@@ -86,7 +85,14 @@ GLUE_HEADERS = [
 ]
 
 
-def _finish(job, what: str, timeout: int = 600) -> None:
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on the PATH; the CUDA sources cannot be compiled here")
+    return nvcc
+
+
+def _finish(job, what: str, timeout: int = 240) -> None:
     cmd, proc = job
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -99,7 +105,7 @@ def _finish(job, what: str, timeout: int = 600) -> None:
 
 def _glue_command(nvcc: str, tmp_path) -> list | str:
     """The nvcc command compiling the torch glue, or why it cannot run here."""
-    import torch
+    torch = pytest.importorskip("torch")
     from torch.utils import cpp_extension
 
     include_dirs = cpp_extension.include_paths()
@@ -123,14 +129,12 @@ def _glue_command(nvcc: str, tmp_path) -> list | str:
             "-o", str(tmp_path / "ipc_allreduce.o")]
 
 
-def start_jobs(tmp_path: pathlib.Path) -> dict | str:
-    """Every compile of this file started at once, in the background at low priority:
-    {"kernels": (cmd, Popen), "glue": (cmd, Popen) or the reason it cannot run}, or why nothing
-    can (no nvcc). tests/conftest.py calls it when the session's tests are collected and runs
-    this file last, so the compiles use the time other tests spend waiting on timeouts."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return "nvcc is not on the PATH; the CUDA sources cannot be compiled here"
+@pytest.fixture(scope="module")
+def nvcc_jobs(tmp_path_factory):
+    """Every compile of this file started at once (nvcc is single-threaded; the machine has
+    more than one core): {arch: (cmd, Popen), "glue": (cmd, Popen) or the reason it cannot}."""
+    nvcc = _nvcc()
+    tmp_path = tmp_path_factory.mktemp("nvcc")
     src = tmp_path / "ipc_allreduce_kernels.cu"
     src.write_text(KERNEL_TU)
     gencodes = [flag for flags in ARCHS.values() for flag in flags]
@@ -138,31 +142,14 @@ def start_jobs(tmp_path: pathlib.Path) -> dict | str:
                             "-Werror", "all-warnings", "-I", CSRC_CUDA, str(src),
                             "-o", str(tmp_path / "kernels.o")]}
     commands["glue"] = _glue_command(nvcc, tmp_path)
-    return {name: cmd if isinstance(cmd, str) else
+    jobs = {name: cmd if isinstance(cmd, str) else
             (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, preexec_fn=lambda: os.nice(10)))
-            for name, cmd in commands.items()}
-
-
-def stop_jobs(jobs) -> None:
-    for job in jobs.values() if isinstance(jobs, dict) else ():
+                                   text=True)) for name, cmd in commands.items()}
+    yield jobs
+    for job in jobs.values():
         if not isinstance(job, str) and job[1].poll() is None:
             job[1].kill()
             job[1].communicate()
-
-
-@pytest.fixture(scope="module")
-def nvcc_jobs(request, tmp_path_factory):
-    """The jobs conftest started at collection (or, run some other way, started now)."""
-    jobs = getattr(request.config, "fastpar_nvcc_jobs", None)
-    own = jobs is None
-    if own:
-        jobs = start_jobs(tmp_path_factory.mktemp("nvcc"))
-    if isinstance(jobs, str):
-        pytest.skip(jobs)
-    yield jobs
-    if own:
-        stop_jobs(jobs)
 
 
 def test_kernels_compile(nvcc_jobs):
