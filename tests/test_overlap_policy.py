@@ -6,7 +6,8 @@ import pytest
 
 import torch
 
-from fastpar.nn.overlap import CUDA_FOUR_CHUNKS_BYTES, decide, pieces, signal_path, signal_refusal
+from fastpar.nn.overlap import CUDA_FOUR_CHUNKS_BYTES, decide, pieces
+from fastpar.nn.overlap_signal import signal_path, signal_refusal
 
 MiB = 1 << 20
 

@@ -222,7 +222,9 @@ class RowParallelLinear(_ParallelLinear):
         key = (self._decision_key, id(current()))  # a new job (shutdown, init) asks again
         if self._signal_key == key:  # asked already for inputs like this one
             return self._signal_comm
-        comm, said = ov.signal_path(x, self.weight, self.group, self.sequence_parallel)
+        from fastpar.nn.overlap_signal import signal_path
+
+        comm, said = signal_path(x, self.weight, self.group, self.sequence_parallel)
         self._signal_key, self._signal_comm = key, comm
         if said != decision.signal:
             self.overlap_decision = dataclasses.replace(decision, signal=said)

@@ -27,14 +27,14 @@ reads the result: no host synchronisation, whatever the engine (NCCL, nccl_mpi, 
 
 ``decide`` is the ``overlap=None`` policy: a plain function of the layout and sizes, tested as a
 table; each layer keeps its last ``Decision`` (shown by ``extra_repr``) and logs new ones at
-debug level (``logging.getLogger("fastpar.nn")``).
+debug level (``logging.getLogger("fastpar.nn")``). The signal-driven row forward on GPUs (GEMM
+-> CUDA IPC per finished row block) is in ``overlap_signal.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -105,110 +105,6 @@ def pieces(length: int, chunks: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
 
-# ------------------------------------------------------------------ signal-driven row forward
-
-SIGNAL_BLOCK = 128  # rows (and columns) of the producer's tiles; a row block is 128 rows
-SIGNAL_MAX_BLOCKS = 64  # the consumer kernel's grid limit (csrc/cuda: kMaxBlocks)
-_SIGNAL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def signal_refusal(*, device: str, sp: bool, triton: str | None, ipc_max_bytes: int,
-                   dtype: torch.dtype, rows: int, cols: int, sms: int,
-                   weight_dtype: torch.dtype | None = None) -> str | None:
-    """Why the signal-driven row forward cannot serve a call (None: it can). That path: the
-    Triton GEMM (``kernels.linear_with_flags``) writes each rank's rows into its CUDA IPC staging
-    buffer and publishes each finished row block; a one-shot consumer on another stream reduces
-    a row block as soon as every rank published it, while later rows are still computed.
-    ``triton``: why Triton cannot compile here (None: it can); ``ipc_max_bytes``: the group's
-    cuda_ipc limit (0: no communicator); ``sms``: the GPU's multiprocessors."""
-    if device != "cuda":
-        return f"signal-driven path needs CUDA tensors, got {device}"
-    if sp:
-        return "signal-driven path: all-reduce only, not sequence parallelism's reduce-scatter"
-    if triton:
-        return f"signal-driven path needs compiled Triton: {triton}"
-    if not ipc_max_bytes:
-        return "signal-driven path needs the group's cuda_ipc communicator, which it has not"
-    if dtype not in _SIGNAL_DTYPES:
-        return f"signal-driven path reduces float32/float16/bfloat16, not {dtype}"
-    if weight_dtype is not None and weight_dtype != dtype:
-        return f"signal-driven path: input {dtype} and weight {weight_dtype} differ"
-    esize = torch.empty((), dtype=dtype).element_size()
-    if rows * cols * esize > ipc_max_bytes:
-        return (f"signal-driven path: {rows} x {cols} x {esize} bytes exceed the cuda_ipc limit "
-                f"of {ipc_max_bytes}")
-    if cols * esize % 16:
-        return f"signal-driven path: a row of {cols * esize} bytes is not a multiple of 16"
-    blocks = -(-rows // SIGNAL_BLOCK)
-    if blocks > SIGNAL_MAX_BLOCKS:
-        return (f"signal-driven path: {rows} rows are {blocks} row blocks of {SIGNAL_BLOCK}; the "
-                f"consumer takes at most {SIGNAL_MAX_BLOCKS}")
-    if 2 * blocks > sms:
-        return (f"signal-driven path: {blocks} waiting consumer blocks would hold over half of "
-                f"the GPU's {sms} multiprocessors, which the GEMM needs")
-    return None
-
-
-def _triton_refusal() -> str | None:
-    try:
-        from fastpar.kernels import gemm
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken Triton install
-        return f"Triton is not importable ({type(exc).__name__}: {exc})"
-    return "Triton runs in its interpreter (TRITON_INTERPRET=1)" if gemm.INTERPRETED else None
-
-
-def signal_path(x: torch.Tensor, weight: torch.Tensor, group, sp: bool):
-    """``(communicator, description)`` when the signal-driven row forward serves this call,
-    else ``(None, why not)``. Opt-in (``FASTPAR_SIGNAL_OVERLAP=1``) until it has run on a GPU.
-    Collective over the group on CUDA (it may build the group's cuda_ipc communicator, and the
-    ranks agree on the answer: a rank taking the flagged kernel alone would stall the others),
-    so the caller asks once per kind of input, on every rank."""
-    rows, cols = x.numel() // max(x.shape[-1], 1), weight.shape[0]
-    facts = dict(device=x.device.type, sp=sp, dtype=x.dtype, rows=rows, cols=cols,
-                 weight_dtype=weight.dtype)
-    why = signal_refusal(**facts, triton=None, ipc_max_bytes=1 << 62, sms=1 << 30)
-    if why is not None:  # refused before anything is built or imported (alike on every rank)
-        return None, why
-    if os.environ.get("FASTPAR_SIGNAL_OVERLAP", "0") != "1":
-        return None, ("signal-driven path is opt-in until measured on a GPU "
-                      "(FASTPAR_SIGNAL_OVERLAP=1)")
-    from fastpar.comm.cuda_ipc import all_agree
-    from fastpar.comm.state import current
-
-    st = current()
-    g, ranks, layout = st.resolve(group)
-    comm = st.cuda_ipc(g, ranks, x.device) if layout.same_host and \
-        st.forced in (None, "cuda_ipc") else None
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    why = signal_refusal(**facts, triton=_triton_refusal(), sms=sms,
-                         ipc_max_bytes=comm.max_bytes if comm is not None else 0)
-    if not all_agree(why is None, g, x.device):
-        return None, why or "signal-driven path: a peer cannot take it"
-    return comm, "signal-driven: Triton GEMM -> CUDA IPC one-shot per finished row block"
-
-
-def _signal_row_forward(x2: torch.Tensor, weight: torch.Tensor, comm) -> torch.Tensor:
-    """y = all_reduce(x2 @ weight.T) with the reduction of each finished row block running
-    while the GEMM computes the next ones (see ``signal_refusal``)."""
-    from fastpar.kernels import linear_with_flags
-
-    rows, cols = x2.shape[0], weight.shape[0]
-    flags = torch.zeros(-(-rows // SIGNAL_BLOCK), dtype=torch.int32, device=x2.device)
-    out = torch.empty(rows, cols, dtype=x2.dtype, device=x2.device)
-    staging = comm.staging(rows, cols, x2.dtype)  # the compute stream waits until it is free
-    compute = torch.cuda.current_stream(x2.device)
-    side = _comm_stream(x2.device)
-    side.wait_stream(compute)  # flags zeroed, out allocated, staging free (not the GEMM below)
-    # The producer is launched first: any error, compile or host stall happens before a
-    # consumer waits on it, and launches serialised (CUDA_LAUNCH_BLOCKING) still complete.
-    linear_with_flags(x2, weight, flags, block_m=SIGNAL_BLOCK, block_n=SIGNAL_BLOCK, out=staging)
-    with torch.cuda.stream(side):  # reduces each row block once every rank has published it,
-        # while the GEMM on the compute stream still produces later ones
-        comm.all_reduce_flagged(out, flags, SIGNAL_BLOCK, -(-cols // SIGNAL_BLOCK))
-    compute.wait_stream(side)  # out (and flags) are only touched on the compute stream after
-    return out
-
-
 # ------------------------------------------------------------------ collectives in flight
 
 _STREAMS: dict = {}  # CUDA device index -> its communication stream
@@ -273,14 +169,17 @@ def _gather_pieces(x: torch.Tensor, group, dim: int, chunks: int):
 class RowParallelOverlap(torch.autograd.Function):
     """``y = comm(x_n @ W_n.T)`` chunked (see the module docstring); the bias is the caller's.
     ``sp``: reduce-scatter along ``dim`` instead of all-reduce. ``signal``: the group's
-    CudaIpcCommunicator when ``signal_path`` chose the signal-driven forward, else None."""
+    CudaIpcCommunicator when ``overlap_signal.signal_path`` chose the signal-driven forward,
+    else None."""
 
     @staticmethod
     def forward(ctx, x, weight, group, sp, dim, chunks, signal=None):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sp, ctx.dim, ctx.chunks = group, sp, dim, chunks
         if signal is not None:
-            y2 = _signal_row_forward(x.reshape(-1, x.shape[-1]), weight, signal)
+            from fastpar.nn.overlap_signal import signal_row_forward
+
+            y2 = signal_row_forward(x.reshape(-1, x.shape[-1]), weight, signal)
             return y2.view(*x.shape[:-1], weight.shape[0])
         if sp:
             n = group_size(group)
