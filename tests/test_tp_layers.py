@@ -381,7 +381,7 @@ def check_overlap(c):
     q, k, v).
     The CPU groups' engine is shm, which completes each call before returning; chunks 3 runs
     again on gloo, whose calls really are in flight (its own thread) while the GEMMs run.
-    bfloat16 (rounding, not the decomposition, differs) runs chunks 3 only."""
+    bfloat16 (rounding, not the decomposition, differs) runs chunks 3 on shm only."""
     from fastpar import comm
     from fastpar import nn as pnn
     from fastpar.testing import SerialAttention, SerialMLP
@@ -389,9 +389,10 @@ def check_overlap(c):
     t2 = 28
     for dtype_name in DTYPES:
         dtype = getattr(torch, dtype_name)
-        every_k = (1, 2, 3, 4) if dtype == torch.float32 else (3,)
-        for sp, chunks, engine in [(sp, k, None) for sp in (False, True) for k in every_k] \
-                + [(False, 3, "gloo"), (True, 3, "gloo")]:
+        fp32 = dtype == torch.float32
+        for sp, chunks, engine in [(sp, k, None) for sp in (False, True)
+                                   for k in ((1, 2, 3, 4) if fp32 else (3,))] \
+                + ([(False, 3, "gloo"), (True, 3, "gloo")] if fp32 else []):
             previous = comm.use_backend(engine)
             try:
                 s = c.seed()
@@ -487,7 +488,7 @@ RUNS = PerWorld(body_layers, {w: [dict(tp=t, seed=2000 + 10 * w + t) for v, t in
 def test_layers_against_serial(world, tp):
     values = RUNS(world, tp=tp, seed=2000 + 10 * world + tp)
     counts = {len(v["checked"]) for v in values}
-    assert len(counts) == 1 and counts.pop() > 250 + 14 * 6
+    assert len(counts) == 1 and counts.pop() > 250 + 12 * 6
     # Report how close to the bound the worst check came (pytest -s shows it).
     ratio, name = max(tuple(v["worst"]) for v in values)
     print(f"world {world} tp {tp}: worst error / bound = {ratio:.3f} ({name})")

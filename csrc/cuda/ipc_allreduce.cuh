@@ -2,7 +2,7 @@
 //
 // This header owns no memory and includes no torch: the caller (ipc_allreduce.cu)
 // hands in the peers' mapped pointers, this rank's host-mapped status record and the
-// barrier timeout. Every kernel argument is the same on every launch of a context
+// barrier timeout. The kernels are instantiated in ipc_kernels.cu. Every kernel argument is the same on every launch of a context
 // (no per-call counter), so a launch captured in a CUDA graph is correct on replay.
 //
 // Math (world W, rank r, registered buffers buf_0..buf_{W-1}, each holding rank
@@ -522,6 +522,21 @@ inline cudaError_t launch_flagged_all_reduce(const RankPtrs& ptrs, int rank, int
   }
   return cudaGetLastError();
 }
+
+// Every launcher is instantiated once, in ipc_kernels.cu (no torch headers there); other
+// translation units (the torch glue) only call them, so they do not compile the kernels again.
+#ifndef FASTPAR_IPC_INSTANTIATE
+#define FASTPAR_IPC_LAUNCHERS(T)                                                                \
+  extern template cudaError_t launch_all_reduce<T>(const RankPtrs&, int, int, void*, int64_t,  \
+                                                   Algo, const Sync&, int, cudaStream_t);      \
+  extern template cudaError_t launch_flagged_all_reduce<T>(                                    \
+      const RankPtrs&, int, int, void*, int64_t, int64_t, const int*, int, const Sync&,        \
+      cudaStream_t);
+FASTPAR_IPC_LAUNCHERS(float)
+FASTPAR_IPC_LAUNCHERS(__half)
+FASTPAR_IPC_LAUNCHERS(__nv_bfloat16)
+#undef FASTPAR_IPC_LAUNCHERS
+#endif
 
 }  // namespace ipc
 }  // namespace fastpar
