@@ -4,7 +4,8 @@ every call hands NCCL (pointers, counts, dtype and op codes, root, stream).
 NCCL itself is replaced at its boundary (the ``cupy.cuda.nccl`` module) by ``FakeNccl``, which
 reads and writes the memory behind the pointers it is given and reduces over the group's MPI
 communicator: a wrong pointer, count, dtype or op code gives a wrong result here. 3 ranks under
-mpirun, two groups at once (the world and global ranks [0, 2]). The real NCCL runs in
+mpirun (the launch tests/test_cuda_ipc_setup.py makes), two groups at once (the world and global
+ranks [0, 2]). The real NCCL runs in
 tests/test_cuda_ipc.py on a GPU machine.
 """
 
@@ -16,7 +17,6 @@ import torch
 
 from fastpar.comm import nccl_mpi, policy
 from fastpar.comm.policy import Layout, choose
-from tests.multirank import run_ranks
 
 _CODES = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
           7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
@@ -141,7 +141,10 @@ def body_glue():
 
 @pytest.fixture(scope="module")
 def glue():
-    return run_ranks(3, body_glue, timeout=120).values()
+    # launched together with tests/test_cuda_ipc_setup.py's protocol checks (one 3-rank launch)
+    from tests.test_cuda_ipc_setup import cpu_halves
+
+    return [v["nccl_glue"] for v in cpu_halves()]
 
 
 def test_every_call_reaches_nccl_with_the_right_arguments(glue):

@@ -384,8 +384,15 @@ def check_overlap(c):
     bfloat16 (rounding, not the decomposition, differs) runs chunks 3 on shm only."""
     from fastpar import comm
     from fastpar import nn as pnn
+    from fastpar.nn import overlap as ov
     from fastpar.testing import SerialAttention, SerialMLP
 
+    if c.n == 1:  # nothing is sent: the layers say so, the plain path runs (checked above)
+        layer = pnn.RowParallelLinear(8, 8, overlap=True)
+        layer(torch.randn(2, 8))
+        assert layer.overlap_decision == ov.Decision(False, 1, "tp 1: no communication")
+        c.checked.append("overlap.tp1")
+        return
     t2 = 28
     for dtype_name in DTYPES:
         dtype = getattr(torch, dtype_name)
@@ -488,7 +495,7 @@ RUNS = PerWorld(body_layers, {w: [dict(tp=t, seed=2000 + 10 * w + t) for v, t in
 def test_layers_against_serial(world, tp):
     values = RUNS(world, tp=tp, seed=2000 + 10 * world + tp)
     counts = {len(v["checked"]) for v in values}
-    assert len(counts) == 1 and counts.pop() > 250 + 12 * 6
+    assert len(counts) == 1 and counts.pop() > (250 if tp == 1 else 250 + 12 * 6)
     # Report how close to the bound the worst check came (pytest -s shows it).
     ratio, name = max(tuple(v["worst"]) for v in values)
     print(f"world {world} tp {tp}: worst error / bound = {ratio:.3f} ({name})")
