@@ -5,10 +5,11 @@ One communicator per group whose members share a node. Each rank ``cudaMalloc``s
 ``PYTORCH_CUDA_ALLOC_CONF`` can export it), exports a CUDA IPC handle for it and maps every
 peer's; the kernels (``csrc/cuda/``) then read peers' buffers directly.
 
-Setup is four steps, each ending in one agreement over the group (an ``all_gather_object`` of
-every rank's result or error): (1) the GPUs (native CUDA build, world, compute capability, the
-link between them) and from them the size limit (``policy.ipc_limit``); (2) allocate and
-export; (3) open every peer's handle; (4) build the context and probe it. A failure anywhere,
+Setup is six steps, each ending in one agreement over the group (an ``all_gather_object`` of
+every rank's result or error): (1) the GPUs (native CUDA build, world, compute capability);
+(2) the link between them and from it the size limit (``policy.ipc_limit``); (3) allocate and
+export; (4) open every peer's handle; (5) build the context; (6) probe it (with a short kernel
+timeout; the job's is set after). A failure anywhere,
 on any rank, makes every rank release what it holds and return ``(None, reason)`` together (the
 reason names the global ranks that failed and why), and the caller falls back to the group's
 torch.distributed engine; no rank is left waiting in a kernel for one that gave up.
