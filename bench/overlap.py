@@ -67,14 +67,8 @@ def case_runs(kind, sp, tokens, fin, fout, chunks, topo, dtype):
         x_full = torch.randn(batch, seq, fin, dtype=dtype, device=dev)
         w = layers[0].weight.detach()
         dy = torch.randn(batch, seq, fout // n, dtype=dtype, device=dev)
-        comm_in = torch.randn(batch, seq // n if sp else seq, fin, dtype=dtype, device=dev)
-
-        def comm_only():
-            if sp:
-                comm.all_gather(comm_in, group, dim=1)
-                comm.reduce_scatter(x_full, group, dim=1)
-            else:
-                comm.all_reduce(x_full.clone(), group)
+        # SP: all-gather of the input forward, reduce-scatter of dx backward; else dx's all-reduce
+        gathered, reduced = x, x_full
     else:
         layers = [pnn.RowParallelLinear(fin, fout, overlap=ov, chunks=chunks, **kw)
                   for ov in (False, True)]
@@ -82,14 +76,16 @@ def case_runs(kind, sp, tokens, fin, fout, chunks, topo, dtype):
         x_full = x
         w = layers[0].weight.detach()
         dy = torch.randn(batch, seq // n if sp else seq, fout, dtype=dtype, device=dev)
-        out_full = torch.randn(batch, seq, fout, dtype=dtype, device=dev)
+        # SP: reduce-scatter of the output forward, all-gather of dy backward; else an all-reduce
+        gathered, reduced = dy, torch.randn(batch, seq, fout, dtype=dtype, device=dev)
 
-        def comm_only():
-            if sp:
-                comm.reduce_scatter(out_full, group, dim=1)
-                comm.all_gather(dy, group, dim=1)
-            else:
-                comm.all_reduce(out_full.clone(), group)
+    def comm_only():
+        if sp:
+            comm.all_gather(gathered, group, dim=1)
+            comm.reduce_scatter(reduced, group, dim=1)
+        else:
+            comm.all_reduce(reduced.clone(), group)
+
     w = w.clone().requires_grad_(True)
     xg = x_full.clone().requires_grad_(True)
     dy_local = torch.randn(*xg.shape[:-1], w.shape[0], dtype=dtype, device=dev)

@@ -153,6 +153,37 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// Spins until done() holds; false when the context was aborted meanwhile, or when the wait
+// passed the context's timeout, in which case the first of this rank's waiters to give up sets
+// the abort word and records (code, peer, block, value, waited) in the host-mapped Status. The
+// clock and the abort word are read every 1024 spins. One thread per waiter calls it.
+template <typename Done>
+__device__ __forceinline__ bool wait_for(Done done, Signal* self, const Sync& sync,
+                                         uint32_t code, int peer, uint64_t value) {
+  uint64_t start = 0;
+  for (uint32_t spin = 0; !done(); ++spin) {
+    if ((spin & 1023u) != 1023u) continue;
+    if (*reinterpret_cast<volatile uint32_t*>(&self->abort) != 0) return false;
+    const uint64_t now = global_timer_ns();
+    if (start == 0) {
+      start = now;
+    } else if (sync.timeout_ns != 0 && now - start > sync.timeout_ns) {
+      if (atomicCAS(&self->abort, 0u, 1u) == 0u) {  // the first to give up reports
+        volatile Status* st = sync.status;
+        st->peer = peer;
+        st->block = int(blockIdx.x);
+        st->value = value;
+        st->waited_ns = now - start;
+        __threadfence_system();
+        st->code = code;
+        __threadfence_system();
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
 // All threads of the block call this; returns false (in every thread) when the
 // wait timed out here or the context was aborted by another block's timeout.
 // Thread t < W tells rank t that this block arrived (release, so the block's
@@ -172,31 +203,9 @@ __device__ __forceinline__ bool block_barrier(const RankView<W>& view, int rank,
     store_release_sys(&pick<W>(view.signals, peer)->flag[blockIdx.x][rank], value);
     Signal* self = pick<W>(view.signals, rank);
     const uint64_t* mine = &self->flag[blockIdx.x][peer];
-    uint64_t start = 0;
-    for (uint32_t spin = 0; load_acquire_sys(mine) < value; ++spin) {
-      if ((spin & 1023u) != 1023u) continue;  // look at the clock and the abort word now and then
-      if (*reinterpret_cast<volatile uint32_t*>(&self->abort) != 0) {
-        failed = 1;
-        break;
-      }
-      const uint64_t now = global_timer_ns();
-      if (start == 0) {
-        start = now;
-      } else if (sync.timeout_ns != 0 && now - start > sync.timeout_ns) {
-        if (atomicCAS(&self->abort, 0u, 1u) == 0u) {  // the first to give up reports
-          volatile Status* st = sync.status;
-          st->peer = peer;
-          st->block = int(blockIdx.x);
-          st->value = value;
-          st->waited_ns = now - start;
-          __threadfence_system();
-          st->code = kTimedOut;
-          __threadfence_system();
-        }
-        failed = 1;
-        break;
-      }
-    }
+    if (!wait_for([&] { return load_acquire_sys(mine) >= value; }, self, sync, kTimedOut, peer,
+                  value))
+      failed = 1;
   }
   __syncthreads();
   return failed == 0;
@@ -393,33 +402,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!enter<W>(view, rank, c)) return;
   __shared__ int produced;
   if (threadIdx.x == 0) {
-    produced = 1;
-    Signal* self = pick<W>(view.signals, rank);
-    uint64_t start = 0;
-    for (uint32_t spin = 0; load_acquire_sys_s32(flags + blockIdx.x) < expected; ++spin) {
-      if ((spin & 1023u) != 1023u) continue;
-      if (*reinterpret_cast<volatile uint32_t*>(&self->abort) != 0) {
-        produced = 0;
-        break;
-      }
-      const uint64_t now = global_timer_ns();
-      if (start == 0) {
-        start = now;
-      } else if (sync.timeout_ns != 0 && now - start > sync.timeout_ns) {
-        if (atomicCAS(&self->abort, 0u, 1u) == 0u) {
-          volatile Status* st = sync.status;
-          st->peer = rank;
-          st->block = int(blockIdx.x);
-          st->value = uint64_t(expected);
-          st->waited_ns = now - start;
-          __threadfence_system();
-          st->code = kProducerTimedOut;
-          __threadfence_system();
-        }
-        produced = 0;
-        break;
-      }
-    }
+    const int* flag = flags + blockIdx.x;
+    produced = wait_for([&] { return load_acquire_sys_s32(flag) >= expected; },
+                        pick<W>(view.signals, rank), sync, kProducerTimedOut, rank,
+                        uint64_t(expected));
   }
   __syncthreads();
   if (!produced) return;

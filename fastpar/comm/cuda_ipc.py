@@ -297,26 +297,29 @@ class CudaIpcCommunicator:
         launch timed out, once the rest is released."""
         if self._ptr is None and self._ctx is None:
             return
+        synced = False
         try:
             self._driver.synchronize(self.device)  # first: a launch may time out meanwhile
+            synced = True
             err = self.error()
             healthy = all_agree(not err, self.group, self.device)  # nobody is in a kernel now
         except Exception as exc:  # noqa: BLE001 - a dead peer: release what is safe, say so
             log.warning("cuda_ipc teardown of global ranks %s: the group did not answer (%s)",
                         self.ranks, exc)
             err, healthy = self.error(), False
-        self._release(healthy)
+        self._release(healthy, synced)
         if err:
             raise RuntimeError(err)
 
-    def _release(self, healthy: bool) -> None:
-        """Wait for this rank's launches, dispose, unmap the peers on the device they were
+    def _release(self, healthy: bool, synced: bool = False) -> None:
+        """Wait for this rank's launches (unless ``synced``), dispose, unmap the peers on the device they were
         opened on, then (``healthy``: after a barrier, so every importer has unmapped ours)
         free this rank's region. An unhealthy group may still have peers reading it: that
         memory is left to the process's end."""
         d = self._driver
         try:
-            d.synchronize(self.device)  # no kernel of ours still writes the status record
+            if not synced:
+                d.synchronize(self.device)  # no kernel of ours still writes the status record
         except Exception as exc:  # noqa: BLE001 - a broken context: release what we can
             log.warning("cuda_ipc: synchronising before release failed: %s", exc)
         if self._ctx is not None:
