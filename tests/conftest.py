@@ -12,3 +12,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """End the rank pools (tests.rank_pool) the session started."""
+    import sys
+
+    if "tests.rank_pool" in sys.modules:
+        sys.modules["tests.rank_pool"].close_all()

@@ -7,11 +7,14 @@
 
 A body is a module-level function ``body(**kwargs)`` in an importable module; each rank calls it
 and its JSON-serialisable return value is collected. ``run_ranks`` raises ``RankFailure`` showing
-each failed rank's traceback, or, on the per-launch timeout, kills the whole job and names the
-ranks that never finished. Launching 4 Python+torch processes costs seconds on 2 cores, so a body
-should group several checks.
+each failed rank's traceback, or, on the timeout, the stacks of the ranks that never finished.
 
-Pass ``check=False`` to get the ``Launch`` back even when ranks fail (for tests of failures).
+Bodies run in a rank pool (``tests.rank_pool``): one job per (launcher, world size, launch
+environment) serves every body of the session, with ``fastpar.shutdown()`` and the environment
+put back between bodies, so a test costs its body and not a launch. A test of how a job ends
+(killed ranks, aborts, exit statuses, output) needs a job of its own: ``own_job=True``, or
+``check=False`` to get the ``Launch`` back even when ranks fail. ``launch(argv, ...)`` runs a
+command line (the trainer, a bench, ``fastpar info``) as its own job.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)  # the venv's mpirun and torchrun live beside its python
+
+
+# Libraries the bodies use (transformers) never reach for the network, and every rank pool
+# shares these (a body's own environment would need a pool of its own: read at import).
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 class RankFailure(AssertionError):
@@ -75,20 +83,6 @@ def _target_name(body: str | Callable) -> str:
     return f"{body.__module__}:{body.__qualname__}"
 
 
-def _command(launcher: str, nranks: int, worker_args: list[str]) -> list[str]:
-    if launcher == "mpirun":
-        return [os.path.join(BIN, "mpirun"), "-np", str(nranks), sys.executable, "-m",
-                "tests._rank_worker", *worker_args]
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nranks}", "--no-python", sys.executable, "-m",
-                "tests._rank_worker", *worker_args]
-    if launcher == "plain" and nranks == 1:
-        return [sys.executable, "-m", "tests._rank_worker", *worker_args]
-    raise ValueError(f"launcher must be 'mpirun', 'torchrun' or 'plain' (1 rank), got "
-                     f"{launcher!r} with {nranks} ranks")
-
-
 @contextlib.contextmanager
 def mpich_segments_removed():
     """Remove the /dev/shm segments MPICH creates inside the block: MPICH unlinks its own segment
@@ -103,26 +97,117 @@ def mpich_segments_removed():
                 os.unlink(path)
 
 
+def launch_command(launcher: str, nranks: int, worker_args: list[str]) -> list[str]:
+    """The command line that starts ``tests._rank_worker`` on ``nranks`` ranks."""
+    return launch_argv(launcher, nranks, [sys.executable, "-m", "tests._rank_worker",
+                                          *worker_args])
+
+
+def launch_argv(launcher: str, nranks: int, argv: list[str]) -> list[str]:
+    """``argv`` (a program and its arguments) started on ``nranks`` ranks by ``launcher``:
+    ``mpirun`` (MPICH's Hydra from the venv), ``torchrun`` (standalone), or ``plain`` (1 rank,
+    no launcher)."""
+    if launcher == "mpirun":
+        return [os.path.join(BIN, "mpirun"), "-np", str(nranks), *argv]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={nranks}", "--no-python", *argv]
+    if launcher == "plain" and nranks == 1:
+        return list(argv)
+    raise ValueError(f"launcher must be 'mpirun', 'torchrun' or 'plain' (1 rank), got "
+                     f"{launcher!r} with {nranks} ranks")
+
+
+def launch_env(nranks: int = 1, env: dict | None = None) -> dict[str, str]:
+    """The environment of every process a test starts: this one's, with the repository on
+    PYTHONPATH, one intra-op thread per rank unless the caller's environment says otherwise
+    (``OMP_NUM_THREADS=2 bash scripts/test.sh`` runs every rank's kernels on two threads), and
+    ``env`` on top."""
+    full = {**OFFLINE, **os.environ,
+            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    if nranks > (os.cpu_count() or 1):
+        # More ranks than cores: MPICH's busy-polling ranks would starve the working ones
+        # (100 s instead of 5 s for the collective tests); make them sleep when idle.
+        full.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    return full
+
+
+def launch(argv: list[str], *, nranks: int = 1, launcher: str = "plain", env: dict | None = None,
+           timeout: float = 120.0, **popen) -> subprocess.CompletedProcess:
+    """Run a program (``[sys.executable, "-m", "fastpar.train", ...]``) as its own job under
+    ``launcher`` and wait for it: the tests of command lines, exit statuses and whole jobs.
+    Output is captured as text; MPICH's segments of a job that did not finalise are removed."""
+    with mpich_segments_removed():
+        return subprocess.run(launch_argv(launcher, nranks, argv), cwd=ROOT,
+                              env=launch_env(nranks, env), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=timeout, **popen)
+
+
 def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
               timeout: float = 120.0, env: dict | None = None, check: bool = True,
-              **kwargs) -> Launch:
+              own_job: bool = False, **kwargs) -> Launch:
     """Run ``body(**kwargs)`` on ``nranks`` ranks; see the module docstring."""
+    target = _target_name(body)
+    if check and not own_job:
+        from tests import rank_pool
+
+        # FASTPAR_* variables are read when a body calls fastpar.init: set per body. Anything
+        # else (MPICH's, OpenMP's) is read at process start: a pool of its own.
+        per_body = {k: v for k, v in (env or {}).items() if k.startswith("FASTPAR_")}
+        at_start = {k: v for k, v in (env or {}).items() if k not in per_body}
+        try:
+            launch = rank_pool.pool_for(launcher, nranks, at_start).run(target, kwargs,
+                                                                         per_body, timeout)
+        except rank_pool.PoolBroken as exc:
+            raise RankFailure(str(exc)) from None
+    else:
+        launch = _own_job(nranks, target, launcher, timeout, env, kwargs)
+    if check and (launch.returncode != 0 or launch.missing or launch.failed):
+        why = "timed out after %.0f s" % timeout if launch.returncode is None else "failed"
+        raise RankFailure(f"{why}: {launch.describe()}")
+    return launch
+
+
+def run_script(nranks: int, script: str, *args: str, timeout: float = 180.0,
+               env: dict | None = None) -> list[str]:
+    """Run ``python script args...`` (a path under the repository, e.g. a bench) as the
+    ``__main__`` of every rank of a rank pool, as ``mpirun -np nranks python script ...`` would;
+    every rank's standard output, in rank order. A non-zero ``sys.exit`` fails the test."""
+    return run_ranks(nranks, body_script, script=script, args=list(args), timeout=timeout,
+                     env=env).values()
+
+
+def body_script(script: str, args: list[str]) -> str:
+    import contextlib
+    import io
+    import runpy
+
+    out = io.StringIO()
+    argv = sys.argv
+    sys.argv = [script, *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise AssertionError(f"{script} exited with {exc.code!r}; its output:\n"
+                                 f"{out.getvalue()[-3000:]}") from None
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
+def _own_job(nranks, target, launcher, timeout, env, kwargs) -> Launch:
     with tempfile.TemporaryDirectory(prefix="fastpar-ranks-") as outdir:
-        args = [outdir, _target_name(body), json.dumps(kwargs)]
-        # One intra-op thread per rank unless the caller's environment says otherwise
-        # (OMP_NUM_THREADS=2 bash scripts/test.sh runs every rank's kernels on two threads).
-        full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-        if nranks > (os.cpu_count() or 1):
-            # More ranks than cores: MPICH's busy-polling ranks would starve the working ones
-            # (100 s instead of 5 s for the collective tests); make them sleep when idle.
-            full_env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+        args = [outdir, target, json.dumps(kwargs)]
         out = open(os.path.join(outdir, "output.txt"), "w+")
         start = time.monotonic()
         with mpich_segments_removed():
-            proc = subprocess.Popen(_command(launcher, nranks, args), cwd=ROOT, env=full_env,
-                                    stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(launch_command(launcher, nranks, args), cwd=ROOT,
+                                    env=launch_env(nranks, env), stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
             try:
                 returncode = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -139,60 +224,22 @@ def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
             if os.path.exists(path):
                 with open(path) as f:
                     results[r] = json.load(f)
-    launch = Launch(nranks, launcher, returncode, elapsed, output, results)
-    if check and (returncode != 0 or launch.missing or launch.failed):
-        why = "timed out after %.0f s" % timeout if returncode is None else "failed"
-        raise RankFailure(f"{why}: {launch.describe()}")
-    return launch
-
-
-def body_each(target: str, cases: list[dict]) -> list:
-    """``target(**case)`` (a body's "module:name") for each case in turn on this rank, ``fastpar.shutdown()`` after each
-    (so cases may init different layouts); the list of values."""
-    import importlib
-
-    import fastpar
-
-    module, name = target.split(":")
-    fn = getattr(importlib.import_module(module), name)
-    values = []
-    for case in cases:
-        try:
-            values.append(fn(**case))
-        finally:
-            fastpar.shutdown()
-    return values
-
-
-class PerWorld:
-    """Parametrized layouts of one world size share a launch (a launch costs seconds):
-
-        runs = PerWorld(body, {4: [dict(tp=4, seed=1), dict(tp=2, seed=2)], 2: [...]})
-        values = runs(4, tp=2, seed=2)     # every rank's body(tp=2, seed=2), in rank order
-
-    The first call for a world size launches all of its cases (``body_each``); a failing case
-    fails that launch, so every test of that size reports it."""
-
-    def __init__(self, body, cases: dict[int, list[dict]], **launch_kwargs):
-        self.body, self.cases, self.launch_kwargs = _target_name(body), cases, launch_kwargs
-        self.values: dict[int, list] = {}
-
-    def __call__(self, world: int, **case) -> list:
-        if world not in self.values:
-            self.values[world] = run_ranks(world, body_each, target=self.body,
-                                           cases=self.cases[world], **self.launch_kwargs).values()
-        index = self.cases[world].index(case)
-        return [v[index] for v in self.values[world]]
+    return Launch(nranks, launcher, returncode, elapsed, output, results)
 
 
 def count_calls(cls, *names: str) -> dict[str, int]:
     """Wrap methods ``names`` of ``cls`` in this process so each call is counted (and passed
-    through): how a rank body checks which kernel a collective took. Returns the live counts."""
+    through): how a rank body checks which kernel a collective took. Returns the live counts.
+    Counting again (the next body of a rank pool) replaces the earlier counter."""
     counts = dict.fromkeys(names, 0)
     for name in names:
-        def counted(self, *args, _real=getattr(cls, name), _name=name, **kwargs):
+        real = getattr(cls, name)
+        real = getattr(real, "__wrapped__", real)  # a rank pool's earlier body counted it too
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
             counts[_name] += 1
             return _real(self, *args, **kwargs)
+        counted.__wrapped__ = real
         setattr(cls, name, counted)
     return counts
 
@@ -226,10 +273,9 @@ def cut_short_during_setup(code: str, tmp_path, act, keep=lambda path: True):
                 if (tmp_path / f"pid{r}").exists()]
         return {p for p in segments_of(pids) - before if keep(p)}
 
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     with mpich_segments_removed():
-        proc = subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-c",
-                                 code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(launch_argv("mpirun", 2, [sys.executable, "-c", code]),
+                                env=launch_env(2), cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (not ours() or not (tmp_path / "pid1").exists()):

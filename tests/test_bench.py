@@ -3,30 +3,18 @@ they belong to bench/, not to tests)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-
-from tests.multirank import BIN, ROOT
+from tests.multirank import run_script
 
 RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
                "algbw_gbps", "busbw_gbps", "wrong", "symmetric"}
 
 
-def mpirun(n, *args, timeout=180):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([os.path.join(BIN, "mpirun"), "-np", str(n), sys.executable, *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_collectives_bench_checks_every_result(tmp_path):
     out = tmp_path / "c.json"
-    text = mpirun(2, "bench/collectives.py", "--ops",
-                  "all_reduce,all_gather,reduce_scatter,broadcast,sendrecv", "--backends",
-                  "shm,gloo,mpi,nccl", "-b", "1K", "-e", "4K", "-f", "4", "-w", "1", "-n", "3",
-                  "--check", "--json", str(out))
+    text = "".join(run_script(2, "bench/collectives.py", "--ops",
+                              "all_reduce,all_gather,reduce_scatter,broadcast,sendrecv",
+                              "--backends", "shm,gloo,mpi,nccl", "-b", "1K", "-e", "4K", "-f",
+                              "4", "-w", "1", "-n", "3", "--check", "--json", str(out)))
     assert "sendrecv on shm: skipped" not in text and "nccl needs CUDA" in text
     records = json.loads(out.read_text())
     measured = [r for r in records if r["op"] != "memcpy"]
@@ -41,11 +29,11 @@ def test_collectives_bench_checks_every_result(tmp_path):
 
 def test_bootstrap_and_tp_benches_run(tmp_path):
     out = tmp_path / "b.json"
-    mpirun(2, "bench/bootstrap.py", "--tp", "2", "--repeat", "2", "--json", str(out))
+    run_script(2, "bench/bootstrap.py", "--tp", "2", "--repeat", "2", "--json", str(out))
     rec = json.loads(out.read_text())
     assert rec["world_size"] == 2 and rec["tp"] == 2 and rec["first_init_s"] > 0
     out = tmp_path / "t.json"
-    mpirun(2, "bench/tp_layers.py", "--hidden", "32", "--ffn", "64", "--json", str(out))
+    run_script(2, "bench/tp_layers.py", "--hidden", "32", "--ffn", "64", "--json", str(out))
     rows = json.loads(out.read_text())
     assert {(r["impl"], r["tp"]) for r in rows} == {
         ("nn.Linear MLP", 1), ("fastpar ParallelMLP", 1), ("fastpar ParallelMLP", 2)}
@@ -53,7 +41,7 @@ def test_bootstrap_and_tp_benches_run(tmp_path):
 
 def test_pipeline_bench_runs_every_configuration(tmp_path):
     out, traces = tmp_path / "p.json", tmp_path / "traces"
-    mpirun(2, "bench/pipeline.py", "--steps", "1", "--warmup", "1", "--hidden", "16",
+    run_script(2, "bench/pipeline.py", "--steps", "1", "--warmup", "1", "--hidden", "16",
            "--microbatches", "2", "--schedules", "1f1b,zb", "--p2p", "torch,shm",
            "--json", str(out), "--trace-dir", str(traces))
     result = json.loads(out.read_text())
@@ -75,7 +63,7 @@ def test_pipeline_bench_runs_every_configuration(tmp_path):
 
 def test_train_throughput_bench_runs_at_one_rank(tmp_path):
     out = tmp_path / "train.json"
-    mpirun(1, "bench/train_throughput.py", "--preset", "tiny", "--global-batch", "4",
+    run_script(1, "bench/train_throughput.py", "--preset", "tiny", "--global-batch", "4",
            "--warmup", "1", "--steps", "2", "--json", str(out))
     result = json.loads(out.read_text())
     assert result["env"]["world_size"] == 1 and result["config"]["preset"] == "tiny"
@@ -95,8 +83,9 @@ def test_train_throughput_bench_runs_at_one_rank(tmp_path):
 
 def test_overlap_bench_runs(tmp_path):
     out = tmp_path / "o.json"
-    text = mpirun(2, "bench/overlap.py", "--small", "--backends", "gloo,shm", "--chunks", "3",
-                  "--reps", "1", "--warmup", "0", "--json", str(out))
+    text = "".join(run_script(2, "bench/overlap.py", "--small", "--backends", "gloo,shm",
+                              "--chunks", "3", "--reps", "1", "--warmup", "0", "--json",
+                              str(out)))
     assert "hidden" in text
     rows = json.loads(out.read_text())
     # column and row, sequence parallel off and on, two engines, one chunk count

@@ -9,7 +9,6 @@
   the device it mapped on. The kernels themselves are tested on a GPU (tests/test_cuda_ipc.py).
 """
 
-import functools
 import time
 
 import pytest
@@ -253,23 +252,9 @@ def _names(calls):
     return [c for _, c, _ in calls]
 
 
-def body_cpu_halves():
-    """One 3-rank launch for the CPU halves of both GPU engines: this file's setup protocol and
-    tests/test_nccl_mpi.py's NCCL glue (a launch costs seconds of imports)."""
-    from tests.test_nccl_mpi import body_glue
-
-    return {"protocol": body_setup_protocol(), "nccl_glue": body_glue()}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_halves() -> tuple:
-    """Every rank's ``body_cpu_halves`` result, launched once per pytest process."""
-    return tuple(run_ranks(3, body_cpu_halves, timeout=240).values())
-
-
 @pytest.fixture(scope="module")
 def protocol():
-    return [v["protocol"] for v in cpu_halves()]
+    return run_ranks(3, body_setup_protocol, timeout=240).values()
 
 
 def test_healthy_setup_and_teardown_order(protocol):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.testing import Checks
-from tests.multirank import PerWorld
+from tests.multirank import run_ranks
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (4, 2, 1), (4, 1, 2)]  # (world, tp, pp)
 STEPS, ACCUM, MB = 3, 2, 4  # Adam steps, micro-batches per step, rows per replica per micro-batch
@@ -356,13 +356,9 @@ def body_dp(tp, seed, pp=1):
     return {"checked": c.checked, "worst": c.worst}
 
 
-RUNS = PerWorld(body_dp, {w: [dict(tp=t, pp=p, seed=1234) for v, t, p in LAYOUTS if v == w]
-                          for w, _, _ in LAYOUTS}, timeout=180)
-
-
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"w{w}tp{t}pp{p}" for w, t, p in LAYOUTS])
 def test_data_parallel(world, tp, pp):
-    values = RUNS(world, tp=tp, pp=pp, seed=1234)
+    values = run_ranks(world, body_dp, tp=tp, pp=pp, seed=1234, timeout=180).values()
     assert all(v["checked"] == values[0]["checked"] for v in values)
     assert len(values[0]["checked"]) > 10
 
@@ -385,19 +381,11 @@ def test_bucket_plan():
 def test_bench_runs(tmp_path):
     """bench/data_parallel.py still runs (tiny model) and writes its documented JSON."""
     import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.multirank import BIN, ROOT
+    from tests.multirank import run_script
 
     out = tmp_path / "dp.json"
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable,
-                           "bench/data_parallel.py", "--hidden", "32", "--steps", "1",
-                           "--warmup", "1", "--json", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(2, "bench/data_parallel.py", "--hidden", "32", "--steps", "1", "--warmup", "1",
+               "--json", str(out))
     result = json.loads(out.read_text())
     variants = {(r["engine"], r["variant"]) for r in result["records"]}
     assert ("gloo", "torch-ddp") in variants and ("shm", "dp-overlap") in variants, variants

@@ -1,26 +1,19 @@
 """`python -m fastpar info`: alone, under mpirun and torchrun, text and JSON, and bad layouts."""
 
 import json
-import os
-import subprocess
 import sys
 
-from tests.multirank import BIN, ROOT, mpich_segments_removed
+from tests.multirank import launch
 
 KEYS = {"world_size", "tp", "pp", "dp", "backend", "versions", "ranks", "engines"}
 RANK_KEYS = {"rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank", "cpus"}
 
 
-def run(cmd, timeout=120):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    with mpich_segments_removed():  # a failed MPI job leaves MPICH's segment
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
 
 
 def test_info_json_under_mpirun():
-    proc = run([os.path.join(BIN, "mpirun"), "-np", "4", sys.executable, "-m", "fastpar", "info",
-                "--tp", "2", "--pp", "2", "--json"])
+    proc = launch([sys.executable, "-m", "fastpar", "info", "--tp", "2", "--pp", "2", "--json"],
+                  nranks=4, launcher="mpirun")
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)  # exactly one document: only rank 0 writes
     assert KEYS <= set(rep)
@@ -45,7 +38,7 @@ def test_info_json_under_mpirun():
 
 
 def test_info_text_single_process_and_torchrun():
-    proc = run([sys.executable, "-m", "fastpar", "info"])
+    proc = launch([sys.executable, "-m", "fastpar", "info"])
     assert proc.returncode == 0, proc.stderr
     for word in ("torch", "mpi4py", "native", "built", "launcher", "single", "rank map",
                  "engines on rank 0's groups", "every op  local   group of one rank"):
@@ -59,8 +52,7 @@ def test_info_text_single_process_and_torchrun():
     # Under torchrun (and alone) info never initialises MPI, even with mpi4py installed.
     code = ("import sys; from fastpar import info; rc = info.main(['--tp', '2', '--json']); "
             "assert 'mpi4py.MPI' not in sys.modules, 'info imported mpi4py.MPI'; sys.exit(rc)")
-    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node=2", "--no-python", sys.executable, "-c", code])
+    proc = launch([sys.executable, "-c", code], nranks=2, launcher="torchrun")
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["versions"]["launcher"] == "torchrun" and rep["tp"] == 2
@@ -68,8 +60,8 @@ def test_info_text_single_process_and_torchrun():
 
 
 def test_info_bad_layout_names_the_numbers():
-    proc = run([os.path.join(BIN, "mpirun"), "-np", "3", sys.executable, "-m", "fastpar", "info",
-                "--tp", "2"])
+    proc = launch([sys.executable, "-m", "fastpar", "info", "--tp", "2"], nranks=3,
+                  launcher="mpirun")
     assert proc.returncode != 0
     for rank in range(3):
         assert (f"error on rank {rank}: world_size 3 is not divisible by tp 2 x pp 1"

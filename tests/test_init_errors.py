@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.multirank import ROOT, run_ranks
+from tests.multirank import launch_env, run_ranks
 
 
 def body_init(tp=1, pp=1, init_timeout=30.0, die_rank=None):
@@ -118,8 +118,8 @@ def _free_port():
 
 
 def _spawn_rank(rank, world, port, timeout):
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "PYTHONPATH": ROOT}
+    env = launch_env(1, {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port)})
     code = f"import fastpar; fastpar.init(timeout={timeout})"
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

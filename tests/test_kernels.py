@@ -12,14 +12,13 @@ process collects. On a GPU machine TestCompiledOnCuda runs the same checks compi
 import importlib
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.multirank import ROOT
+from tests.multirank import launch
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # set for the child pytest
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -110,9 +109,9 @@ def check_flags(linear_with_flags, m, n, k, block_m, block_n, dtype, device):
     x, w, _ = _operands((m,), n, k, dtype, device, bias=False, seed=3)
     row_blocks, col_tiles = -(-m // block_m), -(-n // block_n)
     flags = torch.zeros(row_blocks, dtype=torch.int32, device=device)
-    for launch in (1, 2):  # flags are added to, not reset
+    for calls in (1, 2):  # flags are added to, not reset
         y = linear_with_flags(x, w, flags, block_m=block_m, block_n=block_n)
-        assert flags.tolist() == [launch * col_tiles] * row_blocks
+        assert flags.tolist() == [calls * col_tiles] * row_blocks
     y64 = x.double() @ w.double().T
     bound = _z_bound(x, w, None) + torch.finfo(dtype).eps * y64.abs()
     assert ((y.double() - y64).abs() <= bound).all()
@@ -203,22 +202,19 @@ class TestParent:
 
     @needs_triton
     def test_cpu_kernels_under_interpreter(self):
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               os.path.abspath(__file__)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = launch([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                       os.path.abspath(__file__)], env={"TRITON_INTERPRET": "1"}, timeout=300)
         print(proc.stdout[-4000:])  # the child's results, shown with -s or on failure
         assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
         assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
     @needs_triton
     def test_cpu_tensors_without_interpreter_say_what_to_set(self):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        code = ("import torch; from fastpar.kernels import linear\n"
+        code = ("import os, torch; os.environ.pop('TRITON_INTERPRET', None)\n"
+                "from fastpar.kernels import linear\n"
                 "try:\n    linear(torch.ones(2, 3), torch.ones(4, 3))\n"
                 "except RuntimeError as e:\n    print(e)")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, env={**env, "PYTHONPATH": ROOT})
+        proc = launch([sys.executable, "-c", code])
         assert proc.returncode == 0, proc.stderr
         assert "Set TRITON_INTERPRET=1 in the environment before importing fastpar.kernels" \
             in proc.stdout, proc.stdout
@@ -229,8 +225,7 @@ class TestParent:
                 "assert 'fastpar.kernels.gemm' not in sys.modules\n"
                 "try:\n    k.linear(torch.ones(2, 3), torch.ones(4, 3))\n"
                 "except ImportError as e:\n    print(e)")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+        proc = launch([sys.executable, "-c", code])
         assert proc.returncode == 0, proc.stderr
         assert "needs Triton, which is not installed: pip install triton (or pip install " \
                "'fastpar[triton]')" in proc.stdout, proc.stdout

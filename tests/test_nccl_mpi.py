@@ -17,6 +17,7 @@ import torch
 
 from fastpar.comm import nccl_mpi, policy
 from fastpar.comm.policy import Layout, choose
+from tests.multirank import run_ranks
 
 _CODES = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
           7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
@@ -141,10 +142,7 @@ def body_glue():
 
 @pytest.fixture(scope="module")
 def glue():
-    # launched together with tests/test_cuda_ipc_setup.py's protocol checks (one 3-rank launch)
-    from tests.test_cuda_ipc_setup import cpu_halves
-
-    return [v["nccl_glue"] for v in cpu_halves()]
+    return run_ranks(3, body_glue, timeout=240).values()
 
 
 def test_every_call_reaches_nccl_with_the_right_arguments(glue):

@@ -13,7 +13,7 @@ instead of the tp group mixes the replicas' data and fails.
 
 import pytest
 
-from tests.multirank import PerWorld
+from tests.multirank import run_ranks
 
 DTYPES = ("float32", "bfloat16")
 LAYOUTS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world, tp)
@@ -139,11 +139,8 @@ def body_autograd(tp, seed):
     return {"checked": checked, "worst": worst}
 
 
-RUNS = PerWorld(body_autograd, {w: [dict(tp=t, seed=1000 + 10 * w + t) for v, t in LAYOUTS
-                                     if v == w] for w, _ in LAYOUTS})
-
-
 @pytest.mark.parametrize("world, tp", LAYOUTS)
 def test_autograd_collectives(world, tp):
-    names = [v["checked"] for v in RUNS(world, tp=tp, seed=1000 + 10 * world + tp)]
+    names = [v["checked"] for v in run_ranks(world, body_autograd, tp=tp,
+                                                  seed=1000 + 10 * world + tp).values()]
     assert all(c == names[0] for c in names) and len(names[0]) >= 40, names

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multirank import PerWorld
+from tests.multirank import run_ranks
 
 DTYPES = ("float32", "bfloat16")
 B, T = 2, 8  # batch, sequence (divisible by every tp)
@@ -487,13 +487,10 @@ def check_rng(c, topo, seed):
     c.checked.append("rng")
 
 
-RUNS = PerWorld(body_layers, {w: [dict(tp=t, seed=2000 + 10 * w + t) for v, t in LAYOUTS if v == w]
-                               for w, _ in LAYOUTS}, timeout=300)
-
-
 @pytest.mark.parametrize("world, tp", LAYOUTS)
 def test_layers_against_serial(world, tp):
-    values = RUNS(world, tp=tp, seed=2000 + 10 * world + tp)
+    values = run_ranks(world, body_layers, tp=tp, seed=2000 + 10 * world + tp,
+                       timeout=300).values()
     counts = {len(v["checked"]) for v in values}
     assert len(counts) == 1 and counts.pop() > (250 if tp == 1 else 250 + 12 * 6)
     # Report how close to the bound the worst check came (pytest -s shows it).

@@ -24,7 +24,6 @@ import torch
 from tests.multirank import run_ranks
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 LAYOUTS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world, tp)
 DP_STRIDE = 7919  # seed offset of each dp replica: same model and data within a tp group only
 EXPLICIT_PLAN = {
@@ -341,42 +340,13 @@ def body_inferred(tp, seed):
     return {"styles": styles, "checks": check.count, "worst": check.worst}
 
 
-def body_all(tps, seeds, hf):
-    """Every (tp, body) of one world size in one launch, ``fastpar.shutdown`` between tp sizes:
-    {"hf/<tp>": ..., "inferred/<tp>": ...}."""
-    import fastpar
-
-    out = {}
-    for tp in tps:
-        if hf:
-            out[f"hf/{tp}"] = body_hf(tp, seeds[f"hf/{tp}"])
-        out[f"inferred/{tp}"] = body_inferred(tp, seeds[f"inferred/{tp}"])
-        fastpar.shutdown()
-    return out
-
-
-@pytest.fixture(scope="module")
-def by_world():
-    """``by_world(world, key)``: every rank's result of ``key`` ("hf/<tp>", "inferred/<tp>")
-    from one launch per world size (a launch costs seconds)."""
-    cache = {}
-
-    def get(world, key):
-        if world not in cache:
-            tps = [tp for w, tp in LAYOUTS if w == world]
-            seeds = {f"{kind}/{tp}": base + 10 * world + tp for tp in tps
-                     for kind, base in (("hf", 3000), ("inferred", 4000))}
-            cache[world] = run_ranks(world, body_all, tps=tps, seeds=seeds, hf=HAS_TRANSFORMERS,
-                                     env=ENV, timeout=300).values()
-        return [v[key] for v in cache[world]]
-    return get
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed "
                     "(pip install transformers) - the Hugging Face parallelize test needs it")
 @pytest.mark.parametrize("world, tp", LAYOUTS)
-def test_parallelize_hf_llama(world, tp, by_world):
-    values = by_world(world, f"hf/{tp}")
+def test_parallelize_hf_llama(world, tp):
+    values = run_ranks(world, body_hf, tp=tp, seed=3000 + 10 * world + tp, timeout=300).values()
     for rank, value in enumerate(values):
         assert value["declared"] == value["explicit"] == 16  # 2 x 7 projections, embed, head
         logged = int(rank % tp == 0)  # tp rank 0 of each replica logs each table, once
@@ -387,6 +357,7 @@ def test_parallelize_hf_llama(world, tp, by_world):
 
 
 @pytest.mark.parametrize("world, tp", LAYOUTS)
-def test_parallelize_inferred_plan(world, tp, by_world):
-    values = by_world(world, f"inferred/{tp}")
+def test_parallelize_inferred_plan(world, tp):
+    values = run_ranks(world, body_inferred, tp=tp, seed=4000 + 10 * world + tp,
+                       timeout=300).values()
     assert len({v["checks"] for v in values}) == 1

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.multirank import BIN, ROOT, run_ranks
+from tests.multirank import ROOT, launch_argv, launch_env, run_ranks
 
 BASE = ["--preset", "tiny", "--steps", "20", "--log-every", "10", "--no-progress", "--plot", "",
         "--timeout", "60"]
@@ -129,10 +129,9 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
 
 
 def _mpirun_train(args):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, "-m",
-                             "fastpar.train", *BASE[:2], "--steps", "100000", "--no-progress",
-                             "--plot", "", *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.Popen(launch_argv("mpirun", 2, [
+        sys.executable, "-m", "fastpar.train", *BASE[:2], "--steps", "100000", "--no-progress",
+        "--plot", "", *args]), env=launch_env(2), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.testing import Checks
-from tests.multirank import PerWorld
+from tests.multirank import run_ranks
 
 MB = 4  # rows per dp rank per step
 
@@ -306,12 +306,8 @@ def body_zero(seed, tp=1):
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, tp)
 
 
-RUNS = PerWorld(body_zero, {w: [dict(seed=4321, tp=t) for v, t in LAYOUTS if v == w]
-                             for w, _ in LAYOUTS}, timeout=120)
-
-
 @pytest.mark.parametrize("world,tp", LAYOUTS, ids=[f"w{w}tp{t}" for w, t in LAYOUTS])
 def test_zero(world, tp):
-    values = RUNS(world, seed=4321, tp=tp)
+    values = run_ranks(world, body_zero, seed=4321, tp=tp, timeout=120).values()
     assert all(v["checked"] == values[0]["checked"] for v in values)
     assert len(values[0]["checked"]) > (10 if tp > 1 else 50), values[0]["checked"]
