@@ -2,8 +2,6 @@
 error, decisions can be seen, the torch floor is enforced."""
 
 import logging
-import os
-import subprocess
 import sys
 
 import pytest
@@ -13,7 +11,7 @@ import fastpar
 from fastpar.comm import policy
 from fastpar.comm.state import CommState
 from fastpar.version import MIN_TORCH, check_torch
-from tests.multirank import ROOT
+from tests.multirank import launch
 
 
 def test_topology_names_one_thing():
@@ -41,8 +39,7 @@ def test_torch_floor(version, ok):
 
 def test_torch_floor_is_enforced_at_import():
     code = "import torch; torch.__version__ = '2.4.1'; import fastpar"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    proc = launch([sys.executable, "-c", code])
     assert proc.returncode != 0
     assert "ImportError: fastpar needs torch >= 2.5" in proc.stderr, proc.stderr
     assert "found torch 2.4.1" in proc.stderr
@@ -115,7 +112,7 @@ class _FakeCudaTensor:
                                             ("gloo", False)])
 def test_cuda_ipc_is_built_only_when_it_may_be_chosen(forced, builds, monkeypatch):
     state = CommState.__new__(CommState)
-    state.forced = forced
+    state.forced, state.forced_by = forced, "FASTPAR_COMM_BACKEND"
     built = []
     layout = policy.Layout(size=2, same_host=True, pg_backend="nccl")
     monkeypatch.setattr(state, "resolve", lambda group: ("g", [0, 1], layout), raising=False)

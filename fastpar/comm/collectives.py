@@ -138,7 +138,7 @@ def use_backend(name: str | None) -> str | None:
     if name is not None and name not in policy.ENGINES:
         raise ValueError(f"unknown engine {name!r}; expected one of {', '.join(policy.ENGINES)}")
     st = current()
-    previous, st.forced = st.forced, name
+    previous, st.forced, st.forced_by = st.forced, name, "comm.use_backend"
     return previous
 
 

@@ -51,9 +51,6 @@ __all__ = ["ACTIVATION", "GRADIENT", "Channels", "P2PError", "P2PTimeout", "Send
            "send_backward_recv_forward", "send_forward", "send_forward_recv_backward",
            "spec_of"]
 
-_LAST: list = []  # the most recently built Channels, for the module-level verbs
-
-
 class Channels:
     """This rank's channels to its neighbours in ``group``'s ring of ranks.
 
@@ -97,10 +94,12 @@ class Channels:
         same_host = bool(hosts) and all(len({hosts[r] for r in g}) == 1 for g in groups)
         peers = sorted({self.prev, self.next} - {self.rank})
         self._engine = None
+        self.closed = False
         if n == 1:
             self.engine_name, self.reason = "local", "a group of one rank"
         else:
-            self.engine_name, self.reason = _engine_choice(engine, same_host, self.device)
+            self.engine_name, self.reason = _engine_choice(engine, same_host, self.device,
+                                                           state.forced, state.forced_by)
         if self.engine_name == "shm":
             from fastpar.comm.shm_p2p import ShmP2P
 
@@ -121,7 +120,7 @@ class Channels:
         state.closers.append(self.close)
         self._warm_up()
         self.bytes_sent = 0
-        _LAST[:] = [self]
+        state.channels = self  # the module-level verbs act on the job's latest Channels
 
     # -- the verbs ------------------------------------------------------------------------
     def send_forward(self, values, *, mb: int, stage: int) -> SendHandle:
@@ -169,6 +168,7 @@ class Channels:
 
     def close(self) -> None:
         """Wait for pending sends (unless a failure broke the channel) and release it."""
+        self.closed = True
         try:
             if self._broken is None:
                 self.wait_sends()
@@ -177,8 +177,6 @@ class Channels:
             if self._engine is not None:
                 self._engine.close()
                 self._engine = None
-            if _LAST and _LAST[0] is self:
-                _LAST.clear()
 
     # -- messages -------------------------------------------------------------------------
     def _where(self, direction, peer, mb, stage) -> str:
@@ -396,10 +394,13 @@ class Channels:
 
 
 def _last() -> Channels:
-    if not _LAST:
-        raise RuntimeError("fastpar p2p: no Channels yet; build one with "
+    from fastpar.comm.state import current
+
+    channels = current().channels
+    if channels is None or channels.closed:
+        raise RuntimeError("fastpar p2p: no open Channels in this job; build one with "
                            "fastpar.comm.p2p.Channels(group) (a Pipeline builds its own)")
-    return _LAST[0]
+    return channels
 
 
 def send_forward(values, *, mb: int, stage: int) -> SendHandle:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -109,10 +108,17 @@ class _ShmEngine:
         self.rings.close()
 
 
-def _engine_choice(engine: str, same_host: bool, device: torch.device) -> tuple[str, str]:
-    forced = os.environ.get("FASTPAR_COMM_BACKEND") or None
+def _engine_choice(engine: str, same_host: bool, device: torch.device,
+                   forced: str | None = None, forced_by: str = "") -> tuple[str, str]:
+    """``(engine, reason)`` for a ``Channels``: ``engine`` as asked ("auto", "shm", "torch"),
+    ``forced``: the job's forced collective engine (``CommState.forced``), which "auto" follows
+    where it names a p2p engine too (shm; gloo and nccl are torch's)."""
+    reason = "forced"
     if engine == "auto" and forced in ("shm", "gloo", "nccl"):
+        from fastpar.comm.policy import forcing
+
         engine = "shm" if forced == "shm" else "torch"
+        reason = f"forced by {forcing(forced, forced_by)}"
     if engine not in ("auto", "shm", "torch"):
         raise ValueError(f"p2p engine must be 'auto', 'shm' or 'torch', got {engine!r}")
     native = _native.available() and hasattr(torch.ops.fastpar, "shm_p2p_send")
@@ -125,4 +131,4 @@ def _engine_choice(engine: str, same_host: bool, device: torch.device) -> tuple[
     if engine == "shm" and not (device.type == "cpu" and same_host):
         raise ValueError(f"the shm p2p engine needs every stage on one host and CPU tensors "
                          f"(same host: {same_host}, device: {device})")
-    return engine, "forced"
+    return engine, reason

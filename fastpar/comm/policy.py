@@ -172,9 +172,17 @@ def _refusal(engine: str, op: str, device: str, layout: Layout, nbytes: int,
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
 
 
+def forcing(engine: str, by: str) -> str:
+    """How a forced engine is named in reasons and errors: ``FASTPAR_COMM_BACKEND=shm`` or
+    ``comm.use_backend('shm')``."""
+    return f"{by}={engine}" if by == "FASTPAR_COMM_BACKEND" else f"{by}({engine!r})"
+
+
 def choose(op: str, device: str, layout: Layout, nbytes: int, dtype: torch.dtype, *,
-           reduce_op: str = "sum", forced: str | None = None) -> Choice:
-    """The engine for one call. ``device`` is a device type ("cpu", "cuda")."""
+           reduce_op: str = "sum", forced: str | None = None,
+           forced_by: str = "FASTPAR_COMM_BACKEND") -> Choice:
+    """The engine for one call. ``device`` is a device type ("cpu", "cuda"). ``forced``: the
+    engine forced by ``forced_by`` (the environment variable, or ``comm.use_backend``)."""
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(OPS)}")
     if layout.size == 1:
@@ -182,9 +190,9 @@ def choose(op: str, device: str, layout: Layout, nbytes: int, dtype: torch.dtype
     if forced:
         why = _refusal(forced, op, device, layout, nbytes, dtype, reduce_op)
         if why is not None:
-            raise ValueError(f"FASTPAR_COMM_BACKEND={forced} cannot serve {op} of {nbytes} "
+            raise ValueError(f"{forcing(forced, forced_by)} cannot serve {op} of {nbytes} "
                              f"bytes of {dtype} on {device}: {why}")
-        return Choice(forced, "forced by FASTPAR_COMM_BACKEND")
+        return Choice(forced, f"forced by {forcing(forced, forced_by)}")
     if device == "cpu":
         why = _shm_refusal(op, device, layout, dtype, reduce_op)
         if why is None:

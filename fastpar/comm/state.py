@@ -1,7 +1,7 @@
 """The communication state of one job: the engine setting, cached routes and every communicator.
 
-``fastpar.init`` builds one ``CommState`` beside the ``Topology`` (``fastpar.runtime.job().comm``)
-and ``fastpar.shutdown`` closes it, so a second ``init`` starts clean. Building it communicates
+Each job has one ``CommState``, a part of the ``Job`` made at the first call that needs it
+(``current()``), and ``fastpar.shutdown`` closes it, so a second ``init`` starts clean. Building it communicates
 nothing: a group's shm segment, MPI sub-communicator or CUDA IPC buffers are created at the
 group's first collective that the policy sends to that engine (a collective over the group).
 """
@@ -26,8 +26,12 @@ log = logging.getLogger("fastpar.comm")
 class CommState:
     def __init__(self, topo):
         self.topo = topo
-        # FASTPAR_COMM_BACKEND is read once per job; comm.use_backend() changes it in code.
+        # The one reader of FASTPAR_COMM_BACKEND (once per job); comm.use_backend() changes it
+        # in code. Collectives and pipeline P2P both take the engine from here.
         self.forced: str | None = os.environ.get("FASTPAR_COMM_BACKEND") or None
+        self.forced_by = "FASTPAR_COMM_BACKEND"
+        # The most recently built p2p.Channels: what the module-level p2p verbs act on.
+        self.channels = None
         self.routes: dict = {}  # call signature -> Route; see collectives._route
         self._groups: dict = {}  # id(group) -> (group, global ranks in group order, Layout)
         # Each process group owns its communicators, keyed by id(group) (the group stays alive
@@ -82,7 +86,8 @@ class CommState:
         if self.forced == "nccl_mpi":
             layout = self._with_nccl_mpi(layout)
         choice = policy.choose(op, t.device.type, layout, t.numel() * t.element_size(), t.dtype,
-                               reduce_op=reduce_op, forced=self.forced)
+                               reduce_op=reduce_op, forced=self.forced,
+                               forced_by=self.forced_by)
         return group, ranks, choice
 
     def _with_nccl_mpi(self, layout):
@@ -166,7 +171,7 @@ class CommState:
             for op in policy.OPS:
                 try:
                     choice = policy.choose(op, device_type, layout, nbytes, dtype,
-                                           forced=self.forced)
+                                           forced=self.forced, forced_by=self.forced_by)
                     engine, reason = choice.engine, choice.reason
                 except ValueError as exc:
                     engine, reason = "error", str(exc)
@@ -189,6 +194,7 @@ class CommState:
         for table in (self._shm, self._ipc, self._nccl_mpi, self._mpi, self._groups,
                       self.routes, self.symmetric):
             table.clear()
+        self.channels = None
         first = None
         for close in closers:
             try:
@@ -200,5 +206,7 @@ class CommState:
 
 
 def current() -> CommState:
-    """This job's communication state (``RuntimeError`` before ``fastpar.init``)."""
-    return job().comm
+    """This job's communication state, made at its first use (``RuntimeError`` before
+    ``fastpar.init``); ``fastpar.shutdown`` closes it."""
+    the_job = job()
+    return the_job.part("comm", lambda: CommState(the_job.topology))

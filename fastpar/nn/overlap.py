@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from fastpar.comm.collectives import all_gather, all_reduce, reduce_scatter
+from fastpar.nn.streams import comm_stream
 from fastpar.runtime import group_size
 
 log = logging.getLogger("fastpar.nn")
@@ -107,9 +108,6 @@ def pieces(length: int, chunks: int) -> list[tuple[int, int]]:
 
 # ------------------------------------------------------------------ collectives in flight
 
-_STREAMS: dict = {}  # CUDA device index -> its communication stream
-
-
 class _Pending:
     """A collective in flight; ``wait()`` returns its result once the compute stream may read
     it (CPU: the engine's handle; CUDA: an event on the communication stream)."""
@@ -126,18 +124,11 @@ class _Pending:
         return self.result
 
 
-def _comm_stream(device: torch.device):
-    stream = _STREAMS.get(device.index)
-    if stream is None:
-        stream = _STREAMS[device.index] = torch.cuda.Stream(device)
-    return stream
-
-
 def _start(collective, t: torch.Tensor, group, **kwargs) -> _Pending:
     if not t.is_cuda:
         return _Pending(handle=collective(t, group, async_op=True, **kwargs))
     compute = torch.cuda.current_stream(t.device)
-    stream = _comm_stream(t.device)
+    stream = comm_stream(t.device)
     stream.wait_stream(compute)  # t is written by the compute stream
     with torch.cuda.stream(stream):
         result = collective(t, group, **kwargs)

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from fastpar.nn.overlap import _comm_stream
+from fastpar.nn.streams import comm_stream
 
 SIGNAL_BLOCK = 128  # rows (and columns) of the producer's tiles; a row block is 128 rows
 SIGNAL_MAX_BLOCKS = 64  # the consumer kernel's grid limit (csrc/cuda: kMaxBlocks)
@@ -110,7 +110,7 @@ def signal_row_forward(x2: torch.Tensor, weight: torch.Tensor, comm) -> torch.Te
     out = torch.empty(rows, cols, dtype=x2.dtype, device=x2.device)
     staging = comm.staging(rows, cols, x2.dtype)  # the compute stream waits until it is free
     compute = torch.cuda.current_stream(x2.device)
-    side = _comm_stream(x2.device)
+    side = comm_stream(x2.device)
     side.wait_stream(compute)  # flags zeroed, out allocated, staging free (not the GEMM below)
     # The producer is launched first: any error, compile or host stall happens before a
     # consumer waits on it, and launches serialised (CUDA_LAUNCH_BLOCKING) still complete.

@@ -30,7 +30,6 @@ from fastpar.grid import Grid, Topology, validate_degrees
 from fastpar.runtime import launcher as _launcher
 from fastpar.runtime.binding import affinity, bind_cpus
 from fastpar.runtime.groups import build_groups
-from fastpar.runtime.rng import RNGTracker
 from fastpar.runtime.watchdog import deadline
 
 
@@ -38,18 +37,50 @@ from fastpar.runtime.watchdog import deadline
 class Job:
     """Everything one ``fastpar.init`` made, freed by ``fastpar.shutdown``.
 
-    ``topology``: the immutable grid and groups. ``comm``: the communication state
-    (``fastpar.comm.state.CommState``: forced engine, cached routes, the shm / MPI / CUDA IPC
-    communicators of each group). ``rng``: the named random streams of tensor parallelism
-    (``fastpar.nn.random``).
+    ``topology``: the immutable grid and groups. The layers above the runtime keep their
+    per-job state as named parts, made on first use and gone with the job, so a second ``init``
+    starts clean and the runtime knows nothing of them::
+
+        state = job().part("comm", lambda: CommState(job().topology))   # fastpar.comm.state
+        tracker = job().part("nn.random", RNGTracker)                    # fastpar.nn.random
+
+    A part with a ``close()`` method is closed by ``shutdown``, the last made first (so a part
+    made from another is closed before it); ``on_close(fn)`` adds any other closer to the same
+    order.
     """
 
     topology: Topology
-    comm: Any
-    rng: RNGTracker
     args: tuple  # (tp, pp, backend, timeout) as init was called
     owns_pg: bool  # init created the default process group (and so destroys it)
     undo_binding: Any = None  # restores the CPU affinity init changed (runtime.binding)
+    parts: dict = dataclasses.field(default_factory=dict)
+    closers: list = dataclasses.field(default_factory=list)
+
+    def part(self, name: str, make):
+        """The part ``name``, made by ``make()`` on the first call."""
+        if name not in self.parts:
+            value = make()
+            self.parts[name] = value
+            if callable(getattr(value, "close", None)):
+                self.on_close(value.close)
+        return self.parts[name]
+
+    def on_close(self, fn) -> None:
+        """Call ``fn()`` at ``shutdown``, before every closer added earlier."""
+        self.closers.append(fn)
+
+    def close(self) -> None:
+        """Run every closer, the last added first; one that fails does not keep the others from
+        running (the first error is raised once all ran)."""
+        closers, self.closers, self.parts = self.closers[::-1], [], {}
+        first = None
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the others
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 # What timeout=math.inf ("no limit") becomes where a finite duration is needed (a store's or a
@@ -343,18 +374,11 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
                         backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
                         timeout=timeout, mpi_comm=mpi_comm, store=store, cpus=cpus,
                         **groups)
-        # The job's communication state. The one import of a layer above the runtime: the state
-        # is built here so that it has one owner and one lifetime (init to shutdown). Building it
-        # communicates nothing; communicators are created at a group's first collective.
-        from fastpar.comm.state import CommState
-
-        comm = CommState(topo)
     except BaseException:
         if owns_pg:  # no half-made job: the next init starts from scratch
             dist.destroy_process_group()
         raise
-    _STATE["job"] = Job(topology=topo, comm=comm, rng=RNGTracker(), args=args, owns_pg=owns_pg,
-                        undo_binding=undo_binding)
+    _STATE["job"] = Job(topology=topo, args=args, owns_pg=owns_pg, undo_binding=undo_binding)
     return topo
 
 
@@ -395,12 +419,12 @@ def shutdown() -> None:
     current = _STATE["job"]
     if current is None:
         return
-    _STATE["job"] = None
     try:
-        current.comm.close()
+        current.close()  # its closers may still ask for job() (a barrier on a group)
         if current.undo_binding is not None:
             current.undo_binding()
     finally:
+        _STATE["job"] = None
         _remove_abort_hook()
         if current.owns_pg and dist.is_initialized():
             dist.destroy_process_group()
