@@ -20,7 +20,8 @@ TORCH_LIBRARY(fastpar, m) {
   // Shared-memory collectives (CPU). The segment at `base` is owned by fastpar/comm/shm.py.
   m.def("shm_segment_bytes(int world, int slot_bytes) -> int", &fastpar::shm_segment_bytes);
   m.def("shm_init_segment(int base, int world, int slot_bytes) -> ()", &fastpar::shm_init_segment);
-  m.def("shm_attach(int base, int rank, int world, int slot_bytes, float timeout_s) -> int",
+  m.def("shm_attach(int base, int rank, int world, int slot_bytes, float timeout_s, "
+        "bool oversubscribed) -> int",
         &fastpar::shm_attach);
   m.def("shm_detach(int comm) -> ()", &fastpar::shm_detach);
   m.def("shm_all_reduce(int comm, Tensor(a!) t, str op) -> ()", &fastpar::shm_all_reduce);

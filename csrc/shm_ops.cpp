@@ -88,12 +88,13 @@ void shm_init_segment(int64_t base, int64_t world, int64_t slot_bytes) {
 }
 
 int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes,
-                   double timeout_s) {
+                   double timeout_s, bool oversubscribed) {
   auto comm = std::make_unique<shm::Comm>();
   run([&] {
     *comm = shm::attach(reinterpret_cast<void*>(base), static_cast<int>(rank),
                         static_cast<int>(world), slot_bytes);
   });
+  shm::set_oversubscribed(*comm, oversubscribed);
   comm->timeout_s = timeout_s;
   comm->poll = &shm_poll_sigint;
   std::lock_guard<std::mutex> lock(comms_mu);

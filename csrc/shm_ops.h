@@ -12,7 +12,7 @@ int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes);
 void shm_init_segment(int64_t base, int64_t world, int64_t slot_bytes);
 // Returns a handle to a per-rank communicator over the segment at `base`.
 int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes,
-                   double timeout_s);
+                   double timeout_s, bool oversubscribed);
 void shm_detach(int64_t comm);
 void shm_all_reduce(int64_t comm, at::Tensor& t, const std::string& op);
 // t is this rank's slot of a symmetric segment; slots[p] the address of rank p's slot in this

@@ -109,6 +109,9 @@ class Topology:
     launcher: str
     hosts: tuple = ()  # host name of every global rank
     cpus: str = ""  # the CPUs this rank runs on and who chose them (fastpar.runtime.binding)
+    # This host's ranks outnumber the CPUs they may run on: a rank waiting for a peer of this
+    # host must soon hand its core over (the shm engines' waits sleep early).
+    oversubscribed: bool = False
     timeout: float = 300.0  # seconds: fastpar.init's bound on rendezvous and every collective
     tp_group: Any = None
     pp_group: Any = None

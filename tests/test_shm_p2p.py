@@ -154,9 +154,8 @@ def _timeout_case(me: int):
 
 
 @pytest.mark.parametrize("nranks, ring_bytes", [(2, 4 << 20), (4, 1 << 16)])
-def test_ring_of_ranks(nranks, ring_bytes, pair):
-    values = pair("ring") if nranks == 2 else \
-        run_ranks(nranks, body_ring, ring_bytes=ring_bytes, timeout=120).values()
+def test_ring_of_ranks(nranks, ring_bytes):
+    values = run_ranks(nranks, body_ring, ring_bytes=ring_bytes, timeout=120).values()
     for v in values:
         assert len(v["misuse"]) == 4 and all("fastpar shm p2p" in m for m in v["misuse"]), v
     if nranks == 2:
@@ -277,9 +276,9 @@ def test_kernel_hello_and_ctrl_c():
                         ((0, False, [2], [base], 2, 8192, 1.0), "ranks {0, 2}")):
         with pytest.raises(RuntimeError) as err:
             ops.shm_p2p_open(*args)
-        assert ("expected a segment with version 2, " in str(err.value) and found in
+        assert ("expected a segment with version 3, " in str(err.value) and found in
                 str(err.value).split(" but found ")[0] and
-                "but found version 2, 2 tags, 8192-byte rings, ranks {0, 1}" in str(err.value)), err
+                "but found version 3, 2 tags, 8192-byte rings, ranks {0, 1}" in str(err.value)), err
     ep = ops.shm_p2p_open(0, False, [1], [base], 2, 8192, 30.0)
     # Ctrl-C while waiting: the kernel takes the SIGINT and ends the wait within ~10 ms.
     timer = threading.Timer(0.3, lambda: __import__("os").kill(__import__("os").getpid(), 2))
@@ -362,8 +361,8 @@ def body_single_copy(single_copy: bool):
 
 
 @pytest.mark.parametrize("single_copy", [True, False], ids=["single_copy", "ring_only"])
-def test_large_messages_both_ways_single_copy_and_combined_receive(single_copy, pair):
-    for v in pair(f"single_copy.{single_copy}"):
+def test_large_messages_both_ways_single_copy_and_combined_receive(single_copy):
+    for v in run_ranks(2, body_single_copy, single_copy=single_copy).values():
         if single_copy:  # process_vm_readv between the ranks: allowed unless ptrace forbids it
             assert isinstance(v["single_copy"], bool), v
         else:
@@ -514,8 +513,8 @@ def body_channels_layouts():
     return True
 
 
-def test_channels_receive_in_one_call_across_layouts(pair):
-    assert all(pair("channels_layouts"))
+def test_channels_receive_in_one_call_across_layouts():
+    assert all(run_ranks(2, body_channels_layouts).values())
 
 
 def body_sendrecv():
@@ -558,8 +557,8 @@ def body_sendrecv():
     return True
 
 
-def test_sendrecv_and_persistent_plan(pair):
-    assert all(pair("sendrecv"))
+def test_sendrecv_and_persistent_plan():
+    assert all(run_ranks(2, body_sendrecv).values())
 
 
 def body_close_with_untaken_sends():
@@ -600,8 +599,8 @@ def body_close_with_untaken_sends():
     return [closed_in, message]
 
 
-def test_close_with_untaken_sends_returns_at_once(pair):
-    (closed0, message), (closed1, _) = pair("close_with_untaken_sends")
+def test_close_with_untaken_sends_returns_at_once():
+    (closed0, message), (closed1, _) = run_ranks(2, body_close_with_untaken_sends).values()
     assert closed0 < 5 and closed1 < 5, (closed0, closed1)
     elapsed, text = message
     assert elapsed < 5 and re.fullmatch(
@@ -657,8 +656,8 @@ def body_burst_then_collective(single_copy: bool):
 
 
 @pytest.mark.parametrize("single_copy", [True, False], ids=["single_copy", "ring_only"])
-def test_burst_completes_while_sender_is_in_a_collective(single_copy, pair):
-    values = pair(f"burst.{single_copy}")
+def test_burst_completes_while_sender_is_in_a_collective(single_copy):
+    values = run_ranks(2, body_burst_then_collective, single_copy=single_copy).values()
     sender = values[0]
     assert all(v["total"] == 3.0 for v in values), values
     assert sender["all_done_after"] is True, sender
@@ -677,23 +676,3 @@ def test_burst_completes_while_sender_is_in_a_collective(single_copy, pair):
 
 # In order: the p2p objects of each body are closed before the next; the ring body (whose last
 # check poisons its own rings with a timeout) goes last. fastpar.init is idempotent.
-PAIR_BODIES = [("single_copy.True", body_single_copy, {"single_copy": True}),
-               ("single_copy.False", body_single_copy, {"single_copy": False}),
-               ("channels_layouts", body_channels_layouts, {}),
-               ("sendrecv", body_sendrecv, {}),
-               ("burst.True", body_burst_then_collective, {"single_copy": True}),
-               ("burst.False", body_burst_then_collective, {"single_copy": False}),
-               ("close_with_untaken_sends", body_close_with_untaken_sends, {}),
-               ("ring", body_ring, {"ring_bytes": 4 << 20})]
-
-
-def body_pair_suite():
-    return {name: fn(**kwargs) for name, fn, kwargs in PAIR_BODIES}
-
-
-@pytest.fixture(scope="module")
-def pair():
-    """``pair(name)``: both ranks' results of body ``name`` from one shared 2-rank launch (a
-    launch costs seconds; the bodies need nothing of each other)."""
-    values = run_ranks(2, body_pair_suite, timeout=300).values()
-    return lambda name: [v[name] for v in values]

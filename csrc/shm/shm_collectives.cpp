@@ -40,9 +40,16 @@ const char* kind_name(Kind k) {
 
 // ---- errors and poisoning ---------------------------------------------------------
 
+// Wakes every peer that sleeps in a wait (after a signal, or a poisoning it must see).
+void ring_peers(Comm& c) {
+  for (int p = 0; p < c.world; ++p)
+    if (p != c.rank) detail::ring(ctrl(c, p)->bell);
+}
+
 [[noreturn]] void fail(Comm& c, const std::string& msg) {
   Header* h = header(c);
   detail::poison(h->poison, h->message, sizeof(h->message), msg);
+  ring_peers(c);
   throw std::runtime_error(msg);
 }
 
@@ -64,7 +71,8 @@ bool peer_dead(const Comm& c, int p) { return detail::ident_dead(ctrl(c, p)->ide
 
 // Waits until rank p's flag reaches `target`: a short pause-spin (cheap when the peer is
 // running on another core), then sched_yield so oversubscribed cores make progress, then
-// 20 us naps (after c.yields_before_sleep yields), checking poison and the deadline.
+// (after c.yields_before_sleep yields) a sleep on this rank's bell until p signals, checking
+// poison and the deadline at least every 10 ms.
 void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
   const std::atomic<uint64_t>& f = ctrl(c, p)->flag;
   detail::wait_until(
@@ -94,13 +102,15 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
                       std::to_string(c.calls) + "; rank " + std::to_string(p) +
                       " is at signal " + std::to_string(f.load()) + ", expected " +
                       std::to_string(target) + ")");
-      });
+      },
+      [&] { return &ctrl(c, c.rank)->bell; });
 }
 
 // Publish: everything written to this rank's half/descriptor before is visible to a peer
 // that acquires the new flag value. Then wait for every peer to publish the same value.
 void signal_and_wait(Comm& c, Kind k) {
   ctrl(c, c.rank)->flag.store(++c.flag, std::memory_order_release);
+  ring_peers(c);
   for (int p = 0; p < c.world; ++p)
     if (p != c.rank) wait_peer(c, p, c.flag, k);
 }
@@ -241,12 +251,15 @@ Comm attach(void* base, int rank, int world, size_t slot_bytes) {
   c.slot_bytes = slot_bytes;
   c.small_max_bytes = h->small_max_bytes;
   c.chunk_bytes = h->chunk_bytes;
-  const bool oversubscribed = detail::oversubscribed(world);
-  c.spin_iters = c.spin_now =
-      oversubscribed ? detail::kSpinItersOversubscribed : detail::kSpinIters;
-  if (oversubscribed) c.yields_before_sleep = detail::kYieldsBeforeSleepOversubscribed;
+  set_oversubscribed(c, detail::oversubscribed(world));
   detail::record_ident(&ctrl(c, rank)->ident);
   return c;
+}
+
+void set_oversubscribed(Comm& c, bool yes) {
+  const detail::Tuning t = detail::tuning(yes);
+  c.spin_iters = c.spin_now = t.spin_iters;
+  c.yields_before_sleep = t.yields_before_sleep;
 }
 
 bool is_poisoned(const Comm& c) {

@@ -64,15 +64,15 @@ struct Comm {
   uint64_t rounds = 0;         // data rounds so far; parity picks the slot half
   uint64_t calls = 0;          // collective calls so far
   double timeout_s = kDefaultTimeoutS;  // per wait; set freely between calls
-  int spin_iters = 2000;  // pause-spins before sched_yield; attach lowers it if world > cpus
+  int spin_iters = 2000;  // pause-spins before sched_yield; lower when oversubscribed
   // The spin budget in force: halved by a wait whose spin found nothing but whose peer came
   // at the first yield (it was waiting for our core), grown back slowly by waits the spin
   // served. Two ranks that the scheduler put on one core spin against each other (each
   // pause-spin keeps the peer it waits for off the core: ~100 us a call with 2000 pauses);
   // the budget then falls to a few pauses within a few calls.
   int spin_now = spin_iters;
-  // sched_yields before a wait starts sleeping (20 us naps): short when ranks outnumber cores
-  // (the late peer needs our core), long otherwise (a nap oversleeps by tens of us per sync).
+  // sched_yields before a wait sleeps on its bell: short when ranks outnumber cores (the late
+  // peer needs our core), long otherwise (a sleep and its wake cost microseconds per sync).
   uint64_t yields_before_sleep = 16384;
   // Called from inside long waits, at most every 10 ms: a non-null message ends the
   // call with that message (and poisons the segment, as any error). The torch glue uses it to
@@ -86,7 +86,13 @@ struct Comm {
 // that a peer waiting for it can tell a dead rank from a slow one: a wait for a rank whose
 // process is gone (same pid namespace, /proc/<pid> missing, a zombie, or a reused pid) fails
 // at once naming it, instead of after the timeout.
+// Its waits spin and yield as for `world` busy-waiting ranks on this host's CPUs; a caller that
+// knows better (other ranks of the host wait too) says so with set_oversubscribed.
 Comm attach(void* base, int rank, int world, size_t slot_bytes);
+
+// How c's waits spin and yield before they sleep: briefly when `yes` (the busy-waiting ranks of
+// this host outnumber its CPUs, so the peer may need this core), long otherwise.
+void set_oversubscribed(Comm& c, bool yes);
 
 // True once an error has poisoned the segment; poison_message() says why.
 bool is_poisoned(const Comm& c);

@@ -34,7 +34,7 @@ namespace p2p {
 namespace {
 
 constexpr uint64_t kMagic = 0x3130305032505046ULL;  // "FPP2P001"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;  // 3: a bell on each side
 constexpr uint32_t kFrameMark = 0x4d415246;       // "FRAM"
 constexpr uint32_t kSingleCopyMark = 0x59504f43;  // "COPY"
 constexpr size_t kPage = 4096;
@@ -57,6 +57,8 @@ struct alignas(128) Side {
   detail::Ident ident;
   int64_t pid;                       // getpid(): where the other side's single copies read from
   uint64_t probe_addr, probe_value;  // a word of this process and its value, for the probe
+  detail::Bell bell;  // where this side sleeps in a long wait; the other side rings it after
+                      // every store this side may wait for (written, read, acked, closing)
 };
 
 struct alignas(128) Counter {
@@ -152,9 +154,13 @@ struct Await {
   }
 };
 
+// Wakes the other side of the pair if it sleeps in a wait (after a store it may wait for).
+void ring_peer(Peer& p) { detail::ring(side(p, 1 - p.side)->bell); }
+
 [[noreturn]] void fail(Peer& p, const std::string& msg) {
   Header* h = header(p);
   detail::poison(h->poison, h->message, sizeof(h->message), msg);
+  ring_peer(p);
   throw std::runtime_error(msg);
 }
 
@@ -182,8 +188,18 @@ Peer& channel(Endpoint& ep, int slot, int tag, const char* call) {
 
 // ---- waiting ------------------------------------------------------------------------------
 
+// Sends of the endpoint not wholly in their rings, on channels to peers other than p: while
+// there are any, a wait must not sleep on p's bell (their rings free up without ringing it).
+size_t pending_elsewhere(const Endpoint& ep, const Peer& p) {
+  size_t here = 0;
+  for (const TxRing& tx : p.tx) here += tx.queue.size();
+  return ep.pending - here;
+}
+
 // Waits until ready() (which is expected to call progress(ep)) on the channel `tag` of peer p:
 // bounded by ep.timeout_s, failing at once if the peer's process dies or the pair is poisoned.
+// A long wait sleeps on this side's bell of the pair, unless sends to other peers are pending
+// (then it naps, pushing them at each wake).
 template <typename Ready>
 void wait(Endpoint& ep, Peer& p, int tag, const Await& what, Ready&& ready) {
   detail::wait_until(
@@ -207,6 +223,9 @@ void wait(Endpoint& ep, Peer& p, int tag, const Await& what, Ready&& ready) {
           std::snprintf(waited, sizeof(waited), "%.1f", s);
           fail(p, me(ep) + " waited " + waited + " s for " + what.describe(p, tag));
         }
+      },
+      [&]() -> detail::Bell* {
+        return pending_elsewhere(ep, p) == 0 ? &side(p, p.side)->bell : nullptr;
       });
 }
 
@@ -246,6 +265,7 @@ void advance(Peer& p, int tag, PendingSend& s) {
     tx.written += n;
     s.left -= n;
     w.value.store(tx.written, std::memory_order_release);
+    ring_peer(p);
   }
 }
 
@@ -334,6 +354,7 @@ void await_bytes(Endpoint& ep, Peer& p, int tag, uint64_t n, const Await& what) 
 // Publishes that the receiver is done with everything before rx.read.
 void release(Peer& p, int tag) {
   read(p, 1 - p.side, tag).value.store(p.rx[tag].read, std::memory_order_release);
+  ring_peer(p);
 }
 
 // Copies the single-copy payload of the message taken last on `tag` (rx.remote, in the
@@ -385,6 +406,7 @@ void read_remote(Endpoint& ep, Peer& p, int tag, const Span* parts, size_t n_par
   rx.payload_left = 0;
   rx.single_copy = false;
   acked(p, 1 - p.side, tag).value.store(++rx.acks, std::memory_order_release);
+  ring_peer(p);
 }
 
 }  // namespace
@@ -429,13 +451,9 @@ Endpoint open(int rank, bool oversubscribed, double timeout_s) {
   Endpoint ep;
   ep.rank = rank;
   ep.timeout_s = timeout_s;
-  if (oversubscribed) {
-    ep.spin_iters = ep.spin_now = detail::kSpinItersOversubscribed;
-    ep.yields_before_sleep = detail::kYieldsBeforeSleepOversubscribed;
-  } else {
-    ep.spin_iters = ep.spin_now = detail::kSpinIters;
-    ep.yields_before_sleep = detail::kYieldsBeforeSleep;
-  }
+  const detail::Tuning t = detail::tuning(oversubscribed);
+  ep.spin_iters = ep.spin_now = t.spin_iters;
+  ep.yields_before_sleep = t.yields_before_sleep;
   return ep;
 }
 
@@ -745,7 +763,10 @@ void wait_send(Endpoint& ep, uint64_t id) {
 }
 
 void flush(Endpoint& ep) {
-  for (Peer& p : ep.peers) side(p, p.side)->closing.store(1, std::memory_order_release);
+  for (Peer& p : ep.peers) {
+    side(p, p.side)->closing.store(1, std::memory_order_release);
+    ring_peer(p);
+  }
   for (Peer& p : ep.peers)
     for (int t = 0; t < p.tags; ++t) {
       const TxRing& tx = p.tx[t];

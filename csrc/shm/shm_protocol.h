@@ -17,7 +17,8 @@ namespace shm {
 namespace proto {
 
 constexpr uint64_t kMagic = 0x3130304d48535046ULL;  // "FPSHM001"
-constexpr uint32_t kVersion = 2;  // 2: process identity in the control lines, signatures
+constexpr uint32_t kVersion = 3;  // 2: process identity in the control lines, signatures;
+                                  // 3: a bell in each control line
 constexpr int kMaxWorld = 64;
 constexpr size_t kPage = 4096;
 // Waiting, liveness and poisoning are shared with shm_p2p.cpp (shm_wait.h).
@@ -52,6 +53,7 @@ struct alignas(128) Ctrl {
   Desc desc[2];  // indexed by round parity, like the data halves
   Ident ident;   // written once by its owner at attach, before its first signal (the flag's
                  // release publishes it)
+  detail::Bell bell;  // where its owner sleeps in a long wait; every peer rings it on signal
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");

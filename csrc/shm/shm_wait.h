@@ -1,8 +1,11 @@
 // How the shm kernels wait for a peer process; internal to csrc/shm, shared by
 // shm_collectives.cpp and shm_p2p.cpp (README.md, "Protocol" and "Errors").
 //
-// * wait_until: pause-spin (adaptive budget), then sched_yield, then 20 us naps; between
+// * wait_until: pause-spin (adaptive budget), then sched_yield, then sleep until a peer rings
+//   the waiter's Bell (a futex in the shared segment; 20 us naps where there is none); between
 //   yields the caller's `idle` runs its checks, using a WaitClock for the slow ones.
+// * Bell / ring: the waker's half: after a store a peer may wait for, ring that peer's bell
+//   (a syscall only when the peer sleeps).
 // * Ident: who a rank's process is (pid, start time, pid namespace), recorded at attach, so
 //   that a waiting peer can tell a dead rank from a slow one.
 // * poison / await_poison_message: the first error of a segment, kept in the segment.
@@ -10,8 +13,10 @@
 
 #include "x86_simd.h"
 
+#include <linux/futex.h>
 #include <sched.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -36,7 +41,21 @@ constexpr int kSpinItersOversubscribed = 50;
 constexpr int kSpinItersMin = 16;
 constexpr uint64_t kYieldsBeforeSleep = 16384;
 constexpr uint64_t kYieldsBeforeSleepOversubscribed = 128;
+
+// How a waiter of a Comm or an Endpoint spins and yields before it sleeps. `oversubscribed`:
+// the busy-waiting ranks of this host outnumber the CPUs they may run on, so the peer a wait
+// awaits may need this very core.
+struct Tuning {
+  int spin_iters;
+  uint64_t yields_before_sleep;
+};
+inline Tuning tuning(bool oversubscribed) {
+  return oversubscribed ? Tuning{kSpinItersOversubscribed, kYieldsBeforeSleepOversubscribed}
+                        : Tuning{kSpinIters, kYieldsBeforeSleep};
+}
 constexpr long kSleepNs = 20000;
+// A sleeping waiter wakes at least this often (its checks: poison, signals, liveness, timeout).
+constexpr long kBellSleepNs = 10000000;
 // Inside a wait that has passed its spin phase: how often the poll hook runs (signals) and how
 // often the awaited peer's process is checked for life.
 constexpr double kPollS = 0.01;
@@ -64,18 +83,60 @@ class WaitClock {
   double next_poll_ = kPollS, next_liveness_ = kLivenessS;
 };
 
+// ---- bells ---------------------------------------------------------------------------
+
+// Where one waiter sleeps, in memory every peer maps: the waiter futex-waits on `seq` while
+// `sleeping` says so; a peer that publishes something the waiter may wait for rings it. One
+// waiting thread per bell (a Comm or an Endpoint is driven by one thread at a time).
+struct Bell {
+  std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> sleeping;
+};
+static_assert(sizeof(Bell) == 8 && std::atomic<uint32_t>::is_always_lock_free,
+              "a bell is two lock-free words");
+
+// Wakes the bell's waiter if it sleeps. Call after the store it may wait for: the fence orders
+// that store before the load of `sleeping`, as the waiter orders its `sleeping` store before
+// its last look at the data (a Dekker pair: one of the two sees the other's store).
+inline void ring(Bell& b) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (b.sleeping.load(std::memory_order_relaxed) == 0) return;
+  b.seq.fetch_add(1, std::memory_order_relaxed);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b.seq), FUTEX_WAKE, INT32_MAX, nullptr,
+            nullptr, 0);
+}
+
+// Sleeps on `b` until rung, a signal or kBellSleepNs, unless ready() already holds once the
+// bell is armed (the waiter's half of ring's Dekker pair).
+template <typename Ready>
+inline void sleep_on(Bell& b, Ready&& ready) {
+  const uint32_t seq = b.seq.load(std::memory_order_acquire);
+  b.sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!ready()) {
+    const timespec limit{0, kBellSleepNs};
+    // Shared (not FUTEX_PRIVATE): the word lives in a segment other processes map. Returns at
+    // once if a ring moved `seq` since it was read.
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b.seq), FUTEX_WAIT, seq, &limit, nullptr,
+              0);
+  }
+  b.sleeping.store(0, std::memory_order_relaxed);
+}
+
 // Returns once ready() is true: up to spin_now pause-spins (cheap when the peer runs on another
-// core), then sched_yield so an oversubscribed core runs the peer, then 20 us naps after
-// yields_before_sleep yields (CFS keeps running a task that yields; a nap hands the core over).
-// After each yield or nap that found ready() false, idle(it, clock) runs (it = 1, 2, ...; it
-// may throw); do slow checks only when (it & 63) == 0.
+// core), then sched_yield so an oversubscribed core runs the peer, then, after
+// yields_before_sleep yields, sleeps: on the Bell that bell() returns (woken by the peer that
+// makes ready() true; no CPU spent meanwhile), or in 20 us naps where it returns nullptr (CFS
+// keeps running a task that yields; a nap hands the core over).
+// After each yield, nap or sleep that found ready() false, idle(it, clock) runs (it = 1, 2, ...;
+// it may throw); do slow checks only when (it & 63) == 0 (after a bell sleep it always is).
 // The spin budget adapts: a wait the spin served grows it by an eighth (up to spin_iters); a
 // wait whose peer came at the first or second yield halves it (down to kSpinItersMin): that
 // peer was waiting for our core, so spinning only delayed it. A peer that was merely late
 // leaves it alone.
-template <typename Ready, typename Idle>
+template <typename Ready, typename Idle, typename BellOf>
 inline void wait_until(int& spin_now, int spin_iters, uint64_t yields_before_sleep,
-                       Ready&& ready, Idle&& idle) {
+                       Ready&& ready, Idle&& idle, BellOf&& bell) {
   for (int i = 0; i < spin_now; ++i) {
     if (ready()) {
       spin_now = std::min(spin_iters, spin_now + spin_now / 8 + 1);
@@ -87,6 +148,9 @@ inline void wait_until(int& spin_now, int spin_iters, uint64_t yields_before_sle
   for (uint64_t it = 1;; ++it) {
     if (it < yields_before_sleep) {
       sched_yield();
+    } else if (Bell* b = bell()) {
+      sleep_on(*b, ready);
+      it = (it + 63) & ~uint64_t(63);  // a sleep lasts up to 10 ms: run the slow checks
     } else {
       const timespec nap{0, kSleepNs};
       nanosleep(&nap, nullptr);

@@ -36,6 +36,15 @@ _SIG = re.compile(r" \[sig 0x([0-9a-f]{16})\]")
 _SIG_CODES = {dtype: i + 1 for i, dtype in enumerate(_SIG_DTYPES)}
 
 
+def host_oversubscribed() -> bool:
+    """Whether this host's ranks outnumber the CPUs they may run on (``Topology.oversubscribed``;
+    False outside a fastpar job): then the kernels' waits hand their core over soon, since the
+    peer they wait for, or another rank of the host, may need it."""
+    from fastpar.runtime import is_initialized, topology
+
+    return is_initialized() and topology().oversubscribed
+
+
 def signature(t: torch.Tensor) -> int:
     code = _SIG_CODES.get(t.dtype, 255)
     return (code << 56) | (min(t.dim(), 255) << 48) | (hash(t.shape) & (1 << 48) - 1)
@@ -147,7 +156,7 @@ class ShmCommunicator:
                     reaper.stdin.close()
                 reaper.wait()
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
-                                          float(timeout))
+                                          float(timeout), host_oversubscribed())
         self._busy = threading.Lock()
         # Bound overloads: skips the op-packet lookup on every call (~1 us of a ~3 us call).
         self._all_reduce = self._ops.shm_all_reduce.default

@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.shm import _INTERRUPTED, _posixshmem, _reaper, raise_after_kernel
+from fastpar.comm.shm import (_INTERRUPTED, _posixshmem, _reaper, host_oversubscribed,
+                              raise_after_kernel)
 
 TAG_ACTIVATIONS = 0
 TAG_GRADIENTS = 1
@@ -148,7 +149,7 @@ class ShmP2P:
         self._ep = None
         self._busy = threading.Lock()
         self._maps: list[tuple[mmap.mmap, ctypes.c_char]] = []
-        oversubscribed = self._check_symmetric(group)
+        oversubscribed = self._check_symmetric(group) or host_oversubscribed()
         self._slot = {p: i for i, p in enumerate(self.peers)}
         # The hot calls skip OpOverload.__call__ (a Python frame, ~0.3 us a call).
         self._send = self._ops.shm_p2p_send.default._op
@@ -173,8 +174,8 @@ class ShmP2P:
 
     def _check_symmetric(self, group) -> bool:
         """Checks that pairing is symmetric; returns whether the group's ranks outnumber the
-        CPUs they may run on together (then waits spin little and nap soon: see the kernel's
-        ``open``). A rank bound to a CPU of its own is not oversubscribed, though its own
+        CPUs they may run on together (then waits spin little and sleep soon: see the kernel's
+        ``open``; the host's other ranks count too, ``host_oversubscribed``). A rank bound to a CPU of its own is not oversubscribed, though its own
         affinity holds fewer CPUs than the group has ranks."""
         table = [None] * len(self.ranks)
         dist.all_gather_object(table, (self.peers, sorted(os.sched_getaffinity(0))), group=group)

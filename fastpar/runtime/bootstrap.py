@@ -367,13 +367,13 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         hosts = tuple(hosts)
     try:
         groups = build_groups(grid, rank, as_timedelta(timeout))
-        cpus, undo_binding = _bind(rank, world_size, local_rank, local_world_size, device,
-                                   hosts)
+        cpus, undo_binding, oversubscribed = _bind(rank, world_size, local_rank,
+                                                   local_world_size, device, hosts)
         topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
                         local_world_size=local_world_size, device=device,
                         backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
                         timeout=timeout, mpi_comm=mpi_comm, store=store, cpus=cpus,
-                        **groups)
+                        oversubscribed=oversubscribed, **groups)
     except BaseException:
         if owns_pg:  # no half-made job: the next init starts from scratch
             dist.destroy_process_group()
@@ -384,15 +384,20 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
 
 def _bind(rank, world_size, local_rank, local_world_size, device, hosts):
     """``runtime.binding.bind_cpus`` with every local rank's CPUs (a collective when the job
-    is a multi-rank CPU job that may be bound; the condition is alike on every rank)."""
+    is a multi-rank CPU job that may be bound; the condition is alike on every rank), and
+    whether this host's ranks outnumber the CPUs they may run on together."""
     import torch.distributed as dist
 
     if device.type != "cpu" or world_size == 1 or os.environ.get("FASTPAR_BIND", "1") == "0":
-        return bind_cpus(local_rank, local_world_size, device, [])
+        # Without every rank's CPUs: the host's ranks against this rank's own CPUs.
+        cpus, undo = bind_cpus(local_rank, local_world_size, device, [])
+        return cpus, undo, local_world_size > max(1, len(affinity()))
     everyone = [None] * world_size
     dist.all_gather_object(everyone, affinity())
     local = [cpus for cpus, host in zip(everyone, hosts) if host == hosts[rank]]
-    return bind_cpus(local_rank, local_world_size, device, local)
+    together = set().union(*map(set, local))
+    return (*bind_cpus(local_rank, local_world_size, device, local),
+            len(local) > max(1, len(together)))
 
 
 def job() -> Job:
