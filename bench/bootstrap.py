@@ -7,7 +7,6 @@ Each repetition is a full ``init`` + ``shutdown``; the time is that of the slowe
 call to its return), first call (MPI_Init included under mpirun) reported apart from later ones.
 """
 
-import argparse
 import json
 import statistics
 import sys
@@ -18,13 +17,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fastpar  # noqa: E402
+from fastpar.cli import Parser  # noqa: E402
 
 t_import = time.perf_counter() - t_start
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5)

@@ -21,7 +21,6 @@ More ranks than cores (a laptop): set ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` so idle
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -30,6 +29,7 @@ import time
 import torch
 
 import fastpar
+from fastpar.cli import Parser
 from fastpar import comm
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
@@ -363,8 +363,7 @@ def plot(records: list[dict], path: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--ops", default="all_reduce", help=f"comma list of {', '.join(OPS)}")
     p.add_argument("--backends", default="shm,gloo,mpi", help=f"comma list of {', '.join(BACKENDS)}")
     p.add_argument("-b", "--minbytes", default="1K")

@@ -27,7 +27,6 @@ blocking). One intra-op thread per rank: 2 ranks on 2 cores leave gloo's thread 
 own, which caps what overlap can hide on such a machine.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -42,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastpar  # noqa: E402
+from fastpar.cli import Parser  # noqa: E402
 from fastpar import comm  # noqa: E402
 
 # Configuration.
@@ -147,8 +147,7 @@ def measure(runs: dict, engines: dict, args) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--blocks", type=int, default=BLOCKS)
     p.add_argument("--batch", type=int, default=BATCH, help="rows per rank per step")

@@ -14,7 +14,6 @@ its columns are skipped unless ``--triton`` is given.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,6 +21,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from fastpar.cli import Parser
 
 WARMUP, REPS = 3, 10
 
@@ -63,8 +64,7 @@ def chunked(x, w, k):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__)
     parser.add_argument("--sizes", default=None, help="M=N=K values (default: GPU 1024,2048,"
                         "4096,8192; CPU 256,512)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")

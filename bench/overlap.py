@@ -18,7 +18,6 @@ it hid). Printed as a table, written as JSON (rank 0).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -26,6 +25,7 @@ import time
 import torch
 
 import fastpar
+from fastpar.cli import Parser
 from fastpar import comm
 from fastpar import nn as pnn
 
@@ -103,8 +103,7 @@ def case_runs(kind, sp, tokens, fin, fout, chunks, topo, dtype):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__)
     parser.add_argument("--backends", default="gloo,shm",
                         help="engines to force for the layers' collectives (CPU: gloo,shm; "
                              "GPU: nccl,cuda_ipc,nccl_mpi); 'policy' lets the policy choose")

@@ -27,7 +27,6 @@ share cores and the timings say so. ``--tp 2`` puts tensor parallelism inside ea
 the payload bytes a rank sends per step, "sg off/on" the step time without it over with it.
 """
 
-import argparse
 import ctypes
 import ctypes.util
 import json
@@ -45,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastpar  # noqa: E402
+from fastpar.cli import Parser  # noqa: E402
 from fastpar.runtime.launcher import launched_world_size  # noqa: E402
 from fastpar.pipeline import SCHEDULES, Pipeline  # noqa: E402
 from fastpar.pipeline.timeline import simulate  # noqa: E402
@@ -73,8 +73,7 @@ class Block(nn.Module):
 
 
 def parse_args(world: int):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline stages (default: world size / tp)")
     p.add_argument("--tp", type=int, default=1,

@@ -9,7 +9,6 @@ Every process uses one intra-op thread, so tp=N uses N cores and tp=1 one. The t
 multi-rank run are measured on rank 0 while the other ranks wait.
 """
 
-import argparse
 import json
 import statistics
 import time
@@ -17,6 +16,7 @@ import time
 import torch
 
 import fastpar
+from fastpar.cli import Parser
 from fastpar.runtime.launcher import launched_world_size
 from fastpar.testing import SerialMLP
 
@@ -52,8 +52,7 @@ def interleaved_medians(runs, barrier) -> list:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__)
     parser.add_argument("--json", help="write the records to this path (rank 0)")
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--ffn", type=int, default=FFN)

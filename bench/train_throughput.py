@@ -5,6 +5,8 @@ plain PyTorch loop of the same model and work, and tokens/s of every parallel la
     python bench/train_throughput.py --preset tiny --steps 10 --json out.json
     mpirun -np 4 python bench/train_throughput.py --layouts all        # + every layout of 4 ranks
     mpirun -np 2 python bench/train_throughput.py --layouts tp2,pp2,dp2+zero --steps 5
+    mpirun -np 4 python bench/train_throughput.py --layouts tp2-pp2 --engines default,gloo \
+        --repeats 3                                # the main job: our engines against gloo
 
 Overhead (one process; under N > 1 ranks, a child of rank 0): ``fastpar``,
 ``Trainer(...).train_step(step)`` (Pipeline + DataParallel + clip + AdamW + LambdaLR, as
@@ -29,6 +31,13 @@ rank 0 measures the 1-rank reference in a child process, a job of its own
 (``FASTPAR_LAUNCHER=single``) on all the CPUs rank 0 had before init bound it, while the other
 ranks wait in a barrier (blocked, not spinning), which must not time out (``--timeout`` s).
 
+Engines (``--engines default,gloo``): each layout once per engine setting, ``default`` being the
+policy's choice and any other name forced for collectives and pipeline P2P alike (as
+``FASTPAR_COMM_BACKEND`` does), the settings taken in turn and, with ``--repeats R``, R rounds
+in alternating order; the table shows each one's median over all its steps and ``vs first``,
+its tokens/s over the first setting's (``default`` against ``gloo``: whether our engines make
+the job faster than torch's).
+
 Threads: one intra-op thread per process by default (``THREADS``, ``--threads``), as the other
 benches: at 4 ranks on the 2-core development machine the ranks already share cores, and on that
 machine, shared with other jobs, 2 threads at 1 rank made steps 2-4x slower than 1 (an OpenMP
@@ -38,7 +47,6 @@ More ranks than CPUs share cores, and the header says so: such numbers measure
 oversubscription, not the layout.
 """
 
-import argparse
 import json
 import os
 import re
@@ -53,6 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fastpar
+from fastpar.cli import Parser
 from fastpar.runtime.launcher import launched_world_size
 from fastpar.train import Trainer, lr_lambda, model_config
 from fastpar.train import parse_args as trainer_args
@@ -66,8 +75,7 @@ CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__)
     p.add_argument("--preset", default=PRESET, choices=["tiny", "small"])
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="sequences per step")
     p.add_argument("--microbatches", type=int, default=None,
@@ -79,13 +87,24 @@ def parse_args():
     p.add_argument("--layouts", default="all",
                    help="under N > 1 ranks: 'all', 'none', or a comma list such as "
                         "tp2-pp2,dp4,tp2-dp2+zero (dp may be left out)")
+    p.add_argument("--engines", default="default",
+                   help="comma list: 'default' (the policy) and/or engine names forced for the "
+                        "whole job (gloo, shm, mpi), each layout measured under each")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over the engines, in alternating order (noise)")
     p.add_argument("--threads", type=int, default=THREADS, help="intra-op threads per process")
     p.add_argument("--timeout", type=float, default=300.0, help="fastpar.init's, in seconds")
     p.add_argument("--json", help="write the records to this path (rank 0)")
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
-        p.error(f"--steps and --threads must be >= 1 and --warmup >= 0, got {args.steps}, "
-                f"{args.threads} and {args.warmup}")
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1 or args.repeats < 1:
+        p.error(f"--steps, --threads and --repeats must be >= 1 and --warmup >= 0, got "
+                f"{args.steps}, {args.threads}, {args.repeats} and {args.warmup}")
+    from fastpar.comm.policy import ENGINES
+
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in args.engines if e != "default" and e not in ENGINES]
+    if unknown or not args.engines:
+        p.error(f"--engines: {unknown or 'nothing'} not among default, {', '.join(ENGINES)}")
     return args
 
 
@@ -232,10 +251,21 @@ def chosen_layouts(args, world: int) -> tuple:
     return chosen, []
 
 
-def measure_layout(args, tp: int, pp: int, zero: bool, threads: int) -> dict:
-    """One layout over the world: the slowest rank's step times, the last step's loss."""
+def measure_layout(args, tp: int, pp: int, zero: bool, threads: int,
+                   engine: str = "default") -> dict:
+    """One layout over the world: the slowest rank's step times, the last step's loss.
+    ``engine``: forced for the job's collectives and P2P (the job reads FASTPAR_COMM_BACKEND
+    once, at its first use of fastpar.comm), or ``default``."""
     torch.set_num_threads(threads)  # fastpar.init may lower it to the rank's CPU share
-    trainer = Trainer(trainer_args(argv_for(args, tp, pp, zero)))
+    saved = os.environ.pop("FASTPAR_COMM_BACKEND", None)
+    if engine != "default":
+        os.environ["FASTPAR_COMM_BACKEND"] = engine
+    try:
+        trainer = Trainer(trainer_args(argv_for(args, tp, pp, zero)))
+    finally:
+        os.environ.pop("FASTPAR_COMM_BACKEND", None)
+        if saved is not None:
+            os.environ["FASTPAR_COMM_BACKEND"] = saved
     try:
         topo, times = trainer.topo, []
         for step in range(args.warmup + args.steps):
@@ -246,16 +276,35 @@ def measure_layout(args, tp: int, pp: int, zero: bool, threads: int) -> dict:
                 times.append(time.perf_counter() - start)
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        row = {"section": "layout", "variant": "fastpar",
+        row = {"section": "layout", "variant": "fastpar", "engine": engine,
                "layout": layout_name(tp, pp, topo.dp_size, zero), "tp": tp, "pp": pp,
                "dp": topo.dp_size, "zero": zero, "microbatches": trainer.microbatches,
                "world_size": topo.world_size, "threads": torch.get_num_threads(),
                "params": trainer.cfg.num_params(), "final_loss": loss,
-               **summary(slowest.tolist(), args.global_batch * trainer.cfg.seq_len)}
+               "tokens": args.global_batch * trainer.cfg.seq_len, "_seconds": slowest.tolist()}
         trainer.pipe.close()
     finally:
         fastpar.shutdown()
     return row
+
+
+def measure_engines(args, tp: int, pp: int, zero: bool) -> list:
+    """One layout under every ``--engines`` setting, ``--repeats`` rounds in alternating order;
+    one row per setting, its steps pooled over the rounds."""
+    runs = {e: [] for e in args.engines}
+    for rep in range(args.repeats):
+        for engine in (args.engines if rep % 2 == 0 else args.engines[::-1]):
+            runs[engine].append(measure_layout(args, tp, pp, zero, args.threads, engine))
+    rows = []
+    for engine, got in runs.items():
+        row = dict(got[-1])
+        row.update(summary([s for r in got for s in r.pop("_seconds")], row["tokens"]))
+        row["repeats"] = len(got)
+        rows.append(row)
+    for row in rows:
+        row["vs_first_engine"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        row.pop("_seconds", None)
+    return rows
 
 
 def print_overhead(rows: list, args) -> None:
@@ -283,14 +332,16 @@ def print_layouts(rows: list, base, world: int, args) -> None:
           f" schedule {args.schedule}; median of {args.steps} steps after {args.warmup} warm-up "
           f"(slowest rank); vs 1 rank: tokens/s over 1-rank fastpar's"
           f"{'' if base else ' (not measured)'}")
-    print(f"{'layout':>14} {'tp':>3} {'pp':>3} {'dp':>3} {'zero':>5} {'m':>3} {'step(ms)':>9} "
-          f"{'min-max(ms)':>14} {'tokens/s':>9} {'loss':>8} {'vs 1 rank':>10}")
+    print(f"{'layout':>14} {'engine':>8} {'tp':>3} {'pp':>3} {'dp':>3} {'zero':>5} {'m':>3} "
+          f"{'step(ms)':>9} {'min-max(ms)':>14} {'tokens/s':>9} {'loss':>8} {'vs 1 rank':>10} "
+          f"{'vs first':>9}")
     for r in rows:
         spread = f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"
         vs = f"{r['vs_1rank']:.2f}x" if r["vs_1rank"] is not None else "-"
-        print(f"{r['layout']:>14} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3} "
+        print(f"{r['layout']:>14} {r['engine']:>8} {r['tp']:>3} {r['pp']:>3} {r['dp']:>3} "
               f"{'yes' if r['zero'] else 'no':>5} {r['microbatches']:>3} {r['step_ms']:9.1f} "
-              f"{spread:>14} {r['tokens_per_s']:9.0f} {r['final_loss']:8.4f} {vs:>10}")
+              f"{spread:>14} {r['tokens_per_s']:9.0f} {r['final_loss']:8.4f} {vs:>10} "
+              f"{r['vs_first_engine']:8.2f}x")
 
 
 def main() -> int:
@@ -309,7 +360,8 @@ def main() -> int:
             dist.barrier()  # the other ranks wait here meanwhile
         finally:
             fastpar.shutdown()
-    rows = [measure_layout(args, tp, pp, zero, args.threads) for tp, pp, zero in layouts]
+    rows = [measure_engines(args, tp, pp, zero) for tp, pp, zero in layouts]
+    rows = [r for per_layout in rows for r in per_layout]
     base = serial[0]["tokens_per_s"] if serial else None
     for r in rows:
         r["vs_1rank"] = r["tokens_per_s"] / base if base else None

@@ -24,3 +24,21 @@ from fastpar.state_dict import full_state_dict, load_full_state_dict  # noqa: E4
 __all__ = ["DataParallel", "Grid", "Topology", "__version__", "full_state_dict", "init",
            "is_initialized", "load_full_state_dict", "nn", "optim", "parallelize", "shutdown",
            "topology"]
+
+# Subpackages reachable as attributes (``fastpar.pipeline.Pipeline``) without importing them
+# all at ``import fastpar``: each is imported at its first use (kernels needs Triton, models
+# and training pull in more than a layer library needs).
+_LAZY = ("comm", "data_parallel", "kernels", "models", "pipeline", "runtime", "testing",
+         "training")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"fastpar.{name}")
+    raise AttributeError(f"module 'fastpar' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

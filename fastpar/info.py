@@ -10,7 +10,6 @@ multi-rank launcher rank 0 prints for every rank; ``--json`` prints one JSON doc
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -143,14 +142,22 @@ def format_report(rep: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastpar info", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fastpar.cli import Parser
+    from fastpar.runtime.launcher import launched_world_size
+
+    parser = Parser(prog="python -m fastpar info", description=__doc__)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout (rank 0)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for all ranks (default 60)")
     args = parser.parse_args(argv)
+    parser.check(args.tp >= 1 and args.pp >= 1,
+                 f"--tp and --pp must be at least 1, got {args.tp} and {args.pp}")
+    parser.check(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
+    world = launched_world_size()
+    parser.check(world % (args.tp * args.pp) == 0,
+                 f"world_size {world} is not divisible by tp {args.tp} x pp {args.pp}")
     try:
         topo = fastpar.init(tp=args.tp, pp=args.pp, timeout=args.timeout)
     except (ValueError, RuntimeError) as exc:

@@ -34,8 +34,9 @@ DEFAULT_STEPS = {"tiny": 200, "small": 150}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fastpar.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fastpar.cli import Parser
+
+    p = Parser(prog="python -m fastpar.train", description=__doc__)
     a = p.add_argument
     a("--tp", type=int, default=1, help="tensor-parallel size")
     a("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
@@ -74,7 +75,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--plot", default="fastpar_train_loss.png", help="loss plot written at the end ('' : none)")
     a("--timeout", type=float, default=300.0, help="seconds any collective may wait for a peer")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p, args) -> None:
+    """Every flag's value against what it can be, before anything starts (one line, exit 2)."""
+    at_least_one = ["tp", "pp", "virtual_stages", "global_batch", "log_every", "val_batches",
+                    "steps", "microbatches", "seq_len", "layers", "hidden", "heads", "kv_heads",
+                    "val_every"]
+    for name in at_least_one:
+        value = getattr(args, name)
+        p.check(value is None or value >= 1,
+                f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("warmup", "save_every"):
+        value = getattr(args, name)
+        p.check(value is None or value >= 0,
+                f"--{name.replace('_', '-')} must be at least 0, got {value}")
+    for name in ("clip", "weight_decay"):
+        value = getattr(args, name)
+        p.check(math.isfinite(value) and value >= 0,
+                f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    p.check(math.isfinite(args.lr) and args.lr > 0, f"--lr must be a number > 0, got {args.lr}")
+    p.check(0 <= args.min_lr_ratio <= 1,
+            f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
+    p.check(args.timeout > 0, f"--timeout must be > 0 seconds (inf: no limit), got "
+                              f"{args.timeout}")
+    for flag, path in (("--data", args.data), ("--resume", args.resume)):
+        p.check(path is None or os.path.exists(path),
+                f"{flag} {path}: no such file or directory")
+    from fastpar.pipeline.schedules import compile_schedule
+
+    try:  # the schedule's own rules (virtual stages, microbatches) on the host, in microseconds
+        compile_schedule(args.schedule, args.pp, args.microbatches or 2 * args.pp,
+                         args.virtual_stages)
+    except ValueError as exc:
+        p.error(f"--schedule {args.schedule} --pp {args.pp} --virtual-stages "
+                f"{args.virtual_stages}: {exc}")
+    from fastpar.runtime.launcher import launched_world_size
+
+    world = launched_world_size()
+    p.check(world % (args.tp * args.pp) == 0,
+            f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world} "
+            f"launched rank{'s' if world > 1 else ''} (dp = world / (tp x pp))")
 
 
 def model_config(args):
@@ -108,8 +152,12 @@ def check_layout(args, topo, cfg) -> int:
     return m
 
 
+def warmup_steps(args, steps: int) -> int:
+    return args.warmup if args.warmup is not None else max(1, steps // 10)
+
+
 def lr_lambda(args, steps: int):
-    warmup = args.warmup if args.warmup is not None else max(1, steps // 10)
+    warmup = warmup_steps(args, steps)
 
     def f(step: int) -> float:  # step: optimizer steps taken so far
         if step < warmup:
@@ -332,6 +380,8 @@ class Trainer:
             meta = {"model": dataclasses.asdict(self.cfg), "seed": self.args.seed,
                     "global_batch": self.args.global_batch, "optimizer_scalars": scalars,
                     "scheduler": scheduler_state(self.sched),
+                    "schedule": {"steps": self.steps,
+                                 "warmup": warmup_steps(self.args, self.steps)},
                     "layout": {"tp": self.topo.tp_size, "pp": self.topo.pp_size,
                                "dp": self.topo.dp_size, "zero": self.args.zero},
                     "dtype": self.args.dtype}
@@ -389,6 +439,26 @@ class Trainer:
             lay = c.meta.get("layout", {})
             print(f"[fastpar.train] resumed {c.path} at step {c.step} (saved under tp "
                   f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')})", flush=True)
+            if (replanned := self.replanned(c.meta.get("schedule"), c.step)) is not None:
+                print(f"[fastpar.train] note: {replanned}", flush=True)
+
+    def replanned(self, saved: dict | None, step: int) -> str | None:
+        """What changes in the learning-rate schedule when this run's --steps or --warmup
+        differ from the checkpoint's (None: nothing): the schedule is a function of both."""
+        warmup = warmup_steps(self.args, self.steps)
+        if saved is None:
+            return (f"the checkpoint does not record its learning-rate schedule; this run's "
+                    f"warms up over {warmup} steps and decays to step {self.steps}")
+        if (saved["steps"], saved["warmup"]) == (self.steps, warmup):
+            return None
+        before = self.args.lr * lr_lambda(
+            argparse.Namespace(warmup=saved["warmup"], min_lr_ratio=self.args.min_lr_ratio),
+            saved["steps"])(step)
+        now = self.args.lr * lr_lambda(self.args, self.steps)(step)
+        return (f"the learning-rate schedule is replanned: the checkpoint's ran to step "
+                f"{saved['steps']} (warm-up {saved['warmup']}), this run's to step "
+                f"{self.steps} (warm-up {warmup}); at step {step} the rate goes from "
+                f"{before:.3g} to {now:.3g}")
 
 
 def scheduler_state(sched) -> dict:

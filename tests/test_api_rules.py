@@ -125,3 +125,20 @@ def test_cuda_ipc_is_built_only_when_it_may_be_chosen(forced, builds, monkeypatc
     want = {None: "nccl", "nccl": "nccl", "gloo": "FASTPAR_COMM_BACKEND=gloo cannot serve",
             "cuda_ipc": "FASTPAR_COMM_BACKEND=cuda_ipc cannot serve"}[forced]
     assert engine.startswith(want), engine
+
+
+def test_subpackages_are_attributes_of_the_package():
+    """``import fastpar; fastpar.pipeline.Pipeline`` works as the contract writes it, while
+    ``import fastpar`` alone still imports neither the pipeline, the models nor Triton."""
+    code = ("import sys, fastpar\n"
+            "heavy = [m for m in ('fastpar.pipeline', 'fastpar.models', 'fastpar.training',\n"
+            "                     'fastpar.kernels', 'triton') if m in sys.modules]\n"
+            "assert heavy == [], heavy\n"
+            "assert fastpar.pipeline.Pipeline.__name__ == 'Pipeline'\n"
+            "assert fastpar.models.GPT and fastpar.training.data.Sampler\n"
+            "assert fastpar.comm.all_reduce and fastpar.runtime.job\n"
+            "assert {'pipeline', 'kernels', 'models'} <= set(dir(fastpar))\n"
+            "try:\n    fastpar.nonexistent\nexcept AttributeError as e:\n    print(e)\n")
+    proc = launch([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "module 'fastpar' has no attribute 'nonexistent'" in proc.stdout

@@ -3,7 +3,7 @@ they belong to bench/, not to tests)."""
 
 import json
 import math
-from tests.multirank import run_script
+from tests.multirank import run_ranks, run_script
 
 RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
                "algbw_gbps", "busbw_gbps", "wrong", "symmetric"}
@@ -94,3 +94,49 @@ def test_overlap_bench_runs(tmp_path):
         assert r["tp"] == 2 and r["chunks"] == 3
         assert min(r["gemm_ms"], r["comm_ms"], r["sequential_ms"], r["overlapped_ms"]) > 0
         assert math.isclose(r["speedup"], r["sequential_ms"] / r["overlapped_ms"])
+
+
+BENCHES = ["bootstrap", "collectives", "data_parallel", "gemm", "overlap", "pipeline",
+           "tp_layers", "train_throughput"]
+
+
+def body_bad_flags(cases):
+    """Each bench run as __main__ with a bad command line: (exit status, its stderr)."""
+    import contextlib
+    import io
+    import os
+    import runpy
+    import sys
+
+    from tests.multirank import ROOT
+
+    out = []
+    for script, args in cases:
+        err, argv = io.StringIO(), sys.argv
+        sys.argv = [script, *args]
+        try:
+            with contextlib.redirect_stderr(err):
+                runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        finally:
+            sys.argv = argv
+        out.append([code, err.getvalue()])
+    return out
+
+
+def test_benches_answer_bad_flags_in_one_line_from_one_rank():
+    cases = [(f"bench/{name}.py", ["--no-such-flag"]) for name in BENCHES]
+    cases += [("bench/bootstrap.py", ["--repeat", "0"]),
+              ("bench/train_throughput.py", ["--engines", "default,smh"])]
+    rank0, rank1 = run_ranks(2, body_bad_flags, cases=cases).values()
+    for (script, args), (code, text), (code1, text1) in zip(cases, rank0, rank1):
+        name = script.split("/")[1]
+        assert code == code1 == 2, (script, code, code1, text)
+        assert text.startswith(f"{name}: error: ") and text.endswith("(see --help)\n") and \
+            text.count("\n") == 1, text
+        assert text1 == "", text1
+    assert "unrecognized arguments: --no-such-flag" in rank0[0][1]
+    assert "--repeat must be at least 1, got 0" in rank0[-2][1]
+    assert "--engines: ['smh'] not among default" in rank0[-1][1]

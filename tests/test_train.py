@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.multirank import ROOT, launch_argv, launch_env, run_ranks
+from tests.multirank import ROOT, launch, launch_argv, launch_env, run_ranks
 
 BASE = ["--preset", "tiny", "--steps", "20", "--log-every", "10", "--no-progress", "--plot", "",
         "--timeout", "60"]
@@ -45,6 +45,19 @@ def body_runs(runs):
         finally:
             fastpar.shutdown()
     return out
+
+
+def body_notes(argv):
+    """The notes (``[fastpar.train] note: ...``) one run prints."""
+    import contextlib
+    import io
+
+    from fastpar.train import Trainer, parse_args
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        Trainer(parse_args(BASE + argv)).run()
+    return [line for line in out.getvalue().splitlines() if "note:" in line]
 
 
 def curve(result):
@@ -126,6 +139,12 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         one["bad-batch"]
     assert "already holds checkpoints past step 0 (step_00000010, step_00000020)" in \
         one["save-over"], one["save-over"]
+    # Another --steps replans the learning-rate schedule: the run says so, with the rates.
+    notes = run_ranks(1, body_notes, argv=["--steps", "30", "--resume", step10]).values()[0]
+    assert len(notes) == 1 and ("schedule is replanned: the checkpoint's ran to step 20 "
+                                "(warm-up 2), this run's to step 30 (warm-up 3); at step 10 "
+                                "the rate goes from ") in notes[0], notes
+    assert run_ranks(1, body_notes, argv=["--steps", "20", "--resume", step10]).values() == [[]]
 
 
 def _mpirun_train(args):
@@ -207,3 +226,59 @@ def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path):
                                                         str(c.step + 2)])],
                         timeout=120).values()[0]["resume"]
     assert [s for s, _, _ in resumed] == [c.step + 1, c.step + 2], resumed
+
+
+BAD_FLAGS = [  # (argv, the one line each must print)
+    (["--steps", "-3"], "--steps must be at least 1, got -3"),
+    (["--tp", "0"], "--tp must be at least 1, got 0"),
+    (["--global-batch", "0"], "--global-batch must be at least 1, got 0"),
+    (["--lr", "nan"], "--lr must be a number > 0, got nan"),
+    (["--clip", "-1"], "--clip must be a number >= 0, got -1.0"),
+    (["--min-lr-ratio", "2"], "--min-lr-ratio must be between 0 and 1, got 2.0"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds"),
+    (["--data", "/no/such/corpus"], "--data /no/such/corpus: no such file or directory"),
+    (["--resume", "/no/such/ckpt"], "--resume /no/such/ckpt: no such file or directory"),
+    (["--virtual-stages", "2"], "1f1b runs one model chunk per rank"),
+    (["--schedule", "interleaved"], "interleaved needs virtual_stages >= 2"),
+    (["--tp", "3"], "--tp 3 x --pp 1 = 3 does not divide the 2 launched ranks"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+]
+
+
+def body_bad_flags(cases):
+    """Each argv through the trainer's parser: (exit status, what it wrote to stderr)."""
+    import contextlib
+    import io
+
+    from fastpar.train import parse_args
+
+    out = []
+    for argv, _ in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                parse_args(argv)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code
+        out.append([code, err.getvalue()])
+    return out
+
+
+def test_bad_flags_are_one_line_and_exit_2_from_one_rank():
+    rank0, rank1 = run_ranks(2, body_bad_flags, cases=BAD_FLAGS).values()
+    for (argv, want), (code, text), (code1, text1) in zip(BAD_FLAGS, rank0, rank1):
+        assert code == code1 == 2, (argv, code, code1)
+        assert text == f"python -m fastpar.train: error: {text.split('error: ', 1)[1]}", text
+        assert want in text and text.count("\n") == 1 and text.endswith("(see --help)\n"), \
+            (argv, text)
+        assert text1 == "", (argv, text1)  # rank 1 exits as quietly: one line per job
+    # The whole command line under mpirun: one line for the job, status 2, nothing trained.
+    proc = launch([sys.executable, "-m", "fastpar.train", "--steps", "-3"], nranks=2,
+                  launcher="mpirun", timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if "fastpar.train" in line]
+    assert lines == ["python -m fastpar.train: error: --steps must be at least 1, got -3 "
+                     "(see --help)"], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout and "[fastpar.train]" not in proc.stdout

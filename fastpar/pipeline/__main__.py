@@ -14,7 +14,6 @@ prints ``fastpar.pipeline: <why>`` to stderr and exits 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from fastpar.pipeline.schedules import (SCHEDULES, bubble_formula, compile_schedule,
@@ -23,8 +22,9 @@ from fastpar.pipeline.timeline import render
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastpar.pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from fastpar.cli import Parser
+
+    parser = Parser(prog="python -m fastpar.pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print a schedule's action lists as a timeline")
     show.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         lists = compile_schedule(args.schedule, pp, m, v)
         theory = theoretical_bubble(args.schedule, pp, m, v)
     except ValueError as exc:
-        print(f"fastpar.pipeline: {exc}", file=sys.stderr)
-        return 2
+        show.error(str(exc))
     text, bubble = render(lists)
     print(f"{args.schedule}: pp {pp}, {m} microbatches, {v} chunk{'s' * (v > 1)} per rank "
           f"(forward 1 unit, backward 2, input gradient 1, weight gradient 1)")

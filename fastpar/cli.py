@@ -1,0 +1,46 @@
+"""What fastpar's command lines share: they answer a user's mistake like a command line, not
+like a crash.
+
+    p = Parser(prog="python -m fastpar.train", description=__doc__)
+    ...
+    args = p.parse_args(argv)
+    p.check(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
+
+A bad flag is one line on standard error, ``<prog>: error: <what> (see --help)``, and exit
+status 2, as argparse does, without argparse's usage block (forty flags of it), and from one
+rank only: every rank of a launch parses the same command line, so the launcher's rank 0 says
+it and the others exit as quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher's environment gives it (0 when it gives none: one
+    process, or a launcher that leaves it to MPI), read without starting MPI."""
+    from fastpar.runtime.launcher import detect
+
+    try:
+        return max(detect(os.environ).rank, 0)
+    except ValueError:  # conflicting launchers: fastpar.init will say so
+        return 0
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        if launch_rank() == 0:
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+    def check(self, ok: bool, message: str) -> None:
+        """``error(message)`` unless ``ok``."""
+        if not ok:
+            self.error(message)
