@@ -11,8 +11,9 @@ Each collective exists twice: the raw call above (result or ``Handle``), and an 
 Function behind a wrapper (``copy_to_tp``, ``reduce_from_tp``, ... in ``autograd.py``) whose
 docstring states its forward and backward.
 
-``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi|nccl_mpi`` (read once, by ``fastpar.init``) or
-``comm.use_backend(name)`` forces one engine; a forced engine that cannot serve a call raises.
+``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi|nccl_mpi`` (read once per job, at its first
+use of ``fastpar.comm``) or ``comm.use_backend(name)`` forces one engine, for the collectives and
+the pipeline P2P alike; a forced engine that cannot serve a call raises.
 """
 
 from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,
