@@ -246,14 +246,14 @@ def count_calls(cls, *names: str) -> dict[str, int]:
 
 def segments_of(pids) -> set[str]:
     """fastpar's segments in /dev/shm created by one of ``pids`` (their names carry the
-    creator's pid: ``fastpar-<pid>-...``, ``fastpar-p2p-<pid>-...``), so that a check for
+    creator's pid: ``fastpar-[p2p-|sym-]<pid>-...``), so that a check for
     leftovers ignores other jobs running beside the test."""
     import re
 
     pids = {str(p) for p in pids}
     found = set()
     for path in glob.glob("/dev/shm/fastpar-*"):
-        m = re.match(r"fastpar-(?:p2p-)?(\d+)-", os.path.basename(path))
+        m = re.match(r"fastpar-(?:p2p-|sym-)?(\d+)-", os.path.basename(path))
         if m and m.group(1) in pids:
             found.add(path)
     return found

@@ -206,13 +206,13 @@ def test_no_segment_left_when_a_rank_dies_during_setup(victim, tmp_path):
             f"open(os.path.join({str(tmp_path)!r}, f'pid{{topo.rank}}'), 'w').write("
             "str(os.getpid()))\n"
             "if topo.rank == 1:\n"  # past the size check, slow to map the segment
-            "    import _posixshmem, fastpar.comm.symmetric as sym\n"
+            "    import _posixshmem, fastpar.comm.segments as segments\n"
             "    class Slow:\n"
             "        def shm_open(self, *args, **kwargs):\n"
             "            time.sleep(60)\n"
             "            return _posixshmem.shm_open(*args, **kwargs)\n"
             "        shm_unlink = staticmethod(_posixshmem.shm_unlink)\n"
-            "    sym._posixshmem = Slow\n"
+            "    segments._posixshmem = Slow\n"
             "comm.symmetric_empty(1000)\n")
     pending, left, output = cut_short_during_setup(
         code, tmp_path, lambda proc: os.kill(int((tmp_path / f"pid{victim}").read_text()),
@@ -220,3 +220,43 @@ def test_no_segment_left_when_a_rank_dies_during_setup(victim, tmp_path):
         keep=lambda path: "-sym-" in path)
     assert pending, f"the segment never appeared:\n{output}"
     assert left == set(), output
+
+
+def body_segment_setup_fails():
+    """map_segments (the one setup of every shm segment) when a step fails after the owner
+    mapped its segment: the mapping is closed, the name unlinked, the error names the rank."""
+    import glob
+    import os
+
+    import fastpar
+    from fastpar.comm.segments import map_segments
+
+    topo = fastpar.init(timeout=60)
+    out, seen = {}, []
+    for kind in (OSError, KeyboardInterrupt):
+        def init(key, mapping, kind=kind):
+            seen.append(mapping)
+            assert glob.glob(f"/dev/shm/fastpar-t-{os.getpid()}-*"), "no name while set up"
+            raise kind("injected")
+        try:
+            map_segments(None, topo.rank, {"k": (topo.rank, [topo.rank])}, 8192, "the test",
+                         tag="t-", init=init)
+        except BaseException as exc:  # noqa: BLE001 - what came out is the result
+            out[kind.__name__] = f"{type(exc).__name__}: {exc}"
+    out["closed"] = [m.closed for m in seen]
+    out["left"] = glob.glob(f"/dev/shm/fastpar-t-{os.getpid()}-*")
+    maps = map_segments(None, topo.rank, {"k": (topo.rank, [topo.rank])}, 8192, "the test",
+                        tag="t-")
+    out["ok"] = [len(maps["k"]), glob.glob(f"/dev/shm/fastpar-t-{os.getpid()}-*")]
+    maps["k"].close()
+    return out
+
+
+def test_segment_setup_failure_closes_and_unlinks():
+    out = run_ranks(1, body_segment_setup_fails).values()[0]
+    assert out["OSError"] == ("RuntimeError: the test failed on global rank 0 (a peer died or "
+                              "did not reach this collective in time, or /dev/shm refused 8192 "
+                              "bytes): injected"), out
+    assert out["KeyboardInterrupt"] == "KeyboardInterrupt: injected", out
+    assert out["closed"] == [True, True] and out["left"] == [], out
+    assert out["ok"] == [8192, []], out  # mapped, and its name already gone

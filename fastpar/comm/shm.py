@@ -8,20 +8,15 @@ last mapping does. Kernel protocol: ``csrc/shm/README.md``.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import mmap
-import os
 import re
-import secrets
 import signal
-import subprocess
 import threading
 
 import torch
-import torch.distributed as dist
 
 from fastpar import _native
+from fastpar.comm.segments import map_segments
 
 SLOT_BYTES = 4 << 20  # per rank; larger messages are chunked by the kernel
 # The dtype/shape signature that byte-moving calls (all_gather, broadcast) pass to the kernel,
@@ -50,17 +45,6 @@ def signature(t: torch.Tensor) -> int:
     return (code << 56) | (min(t.dim(), 255) << 48) | (hash(t.shape) & (1 << 48) - 1)
 
 
-def _reaper(name: str) -> subprocess.Popen:
-    """A shell in its own session that removes ``/dev/shm<name>`` unless told otherwise: it
-    reads its stdin, whose only writer is this process, and removes the name if the read ends
-    without a line (this process died, by any signal). Closing stdin without writing is the
-    same as dying, so the caller closes it after unlinking the name itself; a posix_spawn-like
-    start (no fork of this process's memory, no atfork handlers)."""
-    return subprocess.Popen(["/bin/sh", "-c", 'read -r _ || rm -f "$0"', f"/dev/shm{name}"],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-
-
 def _describe(sig: int, mine: dict) -> str:
     """A signature in words; this rank's own ones with their shapes."""
     if sig in mine:
@@ -85,12 +69,6 @@ def raise_after_kernel(error: Exception, interrupted) -> None:
     raise error
 
 
-def _posixshmem():
-    import _posixshmem  # CPython's shm_open/shm_unlink, without multiprocessing's tracker
-
-    return _posixshmem
-
-
 class ShmCommunicator:
     """Collectives of one group whose members share a host.
 
@@ -109,52 +87,18 @@ class ShmCommunicator:
         self.slot_bytes = slot_bytes
         self._ops = torch.ops.fastpar
         nbytes = self._ops.shm_segment_bytes(self.world, slot_bytes)
-        shm = _posixshmem()
-        name = [None]
-        fd, reaper, failed = -1, None, False
-        try:
-            if self.group_rank == 0:
-                name[0] = f"/fastpar-{os.getpid()}-{secrets.token_hex(8)}"
-                # Until the barrier below the name exists: if this process dies meanwhile (any
-                # signal, SIGKILL too), the reaper unlinks it.
-                reaper = _reaper(name[0])
-                fd = shm.shm_open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-                os.ftruncate(fd, nbytes)
-            dist.broadcast_object_list(name, src=self.ranks[0], group=group)
-            if self.group_rank != 0:
-                fd = shm.shm_open(name[0], os.O_RDWR, mode=0o600)
-            self._mmap = mmap.mmap(fd, nbytes)
-            self._anchor = ctypes.c_char.from_buffer(self._mmap)  # keeps the address valid
-            base = ctypes.addressof(self._anchor)
-            if self.group_rank == 0:
-                self._ops.shm_init_segment(base, self.world, slot_bytes)
-            # Everyone has mapped the segment once this barrier passes: unlink the name now.
-            dist.barrier(group=group)
-        except BaseException as exc:
-            failed = True
-            if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: cleaned up, re-raised
-                raise
-            anchor = getattr(self, "_anchor", None)
-            self._anchor = None
-            del anchor  # the buffer export, before the mapping can close
-            if getattr(self, "_mmap", None) is not None:
-                self._mmap.close()
-            raise RuntimeError(f"fastpar shm: setting up the shared segment of the group of global "
-                               f"ranks {self.ranks} failed on global rank {rank} (a peer died "
-                               f"or did not reach this collective in time, or /dev/shm refused "
-                               f"the segment): {exc}") from exc
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            # After the barrier, or on failure on any rank (the creator may be the one that
-            # died): nothing leaks, and a missing name does not hide the error above.
-            if name[0] is not None and (self.group_rank == 0 or failed):
-                with contextlib.suppress(FileNotFoundError):
-                    shm.shm_unlink(name[0])
-            if reaper is not None:  # the name is gone: the reaper may go
-                with contextlib.suppress(OSError):
-                    reaper.stdin.close()
-                reaper.wait()
+
+        def init(_, mapping):  # the owner lays the segment out before anyone attaches
+            anchor = ctypes.c_char.from_buffer(mapping)
+            self._ops.shm_init_segment(ctypes.addressof(anchor), self.world, slot_bytes)
+            del anchor
+
+        self._mmap = map_segments(
+            group, rank, {"all": (self.ranks[0], self.ranks)}, nbytes,
+            f"fastpar shm: setting up the shared segment of the group of global ranks "
+            f"{self.ranks}", init=init)["all"]
+        self._anchor = ctypes.c_char.from_buffer(self._mmap)  # keeps the address valid
+        base = ctypes.addressof(self._anchor)
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
                                           float(timeout), host_oversubscribed())
         self._busy = threading.Lock()

@@ -33,20 +33,18 @@ namespaces may forbid it); ``single_copy`` says, per peer, which path this rank'
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import mmap
 import os
-import secrets
 import threading
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.shm import (_INTERRUPTED, _posixshmem, _reaper, host_oversubscribed,
-                              raise_after_kernel)
+from fastpar.comm.segments import map_segments
+from fastpar.comm.shm import _INTERRUPTED, host_oversubscribed, raise_after_kernel
 
 TAG_ACTIVATIONS = 0
 TAG_GRADIENTS = 1
@@ -189,70 +187,28 @@ class ShmP2P:
         return len(self.ranks) > len(cpus)
 
     def _map_segments(self, group) -> list[int]:
-        """Creates the segments of the pairs where this rank is the lower one, exchanges names,
-        maps the others, and unlinks every name once all ranks have mapped theirs."""
+        """One segment per pair of peers, created by the lower rank (which lays it out), mapped
+        prefaulted by both (a fresh ring page would otherwise cost a page fault on each side,
+        ~2 us per 4 KiB, until the ring has wrapped once); ``segments.map_segments``."""
         nbytes = self._ops.shm_p2p_segment_bytes(self.tags, self.ring_bytes)
-        shm = _posixshmem()
-        created, reapers, base_of, failed = {}, [], {}, False
-        names: dict = {}
-        try:
-            for peer in self.peers:
-                if peer > self.rank:
-                    name = f"/fastpar-p2p-{os.getpid()}-{secrets.token_hex(8)}"
-                    # Until the barrier below the name exists: if this process dies meanwhile
-                    # (any signal, SIGKILL too), the reaper unlinks it.
-                    reapers.append(_reaper(name))
-                    created[(self.rank, peer)] = name
-                    base_of[peer] = self._map(shm, name, nbytes, create=True)
-                    self._ops.shm_p2p_init_segment(base_of[peer], self.rank, peer, self.tags,
-                                                   self.ring_bytes)
-            table = [None] * len(self.ranks)
-            dist.all_gather_object(table, created, group=group)
-            for part in table:
-                names.update(part)
-            for peer in self.peers:
-                if peer < self.rank:
-                    base_of[peer] = self._map(shm, names[(peer, self.rank)], nbytes,
-                                              create=False)
-            # Every pair is mapped by both sides once this barrier passes: unlink the names.
-            dist.barrier(group=group)
-        except BaseException as exc:
-            failed = True
-            self._unmap()
-            if not isinstance(exc, Exception):  # KeyboardInterrupt & co.: cleaned up, re-raised
-                raise
-            raise RuntimeError(f"fastpar shm p2p: setting up the channels of global rank "
-                               f"{self.rank} to {self.peers} failed (a peer died or did not "
-                               f"reach this collective in time, or /dev/shm refused a segment): "
-                               f"{exc}") from exc
-        finally:
-            # After the barrier, or on failure on any rank (a creator may be the one that died):
-            # nothing leaks, and a missing name does not hide the error above.
-            mine = set(created.values())
-            theirs = {n for pair, n in names.items() if self.rank in pair} if failed else set()
-            for name in mine | theirs:
-                with contextlib.suppress(FileNotFoundError):
-                    shm.shm_unlink(name)
-            for reaper in reapers:  # the names are gone: the reapers may go
-                with contextlib.suppress(OSError):
-                    reaper.stdin.close()
-                reaper.wait()
-        return [base_of[p] for p in self.peers]
+        pairs = {(min(self.rank, p), max(self.rank, p)): p for p in self.peers}
 
-    def _map(self, shm, name: str, nbytes: int, create: bool) -> int:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = shm.shm_open(name, flags, mode=0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            # Prefaulted: a message would otherwise pay a page fault per fresh ring page on both
-            # sides (~2 us per 4 KiB) until the ring has wrapped once.
-            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        anchor = ctypes.c_char.from_buffer(m)  # keeps the address valid
-        self._maps.append((m, anchor))
-        return ctypes.addressof(anchor)
+        def init(pair, mapping):
+            anchor = ctypes.c_char.from_buffer(mapping)
+            self._ops.shm_p2p_init_segment(ctypes.addressof(anchor), pair[0], pair[1],
+                                           self.tags, self.ring_bytes)
+            del anchor
+
+        maps = map_segments(group, self.rank, {pair: (pair[0], pair) for pair in pairs}, nbytes,
+                            f"fastpar shm p2p: setting up the channels of global rank "
+                            f"{self.rank} to {self.peers}", tag="p2p-", init=init,
+                            populate=True)
+        base_of = {}
+        for pair, m in maps.items():
+            anchor = ctypes.c_char.from_buffer(m)  # keeps the address valid
+            self._maps.append((m, anchor))
+            base_of[pairs[pair]] = ctypes.addressof(anchor)
+        return [base_of[p] for p in self.peers]
 
     def _unmap(self) -> None:
         while self._maps:

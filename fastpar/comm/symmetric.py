@@ -22,17 +22,14 @@ is an ordinary tensor.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
-import secrets
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.shm import _posixshmem, _reaper
+from fastpar.comm.segments import map_segments
 from fastpar.comm.state import current
 
 _PAGE = 4096
@@ -97,42 +94,6 @@ def _agree(group, ranks, size, dtype) -> None:
                          f"same size and dtype, in the same order; got {said}")
 
 
-def _map_segment(group, ranks, group_rank: int, nbytes: int) -> mmap.mmap:
-    """Group rank 0 creates the segment (a reaper unlinks it if this process dies before the
-    others mapped it), the name goes over ``group``, every rank maps it, a barrier, unlink."""
-    shm = _posixshmem()
-    name = [None]
-    fd, reaper, failed = -1, None, False
-    try:
-        if group_rank == 0:
-            name[0] = f"/fastpar-{os.getpid()}-sym-{secrets.token_hex(8)}"
-            reaper = _reaper(name[0])
-            fd = shm.shm_open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-            os.ftruncate(fd, nbytes)
-        dist.broadcast_object_list(name, src=ranks[0], group=group)
-        if group_rank != 0:
-            fd = shm.shm_open(name[0], os.O_RDWR, mode=0o600)
-        mapping = mmap.mmap(fd, nbytes)
-        dist.barrier(group=group)  # every rank has mapped it: the name may go
-    except Exception as exc:
-        failed = True
-        raise RuntimeError(f"fastpar symmetric_empty: setting up the segment of the group of "
-                           f"global ranks {ranks} failed on group rank {group_rank} (a peer "
-                           f"died or did not call symmetric_empty, or /dev/shm refused "
-                           f"{nbytes} bytes): {exc}") from exc
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if name[0] is not None and (group_rank == 0 or failed):
-            with contextlib.suppress(FileNotFoundError):
-                shm.shm_unlink(name[0])
-        if reaper is not None:
-            with contextlib.suppress(OSError):
-                reaper.stdin.close()
-            reaper.wait()
-    return mapping
-
-
 def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
                     device=None) -> torch.Tensor:
     """A tensor of ``size`` whose memory every rank of ``group`` (``None``: the world) maps:
@@ -166,7 +127,10 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
     group_rank = ranks.index(st.topo.rank)
     esize = torch.empty((), dtype=dtype).element_size()
     slot = -(-numel * esize // _PAGE) * _PAGE  # (bytes rounded up to a page)
-    view = memoryview(_map_segment(group, ranks, group_rank, slot * len(ranks)))
+    mapping = map_segments(group, st.topo.rank, {"sym": (ranks[0], ranks)}, slot * len(ranks),
+                           f"fastpar symmetric_empty: setting up the segment of the group of "
+                           f"global ranks {ranks}", tag="sym-")["sym"]
+    view = memoryview(mapping)
     # The storage holds `view`, `view` holds the mapping: both live while any tensor does.
     t = torch.frombuffer(view, dtype=dtype, count=numel, offset=group_rank * slot).view(size)
     base = t.data_ptr() - group_rank * slot
