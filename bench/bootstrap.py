@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fastpar  # noqa: E402
-from fastpar.cli import Parser  # noqa: E402
+from fastpar.runtime.cli import Parser  # noqa: E402
 
 t_import = time.perf_counter() - t_start
 

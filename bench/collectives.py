@@ -29,7 +29,7 @@ import time
 import torch
 
 import fastpar
-from fastpar.cli import Parser
+from fastpar.runtime.cli import Parser
 from fastpar import comm
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")

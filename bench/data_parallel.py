@@ -41,7 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastpar  # noqa: E402
-from fastpar.cli import Parser  # noqa: E402
+from fastpar.runtime.cli import Parser  # noqa: E402
 from fastpar import comm  # noqa: E402
 
 # Configuration.

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fastpar.cli import Parser
+from fastpar.runtime.cli import Parser
 
 WARMUP, REPS = 3, 10
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 import fastpar
-from fastpar.cli import Parser
+from fastpar.runtime.cli import Parser
 from fastpar import comm
 from fastpar import nn as pnn
 

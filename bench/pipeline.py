@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fastpar  # noqa: E402
-from fastpar.cli import Parser  # noqa: E402
+from fastpar.runtime.cli import Parser  # noqa: E402
 from fastpar.runtime.launcher import launched_world_size  # noqa: E402
 from fastpar.pipeline import SCHEDULES, Pipeline  # noqa: E402
 from fastpar.pipeline.timeline import simulate  # noqa: E402

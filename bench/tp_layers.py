@@ -16,7 +16,7 @@ import time
 import torch
 
 import fastpar
-from fastpar.cli import Parser
+from fastpar.runtime.cli import Parser
 from fastpar.runtime.launcher import launched_world_size
 from fastpar.testing import SerialMLP
 

@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fastpar
-from fastpar.cli import Parser
+from fastpar.runtime.cli import Parser
 from fastpar.runtime.launcher import launched_world_size
 from fastpar.train import Trainer, lr_lambda, model_config
 from fastpar.train import parse_args as trainer_args

@@ -85,6 +85,7 @@ class _Restored:
                       torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled())
         self.excepthook = sys.excepthook
         self.handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.cpus = os.sched_getaffinity(0)
 
     def put_back(self) -> None:
         import torch
@@ -100,6 +101,11 @@ class _Restored:
         sys.excepthook = self.excepthook
         for s, handler in self.handlers.items():
             signal.signal(s, handler)
+        for tid in os.listdir("/proc/self/task"):  # affinity is per thread (a body may bind)
+            try:
+                os.sched_setaffinity(int(tid), self.cpus)
+            except OSError:  # a thread that just ended
+                pass
 
 
 def _pool(path: str) -> int:
@@ -120,7 +126,7 @@ def _pool(path: str) -> int:
             restored.put_back()
         sys.stdout.flush()
         sys.stderr.flush()
-        sock.sendall((json.dumps(result, default=repr) + "\n").encode())
+        sock.sendall((json.dumps({"id": request["id"], **result}, default=repr) + "\n").encode())
     return 0
 
 

@@ -39,6 +39,16 @@ BIN = os.path.dirname(sys.executable)  # the venv's mpirun and torchrun live bes
 # shares these (a body's own environment would need a pool of its own: read at import).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
+# fastpar's variables that it reads when a body runs (at init or at a call), never at import:
+# a rank pool sets them per body. Any other variable of env= is read at process start (MPICH's,
+# OpenMP's, FASTPAR_TRITON_AUTOTUNE at import): such a launch gets a pool of its own.
+PER_BODY_ENV = {"FASTPAR_COMM_BACKEND", "FASTPAR_BIND", "FASTPAR_SYMMETRIC", "FASTPAR_CUDA_IPC",
+                "FASTPAR_CUDA_IPC_ALGO", "FASTPAR_SIGNAL_OVERLAP", "FASTPAR_SHARED_GPU",
+                "FASTPAR_TRACE", "FASTPAR_MASTER_ADDR", "FASTPAR_MASTER_PORT"}
+# The environment pools start from: this process's as the session began, so that a test's
+# monkeypatched variable does not become part of a pool that later tests share.
+SESSION_ENV = dict(os.environ)
+
 
 class RankFailure(AssertionError):
     pass
@@ -118,14 +128,15 @@ def launch_argv(launcher: str, nranks: int, argv: list[str]) -> list[str]:
                      f"{launcher!r} with {nranks} ranks")
 
 
-def launch_env(nranks: int = 1, env: dict | None = None) -> dict[str, str]:
-    """The environment of every process a test starts: this one's, with the repository on
-    PYTHONPATH, one intra-op thread per rank unless the caller's environment says otherwise
-    (``OMP_NUM_THREADS=2 bash scripts/test.sh`` runs every rank's kernels on two threads), and
-    ``env`` on top."""
-    full = {**OFFLINE, **os.environ,
-            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+def launch_env(nranks: int = 1, env: dict | None = None,
+               base: dict | None = None) -> dict[str, str]:
+    """The environment of every process a test starts: ``base`` (default: this process's),
+    with the repository on PYTHONPATH, one intra-op thread per rank unless that environment
+    says otherwise (``OMP_NUM_THREADS=2 bash scripts/test.sh`` runs every rank's kernels on two
+    threads), and ``env`` on top."""
+    base = os.environ if base is None else base
+    full = {**OFFLINE, **base, "PYTHONPATH": ROOT + os.pathsep + base.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1"), **(env or {})}
     if nranks > (os.cpu_count() or 1):
         # More ranks than cores: MPICH's busy-polling ranks would starve the working ones
         # (100 s instead of 5 s for the collective tests); make them sleep when idle.
@@ -152,9 +163,7 @@ def run_ranks(nranks: int, body: str | Callable, *, launcher: str = "mpirun",
     if check and not own_job:
         from tests import rank_pool
 
-        # FASTPAR_* variables are read when a body calls fastpar.init: set per body. Anything
-        # else (MPICH's, OpenMP's) is read at process start: a pool of its own.
-        per_body = {k: v for k, v in (env or {}).items() if k.startswith("FASTPAR_")}
+        per_body = {k: v for k, v in (env or {}).items() if k in PER_BODY_ENV}
         at_start = {k: v for k, v in (env or {}).items() if k not in per_body}
         try:
             launch = rank_pool.pool_for(launcher, nranks, at_start).run(target, kwargs,

@@ -16,6 +16,8 @@ next body starts a new pool. ``close_all()`` (pytest's session end) ends them al
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import selectors
@@ -27,7 +29,7 @@ import tempfile
 import threading
 import time
 
-from tests.multirank import Launch, launch_command, launch_env, mpich_segments_removed
+from tests.multirank import SESSION_ENV, Launch, launch_command, launch_env
 
 START_TIMEOUT = 120.0  # seconds for every rank of a new pool to connect
 
@@ -53,18 +55,18 @@ class RankPool:
     # -- life cycle --------------------------------------------------------------------------
     def start(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        listener.listen(self.nranks)
-        self._segments = mpich_segments_removed()
-        self._segments.__enter__()
+        before = set(glob.glob("/dev/shm/mpich_shm_*"))
         self.log = open(self.log_path, "w+")
         self.proc = subprocess.Popen(launch_command(self.launcher, self.nranks,
                                                     ["--pool", self.path]),
-                                     env=launch_env(self.nranks, self.env), cwd=_root(),
+                                     env=launch_env(self.nranks, self.env, SESSION_ENV),
+                                     cwd=_root(),
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT
         try:
+            listener.bind(self.path)
+            listener.listen(self.nranks)
             while len(self.conns) < self.nranks:
                 listener.settimeout(max(0.1, min(1.0, deadline - time.monotonic())))
                 try:
@@ -78,6 +80,9 @@ class RankPool:
                 hello = json.loads(conn.makefile("r").readline())
                 self.conns[hello["rank"]] = conn
                 self.pids[hello["rank"]] = hello["pid"]
+            # MPICH's segments of this job (made in MPI_Init, before the ranks connected):
+            # unlinked at the end, since MPICH leaves them when its job is killed.
+            self.segments = set(glob.glob("/dev/shm/mpich_shm_*")) - before
         except BaseException:
             self.kill()
             raise
@@ -97,6 +102,10 @@ class RankPool:
         self._cleanup()
 
     def kill(self) -> None:
+        # The ranks too: torchrun starts its workers in sessions of their own.
+        for pid in self.pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
@@ -106,9 +115,10 @@ class RankPool:
         self._cleanup()
 
     def _cleanup(self) -> None:
-        if getattr(self, "_segments", None) is not None:
-            self._segments.__exit__(None, None, None)
-            self._segments = None
+        for path in getattr(self, "segments", ()):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self.segments = set()
         if getattr(self, "log", None) is not None:
             self.log.close()
             self.log = None
@@ -128,16 +138,25 @@ class RankPool:
                                "a time (concurrent jobs: run_ranks(..., own_job=True))")
         try:
             return self._run(target, kwargs, env, timeout)
+        except PoolBroken:
+            raise  # _broken killed it
+        except BaseException:
+            # Interrupted while the ranks run the body (pytest's timeout, Ctrl-C, a broken
+            # socket): the ranks are mid-body and their answer would be read as the next
+            # body's. The pool goes.
+            self.kill()
+            raise
         finally:
             self.busy.release()
 
     def _run(self, target: str, kwargs: dict, env: dict[str, str], timeout: float) -> Launch:
         start = time.monotonic()
         offset = os.path.getsize(self.log_path)
-        request = (json.dumps({"target": target, "kwargs": kwargs, "env": env}) + "\n").encode()
+        self.bodies += 1
+        request = (json.dumps({"id": self.bodies, "target": target, "kwargs": kwargs,
+                               "env": env}) + "\n").encode()
         for conn in self.conns.values():
             conn.sendall(request)
-        self.bodies += 1
         results, buffers = {}, {r: b"" for r in self.conns}
         sel = selectors.DefaultSelector()
         for r, conn in self.conns.items():
@@ -154,7 +173,10 @@ class RankPool:
                         self._broken(f"rank {r} died", results, start)
                     buffers[r] += chunk
                     if buffers[r].endswith(b"\n"):
-                        results[r] = json.loads(buffers[r])
+                        answer = json.loads(buffers[r])
+                        if answer.pop("id") != self.bodies:  # cannot happen: the pool is killed
+                            self._broken(f"rank {r} answered another body", results, start)
+                        results[r] = answer
                         sel.unregister(key.fileobj)
                 if self.proc.poll() is not None and len(results) < self.nranks:
                     self._broken(f"the job exited ({self.proc.returncode})", results, start)

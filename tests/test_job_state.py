@@ -40,6 +40,7 @@ def body_reinit():
     out["reason"] = current().engine_table({"pp": topo.pp_group}, "cpu", 64)[0]["reason"]
     nn_random.seed(7)
     out["parts"] = sorted(first.parts)
+    first.on_close(fastpar.shutdown)  # a closer that shuts down: not re-entered
     fastpar.shutdown()
     out["parts_after"] = sorted(first.parts)
     try:
@@ -115,11 +116,23 @@ def test_job_parts_close_last_made_first_and_every_one():
     a = job.part("a", lambda: Part("a", fail=True))
     assert job.part("a", lambda: Part("other")) is a  # made once
     job.part("plain", dict)  # no close(): nothing to call
-    job.on_close(lambda: closed.append("hook"))
+    seen = {}
+
+    def hook():  # a closer still finds the parts; none can be made any more
+        closed.append("hook")
+        seen["a"] = job.part("a", lambda: Part("other")) is a
+        try:
+            job.part("new", dict)
+        except RuntimeError as exc:
+            seen["new"] = str(exc)
+
+    job.on_close(hook)
     job.part("b", lambda: Part("b"))
     with pytest.raises(OSError, match="a failed"):
         job.close()
-    assert closed == ["b", "hook", "a"] and job.parts == {}
+    assert closed == ["b", "hook", "a"] and job.parts == {} and job.closing
+    assert seen == {"a": True, "new": "fastpar: the job is shutting down; its part 'new' "
+                                      "cannot be made now"}
 
 
 # -------------------------------------------------------------------------------- the layers
@@ -192,6 +205,7 @@ def _cycles(graph) -> list[list[str]]:
 
 
 # Which layers a layer must never import (docs/design.md, "Layers").
+FRONT_DOORS = ("fastpar.train", "fastpar.info", "fastpar.__main__")
 NEVER = {
     "fastpar.grid": ("fastpar.runtime", "fastpar.comm"),
     "fastpar.runtime": ("fastpar.comm", "fastpar.nn", "fastpar.kernels", "fastpar.pipeline",
@@ -203,17 +217,26 @@ NEVER = {
     "fastpar.kernels": ("fastpar.comm", "fastpar.nn"),
     "fastpar.pipeline": ("fastpar.nn", "fastpar.models", "fastpar.train"),
     "fastpar.models": ("fastpar.train", "fastpar.training"),
+    **{layer: FRONT_DOORS for layer in ("fastpar.nn", "fastpar.data_parallel", "fastpar.optim",
+                                        "fastpar.training", "fastpar.parallelize",
+                                        "fastpar.state_dict", "fastpar.kernels")},
 }
+
+
+def _breaches(graph) -> list[tuple[str, str]]:
+    """``(module, what it imports)`` for every import the NEVER table forbids."""
+    def under(m, pkg):
+        return m == pkg or m.startswith(pkg + ".")
+
+    return [(m, d) for layer, banned in NEVER.items() for m in graph if under(m, layer)
+            for d in graph[m] if any(under(d, b) for b in banned)]
 
 
 def test_no_import_circles_and_layers_import_downward():
     graph = _imports()
     assert len(graph) > 50 and "fastpar.comm.collectives" in graph["fastpar.nn.overlap"]
     assert _cycles(graph) == []
-    under = lambda m, pkg: m == pkg or m.startswith(pkg + ".")  # noqa: E731
-    wrong = [(m, d) for layer, banned in NEVER.items() for m in graph if under(m, layer)
-             for d in graph[m] if any(under(d, b) for b in banned)]
-    assert wrong == []
+    assert _breaches(graph) == []
     # The library never imports bench/ or tests/.
     for folder, _, files in os.walk(LIBRARY):
         for f in (f for f in files if f.endswith(".py")):
@@ -231,3 +254,6 @@ def test_the_checker_sees_a_circle_and_a_layer_breach():
     real["fastpar.runtime.bootstrap"].add("fastpar.comm.state")
     real["fastpar.comm.state"].add("fastpar.runtime.bootstrap")
     assert any("fastpar.comm.state" in c for c in _cycles(real))
+    assert ("fastpar.runtime.bootstrap", "fastpar.comm.state") in _breaches(real)
+    real["fastpar.pipeline.pipe"].add("fastpar.train")  # a layer reaching up to the front door
+    assert ("fastpar.pipeline.pipe", "fastpar.train") in _breaches(real)

@@ -670,9 +670,3 @@ def test_burst_completes_while_sender_is_in_a_collective(single_copy):
         assert sender["unread"] == 40 - sender["done_at_once"], sender
     else:
         assert sender["queued"] > 0 and sender["unread"] == 0, sender
-
-
-# ---- one 2-rank launch for the bodies above that end normally --------------------------------
-
-# In order: the p2p objects of each body are closed before the next; the ring body (whose last
-# check poisons its own rings with a timeout) goes last. fastpar.init is idempotent.

@@ -13,6 +13,7 @@ Loss curves must agree with the serial one to a relative 1e-3 (the issue's bound
 quickly, named; SIGINT while checkpoints are being written leaves a loadable one.
 """
 
+import math
 import os
 import shutil
 import signal
@@ -48,7 +49,7 @@ def body_runs(runs):
 
 
 def body_notes(argv):
-    """The notes (``[fastpar.train] note: ...``) one run prints."""
+    """The notes (``[fastpar.train] note: ...``) one run prints, and its records' rates."""
     import contextlib
     import io
 
@@ -56,8 +57,17 @@ def body_notes(argv):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        Trainer(parse_args(BASE + argv)).run()
-    return [line for line in out.getvalue().splitlines() if "note:" in line]
+        records = Trainer(parse_args(BASE + argv)).run()
+    return [[line for line in out.getvalue().splitlines() if "note:" in line],
+            {r["step"]: r["lr"] for r in records}]
+
+
+def cosine_rate(step, steps, warmup, lr=2e-3, floor=0.1):
+    """The trainer's schedule, written out: linear warm-up, cosine decay to floor x lr."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def curve(result):
@@ -108,7 +118,6 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         ("truncated", ["--resume", truncated]),
         ("other-model", ["--layers", "3", "--resume", step10]),
         ("other-seed", ["--seed", "1", "--resume", step10]),
-        ("bad-batch", ["--global-batch", "10", "--microbatches", "4"]),
         ("save-over", ["--save", ck])], timeout=180).values()[0]
     serial = one["serial"]
     assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
@@ -135,16 +144,20 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         one["other-model"], one["other-model"]
     assert "another data stream: seed: checkpoint 0, this run 1" in one["other-seed"], \
         one["other-seed"]
-    assert "global batch 10 is not divisible by dp 1 x microbatches 4" in one["bad-batch"], \
-        one["bad-batch"]
     assert "already holds checkpoints past step 0 (step_00000010, step_00000020)" in \
         one["save-over"], one["save-over"]
-    # Another --steps replans the learning-rate schedule: the run says so, with the rates.
-    notes = run_ranks(1, body_notes, argv=["--steps", "30", "--resume", step10]).values()[0]
-    assert len(notes) == 1 and ("schedule is replanned: the checkpoint's ran to step 20 "
-                                "(warm-up 2), this run's to step 30 (warm-up 3); at step 10 "
-                                "the rate goes from ") in notes[0], notes
-    assert run_ranks(1, body_notes, argv=["--steps", "20", "--resume", step10]).values() == [[]]
+    # Another --steps replans the learning-rate schedule: the run says so, with the rates,
+    # and runs at the new plan's rates from the resumed step on.
+    notes, rates = run_ranks(1, body_notes, argv=["--steps", "30", "--resume", step10]).values()[0]
+    old, new = cosine_rate(10, 20, 2), cosine_rate(10, 30, 3)
+    assert notes == [f"[fastpar.train] note: the learning-rate schedule is replanned (steps "
+                     f"20 -> 30, warmup 2 -> 3): at step 10 the rate goes from {old:.3g} to "
+                     f"{new:.3g}"], notes
+    # a record's lr is the rate the next step will run at (the scheduler has stepped)
+    assert all(abs(r - cosine_rate(int(s), 30, 3)) < 1e-12 for s, r in rates.items()), rates
+    notes, rates = run_ranks(1, body_notes, argv=["--steps", "20", "--resume", step10]).values()[0]
+    assert notes == [] and all(abs(r - cosine_rate(int(s), 20, 2)) < 1e-12
+                               for s, r in rates.items())
 
 
 def _mpirun_train(args):
@@ -242,6 +255,9 @@ BAD_FLAGS = [  # (argv, the one line each must print)
     (["--virtual-stages", "2"], "1f1b runs one model chunk per rank"),
     (["--schedule", "interleaved"], "interleaved needs virtual_stages >= 2"),
     (["--tp", "3"], "--tp 3 x --pp 1 = 3 does not divide the 2 launched ranks"),
+    (["--global-batch", "10", "--microbatches", "4"],
+     "global batch 10 is not divisible by dp 2 x microbatches 4 (world 2 = tp 1 x pp 1 x dp 2)"),
+    (["--tp", "2", "--heads", "3"], "heads"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
 ]
 

@@ -42,8 +42,9 @@ const char* kind_name(Kind k) {
 
 // Wakes every peer that sleeps in a wait (after a signal, or a poisoning it must see).
 void ring_peers(Comm& c) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // one fence for every bell
   for (int p = 0; p < c.world; ++p)
-    if (p != c.rank) detail::ring(ctrl(c, p)->bell);
+    if (p != c.rank) detail::ring_fenced(ctrl(c, p)->bell);
 }
 
 [[noreturn]] void fail(Comm& c, const std::string& msg) {

@@ -13,6 +13,7 @@
 
 #include "x86_simd.h"
 
+#include <errno.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/stat.h>
@@ -98,12 +99,16 @@ static_assert(sizeof(Bell) == 8 && std::atomic<uint32_t>::is_always_lock_free,
 // Wakes the bell's waiter if it sleeps. Call after the store it may wait for: the fence orders
 // that store before the load of `sleeping`, as the waiter orders its `sleeping` store before
 // its last look at the data (a Dekker pair: one of the two sees the other's store).
-inline void ring(Bell& b) {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+// ring_fenced: the same, for a caller that has fenced since its store (several bells, one
+// fence). One waiter sleeps on a bell: FUTEX_WAKE wakes one.
+inline void ring_fenced(Bell& b) {
   if (b.sleeping.load(std::memory_order_relaxed) == 0) return;
   b.seq.fetch_add(1, std::memory_order_relaxed);
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b.seq), FUTEX_WAKE, INT32_MAX, nullptr,
-            nullptr, 0);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b.seq), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+}
+inline void ring(Bell& b) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  ring_fenced(b);
 }
 
 // Sleeps on `b` until rung, a signal or kBellSleepNs, unless ready() already holds once the
@@ -117,8 +122,12 @@ inline void sleep_on(Bell& b, Ready&& ready) {
     const timespec limit{0, kBellSleepNs};
     // Shared (not FUTEX_PRIVATE): the word lives in a segment other processes map. Returns at
     // once if a ring moved `seq` since it was read.
-    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b.seq), FUTEX_WAIT, seq, &limit, nullptr,
-              0);
+    if (::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&b.seq), FUTEX_WAIT, seq, &limit,
+                  nullptr, 0) != 0 &&
+        errno != EAGAIN && errno != ETIMEDOUT && errno != EINTR) {
+      const timespec nap{0, kSleepNs};  // no futex here (a sandbox's filter): nap instead
+      nanosleep(&nap, nullptr);
+    }
   }
   b.sleeping.store(0, std::memory_order_relaxed);
 }

@@ -9,6 +9,7 @@ last mapping does. Kernel protocol: ``csrc/shm/README.md``.
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import signal
 import threading
@@ -31,13 +32,13 @@ _SIG = re.compile(r" \[sig 0x([0-9a-f]{16})\]")
 _SIG_CODES = {dtype: i + 1 for i, dtype in enumerate(_SIG_DTYPES)}
 
 
-def host_oversubscribed() -> bool:
+def host_oversubscribed() -> bool | None:
     """Whether this host's ranks outnumber the CPUs they may run on (``Topology.oversubscribed``;
-    False outside a fastpar job): then the kernels' waits hand their core over soon, since the
+    None outside a fastpar job): then the kernels' waits hand their core over soon, since the
     peer they wait for, or another rank of the host, may need it."""
     from fastpar.runtime import is_initialized, topology
 
-    return is_initialized() and topology().oversubscribed
+    return topology().oversubscribed if is_initialized() else None
 
 
 def signature(t: torch.Tensor) -> int:
@@ -99,8 +100,11 @@ class ShmCommunicator:
             f"{self.ranks}", init=init)["all"]
         self._anchor = ctypes.c_char.from_buffer(self._mmap)  # keeps the address valid
         base = ctypes.addressof(self._anchor)
+        oversubscribed = host_oversubscribed()
+        if oversubscribed is None:  # outside a job: the group's ranks against this one's CPUs
+            oversubscribed = self.world > len(os.sched_getaffinity(0))
         self._comm = self._ops.shm_attach(base, self.group_rank, self.world, slot_bytes,
-                                          float(timeout), host_oversubscribed())
+                                          float(timeout), oversubscribed)
         self._busy = threading.Lock()
         # Bound overloads: skips the op-packet lookup on every call (~1 us of a ~3 us call).
         self._all_reduce = self._ops.shm_all_reduce.default

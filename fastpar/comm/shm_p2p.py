@@ -147,7 +147,7 @@ class ShmP2P:
         self._ep = None
         self._busy = threading.Lock()
         self._maps: list[tuple[mmap.mmap, ctypes.c_char]] = []
-        oversubscribed = self._check_symmetric(group) or host_oversubscribed()
+        oversubscribed = self._check_symmetric(group) or bool(host_oversubscribed())
         self._slot = {p: i for i, p in enumerate(self.peers)}
         # The hot calls skip OpOverload.__call__ (a Python frame, ~0.3 us a call).
         self._send = self._ops.shm_p2p_send.default._op

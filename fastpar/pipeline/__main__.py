@@ -22,7 +22,7 @@ from fastpar.pipeline.timeline import render
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastpar.cli import Parser
+    from fastpar.runtime.cli import Parser
 
     parser = Parser(prog="python -m fastpar.pipeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

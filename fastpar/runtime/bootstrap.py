@@ -21,6 +21,7 @@ import datetime
 import math
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -55,30 +56,41 @@ class Job:
     undo_binding: Any = None  # restores the CPU affinity init changed (runtime.binding)
     parts: dict = dataclasses.field(default_factory=dict)
     closers: list = dataclasses.field(default_factory=list)
+    closing: bool = False  # set by close(): no part is made any more, shutdown is not re-entered
+    _lock: Any = dataclasses.field(default_factory=threading.RLock, repr=False)
 
     def part(self, name: str, make):
-        """The part ``name``, made by ``make()`` on the first call."""
-        if name not in self.parts:
-            value = make()
-            self.parts[name] = value
-            if callable(getattr(value, "close", None)):
-                self.on_close(value.close)
-        return self.parts[name]
+        """The part ``name``, made by ``make()`` on the first call (once, whichever threads
+        ask); ``RuntimeError`` once the job is closing."""
+        with self._lock:
+            if name not in self.parts:
+                if self.closing:
+                    raise RuntimeError(f"fastpar: the job is shutting down; its part {name!r} "
+                                       "cannot be made now")
+                value = make()
+                self.parts[name] = value
+                if callable(getattr(value, "close", None)):
+                    self.on_close(value.close)
+            return self.parts[name]
 
     def on_close(self, fn) -> None:
         """Call ``fn()`` at ``shutdown``, before every closer added earlier."""
-        self.closers.append(fn)
+        with self._lock:
+            self.closers.append(fn)
 
     def close(self) -> None:
-        """Run every closer, the last added first; one that fails does not keep the others from
-        running (the first error is raised once all ran)."""
-        closers, self.closers, self.parts = self.closers[::-1], [], {}
+        """Run every closer, the last added first, the parts still there for them to use; one
+        that fails does not keep the others from running (the first error is raised once all
+        ran). Then the parts go."""
+        with self._lock:
+            self.closing = True
         first = None
-        for close in closers:
+        while self.closers:  # a closer may add one (it runs next)
             try:
-                close()
+                self.closers.pop()()
             except Exception as exc:  # noqa: BLE001 - raised below, after the others
                 first = first or exc
+        self.parts = {}
         if first is not None:
             raise first
 
@@ -388,16 +400,14 @@ def _bind(rank, world_size, local_rank, local_world_size, device, hosts):
     whether this host's ranks outnumber the CPUs they may run on together."""
     import torch.distributed as dist
 
-    if device.type != "cpu" or world_size == 1 or os.environ.get("FASTPAR_BIND", "1") == "0":
-        # Without every rank's CPUs: the host's ranks against this rank's own CPUs.
-        cpus, undo = bind_cpus(local_rank, local_world_size, device, [])
-        return cpus, undo, local_world_size > max(1, len(affinity()))
-    everyone = [None] * world_size
+    if world_size == 1:
+        return (*bind_cpus(local_rank, local_world_size, device, []), False)
+    everyone = [None] * world_size  # every rank's CPUs (alike on every rank: a collective)
     dist.all_gather_object(everyone, affinity())
     local = [cpus for cpus, host in zip(everyone, hosts) if host == hosts[rank]]
-    together = set().union(*map(set, local))
-    return (*bind_cpus(local_rank, local_world_size, device, local),
-            len(local) > max(1, len(together)))
+    # Launcher-bound ranks of one CPU each are not oversubscribed; four on two CPUs are.
+    cpus = len(set().union(*map(set, local))) or os.cpu_count() or 1
+    return (*bind_cpus(local_rank, local_world_size, device, local), len(local) > cpus)
 
 
 def job() -> Job:
@@ -422,14 +432,16 @@ def shutdown() -> None:
     import torch.distributed as dist
 
     current = _STATE["job"]
-    if current is None:
+    if current is None or current.closing:  # not re-entered from a closer or a signal handler
         return
     try:
         current.close()  # its closers may still ask for job() (a barrier on a group)
-        if current.undo_binding is not None:
-            current.undo_binding()
     finally:
-        _STATE["job"] = None
-        _remove_abort_hook()
-        if current.owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if current.undo_binding is not None:
+                current.undo_binding()
+        finally:
+            _STATE["job"] = None
+            _remove_abort_hook()
+            if current.owns_pg and dist.is_initialized():
+                dist.destroy_process_group()

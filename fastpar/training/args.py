@@ -1,0 +1,180 @@
+"""The main job's command line: every flag, checked before anything starts, and what follows
+from it alone (the model config, the learning-rate plan).
+
+    args = parse_args(["--tp", "2", "--steps", "100"])   # one line and exit 2 on a bad flag
+    cfg = model_config(args)                             # the preset with the overrides
+    LambdaLR(opt, lr_lambda(args, steps))                # linear warm-up, cosine decay
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+DEFAULT_STEPS = {"tiny": 200, "small": 150}
+
+
+def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
+    """``python -m fastpar.train``'s flags (``description``: what --help says above them)."""
+    from fastpar.runtime.cli import Parser
+
+    p = Parser(prog="python -m fastpar.train", description=description)
+    a = p.add_argument
+    a("--tp", type=int, default=1, help="tensor-parallel size")
+    a("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
+    a("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
+    a("--microbatches", type=int, default=None, help="per step (default: 2 x pp, at least 1)")
+    a("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
+    a("--preset", default="small", choices=["tiny", "small"])
+    a("--steps", type=int, default=None, help="total steps (default: tiny 200, small 150)")
+    a("--global-batch", type=int, default=16, help="sequences per step over all dp ranks")
+    a("--seq-len", type=int, default=None)
+    a("--layers", type=int, default=None)
+    a("--hidden", type=int, default=None)
+    a("--heads", type=int, default=None)
+    a("--kv-heads", type=int, default=None)
+    a("--tie-embeddings", action="store_true")
+    a("--sequence-parallel", action="store_true")
+    a("--overlap", default="auto", choices=["auto", "on", "off"],
+      help="overlap the tensor-parallel layers' communication with their GEMMs (auto: the "
+           "layers' policy decides; the first step says what it did)")
+    a("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
+    a("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of lr")
+    a("--warmup", type=int, default=None, help="linear warm-up steps (default: steps / 10)")
+    a("--weight-decay", type=float, default=0.1)
+    a("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    a("--seed", type=int, default=0)
+    a("--data", default=None, help="a text file or directory (default: the Python stdlib)")
+    a("--dtype", default="float32", choices=["float32", "bfloat16"])
+    a("--zero", action="store_true", help="ZeRO-1: optimizer state sharded over dp")
+    a("--save", default=None, help="checkpoint directory")
+    a("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    a("--resume", default=None, help="checkpoint directory (or one step_* in it) to continue")
+    a("--log-every", type=int, default=10)
+    a("--val-every", type=int, default=None, help="steps between validations (default: 5 logs)")
+    a("--val-batches", type=int, default=4)
+    a("--metrics", default=None, help="JSON-lines file (rank 0)")
+    a("--plot", default="fastpar_train_loss.png", help="loss plot written at the end ('' : none)")
+    a("--timeout", type=float, default=300.0, help="seconds any collective may wait for a peer")
+    a("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p, args) -> None:
+    """Every flag's value against what it can be, before anything starts (one line, exit 2)."""
+    at_least_one = ["tp", "pp", "virtual_stages", "global_batch", "log_every", "val_batches",
+                    "steps", "microbatches", "seq_len", "layers", "hidden", "heads", "kv_heads",
+                    "val_every"]
+    for name in at_least_one:
+        value = getattr(args, name)
+        p.check(value is None or value >= 1,
+                f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("warmup", "save_every"):
+        value = getattr(args, name)
+        p.check(value is None or value >= 0,
+                f"--{name.replace('_', '-')} must be at least 0, got {value}")
+    for name in ("clip", "weight_decay"):
+        value = getattr(args, name)
+        p.check(math.isfinite(value) and value >= 0,
+                f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    p.check(math.isfinite(args.lr) and args.lr > 0, f"--lr must be a number > 0, got {args.lr}")
+    p.check(0 <= args.min_lr_ratio <= 1,
+            f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
+    p.check(args.timeout > 0, f"--timeout must be > 0 seconds (inf: no limit), got "
+                              f"{args.timeout}")
+    for flag, path in (("--data", args.data), ("--resume", args.resume)):
+        p.check(path is None or os.path.exists(path),
+                f"{flag} {path}: no such file or directory")
+    from fastpar.pipeline.schedules import compile_schedule
+
+    try:  # the schedule's own rules (virtual stages, microbatches) on the host, in microseconds
+        compile_schedule(args.schedule, args.pp, args.microbatches or 2 * args.pp,
+                         args.virtual_stages)
+    except ValueError as exc:
+        p.error(f"--schedule {args.schedule} --pp {args.pp} --virtual-stages "
+                f"{args.virtual_stages}: {exc}")
+    from fastpar.runtime.launcher import detect
+
+    try:
+        world = detect(os.environ).world_size
+    except ValueError as exc:  # conflicting launchers
+        p.error(str(exc))
+    if world < 1:
+        world = 1 if detect(os.environ).launcher == "single" else None
+    if world is not None:  # else MPI alone knows it: fastpar.init checks the layout
+        p.check(world % (args.tp * args.pp) == 0,
+                f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the "
+                f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x pp))")
+        try:
+            layout_checks(args, model_config(args), args.tp, args.pp,
+                          world // (args.tp * args.pp))
+        except ValueError as exc:
+            p.error(str(exc))
+
+
+def model_config(args):
+    from fastpar.models import PRESETS
+
+    overrides = {k: v for k, v in (("seq_len", args.seq_len), ("layers", args.layers),
+                                   ("hidden", args.hidden), ("heads", args.heads),
+                                   ("kv_heads", args.kv_heads)) if v is not None}
+    if args.tie_embeddings:
+        overrides["tie_embeddings"] = True
+    if args.sequence_parallel:
+        overrides["sequence_parallel"] = True
+    overrides["overlap"] = {"auto": None, "on": True, "off": False}[args.overlap]
+    if "heads" in overrides and "kv_heads" not in overrides:
+        overrides["kv_heads"] = None  # a new head count: MHA unless told
+    return dataclasses.replace(PRESETS[args.preset], **overrides)
+
+
+def layout_checks(args, cfg, tp: int, pp: int, dp: int) -> int:
+    """ValueError for a model or batch the layout cannot cut; returns the microbatches."""
+    m = args.microbatches or max(1, 2 * pp)
+    cfg.validate(tp)
+    if args.global_batch % (dp * m):
+        raise ValueError(f"global batch {args.global_batch} is not divisible by dp {dp} x "
+                         f"microbatches {m} (world {tp * pp * dp} = tp {tp} x pp {pp} x dp "
+                         f"{dp})")
+    return m
+
+
+def check_layout(args, topo, cfg) -> int:
+    """``layout_checks`` on the job's layout (every rank raises alike); returns microbatches."""
+    m = layout_checks(args, cfg, topo.tp_size, topo.pp_size, topo.dp_size)
+    if args.dtype == "bfloat16" and topo.device.type != "cuda":
+        print("[fastpar.train] note: bfloat16 on CPU is slow; it is meant for GPUs",
+              file=sys.stderr)
+    return m
+
+
+def warmup_steps(args, steps: int) -> int:
+    return args.warmup if args.warmup is not None else max(1, steps // 10)
+
+
+def lr_plan(args, steps: int) -> dict:
+    """What the learning rate of a run is a function of (checkpoints record it)."""
+    return {"lr": args.lr, "steps": steps, "warmup": warmup_steps(args, steps),
+            "min_lr_ratio": args.min_lr_ratio}
+
+
+def lr_at(plan: dict, step: int) -> float:
+    """The learning rate of optimizer step ``step`` under ``plan``."""
+    shape = argparse.Namespace(warmup=plan["warmup"], min_lr_ratio=plan["min_lr_ratio"])
+    return plan["lr"] * lr_lambda(shape, plan["steps"])(step)
+
+
+def lr_lambda(args, steps: int):
+    warmup = warmup_steps(args, steps)
+
+    def f(step: int) -> float:  # step: optimizer steps taken so far
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return f
