@@ -371,7 +371,7 @@ def body_timeout():
     from fastpar.comm.p2p import P2PTimeout
     from fastpar.pipeline import Pipeline
 
-    topo = fastpar.init(pp=2, timeout=3)
+    fastpar.init(pp=2, timeout=3)
 
     class Stall(nn.Module):
         calls = 0

@@ -165,10 +165,16 @@ def test_write_puts_json_and_png_side_by_side(tmp_path):
     assert (tmp_path / "step.trace").exists() and (tmp_path / "step.trace.png").exists()
 
 
+def records_from_simulation(spans) -> list[list[tuple[float, float, str, int, int]]]:
+    """``timeline.simulate``'s ``[[(start_unit, end_unit, action)]]`` as trace records, one unit
+    being one second."""
+    return [[(float(s), float(e), a.kind, a.mb, a.chunk) for s, e, a in row] for row in spans]
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_simulated_schedule_matches_the_text_timeline(tmp_path, name):
     lists = compile_schedule(name, 4, 6)
-    records = trace.spans_from_simulation(simulate(lists))
+    records = records_from_simulation(simulate(lists))
     assert [len(row) for row in records] == [12] * 4  # F and B of 6 microbatches per rank
     assert trace.measured_bubble(records) == pytest.approx(render(lists)[1], rel=1e-12)
     out = trace.write(tmp_path / f"{name}.json", records, meta={"schedule": name, "pp": 4})

@@ -8,9 +8,10 @@ to per-rank action lists that are validated on the host before anything runs.
     python -m fastpar.pipeline show --pp 4 --microbatches 8 --schedule zb
 """
 
+from fastpar.pipeline.actions import Action
 from fastpar.pipeline.pipe import Pipeline
-from fastpar.pipeline.schedules import (SCHEDULES, Action, ScheduleError, compile_schedule,
-                                        theoretical_bubble, validate)
+from fastpar.pipeline.schedules import SCHEDULES, compile_schedule, theoretical_bubble
+from fastpar.pipeline.validator import ScheduleError, validate
 
 __all__ = ["SCHEDULES", "Action", "Pipeline", "ScheduleError", "compile_schedule",
            "theoretical_bubble", "validate"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastpar.pipeline.schedules import KINDS
+from fastpar.pipeline.actions import KINDS
 
 _STATES = ("idle", "running", "done", "failed")
 _COLS = 7  # step, position, length, kind, mb, chunk, state

@@ -20,8 +20,6 @@ from torch import nn
 from fastpar.comm.p2p import P2PError, spec_of
 from fastpar.pipeline.split_backward import SplitBackward
 
-_COMPUTE = ("F", "B", "I", "W")
-
 
 def _tuple(x) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)

@@ -1,57 +1,24 @@
-"""Pipeline schedules compiled to per-rank action lists, and the validator that proves them.
+"""Pipeline schedules compiled to per-rank action lists (``actions.py`` defines the words).
 
 A schedule is a pure function ``(pp, microbatches, rank, virtual_stages=1) -> [Action]``; nothing
 here touches a process group, so every schedule is checked on the host for every rank before a
-step runs (``validate``), and ``python -m fastpar.pipeline show`` prints it.
+step runs (``compile_schedule`` calls ``validator.validate``), and ``python -m fastpar.pipeline
+show`` prints it. Also here: the bubble each schedule has in theory (``theoretical_bubble``).
 
-Each rank holds ``virtual_stages`` (v) model chunks; local chunk ``c`` of rank ``r`` is model
-stage ``c * pp + r`` of ``pp * v``. Actions, for microbatch ``mb`` of the acting rank's local
-chunk ``chunk``::
-
-    F   forward                               B   full backward (input and weight gradients)
-    I   input gradient only (then SB)         W   weight gradient of an earlier I, same rank
-    SF  send activation to stage + 1          RF  receive activation from stage - 1
-    SB  send gradient to stage - 1            RB  receive gradient from stage + 1
-
-Routing (``route``): stage + 1 of (r, c) is rank (r + 1) % pp, chunk c + 1 if r == pp - 1 else c;
-stage - 1 mirrors it. Stage 0 has no RF or SB, the last stage computes the loss and has no SF or
-RB. With pp == 1 every message goes to the rank itself (the executor keeps a local FIFO).
-
-Sends are asynchronous (buffered) and receives block; messages from one rank to another arrive
-in the order they were sent, one FIFO channel per (src, dst, direction): activations ("F") and
-gradients ("B") travel on separate channels, as P2P without tags on two groups. The validator
-simulates exactly that.
+The vocabulary (``Action``, ``KINDS``, ``COMPUTE``, ``route``) and the validator
+(``validate``, ``ScheduleError``) live in their own modules and are importable from here too.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 
-KINDS = ("F", "B", "SF", "RF", "SB", "RB", "I", "W")  # order is stable: board.py indexes it
-COMPUTE = ("F", "B", "I", "W")
+from fastpar.pipeline.actions import COMPUTE, KINDS, Action, route
+from fastpar.pipeline.validator import ScheduleError, validate
 
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    kind: str  # one of KINDS
-    mb: int  # microbatch
-    chunk: int = 0  # the acting rank's local chunk: model stage chunk * pp + rank
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-class ScheduleError(ValueError):
-    pass
-
-
-def route(kind: str, rank: int, chunk: int, pp: int) -> tuple[int, int]:
-    """``(rank, chunk)`` at the other end of send or receive ``kind`` on ``(rank, chunk)``: SF and
-    RB talk to model stage + 1, RF and SB to stage - 1. The chunk is negative or ``>= v`` when
-    that stage does not exist (``stage // pp``, e.g. stage -1 -> (pp - 1, -1))."""
-    stage = chunk * pp + rank + (1 if kind in ("SF", "RB") else -1)
-    return stage % pp, stage // pp
+__all__ = ["COMPUTE", "KINDS", "SCHEDULES", "Action", "ScheduleError", "bubble_formula",
+           "compile_schedule", "gpipe", "interleaved", "one_f_one_b", "route",
+           "theoretical_bubble", "validate", "zero_bubble_h1"]
 
 
 def _check_layout(name: str, pp: int, microbatches: int, virtual_stages: int) -> None:
@@ -206,125 +173,6 @@ def compile_schedule(name: str, pp: int, microbatches: int,
     lists = [SCHEDULES[name](pp, microbatches, r, virtual_stages) for r in range(pp)]
     validate(lists, virtual_stages, microbatches)
     return lists
-
-
-def _check_passes(lists: list[list[Action]], v: int, microbatches: int) -> None:
-    """Per rank, without running anything: known kinds, chunks and stages that exist, and every
-    (chunk, mb) run forward exactly once and backward exactly once (one B, or one I and a later
-    W), each backward after its forward."""
-    pp = len(lists)
-    for r, acts in enumerate(lists):
-        seen: dict[tuple[str, int, int], int] = {}  # (kind, chunk, mb) -> position
-        for p, a in enumerate(acts):
-            where = f"rank {r}, action {p} ({a})"
-            if a.kind not in KINDS:
-                raise ScheduleError(f"rank {r}, action {p}: unknown kind {a.kind!r}")
-            if not 0 <= a.chunk < v:
-                raise ScheduleError(f"{where}: no chunk {a.chunk} with virtual_stages={v}")
-            if not 0 <= a.mb < microbatches:
-                raise ScheduleError(f"{where}: no microbatch {a.mb} with "
-                                    f"microbatches={microbatches}")
-            if a.kind not in COMPUTE:
-                peer, peer_chunk = route(a.kind, r, a.chunk, pp)
-                if not 0 <= peer_chunk < v:
-                    verb = "send to" if a.kind[0] == "S" else "receive from"
-                    raise ScheduleError(f"{where}: no stage {peer_chunk * pp + peer} to {verb}")
-                if (a.kind, a.chunk, a.mb) in seen:
-                    raise ScheduleError(f"{where}: {a.kind} of this microbatch runs twice "
-                                        f"(actions {seen[a.kind, a.chunk, a.mb]} and {p})")
-                # a send needs what it sends: the forward's output, the backward's input grad
-                needs = {"SF": ("F",), "SB": ("B", "I")}.get(a.kind, ())
-                if needs and not any((k, a.chunk, a.mb) in seen for k in needs):
-                    raise ScheduleError(f"{where}: sends microbatch {a.mb} before computing it "
-                                        f"({' or '.join(needs)} of chunk {a.chunk} comes later)")
-                seen[a.kind, a.chunk, a.mb] = p
-                continue
-            name = f"rank {r}, chunk {a.chunk}, microbatch {a.mb}"
-            if (a.kind, a.chunk, a.mb) in seen:
-                raise ScheduleError(f"{name}: {a.kind} runs twice (actions "
-                                    f"{seen[a.kind, a.chunk, a.mb]} and {p})")
-            if a.kind in ("B", "I") and ("F", a.chunk, a.mb) not in seen:
-                raise ScheduleError(f"{where}: backward of microbatch {a.mb} before its forward "
-                                    f"(chunk {a.chunk})")
-            # a compute action needs its message first: F its activation (but on stage 0),
-            # B / I its output's gradient (but on the last stage)
-            stage = a.chunk * pp + r
-            need = "RF" if a.kind == "F" and stage > 0 else \
-                "RB" if a.kind in ("B", "I") and stage < pp * v - 1 else None
-            if need and (need, a.chunk, a.mb) not in seen:
-                raise ScheduleError(f"{where}: runs before its {need} (the "
-                                    f"{'activation' if need == 'RF' else 'gradient'} of "
-                                    f"microbatch {a.mb} for chunk {a.chunk} is received later "
-                                    f"or never)")
-            if a.kind in ("B", "I") and ("I" if a.kind == "B" else "B", a.chunk, a.mb) in seen:
-                raise ScheduleError(f"{name}: runs backward twice (both B and I)")
-            if a.kind == "W" and ("I", a.chunk, a.mb) not in seen:
-                raise ScheduleError(f"{where}: weight gradient (W) of microbatch {a.mb} before "
-                                    f"its input gradient (I)")
-            seen[a.kind, a.chunk, a.mb] = p
-        for chunk in range(v):
-            for mb in range(microbatches):
-                name = f"rank {r}, chunk {chunk}, microbatch {mb}"
-                if ("F", chunk, mb) not in seen:
-                    raise ScheduleError(f"{name}: never runs forward")
-                if ("B", chunk, mb) not in seen and ("I", chunk, mb) not in seen:
-                    raise ScheduleError(f"{name}: never runs backward")
-                if ("I", chunk, mb) in seen and ("W", chunk, mb) not in seen:
-                    raise ScheduleError(f"{name}: input gradient (I) without its weight "
-                                        f"gradient (W)")
-
-
-def validate(lists: list[list[Action]], virtual_stages: int = 1,
-             microbatches: int | None = None) -> None:
-    """Prove a set of per-rank lists (``virtual_stages`` chunks per rank, ``microbatches``
-    microbatches; default one more than the largest seen) runs: each (rank, chunk, mb) forward
-    exactly once and backward exactly once after it (``_check_passes``); then simulate every
-    rank (buffered sends, blocking receives, FIFO channels) and prove every receive meets its
-    own send, every send is received and no rank waits forever. Else ``ScheduleError`` naming
-    the first (rank, position, action) at fault."""
-    pp, v = len(lists), virtual_stages
-    if microbatches is None:
-        microbatches = 1 + max((a.mb for acts in lists for a in acts), default=-1)
-    _check_passes(lists, v, microbatches)
-    channel: dict[tuple, collections.deque] = {}  # (src, dst, "F"/"B") -> [(mb, dst chunk)]
-    pos = [0] * pp
-    while True:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(lists[r]):
-                a = lists[r][pos[r]]
-                if a.kind in ("SF", "SB"):
-                    dst, dst_chunk = route(a.kind, r, a.chunk, pp)
-                    channel.setdefault((r, dst, a.kind[1]), collections.deque()).append(
-                        (a.mb, dst_chunk))
-                elif a.kind in ("RF", "RB"):
-                    src, _ = route(a.kind, r, a.chunk, pp)
-                    queue = channel.get((src, r, a.kind[1]))
-                    if not queue:
-                        break  # blocked: try the other ranks
-                    if queue[0] != (a.mb, a.chunk):
-                        raise ScheduleError(
-                            f"rank {r}, action {pos[r]} ({a}): expects microbatch {a.mb} "
-                            f"(chunk {a.chunk}) from rank {src}, but the next message on that "
-                            f"channel is microbatch {queue[0][0]} (chunk {queue[0][1]})")
-                    queue.popleft()
-                pos[r] += 1
-                progressed = True
-        if all(pos[r] == len(lists[r]) for r in range(pp)):
-            break
-        if not progressed:
-            stuck = [(r, pos[r], str(lists[r][pos[r]])) for r in range(pp)
-                     if pos[r] < len(lists[r])]
-            r, p, a = stuck[0]
-            raise ScheduleError(f"deadlock: rank {r} waits forever at action {p} ({a}); every "
-                                f"waiting rank: {stuck}")
-    unreceived = {k: q for k, q in channel.items() if q}
-    if unreceived:
-        (src, dst, kind), queue = next(iter(unreceived.items()))
-        mb, chunk = queue[0]
-        raise ScheduleError(f"rank {src} sends {'activation' if kind == 'F' else 'gradient'} "
-                            f"of microbatch {mb} (chunk {chunk}) to rank {dst}, which never "
-                            f"receives it")
 
 
 def theoretical_bubble(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from fastpar.pipeline.schedules import COMPUTE, Action, route
+from fastpar.pipeline.actions import COMPUTE, Action, route
 
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 LEGEND = ("0-9 F (forward) of microbatch mb % 10, a-j B (full backward, 2 units), A-J I (input "
@@ -13,8 +13,8 @@ LEGEND = ("0-9 F (forward) of microbatch mb % 10, a-j B (full backward, 2 units)
 def simulate(lists: list[list[Action]], cost=None) -> list[list[tuple]]:
     """``[(start, end, action)]`` of every compute action per rank: each rank runs its list in
     order; a receive waits for the matching send, which leaves when the compute before it ends.
-    Messages follow ``schedules.route`` (wrapping from the last rank to the first, and to the
-    rank itself when pp == 1). The lists must be valid (``schedules.validate``). ``cost(rank,
+    Messages follow ``actions.route`` (wrapping from the last rank to the first, and to the
+    rank itself when pp == 1). The lists must be valid (``validator.validate``). ``cost(rank,
     action)``: each compute action's duration (default ``COST``), e.g. measured ones, giving the
     timeline that compute alone implies with free messages."""
     pp = len(lists)

@@ -28,7 +28,8 @@ import struct
 import zlib
 from pathlib import Path
 
-COMPUTE = ("F", "B", "I", "W")
+from fastpar.pipeline.actions import COMPUTE
+
 P2P = ("SF", "SB", "RF", "RB")
 
 WHITE = (255, 255, 255)
@@ -241,8 +242,3 @@ def write(path, records_per_rank, *, meta: dict) -> dict:
     os.replace(tmp_png, png_path)
     return {"json": str(json_path), "png": str(png_path), "bubble": measured_bubble(recs)}
 
-
-def spans_from_simulation(spans) -> list[list[tuple[float, float, str, int, int]]]:
-    """``timeline.simulate``'s ``[[(start_unit, end_unit, action)]]`` as records (one unit =
-    one second); any action with ``.kind``, ``.mb`` and ``.chunk`` will do."""
-    return [[(float(s), float(e), a.kind, a.mb, a.chunk) for s, e, a in row] for row in spans]
