@@ -14,11 +14,15 @@ import numpy as np
 
 from fastpar.pipeline.actions import KINDS
 
-_STATES = ("idle", "running", "done", "failed")
+# A row's state: no action yet, inside an action, the step finished, an action raised.
+IDLE, RUNNING, DONE, FAILED = 0, 1, 2, 3
+_STATES = ("idle", "running", "done", "failed")  # indexed by the states above
 _COLS = 7  # step, position, length, kind, mb, chunk, state
 
 
 class Board:
+    """This host's rows of the board (one per rank, ``_COLS`` int64 each) and this rank's row."""
+
     def __init__(self, win, table: np.ndarray, ranks: list[int], mine: int):
         self._win, self.table, self.ranks, self.mine = win, table, ranks, mine
         self.row = table[ranks.index(mine)]
@@ -40,14 +44,16 @@ class Board:
         buf, _ = win.Shared_query(0)
         table = np.ndarray((len(ranks), _COLS), dtype=np.int64, buffer=buf)
         board = cls(win, table, ranks, rank)
-        board.row[:] = (-1, 0, 0, -1, 0, 0, 0)
+        board.row[:] = (-1, 0, 0, -1, 0, 0, IDLE)
         return board
 
-    def set(self, step: int, pos: int, length: int, action, state: int = 1) -> None:
+    def set(self, step: int, pos: int, length: int, action, state: int = RUNNING) -> None:
+        """This rank is at ``action``, position ``pos`` of ``length``, in step ``step``."""
         self.row[:] = (step, pos, length, KINDS.index(action.kind), action.mb, action.chunk,
                        state)
 
     def state(self, state: int) -> None:
+        """Change only this rank's state (``DONE``, ``FAILED``)."""
         self.row[6] = state
 
     def describe(self) -> str:

@@ -1,10 +1,13 @@
 """Runs one rank's action list: forward and backward of its chunks, and the messages between.
 
-State of one step, per (microbatch, local chunk): the stage input (received, or the data on stage
-0), its output until the backward, the gradient received for it, and, under a split backward
-(``I`` then ``W``), the weight-gradient work left for ``W``. Everything is dropped the moment the
-schedule no longer needs it; a sent output's data is freed once its send completes (the autograd
-graph only needs its shape), as Megatron's output deallocation does.
+``Executor.run`` hands each action to the handler of its kind: ``F``, ``B``, ``I``, ``W``
+compute, ``SF``, ``RF``, ``SB``, ``RB`` move messages (``actions.py`` defines the kinds). What
+a step keeps between its actions is a ``_Step``, holding one ``_Pass`` per (microbatch, local
+chunk): the stage input (received, or the data on stage 0), its output until the backward, the
+gradient received for that output, the input's gradient until it is sent, and, under a split
+backward (``I`` then ``W``), the weight-gradient work left for ``W``. Everything is dropped the
+moment the schedule no longer needs it; a sent output's data is freed once its send completes
+(the autograd graph only needs its shape), as Megatron's output deallocation does.
 
 Split backward (zero-bubble schedules): ``I`` computes the gradient of the stage input and
 ``W`` the parameters' gradients, split exactly on the autograd graph (``split_backward.py``).
@@ -12,12 +15,17 @@ Split backward (zero-bubble schedules): ``I`` computes the gradient of the stage
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import time
+from typing import Any
 
 import torch
 from torch import nn
 
 from fastpar.comm.p2p import P2PError, spec_of
+from fastpar.pipeline.board import DONE, FAILED
 from fastpar.pipeline.split_backward import SplitBackward
 
 
@@ -68,18 +76,69 @@ class _Memory:
         self.total -= self.alive.pop(key, 0)
 
 
+@dataclasses.dataclass
+class _Pass:
+    """What one (microbatch, local chunk) holds between its actions in a step. ``None`` is
+    nothing held; a field is cleared as soon as no later action of the list needs it."""
+
+    input: Any = None  # the activation received (RF), until F (inference) or the backward
+    in_spec: Any = None  # spec_of(input): what the gradient SB sends back must match
+    output: Any = None  # F's output (loss / m on the last stage), until SF (inference) or backward
+    out_spec: Any = None  # spec_of(output) as SF sent it: what RB's gradient must match
+    grad: Any = None  # the output's gradient, received by RB, until the backward
+    in_grad: Any = None  # the input's gradient, made by B or I, until SB sends it
+    wgrad: SplitBackward | None = None  # the weight-gradient work I leaves, until W
+
+
+@dataclasses.dataclass
+class _Step:
+    """One ``Executor.run``: its microbatches, what it returns, and its state between actions."""
+
+    data: Any  # the input microbatches; None where this rank does not use them
+    targets: Any  # the target microbatches; None where this rank does not use them
+    microbatches: int | None  # each loss is divided by it: the losses sum to the batch's mean
+    train: bool
+    memory: _Memory
+    # (mb, chunk) -> its _Pass, made at the first action that touches it
+    passes: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(_Pass))
+    sent: list = dataclasses.field(default_factory=list)  # (handle, output) of sends in flight
+    losses: list = dataclasses.field(default_factory=list)  # last stage, train: detached losses
+    results: list = dataclasses.field(default_factory=list)  # last stage, inference: outputs
+    records: list = dataclasses.field(default_factory=list)  # (start, end, kind, mb, chunk)
+
+    def free_sent(self) -> None:
+        """Free the data of every sent output whose send has completed (``_free_data``)."""
+        if self.sent:
+            still = []
+            for handle, out in self.sent:
+                if handle.is_completed():
+                    _free_data(out)
+                else:
+                    still.append((handle, out))
+            self.sent = still
+
+
 class Executor:
     """One rank's chunks (``chunks[c]`` is model stage ``c * pp + rank``) and how to run an
-    action list on them. ``channels``: a ``fastpar.comm.p2p.Channels`` over the pp group."""
+    action list on them. ``channels``: a ``fastpar.comm.p2p.Channels`` over the pp group;
+    ``board``: this host's status ``Board``, or ``None`` (not under mpirun)."""
 
     def __init__(self, chunks: list[nn.Module], *, pp: int, rank: int, v: int, channels,
                  loss_fn, board=None):
         self.chunks, self.pp, self.rank, self.v = chunks, pp, rank, v
         self.ch, self.loss_fn, self.board = channels, loss_fn, board
+        self.last = pp * v - 1  # the last model stage: it computes the loss
         self.steps = 0
 
     def stage(self, chunk: int) -> int:
         return chunk * self.pp + self.rank
+
+    def _handlers(self) -> dict:
+        """Action kind -> the bound method that runs it on ``(step, action, its _Pass)``; made
+        per run, so that the executor holds no reference cycle to itself."""
+        return {"F": self._forward, "B": self._full_backward, "SF": self._send_forward,
+                "RF": self._recv_forward, "SB": self._send_backward, "RB": self._recv_backward,
+                "I": self._input_backward, "W": self._weight_backward}
 
     def run(self, actions, data, targets, *, train: bool):
         """Run ``actions``; ``data``/``targets``: the microbatches (``None`` where this rank
@@ -87,107 +146,127 @@ class Executor:
         per-microbatch losses (train) or outputs (inference), and ``(start, end, kind, mb,
         chunk)`` of every action."""
         self.steps += 1
-        last = self.pp * self.v - 1
         m = len(data) if data is not None else len(targets) if targets is not None else None
-        inputs, outputs, out_specs, in_specs, grads, in_grads, wgrad = ({} for _ in range(7))
-        sent = []  # (handle, output) whose data is freed once the send completes
-        losses, results, records = [], [], []
-        memory = _Memory(p for c in self.chunks for p in c.parameters())
+        step = _Step(data, targets, m, train,
+                     _Memory(p for c in self.chunks for p in c.parameters()))
+        handlers = self._handlers()
         clock = time.perf_counter
         for pos, a in enumerate(actions):
-            key, s = (a.mb, a.chunk), self.stage(a.chunk)
             if self.board is not None:
                 self.board.set(self.steps, pos, len(actions), a)
             start = clock()
             try:
-                if a.kind == "F":
-                    x = data[a.mb] if s == 0 else inputs[key]
-                    if s != 0:
-                        in_specs[key] = spec_of(x)
-                    hooks, done = memory.hooks(key, x) if train else (None, None)
-                    with torch.set_grad_enabled(train):
-                        if hooks is not None:
-                            with hooks:
-                                out = self.chunks[a.chunk](x)
-                        else:
-                            out = self.chunks[a.chunk](x)
-                        if s == last and train:
-                            loss = self.loss_fn(out, targets[a.mb])
-                            losses.append(loss.detach())
-                            out = loss / m  # the mean over microbatches is the batch's mean
-                        elif s == last:
-                            results.append(out)
-                    if train:
-                        done()
-                        outputs[key] = out
-                    elif s != last:
-                        outputs[key] = out
-                    if s != 0 and not train:
-                        inputs.pop(key)
-                elif a.kind == "SF":
-                    out = outputs[key] if train else outputs.pop(key)
-                    out_specs[key] = spec_of(out)
-                    handle = self.ch.send_forward(out, mb=a.mb, stage=s + 1)
-                    if train:
-                        sent.append((handle, out))
-                elif a.kind == "RF":
-                    inputs[key] = self.ch.recv_forward(mb=a.mb, stage=s)
-                elif a.kind == "RB":
-                    grads[key] = self.ch.recv_backward(mb=a.mb, stage=s, expect=out_specs[key])
-                elif a.kind in ("B", "I"):
-                    self._backward(a, key, s, last, data, inputs, outputs, grads, in_grads, wgrad,
-                                   full=a.kind == "B")
-                    if a.kind == "B":
-                        memory.release(key)
-                elif a.kind == "W":
-                    wgrad.pop(key).weight_grads()
-                    memory.release(key)
-                elif a.kind == "SB":
-                    self.ch.send_backward(in_grads.pop(key), mb=a.mb, stage=s - 1,
-                                          expect=in_specs.pop(key))
-                else:
+                handler = handlers.get(a.kind)
+                if handler is None:
                     raise ValueError(f"unknown action kind {a.kind!r}")
+                handler(step, a, step.passes[a.mb, a.chunk])
             except P2PError as exc:
                 self.ch.abandon(exc)
                 if self.board is not None:
-                    self.board.state(3)
+                    self.board.state(FAILED)
                 raise type(exc)(self._context(pos, actions, exc)) from exc
             except Exception as exc:
                 self.ch.abandon(exc)
                 if self.board is not None:
-                    self.board.state(3)
+                    self.board.state(FAILED)
                 exc.add_note(f"fastpar pipeline: raised in step {self.steps}, action {pos} of "
-                             f"{len(actions)} ({a}, model stage {s}) on pipeline rank "
-                             f"{self.rank}")
+                             f"{len(actions)} ({a}, model stage {self.stage(a.chunk)}) on "
+                             f"pipeline rank {self.rank}")
                 raise
-            records.append((start, clock(), a.kind, a.mb, a.chunk))
-            if sent:
-                still = []
-                for handle, out in sent:
-                    if handle.is_completed():
-                        _free_data(out)
-                    else:
-                        still.append((handle, out))
-                sent = still
+            step.records.append((start, clock(), a.kind, a.mb, a.chunk))
+            step.free_sent()
             self.ch.release_completed()
         self.ch.finish_step()
         if self.board is not None and actions:
-            self.board.state(2)
-        assert not wgrad and not grads and not in_grads, (wgrad, grads, in_grads)
-        return losses, results, records, memory.peak
+            self.board.state(DONE)
+        held = {key: p for key, p in step.passes.items()
+                if p.wgrad is not None or p.grad is not None or p.in_grad is not None}
+        assert not held, held
+        return step.losses, step.results, step.records, step.memory.peak
 
-    def _backward(self, a, key, s, last, data, inputs, outputs, grads, in_grads, wgrad, full):
-        """B (``full``) or I of one microbatch: input gradients into ``in_grads`` (to be sent
-        upstream); under I, the weight-gradient work left for W into ``wgrad``."""
-        out = outputs.pop(key)
-        if s == last:
+    # -- messages -------------------------------------------------------------------------
+    def _recv_forward(self, step: _Step, a, p: _Pass) -> None:
+        """RF: the stage input, from stage - 1."""
+        p.input = self.ch.recv_forward(mb=a.mb, stage=self.stage(a.chunk))
+
+    def _send_forward(self, step: _Step, a, p: _Pass) -> None:
+        """SF: the output to stage + 1. Training keeps it for the backward (and frees its data
+        once the send completes); inference has no further use for it."""
+        out = p.output
+        if not step.train:
+            p.output = None
+        p.out_spec = spec_of(out)
+        handle = self.ch.send_forward(out, mb=a.mb, stage=self.stage(a.chunk) + 1)
+        if step.train:
+            step.sent.append((handle, out))
+
+    def _recv_backward(self, step: _Step, a, p: _Pass) -> None:
+        """RB: the output's gradient, from stage + 1, checked against the output sent."""
+        p.grad = self.ch.recv_backward(mb=a.mb, stage=self.stage(a.chunk), expect=p.out_spec)
+
+    def _send_backward(self, step: _Step, a, p: _Pass) -> None:
+        """SB: the input's gradient, to stage - 1, checked against the input received."""
+        grads, spec = p.in_grad, p.in_spec
+        p.in_grad = p.in_spec = None
+        self.ch.send_backward(grads, mb=a.mb, stage=self.stage(a.chunk) - 1, expect=spec)
+
+    # -- compute --------------------------------------------------------------------------
+    def _forward(self, step: _Step, a, p: _Pass) -> None:
+        """F: run the chunk on its input (the data on stage 0); the last stage applies the loss
+        (train) or keeps the output as a result (inference). Training counts the bytes autograd
+        saves (``_Memory``)."""
+        s, key = self.stage(a.chunk), (a.mb, a.chunk)
+        x = step.data[a.mb] if s == 0 else p.input
+        if s != 0:
+            p.in_spec = spec_of(x)
+        hooks, done = (step.memory.hooks(key, x) if step.train
+                       else (contextlib.nullcontext(), None))
+        with torch.set_grad_enabled(step.train):
+            with hooks:
+                out = self.chunks[a.chunk](x)
+            if s == self.last and step.train:
+                loss = self.loss_fn(out, step.targets[a.mb])
+                step.losses.append(loss.detach())
+                out = loss / step.microbatches  # the mean over microbatches is the batch's mean
+            elif s == self.last:
+                step.results.append(out)
+        if step.train:
+            done()
+        if step.train or s != self.last:
+            p.output = out  # for SF, and in training for the backward
+        if not step.train:
+            p.input = None  # inference: nothing needs the input any more
+
+    def _full_backward(self, step: _Step, a, p: _Pass) -> None:
+        """B: input and weight gradients in one autograd pass."""
+        self._backward(step, a, p, full=True)
+        step.memory.release((a.mb, a.chunk))
+
+    def _input_backward(self, step: _Step, a, p: _Pass) -> None:
+        """I: the input gradient only; the weight-gradient work is left in ``p.wgrad``."""
+        self._backward(step, a, p, full=False)
+
+    def _weight_backward(self, step: _Step, a, p: _Pass) -> None:
+        """W: the weight gradients an earlier I left."""
+        split, p.wgrad = p.wgrad, None
+        split.weight_grads()
+        step.memory.release((a.mb, a.chunk))
+
+    def _backward(self, step: _Step, a, p: _Pass, *, full: bool) -> None:
+        """B (``full``) or I of one microbatch: the input's gradient into ``p.in_grad`` (to be
+        sent upstream); under I, the weight-gradient work left for W into ``p.wgrad``."""
+        s = self.stage(a.chunk)
+        out, p.output = p.output, None
+        if s == self.last:
             tensors, gs = [out], [None]
         else:
-            pairs = [(o, g) for o, g in zip(_tuple(out), _tuple(grads.pop(key)))
+            grad, p.grad = p.grad, None
+            pairs = [(o, g) for o, g in zip(_tuple(out), _tuple(grad))
                      if o is not None and g is not None and o.requires_grad]
-            tensors, gs = [p[0] for p in pairs], [p[1] for p in pairs]
+            tensors, gs = [t for t, _ in pairs], [g for _, g in pairs]
         # stage 0's input: the data's microbatch, a leaf needing grad only if the data does
-        x = data[a.mb] if s == 0 else inputs.pop(key, None)
+        x = step.data[a.mb] if s == 0 else p.input
+        p.input = None
         xs = _tuple(x) if x is not None else ()
         want = [t for t in xs if isinstance(t, torch.Tensor) and t.requires_grad]
         if full:
@@ -198,10 +277,10 @@ class Executor:
                 for t in want:
                     t.grad = None
         else:
-            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+            params = [q for q in self.chunks[a.chunk].parameters() if q.requires_grad]
             split = SplitBackward(tensors, gs, want, params)
             got = {id(t): g for t, g in zip(want, split.input_grads())}
-            wgrad[key] = split
+            p.wgrad = split
             if s == 0:  # the data's leaves keep their gradient (joined into the batch later)
                 for t in want:
                     g = got[id(t)]
@@ -209,7 +288,7 @@ class Executor:
                         t.grad = g if t.grad is None else t.grad + g
         if s != 0:
             grads_x = tuple(got.get(id(t)) if isinstance(t, torch.Tensor) else None for t in xs)
-            in_grads[key] = grads_x if isinstance(x, (tuple, list)) else grads_x[0]
+            p.in_grad = grads_x if isinstance(x, (tuple, list)) else grads_x[0]
 
     def _context(self, pos, actions, exc) -> str:
         text = (f"pipeline rank {self.rank} (global rank {self.ch.rank}), step {self.steps}, "
