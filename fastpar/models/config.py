@@ -1,0 +1,107 @@
+"""The GPT's configuration: sizes and choices (``GPTConfig``), their check against a tp size
+(``GPTConfig.validate``), and the named presets (``PRESETS``). Plain data; imports nothing of
+fastpar. The model built from it is in ``gpt.py``.
+
+    cfg = dataclasses.replace(PRESETS["small"], layers=8)
+    cfg.validate(tp=2)          # ValueError naming every number that does not fit
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Sizes and choices of the model. ``kv_heads=None``: as many as ``heads`` (MHA; fewer is
+    grouped-query attention). ``ffn_hidden=None``: ``4 * hidden`` for gelu; for swiglu
+    ``8/3 * hidden`` rounded up to a multiple of 8 (about the parameters of the gelu MLP).
+    ``bias``: biases in every linear layer and in LayerNorm (the head never has one).
+    ``dropout``: on the embedding output, the attention probabilities and both residual
+    branches."""
+
+    vocab_size: int = 256  # byte-level
+    seq_len: int = 64
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    mlp: str = "swiglu"  # "swiglu" | "gelu"
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    positions: str = "rope"  # "rope" | "learned"
+    tie_embeddings: bool = False
+    sequence_parallel: bool = False
+    overlap: bool | None = None  # the parallel linear layers' (None: their policy decides)
+    dropout: float = 0.0
+    bias: bool = False
+    rope_base: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.mlp == "gelu":
+            return 4 * self.hidden
+        return -(-self.hidden // 3) * 8  # ceil(8/3 * hidden / 8) * 8
+
+    def validate(self, tp: int = 1) -> None:
+        """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks."""
+        bad = []
+        for name in ("vocab_size", "seq_len", "layers", "hidden", "heads", "kv_heads",
+                     "ffn_hidden"):
+            value = getattr(self, name)
+            if (value is not None or name not in ("kv_heads", "ffn_hidden")) and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                bad.append(f"{name} must be a positive integer, got {value!r}")
+        for name, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
+                              ("positions", ("rope", "learned"))):
+            if getattr(self, name) not in allowed:
+                bad.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            bad.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.init_std > 0 or not self.rope_base > 0:
+            bad.append(f"init_std {self.init_std} and rope_base {self.rope_base} must be > 0")
+        if bad:
+            raise ValueError("GPTConfig: " + "; ".join(bad))
+        kv, ffn = self.num_kv_heads, self.ffn_size
+        if self.hidden % self.heads:
+            bad.append(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        elif self.positions == "rope" and (self.hidden // self.heads) % 2:
+            bad.append(f"rope needs an even head dim, got hidden {self.hidden} / heads "
+                       f"{self.heads} = {self.hidden // self.heads}")
+        if self.heads % kv:
+            bad.append(f"heads {self.heads} is not divisible by kv_heads {kv}")
+        for name, value in (("heads", self.heads), ("kv_heads", kv), ("vocab_size",
+                            self.vocab_size), ("ffn_hidden", ffn)):
+            if value % tp:
+                bad.append(f"{name} {value} is not divisible by tp {tp}")
+        if self.sequence_parallel and self.seq_len % tp:
+            bad.append(f"seq_len {self.seq_len} is not divisible by tp {tp} (sequence_parallel)")
+        if bad:
+            raise ValueError("GPTConfig: " + "; ".join(bad))
+
+    def num_params(self) -> int:
+        """Parameters of the serial model, the tied output weight (a copy) counted once."""
+        h, v, kv_dim, ffn, b = self.hidden, self.vocab_size, \
+            self.num_kv_heads * (self.hidden // self.heads), self.ffn_size, int(self.bias)
+        norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
+        attn = 2 * h * h + 2 * h * kv_dim + b * (2 * h + 2 * kv_dim)
+        mlp = (2 * h * ffn + b * (ffn + h)) if self.mlp == "gelu" else \
+            (3 * h * ffn + b * (2 * ffn + h))
+        embedding = v * h + (self.seq_len * h if self.positions == "learned" else 0)
+        head = norm + (0 if self.tie_embeddings else v * h)
+        return embedding + self.layers * (2 * norm + attn + mlp) + head
+
+
+PRESETS = {
+    # ~0.12 M parameters: trains in seconds on a CPU.
+    "tiny": GPTConfig(seq_len=64, layers=2, hidden=64, heads=4, kv_heads=2),
+    # ~3.0 M parameters: the demo of `mpirun -np 4 python -m fastpar.train --tp 2 --pp 2`.
+    "small": GPTConfig(seq_len=128, layers=4, hidden=256, heads=8, kv_heads=4),
+}
