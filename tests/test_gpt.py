@@ -240,7 +240,9 @@ def body_gpt(seed):
 
 def check_pipeline(c, topo, me, seed):
     """tp 2 x pp 2 through fastpar.pipeline: the step's loss, every gradient on every stage
-    (tied copies summed over the embedding group), and the full state dict."""
+    (tied copies summed over the embedding group), the global gradient norm of both clips, and
+    the full state dict."""
+    from fastpar.optim import DistributedOptimizer, clip_grad_norm_
     from fastpar.pipeline import Pipeline
 
     for name in ("sp.tied.rope.gelu.ln", "learned.gelu.ln.bias"):
@@ -258,6 +260,13 @@ def check_pipeline(c, topo, me, seed):
                 named.update(named_params(chunk))
             assert len(tied_parameters(pipe.chunks)) == int(cfg.tie_embeddings)
             c.grads(f"pipe.{name}", named, ser, ref)
+            # Both clips count what torch counts on the serial GPT: its tied embedding and the
+            # head's copy are two Parameters there too (on two stages here), so both count.
+            want = [torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])
+                    for m in (ref, ser)]
+            c.close(f"pipe.{name}.clip_norm", clip_grad_norm_(pipe, 1e9), *want)
+            zero = DistributedOptimizer(pipe.parameters(), torch.optim.SGD, lr=0.0)  # dp 1
+            c.close(f"pipe.{name}.zero_clip_norm", zero.clip_grad_norm_(1e9, model=pipe), *want)
             full = fastpar.full_state_dict(pipe)
             assert list(full) == list(ser.state_dict()), "pipeline state-dict keys"
             assert all(torch.equal(full[k], v) for k, v in ser.state_dict().items())

@@ -243,6 +243,10 @@ def check_errors(c, topo):
         DistributedOptimizer(net.a.parameters(), torch.optim.SGD, lr=0.1)
     opt = DistributedOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
     assert f"dp={topo.dp_size}" in repr(opt)
+    for bad in (0.0, -1.0, float("nan")):  # before any collective: no reduction pending after
+        with pytest.raises(ValueError, match="max_norm must be positive"):
+            opt.clip_grad_norm_(bad)
+    assert not opt._reduced
     c.checked.append("errors")
 
 

@@ -8,14 +8,26 @@ Each rank holds a piece of the serial model: shards of ``fastpar.nn`` layers ove
 (norm weights, row-parallel biases). The global 2-norm counts every serial element once::
 
     norm**2 = all_reduce_over(tp x pp)( sum_{p sharded} |g_p|^2 + [tp_rank == 0] sum_{p replicated} |g_p|^2 )
+    g *= min(1, max_norm / (norm + 1e-6))                                 # every local grad
 
-dp replicas hold the same averaged gradients, so dp takes no part. Parameters tied across
-pipeline stages (a GPT's embedding and output weight) are separate parameters of the serial
-model too, so both count, as they do there. ``DistributedOptimizer.clip_grad_norm_`` does the
-same for ZeRO's sharded gradients (it shares ``sharded_params``).
+dp replicas hold the same averaged gradients, so dp takes no part.
+
+Tied weights: a Parameter that appears more than once in one module (used by two layers) counts
+once, as ``model.parameters()`` yields it once. A GPT's tied embedding and output weight are two
+Parameters, one holding a copy of the other (``fastpar.models``: the pipeline may put them on
+different stages), and ``fastpar.models.GPT`` holds the same two at pp 1. Both count, so the
+tied gradient enters the norm twice, at every layout, as ``torch.nn.utils.clip_grad_norm_``
+counts it on the serial ``GPT``; ``sum_tied_grads`` gives both copies that gradient first.
+
+``DistributedOptimizer.clip_grad_norm_`` (ZeRO) counts the same elements (``counted``), sums over
+its dp group as well (there each rank holds a slice of the gradients), and ends in the same
+``clip_by_global_norm_``.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 
@@ -34,26 +46,54 @@ def sharded_params(model: torch.nn.Module) -> set[int]:
     return sharded
 
 
-@torch.no_grad()
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale this rank's gradients so the serial model's global 2-norm is at most ``max_norm``;
-    returns that norm before clipping (float64, the same on every rank). Collective over the
-    topology's mp group (tp x pp): call it on every rank."""
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be positive, got {max_norm}")
+def counted(model: torch.nn.Module) -> Callable[[torch.Tensor], bool]:
+    """Whether this rank counts a parameter in the serial model's norm: a tp shard of a
+    ``fastpar.nn`` layer always, a parameter whole on every tp rank only on tp rank 0."""
+    if topology().tp_rank == 0:
+        return lambda p: True
     sharded = sharded_params(model)
-    count_replicated = topology().tp_rank == 0
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    counted = [p.grad.detach() for p in model.parameters()
-               if p.grad is not None and (id(p) in sharded or count_replicated)]
-    local = torch.zeros(1, dtype=torch.float64)
-    if counted:  # one fused norm per device and dtype (torch's own), squared in float64
-        local += torch.nn.utils.get_total_norm(counted, 2.0).double().cpu() ** 2
-    mp = topology().mp_group
-    if mp is not None and group_size(mp) > 1:
-        comm.all_reduce(local, group=mp)
-    total = local[0].sqrt()
+    return lambda p: id(p) in sharded
+
+
+def check_max_norm(max_norm: float) -> None:
+    if not max_norm > 0:  # 0 would zero every gradient, a negative value flip their signs
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+
+
+@torch.no_grad()
+def clip_by_global_norm_(grads: list[torch.Tensor], local: torch.Tensor, max_norm: float,
+                         norm_type: float, groups) -> torch.Tensor:
+    """The end both clips share (collective over every group of ``groups`` with more than one
+    rank; None entries are skipped). ``local``: ``(1,)`` float64, this rank's sum of
+    ``|g| ** norm_type`` over the elements it counts (for ``inf``: their largest ``|g|``)::
+
+        norm = all_reduce(local, sum) ** (1 / norm_type)     # inf: all_reduce(local, max)
+        g *= min(1, max_norm / (norm + 1e-6))                # for g in grads, in place
+
+    Returns the norm before clipping (float64, 0-dim, the same on every rank of the groups).
+    The callers check ``max_norm`` first (``check_max_norm``), before any collective."""
+    inf = math.isinf(norm_type)
+    for group in groups:
+        if group is not None and group_size(group) > 1:
+            comm.all_reduce(local, group=group, op="max" if inf else "sum")
+    total = local[0] if inf else local[0] ** (1.0 / norm_type)
     coef = min(1.0, float(max_norm) / (total.item() + 1e-6))
     if coef < 1.0:
         torch._foreach_mul_(grads, coef)  # one fused kernel per device and dtype
     return total
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale this rank's gradients so the serial model's global 2-norm is at most ``max_norm``;
+    returns that norm before clipping (float64, the same on every rank). Collective over the
+    topology's mp group (tp x pp): call it on every rank. Tied parameters: see the module
+    docstring."""
+    check_max_norm(max_norm)
+    keep = counted(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    mine = [p.grad.detach() for p in model.parameters() if p.grad is not None and keep(p)]
+    local = torch.zeros(1, dtype=torch.float64)
+    if mine:  # one fused norm per device and dtype (torch's own), squared in float64
+        local += torch.nn.utils.get_total_norm(mine, 2.0).double().cpu() ** 2
+    return clip_by_global_norm_(grads, local, max_norm, 2.0, [topology().mp_group])

@@ -96,5 +96,15 @@ class FlatGroup:
         for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
             p.copy_(full[a:b].view(p.shape))
 
+    def shard_mask(self, keep) -> torch.Tensor:
+        """``(shard,)`` float64 on the group's device: 0 on this rank's elements of every
+        parameter ``p`` with ``keep(p)`` false, 1 elsewhere (padding included)."""
+        mask = torch.ones(self.shard, dtype=torch.float64, device=self.device)
+        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
+            lo, hi = max(a, self.start), min(b, self.start + self.shard)
+            if hi > lo and not keep(p):
+                mask[lo - self.start:hi - self.start] = 0
+        return mask
+
     def describe(self) -> str:
         return f"{self.dtype}/{self.device.type}: {self.numel} elements, shard {self.shard}"

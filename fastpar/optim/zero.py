@@ -34,7 +34,7 @@ import math
 import torch
 
 from fastpar import comm
-from fastpar.optim.clip import sharded_params
+from fastpar.optim.clip import check_max_norm, clip_by_global_norm_, counted
 from fastpar.optim.flat import FlatGroup
 from fastpar.runtime import group_rank, group_size, topology
 
@@ -161,9 +161,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         model: torch.nn.Module | None = None) -> torch.Tensor:
         """Scale the dp-averaged gradients so their global norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` on the serial model; returns the norm before clipping.
-
-        Reduces first (if not yet done), so call it after backward and before ``step()``::
+        ``torch.nn.utils.clip_grad_norm_`` on the serial model; returns the norm before clipping
+        (in the masters' dtype). Reduces first (if not yet done), so call it after backward and
+        before ``step()``::
 
             norm = (sum over ranks of sum(w * |g_shard_r| ** p)) ** (1 / p)    # all_reduce
             g_shard_r *= min(1, max_norm / (norm + 1e-6))
@@ -171,54 +171,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Without ``model`` the sum runs over the dp group with w = 1: right when each dp rank
         holds the whole model (no tensor or pipeline parallelism). Under TP/PP pass ``model``
         (the module holding this rank's parameters): the sum then also runs over the topology's
-        mp group (tp x pp), with w = 1 for the shards of ``fastpar.nn`` layers (their
-        ``shard_dims``) and, for parameters replicated over tp (norms, row-parallel biases),
-        w = 1 on tp rank 0 only, so each serial element counts once. Not covered: parameters
-        tied across pipeline stages (a shared embedding on the first and last stage) count
-        twice.
+        mp group (tp x pp) and counts what ``fastpar.optim.clip_grad_norm_`` counts (w = 1 for
+        the shards of ``fastpar.nn`` layers; for parameters replicated over tp, w = 1 on tp rank
+        0 only), so each serial element counts once. Tied weights count as there: a GPT's tied
+        embedding and its head's copy are two parameters, both counted, as on the serial
+        ``GPT`` (see ``fastpar.optim.clip``).
         """
+        check_max_norm(max_norm)
         norm_type = float(norm_type)
         if not self._reduced:
             self.reduce()
         grads = [f.master.grad for f in self.flat]
-        weights = self._norm_weights(model) if model is not None else [None] * len(grads)
-        mp = topology().mp_group if model is not None else None
-        if mp is not None and group_size(mp) == 1:
-            mp = None
+        weights, groups = [None] * len(grads), [self.group]
+        if model is not None:
+            keep = counted(model)
+            weights = [f.shard_mask(keep) for f in self.flat]
+            groups.append(topology().mp_group)
         if math.isinf(norm_type):
             local = torch.stack([(g.abs() if w is None else g.abs() * w).max().double()
                                  for g, w in zip(grads, weights)]).max().reshape(1)
-            for grp in (self.group, mp):
-                if grp is not None:
-                    comm.all_reduce(local, group=grp, op="max")
-            total = local[0]
         else:
             local = sum((g.double().abs().pow(norm_type) * (1.0 if w is None else w)).sum()
                         for g, w in zip(grads, weights)).reshape(1)
-            for grp in (self.group, mp):
-                if grp is not None:
-                    comm.all_reduce(local, group=grp)
-            total = local[0] ** (1.0 / norm_type)
-        coef = min(1.0, float(max_norm) / (total.item() + 1e-6))
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
+        total = clip_by_global_norm_(grads, local, max_norm, norm_type, groups)
         return total.to(grads[0].dtype)
-
-    def _norm_weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """Per flat group, ``(shard,)`` of 1 (counted) or 0 (a tp-replicated element on a tp
-        rank other than 0)."""
-        sharded = sharded_params(model)
-        count_replicated = topology().tp_rank == 0
-        out = []
-        for f in self.flat:
-            w = torch.ones(f.shard, dtype=torch.float64, device=f.device)
-            if not count_replicated:
-                for p, a, b in zip(f.params, f.offsets, f.offsets[1:]):
-                    lo, hi = max(a, f.start), min(b, f.start + f.shard)
-                    if id(p) not in sharded and hi > lo:
-                        w[lo - f.start:hi - f.start] = 0
-            out.append(w)
-        return out
 
     # ---- memory ------------------------------------------------------------------------------
 
