@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 
 import numpy as np
 import pytest
@@ -100,7 +99,8 @@ def _state(seed):
 
 def test_checkpoint_round_trip_and_latest(tmp_path):
     model, optim = _state(0)
-    meta = {"step": 1, "config": {"layers": 2}, "rng": checkpoint.capture_rng_state()}
+    meta = {"step": 1, "config": {"layers": 2, "dropout": 0.1, "bias": False, "kv_heads": None},
+            "schedule": ("cosine", 10, [0.5, 1e-3])}  # nested; the tuple comes back a list
     p1 = checkpoint.save(tmp_path, 1, model=model, optimizer=optim, meta=meta)
     model2, optim2 = _state(1)
     p2 = checkpoint.save(tmp_path, 2, model=model2, optimizer=optim2, meta={"step": 2})
@@ -209,15 +209,6 @@ def test_check_model_shapes_names_every_difference():
     many = {f"k{i:02d}": (1,) for i in range(25)}
     with pytest.raises(ValueError, match=r"25 missing keys: k00, .*k09, \.\.\. and 15 more$"):
         checkpoint.check_model_shapes(many, {}, "y")
-
-
-def test_rng_state_round_trips_through_json():
-    state = json.loads(json.dumps(checkpoint.capture_rng_state()))
-    expect = (torch.rand(3), random.random(), np.random.rand())
-    torch.rand(5), random.random(), np.random.rand()
-    checkpoint.restore_rng_state(state)
-    assert torch.equal(torch.rand(3), expect[0])
-    assert (random.random(), np.random.rand()) == expect[1:]
 
 
 def test_meta_must_be_json(tmp_path):

@@ -3,9 +3,12 @@
 Usage:
 
     path = save("runs/a", step, model=fastpar.full_state_dict(model),
-                optimizer=flat_optimizer_tensors, meta={"config": ..., "rng": capture_rng_state()})
+                optimizer=flat_optimizer_tensors, meta={"model": dataclasses.asdict(cfg), ...})
     ckpt = load("runs/a")              # follows runs/a/latest; or load("runs/a/step_00000100")
     check_model_shapes({k: v.shape for k, v in serial_sd.items()}, ckpt.model, ckpt.path)
+
+No RNG state is saved: ``fastpar.train`` draws its batches and dropout masks from streams seeded
+by (seed, step), so a resumed run draws what the uninterrupted one would have.
 
 Layout of a checkpoint directory:
 
@@ -22,12 +25,10 @@ leftover `.tmp-*` entries are removed by the next save. One process (rank 0) wri
 By default the newest KEEP = 3 step directories are kept; `keep=None` keeps all.
 """
 
-import base64
 import dataclasses
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 
@@ -257,49 +258,3 @@ def check_model_shapes(expected, got, where, limit=10):
     if parts:
         raise ValueError(f"checkpoint {where} was saved from a different model: "
                          + "; ".join(parts))
-
-
-def encode_rng(state):
-    """A torch RNG state (uint8 tensor) -> base64 text."""
-    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
-
-
-def decode_rng(text):
-    """base64 text -> a torch RNG state (uint8 tensor)."""
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def capture_rng_state():
-    """This process's RNG states as JSON-able data: torch CPU, every CUDA device (if any),
-    Python's random, NumPy's legacy global generator (if NumPy imports)."""
-    version, internal, gauss = random.getstate()
-    state = {"torch": encode_rng(torch.get_rng_state()),
-             "python": {"version": version, "internal": list(internal), "gauss_next": gauss}}
-    if torch.cuda.is_available():
-        state["cuda"] = [encode_rng(s) for s in torch.cuda.get_rng_state_all()]
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state["numpy"] = {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return state
-
-
-def restore_rng_state(state):
-    """The inverse of capture_rng_state(). CUDA states are restored only when the device count
-    matches (a resume under another layout draws fresh ones); absent entries are left alone."""
-    if "torch" in state:
-        torch.set_rng_state(decode_rng(state["torch"]))
-    if "python" in state:
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    cuda = state.get("cuda")
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([decode_rng(s) for s in cuda])
-    if "numpy" in state:
-        import numpy as np
-        n = state["numpy"]
-        np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"],
-                             n["has_gauss"], n["cached_gaussian"]))
