@@ -75,8 +75,6 @@ TORCH_LIBRARY(fastpar, m) {
   // CUDA IPC all-reduce. Buffers and handles are owned by fastpar/comm/cuda_ipc.py.
   namespace ipc = fastpar::ipc;
   m.def("ipc_meta_size() -> int", &ipc::ipc_meta_size);
-  m.def("ipc_max_world() -> int", &ipc::ipc_max_world);
-  m.def("ipc_one_shot_max_bytes(int world) -> int", &ipc::ipc_one_shot_max_bytes);
   m.def("ipc_init(int[] signal_ptrs, int[] buffer_ptrs, int rank, int world, int buffer_bytes, "
         "int[] global_ranks, float timeout_s, int device) -> int", &ipc::ipc_init);
   m.def("ipc_set_timeout(int ctx, float timeout_s) -> ()", &ipc::ipc_set_timeout);

@@ -104,12 +104,6 @@ void check_usable(const Context* ctx, const char* what) {
 
 int64_t ipc_meta_size() { return static_cast<int64_t>(sizeof(Signal)); }
 
-int64_t ipc_max_world() { return kMaxRanks; }
-
-int64_t ipc_one_shot_max_bytes(int64_t world) {
-  return one_shot_max_bytes(static_cast<int>(world));
-}
-
 namespace {
 
 uint64_t timeout_ns_of(double timeout_s) {

@@ -17,9 +17,6 @@ namespace ipc {
 // allocation (ipc_alloc zeroes it), and nothing but the kernels writes it.
 int64_t ipc_meta_size();
 
-// Largest world size the kernels support (8).
-int64_t ipc_max_world();
-
 // Build a context for this rank. The vectors hold, per rank 0..world-1, the
 // signal-block and registered-buffer device pointers as seen by THIS process
 // (own rank: local pointers; peers: ipc_open_handle base + offset). All
@@ -36,7 +33,7 @@ void ipc_set_timeout(int64_t ctx, double timeout_s);
 
 // In-place sum over all ranks of inp_out (float32/float16/bfloat16, contiguous,
 // on the context's device, nbytes % 16 == 0, nbytes <= buffer_bytes).
-// algo: 0 auto (one-shot below ipc_one_shot_max_bytes(world)), 1 one-shot,
+// algo: 0 auto (one-shot below one_shot_max_bytes(world) of ipc_allreduce.cuh), 1 one-shot,
 // 2 two-shot. Enqueued on the current CUDA stream, after the context's previous
 // launch whatever stream that was on (an event wait; eager launches after eager
 // ones, captured ones after those of the same capture), so calls from several
@@ -70,9 +67,6 @@ void ipc_wait_idle(int64_t ctx);
 // block. Raises, naming the rank, if a producer's flag never came within the timeout.
 void ipc_all_reduce_flagged(int64_t ctx, at::Tensor& out, const at::Tensor& flags,
                             int64_t block_rows, int64_t expected);
-
-// The size threshold of algo 0: one-shot strictly below it.
-int64_t ipc_one_shot_max_bytes(int64_t world);
 
 // "" while the context is fine; else the error a timed-out barrier left (naming
 // global ranks). Reads host-mapped memory: no synchronisation.
