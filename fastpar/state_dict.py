@@ -1,13 +1,18 @@
 """Serial-shaped state dicts of models holding fastpar's sharded layers.
 
-    sd = fastpar.full_state_dict(model)        # same keys and shapes as the serial model,
-    torch.save(sd, "ckpt.pt")                  #   identical on every rank (collective call)
-    fastpar.load_full_state_dict(model, sd)    # each rank keeps its shard of every tensor
+    sd = fastpar.full_state_dict(model)      # the serial model's keys and shapes, on every rank
+    fastpar.load_full_state_dict(model, sd)  # each rank copies its shard of every tensor
 
-A ``fastpar.pipeline.Pipeline`` answers for itself (its stages are on other ranks): collective
-over the world, with the serial model's keys. Sharded layers (``fastpar.nn.ShardedModule``) say how each parameter is cut; everything else is
-replicated and taken as is. ``full_state_dict`` is collective over the TP groups: call it on every
-rank. ``load_full_state_dict`` communicates nothing: each rank slices its own shards.
+Sharded layers (``fastpar.nn.ShardedModule``) say how each of their parameters is cut
+(``shard_dims``); every other tensor is replicated and taken as it is. ``full_state_dict``
+gathers every sharded tensor over its layer's tp group, so it is collective: call it on every
+rank. ``load_full_state_dict`` communicates nothing: each rank slices its own shards out of the
+serial tensors.
+
+An object with its own ``_full_state_dict`` / ``_load_full_state_dict`` answers for itself: a
+``fastpar.pipeline.Pipeline`` (its stages are on other ranks, so its ``full_state_dict`` is
+collective over the world and returns CPU tensors) and a ``fastpar.DataParallel`` (its
+module's).
 """
 
 from __future__ import annotations

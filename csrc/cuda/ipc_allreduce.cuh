@@ -2,8 +2,11 @@
 //
 // This header owns no memory and includes no torch: the caller (ipc_allreduce.cu)
 // hands in the peers' mapped pointers, this rank's host-mapped status record and the
-// barrier timeout. The kernels are instantiated in ipc_kernels.cu. Every kernel argument is the same on every launch of a context
-// (no per-call counter), so a launch captured in a CUDA graph is correct on replay.
+// barrier timeout. The kernels are instantiated once, in ipc_kernels.cu.
+//
+// No kernel argument counts launches: each block reads its launch number from its
+// rank's signal block (count[b]) and advances it on exit, so a launch captured in a
+// CUDA graph waits for the right barrier values on every replay.
 //
 // Math (world W, rank r, registered buffers buf_0..buf_{W-1}, each holding rank
 // p's input x_p before the launch):
@@ -51,14 +54,15 @@ struct Signal {
   alignas(128) uint32_t abort;
 };
 
-// Written by the first block of this rank whose barrier timed out, in host-mapped
-// pinned memory: the host reads it without synchronising (ipc_allreduce.cu).
+// Written by the first block of this rank whose wait timed out (a barrier, or the flagged
+// kernel's wait for its producer), in host-mapped pinned memory: the host reads it without
+// synchronising (ipc_allreduce.cu).
 struct Status {
-  uint32_t code;  // 0: fine; kTimedOut
-  int32_t peer;   // group rank waited for
+  uint32_t code;  // 0: fine; kTimedOut or kProducerTimedOut
+  int32_t peer;   // group rank waited for (kProducerTimedOut: this rank)
   int32_t block;
   int32_t pad;
-  uint64_t value;      // barrier value waited for (see start_value)
+  uint64_t value;      // barrier value waited for (see start_value); producer: the flag expected
   uint64_t waited_ns;  // how long it waited
 };
 constexpr uint32_t kTimedOut = 1;          // a peer did not reach a barrier

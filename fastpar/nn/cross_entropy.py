@@ -8,7 +8,9 @@ and label smoothing ``e``::
     loss   = (1 - e) * (log S - zt) + e * (log S - Z / V)
     dz_n   = softmax(z)_n - (1 - e) * onehot(t)_n - e / V
 
-The three sums travel in one all-reduce. Arithmetic is in float32 whatever the logits' dtype.
+``V`` is the real vocabulary: columns of a padded one are left out of ``m``, ``S`` and ``Z``.
+The sums travel in one all-reduce (``Z`` only with label smoothing). A token whose target is
+``ignore_index`` has loss 0 and no gradient. Arithmetic is in float32 whatever the logits' dtype.
 """
 
 from __future__ import annotations
@@ -78,10 +80,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
 
     ``logits_shard``: ``(..., V / n)``, rank r holding columns ``[r * V/n, (r + 1) * V/n)``;
     ``target``: ``(...)`` of full-vocab ids in ``[0, vocab_size)`` or ``ignore_index`` (others
-    raise ValueError; on a GPU, a device-side assert). ``vocab_size``: the real vocabulary when the
-    shards
-    are of a padded one (columns ``>= vocab_size`` are ignored). ``reduction``: "mean" (over
-    non-ignored tokens, as F.cross_entropy), "sum" or "none". The loss is float32.
+    raise ValueError; on a GPU, a device-side assert). ``vocab_size``: the real vocabulary when
+    the shards cover a padded one (columns ``>= vocab_size`` are ignored; default: ``n`` shards'
+    columns). ``reduction``: "mean" (over non-ignored tokens, as F.cross_entropy), "sum" or
+    "none". The loss is float32.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
