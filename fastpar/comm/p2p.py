@@ -328,7 +328,7 @@ class Channels:
                 nbytes = numel * torch.empty((), dtype=dtype).element_size()
                 guessed.append(flat[at:at + nbytes].clone().view(dtype))
                 at += nbytes
-        out, parts, gathers = [], [], []
+        out, parts = [], []
         received = iter(guessed) if shm and guessed is not None else None
         for e in entries:
             if e is None:
