@@ -248,12 +248,41 @@ def main(argv=None) -> int:
     import fastpar
 
     args = parse_args(argv, description=__doc__)
-    Trainer(args).run()
-    # Only after success: on an error or Ctrl-C the exception must reach fastpar's hook, which
+    try:
+        Trainer(args).run()
+    except Exception as exc:  # noqa: BLE001 - said in one line (FASTPAR_DEBUG=1: the traceback)
+        if os.environ.get("FASTPAR_DEBUG", "0") == "1":
+            raise  # the traceback, and under MPI fastpar's hook aborts the whole job
+        end_job_with(exc)
+    # Only after success: on Ctrl-C the KeyboardInterrupt must reach fastpar's hook, which
     # aborts the whole job (a peer may sit in a collective that would otherwise wait for this
     # rank until the timeout); shutdown would remove that hook first.
     fastpar.shutdown()
     return 0
+
+
+def end_job_with(exc: Exception) -> None:
+    """A run that failed: the first rank to see the error says it in one line (the others,
+    which mostly hit the same one, say nothing), then the whole job ends with status 1, under
+    MPI at once (a peer may be waiting in a collective for this rank)."""
+    from fastpar import runtime
+
+    topo = runtime.topology() if runtime.is_initialized() else None
+    first = True
+    if topo is not None and topo.store is not None:
+        try:
+            first = topo.store.add("fastpar/train/failed", 1) == 1
+        except Exception:  # noqa: BLE001 - the store's host may be what failed: say it here
+            first = True
+    rank = topo.rank if topo is not None else None
+    where = f" on rank {rank}" if rank is not None and topo.world_size > 1 else ""
+    if first:
+        print(f"python -m fastpar.train: error{where}: {type(exc).__name__}: {exc} "
+              f"(FASTPAR_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+    if topo is not None and topo.mpi_comm is not None and topo.world_size > 1:
+        time.sleep(0.5 if first else 5.0)  # the launcher forwards output asynchronously
+        topo.mpi_comm.Abort(1)
+    raise SystemExit(1)
 
 
 if __name__ == "__main__":

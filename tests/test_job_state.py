@@ -96,7 +96,7 @@ def test_environment_forces_collectives_and_p2p_alike():
 
 def test_job_parts_close_last_made_first_and_every_one():
     from fastpar.grid import Grid, Topology
-    from fastpar.runtime.bootstrap import Job
+    from fastpar.runtime.job import Job
 
     closed = []
 

@@ -29,7 +29,7 @@ def body_bitwise():
 
     import fastpar
     from fastpar import comm
-    from fastpar.comm.collectives import SYMMETRIC_ALL_REDUCE_MIN
+    from fastpar.comm.engines import SYMMETRIC_ALL_REDUCE_MIN
     from fastpar.comm.shm import ShmCommunicator
     from fastpar.comm.state import current
 
@@ -135,7 +135,7 @@ def gather_and_scatter_cases(me, n, digests):
     # all_gather takes the symmetric kernel from SYMMETRIC_GATHER_MIN bytes per rank (below it
     # the copying kernel's single round is faster), ...
     # reduce_scatter from SYMMETRIC_SCATTER_MIN bytes of input.
-    from fastpar.comm.collectives import SYMMETRIC_GATHER_MIN, SYMMETRIC_SCATTER_MIN
+    from fastpar.comm.engines import SYMMETRIC_GATHER_MIN, SYMMETRIC_SCATTER_MIN
 
     def over(limit, ranks):
         return sum(count * ranks * torch.empty((), dtype=d).element_size() >= limit

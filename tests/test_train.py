@@ -298,3 +298,35 @@ def test_bad_flags_are_one_line_and_exit_2_from_one_rank():
     assert lines == ["python -m fastpar.train: error: --steps must be at least 1, got -3 "
                      "(see --help)"], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout and "[fastpar.train]" not in proc.stdout
+
+
+def test_a_failed_run_says_so_once_and_ends_the_job(tmp_path):
+    """A runtime error (here a damaged checkpoint, found by every rank) is one line from the
+    first rank that sees it, no traceback, and the whole job ends with status 1; with
+    FASTPAR_DEBUG=1 the traceback is there."""
+    ck = str(tmp_path / "ck")
+    run_ranks(1, body_runs, runs=[("save", ["--steps", "2", "--save", ck])])
+    step = os.path.join(ck, "step_00000002")
+    with open(os.path.join(step, "model.safetensors"), "r+b") as f:
+        f.truncate(100)
+    argv = [sys.executable, "-m", "fastpar.train", *BASE, "--steps", "4", "--resume", step]
+    proc = launch(argv, nranks=2, launcher="mpirun", timeout=120)
+    assert proc.returncode != 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "fastpar.train: error" in line]
+    assert len(said) == 1 and said[0].startswith("python -m fastpar.train: error on rank ") \
+        and "incomplete or corrupt" in said[0] and said[0].endswith(
+            "(FASTPAR_DEBUG=1 shows the traceback)"), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    # FASTPAR_DEBUG=1: the exception itself goes on (its traceback, MPI's abort hook)
+    raised = run_ranks(1, body_main, argv=argv[3:], env={"FASTPAR_DEBUG": "1"}).values()[0]
+    assert raised.startswith("ValueError: ") and "incomplete or corrupt" in raised, raised
+
+
+def body_main(argv):
+    from fastpar.train import main
+
+    try:
+        main(argv)
+    except Exception as exc:  # noqa: BLE001 - what main let through is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -16,30 +16,14 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from fastpar.comm import policy, symmetric
-from fastpar.comm.shm import signature as shm_signature
+from fastpar.comm import policy
+from fastpar.comm.engines import TORCH_OPS as _TORCH_OPS
+from fastpar.comm.engines import adapter
 from fastpar.comm.state import current
 
 log = logging.getLogger("fastpar.comm")
-
-# Below these sizes the copying shm kernels' single round beats the symmetric kernels' entry and
-# exit signals (measured: 2 and 4 ranks on 2 cores, bench/collectives.py --symmetric; the
-# signals cost most when ranks share cores), so symmetric tensors that small take the copying
-# kernels, which work on any memory. Bytes of the tensor passed (all_gather: per rank).
-SYMMETRIC_ALL_REDUCE_MIN = 16 << 10
-SYMMETRIC_GATHER_MIN = 64 << 10
-SYMMETRIC_SCATTER_MIN = 256 << 10
-
-# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-              "prod": dist.ReduceOp.PRODUCT}
 
 
 class Handle:
@@ -154,16 +138,6 @@ def _done(result, async_op):
     return Handle(result) if async_op else result
 
 
-def _mpi_op(op: str):
-    from mpi4py import MPI
-
-    return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
-
-
 def _through_contiguous(t: torch.Tensor, call, async_op: bool):
     """Run ``call`` (an in-place collective) on a contiguous copy of ``t`` and copy the result
     back: at once for synchronous engines, in ``wait()`` for asynchronous ones."""
@@ -186,31 +160,8 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
         return _done(t, async_op)
     if not t.is_contiguous():  # every engine wants contiguous memory (NCCL, ours); gloo copies
         return _through_contiguous(t, lambda c: all_reduce(c, group, op, True), async_op)
-    if engine == "shm":
-        # A whole symmetric tensor of this group (symmetric.py) is reduced where it lies.
-        sym = symmetric.lookup(t, route.group, op) \
-            if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN else None
-        if sym is not None:
-            route.comm.all_reduce_symmetric(t, sym.slots, op)
-        else:
-            route.comm.all_reduce(t, op)
-    elif engine == "cuda_ipc":
-        sym = symmetric.lookup(t, route.group, op)  # a CUDA symmetric tensor: in place
-        if sym is not None:
-            route.comm.all_reduce_symmetric(t, sym.slots)
-        else:
-            route.comm.all_reduce(t)
-    elif engine == "nccl_mpi":  # enqueued on the current stream: complete for the host
-        route.comm.all_reduce(t, op)
-    elif engine == "mpi":
-        from mpi4py import MPI
-
-        route.comm.Allreduce(MPI.IN_PLACE, _np(t), op=_mpi_op(op))
-    else:
-        work = dist.all_reduce(t, op=_TORCH_OPS[op], group=route.group, async_op=async_op)
-        if async_op:
-            return Handle(t, work)
-    return _done(t, async_op)
+    work = adapter(engine).all_reduce(route, t, op, async_op)
+    return Handle(t, work) if work is not None else _done(t, async_op)
 
 
 def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False, *,
@@ -235,13 +186,7 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     n = len(route.ranks)
     inp = t.contiguous()
     stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]), dtype=t.dtype, device=t.device)
-    work = None
-    if engine in ("shm", "nccl_mpi"):
-        route.comm.all_gather(inp, stacked)
-    elif engine == "mpi":
-        route.comm.Allgather(_np(inp), _np(stacked))
-    else:
-        work = _all_gather_tensor(stacked, inp, group=route.group, async_op=async_op)
+    work = adapter(engine).all_gather(route, inp, stacked, async_op)
 
     if dim == 0:
         return Handle(stacked, work) if async_op else stacked
@@ -270,23 +215,8 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
     block = out.narrow(0, me * t.shape[0], t.shape[0])
     if block.data_ptr() != t.data_ptr() or block.stride() != t.stride():
         block.copy_(t)
-    engine, work = route.engine, None
-    if engine == "local":
-        pass
-    elif engine == "shm":
-        sym = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
-        if sym is not None:
-            route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
-        else:
-            route.comm.all_gather(block, out)  # the kernel allows block to alias out
-    elif engine == "nccl_mpi":
-        route.comm.all_gather(block, out)  # NCCL's in-place form: block is out's rank block
-    elif engine == "mpi":
-        from mpi4py import MPI
-
-        route.comm.Allgather(MPI.IN_PLACE, _np(out))
-    else:
-        work = _all_gather_tensor(out, block, group=route.group, async_op=async_op)
+    work = None if route.engine == "local" else \
+        adapter(route.engine).all_gather_into(route, block, out, async_op)
     return Handle(out, work) if async_op and work is not None else _done(out, async_op)
 
 
@@ -312,18 +242,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     # Move dim to the front so that each rank's shard is one contiguous block.
     inp = t.movedim(dim, 0).contiguous()
     out = torch.empty((inp.shape[0] // n, *inp.shape[1:]), dtype=t.dtype, device=t.device)
-    work = None
-    sym = symmetric.lookup(inp, route.group, op) \
-        if engine == "shm" and inp.nbytes >= SYMMETRIC_SCATTER_MIN else None
-    if sym is not None:  # a whole symmetric tensor of this group: reduced where it lies
-        route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
-    elif engine in ("shm", "nccl_mpi"):
-        route.comm.reduce_scatter(inp, out, op)
-    elif engine == "mpi":
-        route.comm.Reduce_scatter_block(_np(inp), _np(out), op=_mpi_op(op))
-    else:
-        work = _reduce_scatter_tensor(out, inp, op=_TORCH_OPS[op], group=route.group,
-                                          async_op=async_op)
+    work = adapter(engine).reduce_scatter(route, inp, out, op, async_op)
     result = out.movedim(0, dim)  # a view: filled when out is
     return Handle(result, work) if async_op else result
 
@@ -338,12 +257,5 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False)
         return _done(t, async_op)
     if not t.is_contiguous():
         return _through_contiguous(t, lambda c: broadcast(c, src, group, True), async_op)
-    if engine in ("shm", "nccl_mpi"):
-        route.comm.broadcast(t, ranks.index(src))
-    elif engine == "mpi":
-        route.comm.Bcast(_np(t), root=ranks.index(src))
-    else:
-        work = dist.broadcast(t, src=src, group=route.group, async_op=async_op)
-        if async_op:
-            return Handle(t, work)
-    return _done(t, async_op)
+    work = adapter(engine).broadcast(route, t, src, async_op)
+    return Handle(t, work) if work is not None else _done(t, async_op)

@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm import collectives
-from fastpar.comm.p2p_engines import SendHandle, _engine_choice, _ShmEngine, _TorchEngine
+from fastpar.comm.p2p_engines import _engine_choice, _ShmEngine, _TorchEngine
 from fastpar.comm.p2p_messages import (_WHAT, ACTIVATION, GRADIENT, P2PError, P2PTimeout,
+                                       SendHandle,
                                        _abort_reason, _decode, _encode, _encode_abort,
                                        _same_shapes, _TIMEOUT, describe, spec_of)
 

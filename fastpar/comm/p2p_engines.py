@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.p2p_messages import HEADER_MAX
+from fastpar.comm.p2p_messages import HEADER_MAX, SendHandle
 
-class SendHandle:
-    """An in-flight send: keeps its tensors alive until ``wait()`` (bounded by the channel's
-    timeout) or ``is_completed()`` says it is done."""
+class TorchSend(SendHandle):
+    """A send of the torch engine (batched isend works): keeps its tensors alive until
+    ``wait()`` (bounded by the channel's timeout) or ``is_completed()`` says it is done."""
 
     def __init__(self, works=(), keep=(), timeout: float = math.inf):
         self._works, self._keep, self._timeout = list(works), keep, timeout
@@ -50,7 +50,7 @@ class _TorchEngine:
         padded[:header.numel()] = header
         ops = [dist.P2POp(dist.isend, t, peer, self.clones[direction])
                for t in (padded, *parts)]
-        return SendHandle(dist.batch_isend_irecv(ops), keep=(padded, parts),
+        return TorchSend(dist.batch_isend_irecv(ops), keep=(padded, parts),
                           timeout=self.timeout)
 
     def recv_header(self, peer: int, direction: int, device) -> torch.Tensor:

@@ -13,14 +13,26 @@ import re
 
 import torch
 
+from fastpar.comm.dtypes import CODE, dtype_of
+
 ACTIVATION, GRADIENT = 0, 1
 _WHAT = ("activation", "gradient")
 _MAGIC = 0x46505032  # "FPP2"
 HEADER_MAX = 256  # int64 words; the torch engine sends headers of exactly this size
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
-_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
 _TIMEOUT = re.compile(r"[Tt]imed out|waited .* s\b|timeout", re.S)
+
+
+class SendHandle:
+    """A send of ``fastpar.comm.p2p`` (``Channels.send_forward`` & co.): ``wait()`` returns once
+    the caller may reuse what it sent, bounded by the channel's timeout, and ``is_completed()``
+    says so without waiting. Each engine has its own kind (torch's batched isend works, a send
+    of fastpar's shm rings); this base is a send complete already (to this rank itself)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
 
 
 class P2PError(RuntimeError):
@@ -57,9 +69,9 @@ def _encode(direction: int, mb: int, stage: int, values, is_tuple: bool,
         if v is None:
             words += [0, 0, 0, 0]
             continue
-        if v.dtype not in _CODE:
+        if v.dtype not in CODE:
             raise P2PError(f"fastpar p2p: cannot send a {v.dtype} tensor between stages")
-        words += [_CODE[v.dtype], int(v.requires_grad), int(cut), v.dim(), *v.shape]
+        words += [CODE[v.dtype], int(v.requires_grad), int(cut), v.dim(), *v.shape]
     if len(words) > HEADER_MAX:
         raise P2PError(f"fastpar p2p: a message of {len(values)} tensors needs a header of "
                        f"{len(words)} words, more than {HEADER_MAX}; send fewer tensors")
@@ -98,5 +110,5 @@ def _decode(header: torch.Tensor):
         code, grad, cut, ndim = w[i:i + 4]
         shape = tuple(w[i + 4:i + 4 + ndim])
         i += 4 + ndim
-        entries.append(None if code == 0 else (_DTYPES[code - 1], shape, bool(grad), bool(cut)))
+        entries.append(None if code == 0 else (dtype_of(code), shape, bool(grad), bool(cut)))
     return direction, mb, stage, bool(is_tuple), entries

@@ -17,19 +17,14 @@ import threading
 import torch
 
 from fastpar import _native
+from fastpar.comm import dtypes
 from fastpar.comm.segments import map_segments
 
 SLOT_BYTES = 4 << 20  # per rank; larger messages are chunked by the kernel
 # The dtype/shape signature that byte-moving calls (all_gather, broadcast) pass to the kernel,
 # so ranks that disagree on what the bytes are fail as ranks that disagree on their number do:
 # bits 56-63 the dtype (index + 1 here), 48-55 the number of dims, 0-47 a hash of the shape.
-_SIG_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-               torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-               torch.complex64, torch.complex128)
 _SIG = re.compile(r" \[sig 0x([0-9a-f]{16})\]")
-
-
-_SIG_CODES = {dtype: i + 1 for i, dtype in enumerate(_SIG_DTYPES)}
 
 
 def host_oversubscribed() -> bool | None:
@@ -42,7 +37,7 @@ def host_oversubscribed() -> bool | None:
 
 
 def signature(t: torch.Tensor) -> int:
-    code = _SIG_CODES.get(t.dtype, 255)
+    code = dtypes.CODE.get(t.dtype, 255)
     return (code << 56) | (min(t.dim(), 255) << 48) | (hash(t.shape) & (1 << 48) - 1)
 
 
@@ -51,8 +46,8 @@ def _describe(sig: int, mine: dict) -> str:
     if sig in mine:
         return f" of {mine[sig]}"
     code, ndim = sig >> 56, (sig >> 48) & 0xFF
-    dtype = str(_SIG_DTYPES[code - 1]).removeprefix("torch.") if 1 <= code <= len(
-        _SIG_DTYPES) else "another dtype"
+    dtype = str(dtypes.DTYPES[code - 1]).removeprefix("torch.") if 1 <= code <= len(
+        dtypes.DTYPES) else "another dtype"
     return f" of {dtype} with {ndim} dims (shape hash {sig & (1 << 48) - 1:012x})"
 
 

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
+from fastpar.comm.p2p_messages import SendHandle
 from fastpar.comm.segments import map_segments
 from fastpar.comm.shm import _INTERRUPTED, host_oversubscribed, raise_after_kernel
 
@@ -56,8 +57,8 @@ MAX_HEADER_ELEMENTS = 512  # int64: the kernel's 4 KiB
 log = logging.getLogger(__name__)
 
 
-class SendHandle:
-    """A send in flight: ``wait()`` until every byte is in the ring, or a single-copy payload
+class ShmSend(SendHandle):
+    """A send of the shm rings in flight: ``wait()`` until every byte is in the ring, or a single-copy payload
     was read by the receiver (bounded by the timeout), then the header and parts may be reused;
     holds references to them until then. A send that completed in ``isend`` has nothing to
     hold (``refs`` None)."""
@@ -78,7 +79,7 @@ class SendHandle:
             self._refs = None
 
 
-_DONE = SendHandle(None, 0, None)  # every send that completes inside isend (holds nothing)
+_DONE = ShmSend(None, 0, None)  # every send that completes inside isend (holds nothing)
 
 
 class Sendrecv:
@@ -93,10 +94,10 @@ class Sendrecv:
         self._p2p, self._plan, self._refs = p2p, plan, refs
         self._start = p2p._ops.shm_p2p_sendrecv_start.default._op
 
-    def start(self) -> tuple[SendHandle, int, bool]:
+    def start(self) -> tuple[ShmSend, int, bool]:
         """``(handle, n, filled)`` as ``ShmP2P.sendrecv`` returns them."""
         send_id, n = self._p2p._call("sendrecv", self._start, self._plan)
-        handle = SendHandle(self._p2p, send_id, self._refs) if send_id else _DONE
+        handle = ShmSend(self._p2p, send_id, self._refs) if send_id else _DONE
         return (handle, n, True) if n >= 0 else (handle, -1 - n, False)
 
     def free(self) -> None:
@@ -269,14 +270,14 @@ class ShmP2P:
         return slot
 
     def isend(self, peer: int, tag: int, header: torch.Tensor,
-              parts: list[torch.Tensor]) -> SendHandle:
+              parts: list[torch.Tensor]) -> ShmSend:
         """Queues [header][parts' bytes, concatenated] to ``peer`` on ``tag``; copies what fits
         now. The header is a contiguous 1-D int64 CPU tensor of at most 512 elements (copied at
         once); the parts (contiguous CPU tensors) are read until the returned handle completes.
         The kernel checks both (ValueError)."""
         send_id = self._call("isend", self._send, self._slot_of(peer, tag, "isend"), tag, header,
                              parts)
-        return SendHandle(self, send_id, (header, parts)) if send_id else _DONE
+        return ShmSend(self, send_id, (header, parts)) if send_id else _DONE
 
     def recv_header(self, peer: int, tag: int) -> torch.Tensor:
         """The header (1-D int64) of the next message from ``peer`` on ``tag``; waits for it."""
@@ -301,7 +302,7 @@ class ShmP2P:
 
     def sendrecv(self, dst: int, send_tag: int, header: torch.Tensor, parts: list[torch.Tensor],
                  src: int, recv_tag: int, recv_header: torch.Tensor,
-                 recv_parts: list[torch.Tensor]) -> tuple[SendHandle, int, bool]:
+                 recv_parts: list[torch.Tensor]) -> tuple[ShmSend, int, bool]:
         """``isend(dst, send_tag, header, parts)``, ``recv(src, recv_tag, recv_header,
         recv_parts)`` and, when the payload was filled, the send's wait, in one call (MPI's
         Sendrecv: a ring step where every rank sends on and receives at once). Returns
@@ -310,7 +311,7 @@ class ShmP2P:
         send_id, n = self._call("sendrecv", self._sendrecv, self._slot_of(dst, send_tag, "isend"),
                                 send_tag, header, parts, self._slot_of(src, recv_tag, "recv"),
                                 recv_tag, recv_header, recv_parts)
-        handle = SendHandle(self, send_id, (header, parts)) if send_id else _DONE
+        handle = ShmSend(self, send_id, (header, parts)) if send_id else _DONE
         return (handle, n, True) if n >= 0 else (handle, -1 - n, False)
 
     def sendrecv_init(self, dst: int, send_tag: int, header: torch.Tensor,
@@ -372,5 +373,5 @@ class ShmP2P:
                 f"open={self._ep is not None})")
 
 
-__all__ = ["MAX_HEADER_ELEMENTS", "RING_BYTES", "SINGLE_COPY_MIN", "SendHandle", "Sendrecv",
+__all__ = ["MAX_HEADER_ELEMENTS", "RING_BYTES", "SINGLE_COPY_MIN", "Sendrecv", "ShmSend",
            "ShmP2P", "TAG_ACTIVATIONS", "TAG_GRADIENTS"]

@@ -16,233 +16,24 @@ Steps, identical under every launcher:
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import math
 import os
 import socket
-import threading
-import time
 from typing import Any
 
 import torch
 
 from fastpar.grid import Grid, Topology, validate_degrees
+from fastpar.runtime import abort, rendezvous
 from fastpar.runtime import launcher as _launcher
 from fastpar.runtime.binding import affinity, bind_cpus
 from fastpar.runtime.groups import build_groups
-from fastpar.runtime.watchdog import deadline
-
-
-@dataclasses.dataclass
-class Job:
-    """Everything one ``fastpar.init`` made, freed by ``fastpar.shutdown``.
-
-    ``topology``: the immutable grid and groups. The layers above the runtime keep their
-    per-job state as named parts, made on first use and gone with the job, so a second ``init``
-    starts clean and the runtime knows nothing of them::
-
-        state = job().part("comm", lambda: CommState(job().topology))   # fastpar.comm.state
-        tracker = job().part("nn.random", RNGTracker)                    # fastpar.nn.random
-
-    A part with a ``close()`` method is closed by ``shutdown``, the last made first (so a part
-    made from another is closed before it); ``on_close(fn)`` adds any other closer to the same
-    order.
-    """
-
-    topology: Topology
-    args: tuple  # (tp, pp, backend, timeout) as init was called
-    owns_pg: bool  # init created the default process group (and so destroys it)
-    undo_binding: Any = None  # restores the CPU affinity init changed (runtime.binding)
-    parts: dict = dataclasses.field(default_factory=dict)
-    closers: list = dataclasses.field(default_factory=list)
-    closing: bool = False  # set by close(): no part is made any more, shutdown is not re-entered
-    _lock: Any = dataclasses.field(default_factory=threading.RLock, repr=False)
-
-    def part(self, name: str, make):
-        """The part ``name``, made by ``make()`` on the first call (once, whichever threads
-        ask); ``RuntimeError`` once the job is closing."""
-        with self._lock:
-            if name not in self.parts:
-                if self.closing:
-                    raise RuntimeError(f"fastpar: the job is shutting down; its part {name!r} "
-                                       "cannot be made now")
-                value = make()
-                self.parts[name] = value
-                if callable(getattr(value, "close", None)):
-                    self.on_close(value.close)
-            return self.parts[name]
-
-    def on_close(self, fn) -> None:
-        """Call ``fn()`` at ``shutdown``, before every closer added earlier."""
-        with self._lock:
-            self.closers.append(fn)
-
-    def close(self) -> None:
-        """Run every closer, the last added first, the parts still there for them to use; one
-        that fails does not keep the others from running (the first error is raised once all
-        ran). Then the parts go."""
-        with self._lock:
-            self.closing = True
-        first = None
-        while self.closers:  # a closer may add one (it runs next)
-            try:
-                self.closers.pop()()
-            except Exception as exc:  # noqa: BLE001 - raised below, after the others
-                first = first or exc
-        self.parts = {}
-        if first is not None:
-            raise first
-
-
-# What timeout=math.inf ("no limit") becomes where a finite duration is needed (a store's or a
-# process group's timedelta); the MPI_Init watchdog is not armed at all at or above it.
-NO_LIMIT_S = 10 * 365 * 86400.0
-
-
-def check_timeout(timeout) -> float:
-    """``timeout`` as float seconds: positive, ``math.inf`` for no limit; ``ValueError`` for
-    anything else (nan, zero, negative, not a number)."""
-    try:
-        seconds = float(timeout)
-    except (TypeError, ValueError):
-        raise ValueError(f"timeout must be a number of seconds, got {timeout!r}") from None
-    if math.isnan(seconds) or seconds <= 0 or isinstance(timeout, bool):
-        raise ValueError(f"timeout must be a positive number of seconds (math.inf for no "
-                         f"limit), got {timeout!r}")
-    return seconds
-
-
-def as_timedelta(seconds: float) -> datetime.timedelta:
-    """``seconds`` for torch.distributed (no limit: ``NO_LIMIT_S``)."""
-    return datetime.timedelta(seconds=min(seconds, NO_LIMIT_S))
-
+from fastpar.runtime.job import Job
+from fastpar.runtime.rendezvous import as_timedelta, check_timeout
 
 # The one current Job (None outside init/shutdown). "generation" counts inits in this process
 # (ranks init in lockstep), so a store that outlives one init (torchrun's agent store) never mixes
 # keys of two inits.
 _STATE: dict[str, Any] = {"job": None, "generation": 0}
-
-
-def _mpi_world(info: _launcher.LaunchInfo, timeout: float):
-    """Import mpi4py lazily (torchrun and single-process use must not need an MPI library).
-
-    The import runs ``MPI_Init``, which waits without limit for every rank to start, so it runs
-    under a watchdog that ends this process with a message after ``timeout`` seconds.
-    """
-    who = f"rank {info.rank}" + (f" of {info.world_size}" if info.world_size > 0 else "")
-    message = (f"fastpar.init: {who} ({info.launcher} launcher): MPI_Init did not complete within "
-               f"{timeout:g} s; a rank never started or died before joining MPI. Exiting.")
-    try:
-        with deadline(timeout if timeout < NO_LIMIT_S else None, message):
-            from mpi4py import MPI
-    except ImportError as exc:
-        raise RuntimeError(
-            "this process was started by an MPI launcher but mpi4py cannot be imported "
-            f"({exc}); install it with `pip install mpi4py` (and `pip install mpich` if the "
-            "machine has no MPI library)") from exc
-    return MPI
-
-
-def _routable_address() -> str:
-    """An address of this host that peers can reach (override: ``FASTPAR_MASTER_ADDR``)."""
-    override = os.environ.get("FASTPAR_MASTER_ADDR")
-    if override:
-        return override
-    try:
-        # No packet is sent: connecting a UDP socket only selects the outgoing interface.
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            addr = s.getsockname()[0]
-        if addr and not addr.startswith("0."):
-            return addr
-    except OSError:
-        pass
-    return "127.0.0.1"
-
-
-def _join_store(host: str, port: int, rank: int, world_size: int, is_master: bool,
-                timeout: float):
-    import torch.distributed as dist
-
-    try:
-        return dist.TCPStore(host, port, world_size, is_master,
-                             timeout=as_timedelta(timeout),
-                             wait_for_workers=False)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the context a user needs
-        what = "could not start the rendezvous store" if is_master else "could not reach rank 0"
-        raise RuntimeError(f"fastpar.init: rank {rank} {what} at {host}:{port} within "
-                           f"{timeout:g} s: {exc}") from exc
-
-
-def _rendezvous_mpi(comm, timeout: float):
-    rank = comm.Get_rank()
-    world_size = comm.Get_size()
-    store, error, address = None, None, None
-    if rank == 0:
-        host = _routable_address()
-        port = int(os.environ.get("FASTPAR_MASTER_PORT", "0"))
-        try:
-            store = _join_store(host, port, rank, world_size, True, timeout)
-            address = (host, store.port)
-        except RuntimeError as exc:
-            error = str(exc)
-    address, error = comm.bcast((address, error), root=0)
-    if error is not None:
-        raise RuntimeError(error if rank == 0 else f"fastpar.init (rank 0 failed): {error}")
-    if rank != 0:
-        try:
-            store = _join_store(address[0], address[1], rank, world_size, False, timeout)
-        except RuntimeError as exc:
-            error = str(exc)
-    # MPI is alive even when TCP is not: let every rank report every rank that failed to connect.
-    errors = [e for e in comm.allgather(error) if e is not None]
-    if errors:
-        raise RuntimeError("; ".join(errors))
-    return store
-
-
-def _rendezvous_env(rank: int, world_size: int, timeout: float):
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        port = int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError):
-        raise ValueError(f"rank {rank} of {world_size}: MASTER_PORT must be set to the port of "
-                         "rank 0's store (torchrun sets it)") from None
-    # torchrun's agent already serves the store on MASTER_PORT; otherwise rank 0 hosts it.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return _join_store(host, port, rank, world_size, rank == 0 and not agent_store, timeout)
-
-
-def _join_barrier(store, rank: int, world_size: int, timeout: float,
-                  generation: int) -> tuple[str, ...]:
-    """Wait until every rank has checked in and return every rank's host name; on the deadline,
-    name the ranks that did not arrive.
-
-    Rank 0 hosts the store (unless torchrun's agent does), so on failure it stays until every
-    rank that did arrive has read the missing list (or 5 s pass): they all fail with the same
-    message.
-    """
-    prefix = f"fastpar/join/{generation}"
-    store.set(f"{prefix}/{rank}", socket.gethostname())
-    arrived = store.add(f"{prefix}/count", 1)
-    deadline = time.monotonic() + timeout
-    pause = 0.001
-    while arrived < world_size:
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if not store.check([f"{prefix}/{r}"])]
-            gave_up = store.add(f"{prefix}/gave_up", 1)
-            linger = time.monotonic() + 5.0
-            while rank == 0 and gave_up < world_size - len(missing) and time.monotonic() < linger:
-                time.sleep(0.01)
-                gave_up = store.add(f"{prefix}/gave_up", 0)
-            raise RuntimeError(
-                f"fastpar.init: rank {rank} waited {timeout:g} s for all {world_size} ranks to "
-                f"join; rank(s) {missing} never arrived (crashed, or cannot reach rank 0's store)")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-        arrived = store.add(f"{prefix}/count", 0)
-    return tuple(store.get(f"{prefix}/{r}").decode() for r in range(world_size))
 
 
 def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
@@ -265,51 +56,11 @@ def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _abort_job_on_uncaught_exception(comm, rank: int) -> None:
-    """Under MPI, an exception nobody catches on one rank ends the whole job at once, with its
-    traceback, instead of leaving the other ranks waiting in a collective until the timeout (as
-    ``python -m mpi4py`` does). The main thread's exceptions only (a background thread's may
-    be meant to end that thread alone); removed again by ``shutdown``.
-
-    The traceback goes straight to file descriptor 2: torch.distributed's own excepthook, which
-    init_process_group stacks on top of this one, captures ``sys.stderr`` while it calls the
-    hook below it, and the abort would lose that capture."""
-    import sys
-    import traceback
-
-    if _STATE.get("abort_hook") is not None:
-        return
-    previous = sys.excepthook
-
-    def abort(exc_type, exc, tb):
-        if _STATE.get("abort_hook") is None:  # removed by shutdown, but still in torch's chain
-            return previous(exc_type, exc, tb)
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        os.write(2, (f"fastpar: uncaught exception on rank {rank}; aborting the MPI job so that "
-                     f"no rank waits for it:\n{text}").encode(errors="replace"))
-        # The launcher forwards output asynchronously, and the abort ends every rank's output
-        # stream: leave it a moment to carry the traceback out first.
-        time.sleep(0.5)
-        comm.Abort(1)
-
-    abort.previous = previous
-    _STATE["abort_hook"] = abort
-    sys.excepthook = abort
-
-
-def _remove_abort_hook() -> None:
-    import sys
-
-    hook, _STATE["abort_hook"] = _STATE.get("abort_hook"), None
-    if hook is not None and sys.excepthook is hook:
-        sys.excepthook = hook.previous
-
-
 def _this_process(info: _launcher.LaunchInfo, timeout: float):
     """``(mpi_comm, rank, world_size, local_rank, local_world_size)``; MPI is the truth under an
     MPI launcher (local ranks from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``, not host names)."""
     if info.uses_mpi:
-        MPI = _mpi_world(info, timeout)
+        MPI = rendezvous.mpi_world(info, timeout)
         comm = MPI.COMM_WORLD
         rank = comm.Get_rank()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -346,7 +97,7 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     info = _launcher.detect(os.environ)
     mpi_comm, rank, world_size, local_rank, local_world_size = _this_process(info, timeout)
     if mpi_comm is not None:
-        _abort_job_on_uncaught_exception(mpi_comm, rank)
+        abort.install(mpi_comm, rank)
     validate_degrees(world_size, tp, pp)
     grid = Grid(world_size, tp, pp)
     device = _choose_device(local_rank, local_world_size)
@@ -356,14 +107,14 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     owns_pg = not dist.is_initialized()
     if owns_pg:
         if info.uses_mpi:
-            store = _rendezvous_mpi(mpi_comm, timeout)
+            store = rendezvous.rendezvous_mpi(mpi_comm, timeout)
         elif world_size > 1:
-            store = _rendezvous_env(rank, world_size, timeout)
+            store = rendezvous.rendezvous_env(rank, world_size, timeout)
         else:
             store = dist.HashStore()
         generation = _STATE["generation"]
         _STATE["generation"] += 1
-        hosts = _join_barrier(store, rank, world_size, timeout, generation)
+        hosts = rendezvous.join_barrier(store, rank, world_size, timeout, generation)
         pg_store = dist.PrefixStore(f"fastpar/pg/{generation}", store)
         dist.init_process_group(backend, store=pg_store, rank=rank,
                                 world_size=world_size,
@@ -442,6 +193,6 @@ def shutdown() -> None:
                 current.undo_binding()
         finally:
             _STATE["job"] = None
-            _remove_abort_hook()
+            abort.remove()
             if current.owns_pg and dist.is_initialized():
                 dist.destroy_process_group()

@@ -1,0 +1,189 @@
+"""How each engine runs each collective: one adapter class per engine, the same five methods.
+
+The raw collectives (``collectives.py``) check arguments, route the call (``Route``: group,
+ranks, engine, communicator) and shape the result; what is left is the transfer itself, which
+is what differs between engines:
+
+    all_reduce(route, t, op, async_op)                  # t in place
+    all_gather(route, inp, stacked, async_op)           # stacked = n blocks of inp, rank order
+    all_gather_into(route, block, out, async_op)        # block is this rank's block of out
+    reduce_scatter(route, inp, out, op, async_op)       # out = this rank's block of op(inp)
+    broadcast(route, t, src, async_op)                  # src: a global rank of route.ranks
+
+Each returns the torch.distributed work of a call still in flight (``async_op`` on gloo or
+NCCL), else ``None``: our engines (shm, CUDA IPC, MPI, NCCL through MPI) complete for the host
+before they return. Inputs are contiguous; ``op`` is a name ("sum", ...).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fastpar.comm import symmetric
+from fastpar.comm.shm import signature as shm_signature
+
+# Below these sizes the copying shm kernels' single round beats the symmetric kernels' entry and
+# exit signals (measured: 2 and 4 ranks on 2 cores, bench/collectives.py --symmetric; the
+# signals cost most when ranks share cores), so symmetric tensors that small take the copying
+# kernels, which work on any memory. Bytes of the tensor passed (all_gather: per rank).
+SYMMETRIC_ALL_REDUCE_MIN = 16 << 10
+SYMMETRIC_GATHER_MIN = 64 << 10
+SYMMETRIC_SCATTER_MIN = 256 << 10
+
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+             "prod": dist.ReduceOp.PRODUCT}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+class Torch:
+    """gloo and NCCL through torch.distributed: the only engines that run in the background."""
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        return dist.all_reduce(t, op=TORCH_OPS[op], group=route.group, async_op=async_op)
+
+    @staticmethod
+    def all_gather(route, inp, stacked, async_op):
+        return _all_gather_tensor(stacked, inp, group=route.group, async_op=async_op)
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
+        return _all_gather_tensor(out, block, group=route.group, async_op=async_op)
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        return _reduce_scatter_tensor(out, inp, op=TORCH_OPS[op], group=route.group,
+                                      async_op=async_op)
+
+    @staticmethod
+    def broadcast(route, t, src, async_op):
+        return dist.broadcast(t, src=src, group=route.group, async_op=async_op)
+
+
+class Shm:
+    """fastpar's shared-memory kernels; a whole ``symmetric_empty`` tensor of the group (above
+    the sizes where it pays) is worked on where it lies, no copy in or out."""
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        sym = symmetric.lookup(t, route.group, op) if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN \
+            else None
+        if sym is not None:
+            route.comm.all_reduce_symmetric(t, sym.slots, op)
+        else:
+            route.comm.all_reduce(t, op)
+
+    @staticmethod
+    def all_gather(route, inp, stacked, async_op):
+        route.comm.all_gather(inp, stacked)
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
+        sym = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
+        if sym is not None:
+            route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
+        else:
+            route.comm.all_gather(block, out)  # the kernel allows block to alias out
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        sym = symmetric.lookup(inp, route.group, op) if inp.nbytes >= SYMMETRIC_SCATTER_MIN \
+            else None
+        if sym is not None:
+            route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
+        else:
+            route.comm.reduce_scatter(inp, out, op)
+
+    @staticmethod
+    def broadcast(route, t, src, async_op):
+        route.comm.broadcast(t, route.ranks.index(src))
+
+
+class CudaIpc:
+    """The CUDA IPC all-reduce (the policy sends it nothing else); a CUDA symmetric tensor of
+    the group is reduced in place."""
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        sym = symmetric.lookup(t, route.group, op)
+        if sym is not None:
+            route.comm.all_reduce_symmetric(t, sym.slots)
+        else:
+            route.comm.all_reduce(t)
+
+
+class NcclMpi:
+    """NCCL through CuPy, bootstrapped over MPI: enqueued on the current stream, complete for
+    the host (as torch's own collectives are for a stream-ordered reader)."""
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        route.comm.all_reduce(t, op)
+
+    @staticmethod
+    def all_gather(route, inp, stacked, async_op):
+        route.comm.all_gather(inp, stacked)
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
+        route.comm.all_gather(block, out)  # NCCL's in-place form: block is out's rank block
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        route.comm.reduce_scatter(inp, out, op)
+
+    @staticmethod
+    def broadcast(route, t, src, async_op):
+        route.comm.broadcast(t, route.ranks.index(src))
+
+
+class Mpi:
+    """The MPI library's own collectives through mpi4py (numpy views of CPU tensors)."""
+
+    @staticmethod
+    def _op(op: str):
+        from mpi4py import MPI
+
+        return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        from mpi4py import MPI
+
+        route.comm.Allreduce(MPI.IN_PLACE, _np(t), op=Mpi._op(op))
+
+    @staticmethod
+    def all_gather(route, inp, stacked, async_op):
+        route.comm.Allgather(_np(inp), _np(stacked))
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
+        from mpi4py import MPI
+
+        route.comm.Allgather(MPI.IN_PLACE, _np(out))
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        route.comm.Reduce_scatter_block(_np(inp), _np(out), op=Mpi._op(op))
+
+    @staticmethod
+    def broadcast(route, t, src, async_op):
+        route.comm.Bcast(_np(t), root=route.ranks.index(src))
+
+
+ADAPTERS = {"shm": Shm, "cuda_ipc": CudaIpc, "nccl_mpi": NcclMpi, "mpi": Mpi, "gloo": Torch,
+            "nccl": Torch}
+
+
+def adapter(engine: str):
+    """The adapter of ``engine`` (any torch.distributed backend name is torch's)."""
+    return ADAPTERS.get(engine, Torch)
