@@ -69,18 +69,15 @@ class Torch:
         return dist.broadcast(t, src=src, group=route.group, async_op=async_op)
 
 
-class Shm:
-    """fastpar's shared-memory kernels; a whole ``symmetric_empty`` tensor of the group (above
-    the sizes where it pays) is worked on where it lies, no copy in or out."""
+class Native:
+    """A fastpar communicator with the collectives' own names and arguments (in place, group
+    ranks for roots): the shm kernels' and NCCL-through-MPI's. They complete for the host
+    before they return (NCCL: enqueued on the current stream, as torch's own collectives are
+    complete for a stream-ordered reader)."""
 
     @staticmethod
     def all_reduce(route, t, op, async_op):
-        sym = symmetric.lookup(t, route.group, op) if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN \
-            else None
-        if sym is not None:
-            route.comm.all_reduce_symmetric(t, sym.slots, op)
-        else:
-            route.comm.all_reduce(t, op)
+        route.comm.all_reduce(t, op)
 
     @staticmethod
     def all_gather(route, inp, stacked, async_op):
@@ -88,24 +85,47 @@ class Shm:
 
     @staticmethod
     def all_gather_into(route, block, out, async_op):
+        route.comm.all_gather(block, out)  # block is out's rank block: in place
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        route.comm.reduce_scatter(inp, out, op)
+
+    @staticmethod
+    def broadcast(route, t, src, async_op):
+        route.comm.broadcast(t, route.ranks.index(src))
+
+
+class NcclMpi(Native):
+    """NCCL through CuPy, bootstrapped over MPI."""
+
+
+class Shm(Native):
+    """fastpar's shared-memory kernels; a whole ``symmetric_empty`` tensor of the group (above
+    the sizes where it pays) is worked on where it lies, no copy in or out."""
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        sym = symmetric.lookup(t, route.group, op) if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN \
+            else None
+        if sym is None:
+            return Native.all_reduce(route, t, op, async_op)
+        route.comm.all_reduce_symmetric(t, sym.slots, op)
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
         sym = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
-        if sym is not None:
-            route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
-        else:
-            route.comm.all_gather(block, out)  # the kernel allows block to alias out
+        if sym is None:
+            return Native.all_gather_into(route, block, out, async_op)
+        route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
 
     @staticmethod
     def reduce_scatter(route, inp, out, op, async_op):
         sym = symmetric.lookup(inp, route.group, op) if inp.nbytes >= SYMMETRIC_SCATTER_MIN \
             else None
-        if sym is not None:
-            route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
-        else:
-            route.comm.reduce_scatter(inp, out, op)
-
-    @staticmethod
-    def broadcast(route, t, src, async_op):
-        route.comm.broadcast(t, route.ranks.index(src))
+        if sym is None:
+            return Native.reduce_scatter(route, inp, out, op, async_op)
+        route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
 
 
 class CudaIpc:
@@ -119,31 +139,6 @@ class CudaIpc:
             route.comm.all_reduce_symmetric(t, sym.slots)
         else:
             route.comm.all_reduce(t)
-
-
-class NcclMpi:
-    """NCCL through CuPy, bootstrapped over MPI: enqueued on the current stream, complete for
-    the host (as torch's own collectives are for a stream-ordered reader)."""
-
-    @staticmethod
-    def all_reduce(route, t, op, async_op):
-        route.comm.all_reduce(t, op)
-
-    @staticmethod
-    def all_gather(route, inp, stacked, async_op):
-        route.comm.all_gather(inp, stacked)
-
-    @staticmethod
-    def all_gather_into(route, block, out, async_op):
-        route.comm.all_gather(block, out)  # NCCL's in-place form: block is out's rank block
-
-    @staticmethod
-    def reduce_scatter(route, inp, out, op, async_op):
-        route.comm.reduce_scatter(inp, out, op)
-
-    @staticmethod
-    def broadcast(route, t, src, async_op):
-        route.comm.broadcast(t, route.ranks.index(src))
 
 
 class Mpi:
