@@ -62,7 +62,7 @@ class Launch:
     launcher: str
     returncode: int | None  # None when the job was killed on timeout
     elapsed: float
-    output: str
+    output: str  # a pool body: the pool's output while it ran (forwarded late: a neighbour's too)
     results: dict[int, dict]  # rank -> {"ok": bool, "value": ..., "error": str, "traceback": str}
 
     @property
