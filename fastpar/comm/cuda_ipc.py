@@ -14,119 +14,32 @@ on any rank, makes every rank release what it holds and return ``(None, reason)`
 reason names the global ranks that failed and why), and the caller falls back to the group's
 torch.distributed engine; no rank is left waiting in a kernel for one that gave up.
 
-Every native call goes through ``Driver``, so CPU-only tests can drive the agreement and the
-teardown over real processes with a fake one.
+The exchange of handles (steps 3 and 4) and the two-barrier teardown are the one protocol of
+``ipc_exchange.py``, shared with CUDA symmetric tensors. Every native call goes through
+``Driver``, so CPU-only tests can drive the agreement and the teardown over real processes with
+a fake one.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
-import torch.distributed as dist
 
 from fastpar import _native
 from fastpar.comm import policy
+from fastpar.comm.ipc_exchange import (Driver, PeerMaps, Refused, agreed_step, all_agree,
+                                       check_not_capturing)
 
-log = logging.getLogger("fastpar.comm")
+__all__ = ["ALGOS", "PROBE_TIMEOUT", "CudaIpcCommunicator", "Driver", "Refused", "agreed_step",
+           "all_agree", "check_not_capturing", "describe", "link_kind", "plan"]
+
 
 ALGOS = {"auto": 0, "one_shot": 1, "two_shot": 2}
 # The probe's barrier timeout (seconds; at most a quarter of the job's): a probe launch that
 # hangs on one rank makes its peers give up soon, well before the agreement after the probe
 # (bounded by the job's timeout) gives up on them.
 PROBE_TIMEOUT = 10.0
-
-
-class Driver:
-    """Every CUDA call the communicator makes (``torch.ops.fastpar.ipc_*`` and torch.cuda)."""
-
-    def __init__(self):
-        self.ops = torch.ops.fastpar
-
-    def facts(self, device: torch.device) -> dict:
-        if not _native.status()["cuda"]:
-            raise Refused("fastpar._C was built without CUDA")
-        props = torch.cuda.get_device_properties(device)
-        visible = [str(torch.cuda.get_device_properties(d).uuid)
-                   for d in range(torch.cuda.device_count())]
-        return {"index": device.index, "uuid": str(props.uuid), "visible": visible,
-                "capability": (props.major, props.minor), "name": props.name}
-
-    def link(self, a: int, b: int) -> tuple[bool, bool]:
-        """(P2P access, native atomics) from device a to b."""
-        return tuple(self.ops.ipc_p2p_link(a, b))
-
-    def meta_size(self) -> int:
-        return self.ops.ipc_meta_size()
-
-    def alloc(self, nbytes: int, device: torch.device) -> int:
-        return self.ops.ipc_alloc(nbytes, device.index)
-
-    def free(self, ptr: int, device: torch.device) -> None:
-        self.ops.ipc_free(ptr, device.index)
-
-    def export(self, ptr: int, device: torch.device) -> list[int]:
-        return self.ops.ipc_export(ptr, device.index).tolist()
-
-    def open(self, handle: list[int], device: torch.device) -> int:
-        return self.ops.ipc_open_handle(torch.tensor(handle, dtype=torch.uint8), device.index)
-
-    def close(self, base: int, device: torch.device) -> None:
-        self.ops.ipc_close_handle(base, device.index)
-
-    def init(self, signals, buffers, rank, world, nbytes, global_ranks, timeout,
-             device: torch.device) -> int:
-        return self.ops.ipc_init(signals, buffers, rank, world, nbytes, global_ranks, timeout,
-                                 device.index)
-
-    def set_timeout(self, ctx: int, timeout: float) -> None:
-        self.ops.ipc_set_timeout(ctx, timeout)
-
-    def all_reduce(self, ctx: int, t: torch.Tensor, algo: int) -> None:
-        self.ops.ipc_all_reduce(ctx, t, algo)
-
-    def all_reduce_symmetric(self, ctx: int, t: torch.Tensor, slots: list[int]) -> None:
-        self.ops.ipc_all_reduce_symmetric(ctx, t, slots)
-
-    def error(self, ctx: int) -> str:
-        return self.ops.ipc_error(ctx)
-
-    def staging(self, ctx: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self.ops.ipc_staging(ctx, dtype, numel)
-
-    def wait_idle(self, ctx: int) -> None:
-        self.ops.ipc_wait_idle(ctx)
-
-    def all_reduce_flagged(self, ctx, out, flags, block_rows, expected) -> None:
-        self.ops.ipc_all_reduce_flagged(ctx, out, flags, block_rows, expected)
-
-    def dispose(self, ctx: int) -> None:
-        self.ops.ipc_dispose(ctx)
-
-    def synchronize(self, device: torch.device) -> None:
-        torch.cuda.synchronize(device)
-
-
-class Refused(Exception):
-    """A step's reason for not using cuda_ipc on this rank (not a bug: reported, not raised)."""
-
-
-def agreed_step(group, ranks, what: str, fn):
-    """Run ``fn`` on this rank and agree on the outcome: ``(every rank's result, None)`` or
-    ``(..., reason)`` naming each global rank that failed. Every exception becomes a reason:
-    the all_gather below must run on every rank whatever happened here."""
-    try:
-        mine = (fn(), None)
-    except Refused as exc:
-        mine = (None, str(exc))
-    except Exception as exc:  # noqa: BLE001 - reported to every rank, then the group falls back
-        mine = (None, f"{type(exc).__name__}: {exc}")
-    everyone = [None] * len(ranks)
-    dist.all_gather_object(everyone, mine, group=group)
-    failed = [f"global rank {r}: {why}" for r, (_, why) in zip(ranks, everyone) if why]
-    reason = f"{what} failed ({'; '.join(failed)})" if failed else None
-    return [value for value, _ in everyone], reason
 
 
 def link_kind(facts: list[dict], driver) -> tuple[str, str]:
@@ -168,22 +81,17 @@ def _algo_from_env() -> int:
     return ALGOS[name]
 
 
-def all_agree(ok: bool, group, device) -> bool:
-    """Whether ``ok`` on every rank (a collective: ``all_agree(True, ...)`` is a barrier)."""
-    flag = torch.tensor([0.0 if ok else 1.0],
-                        device=device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(flag, group=group)
-    return flag.item() == 0
-
-
 class CudaIpcCommunicator:
-    def __init__(self, group, ranks, device, driver, ptr, opened, max_bytes, reason):
+    def __init__(self, group, ranks, device, driver, max_bytes, reason, group_rank):
         self.group, self.ranks, self.device, self._driver = group, ranks, device, driver
-        self._ptr, self._opened = ptr, opened  # own region; peers' bases (opened on `device`)
+        self._ptr = None  # own region (signal block, then staging buffer)
+        # the peers' regions, mapped here, and the protocol that releases them and ours
+        self._peers = PeerMaps(group, ranks, group_rank, device, driver,
+                               f"the IPC region ({max_bytes} bytes of buffer)")
         self._ctx = None
         self.max_bytes = max_bytes
         self.reason = reason  # why this size: policy.ipc_limit's words
-        self.group_rank = None
+        self.group_rank = group_rank
         # 0 auto, 1 one-shot, 2 two-shot (tests and benchmarks force one)
         self.algo = _algo_from_env()
 
@@ -207,34 +115,26 @@ class CudaIpcCommunicator:
             return None, f"the ranks chose different cuda_ipc limits: {plans}"
         if not limit:
             return None, reason
-        comm = cls(group, ranks, device, driver, None, [], limit, reason)
-        comm.group_rank = me
+        comm = cls(group, ranks, device, driver, limit, reason, me)
         meta = None
 
         def export():
             nonlocal meta
             meta = driver.meta_size()
             comm._ptr = driver.alloc(meta + limit, device)
-            return driver.export(comm._ptr, device)
+            return comm._ptr, driver.export(comm._ptr, device), 0
 
-        handles, why = agreed_step(group, ranks, "allocating and exporting the IPC buffer", export)
-        if not why:
-            def open_peers():
-                for p, handle in enumerate(handles):
-                    if p != me:
-                        comm._opened.append((p, driver.open(handle, device)))
-            _, why = agreed_step(group, ranks, "opening the peers' IPC handles", open_peers)
+        why = comm._peers.exchange(export, "allocating and exporting the IPC buffer")
         if not why:
             def build():
-                bases = dict(comm._opened)
-                ptrs = [comm._ptr if p == me else bases[p] for p in range(world)]
+                ptrs = comm._peers.addresses
                 comm._ctx = driver.init(ptrs, [p + meta for p in ptrs], me, world, limit,
                                         list(ranks), min(PROBE_TIMEOUT, timeout / 4), device)
             _, why = agreed_step(group, ranks, "building the IPC context", build)
         if not why:
             _, why = agreed_step(group, ranks, "the probe all-reduce", lambda: comm._probe(world))
         if why:
-            comm._release(healthy=True)
+            comm._release()
             return None, why
         driver.set_timeout(comm._ctx, float(timeout))
         return comm, None
@@ -293,59 +193,32 @@ class CudaIpcCommunicator:
 
     def close(self) -> None:
         """Collective over the group (``fastpar.shutdown`` calls it): release everything, in
-        an order that never frees memory a peer still maps. Raises the timeout error, if a
-        launch timed out, once the rest is released."""
+        an order that never frees memory a peer still maps (``PeerMaps.teardown``). Raises the
+        timeout error, if a launch timed out, once the rest is released."""
         if self._ptr is None and self._ctx is None:
             return
-        synced = False
-        try:
-            self._driver.synchronize(self.device)  # first: a launch may time out meanwhile
-            synced = True
-            err = self.error()
-            healthy = all_agree(not err, self.group, self.device)  # nobody is in a kernel now
-        except Exception as exc:  # noqa: BLE001 - a dead peer: release what is safe, say so
-            log.warning("cuda_ipc teardown of global ranks %s: the group did not answer (%s)",
-                        self.ranks, exc)
-            err, healthy = self.error(), False
-        self._release(healthy, synced)
+        err = self._peers.teardown(self.error, self._dispose, self._free_region())
+        self._ptr = None  # freed, or left to the process's end (a peer may still map it)
         if err:
             raise RuntimeError(err)
 
-    def _release(self, healthy: bool, synced: bool = False) -> None:
-        """Wait for this rank's launches (unless ``synced``), dispose, unmap the peers on the device they were
-        opened on, then (``healthy``: after a barrier, so every importer has unmapped ours)
-        free this rank's region. An unhealthy group may still have peers reading it: that
-        memory is left to the process's end."""
-        d = self._driver
-        try:
-            if not synced:
-                d.synchronize(self.device)  # no kernel of ours still writes the status record
-        except Exception as exc:  # noqa: BLE001 - a broken context: release what we can
-            log.warning("cuda_ipc: synchronising before release failed: %s", exc)
-        if self._ctx is not None:
-            d.dispose(self._ctx)
-            self._ctx = None
-        for _, base in self._opened:
-            d.close(base, self.device)
-        self._opened = []
-        if healthy:  # every rank of the group takes this branch alike (its argument agreed)
-            all_agree(True, self.group, self.device)
-            if self._ptr is not None:
-                d.free(self._ptr, self.device)
-        elif self._ptr is not None:
-            log.warning("cuda_ipc: left %d bytes of global rank %s's IPC region allocated (a "
-                        "peer may still map it)", self.max_bytes, self.ranks[self.group_rank])
+    def _release(self) -> None:
+        """After a failed setup (every rank alike): dispose, unmap the peers, a barrier, free."""
+        self._peers.release(dispose=self._dispose, free=self._free_region())
         self._ptr = None
 
+    def _dispose(self) -> None:
+        if self._ctx is not None:
+            self._driver.dispose(self._ctx)
+            self._ctx = None
 
-def check_not_capturing(ranks, what: str) -> None:
-    """RuntimeError before a setup step that a CUDA graph capture cannot hold."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"fastpar: {what} for the group of global ranks {ranks} is set up at the group's "
-            "first call that needs it, which allocates, synchronises and talks to the peers: "
-            "that cannot happen inside a CUDA graph capture. Make one such call (e.g. a "
-            "comm.all_reduce of a CUDA tensor over this group) before capturing.")
+    def _free_region(self):
+        """What frees this rank's region (None: it has none)."""
+        if self._ptr is None:
+            return None
+
+        ptr = self._ptr
+        return lambda: self._driver.free(ptr, self.device)
 
 
 def describe(world_sizes=(2, 4, 8), driver=None) -> list[str]:
