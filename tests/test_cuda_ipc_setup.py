@@ -6,7 +6,12 @@
   replaced at their boundary (``cuda_ipc.Driver``) by a fake that records what it is asked and
   can fail any step on one rank: every rank must fall back together, name the rank that failed,
   release everything it took, never free its region before every peer unmapped it, and unmap on
-  the device it mapped on. The kernels themselves are tested on a GPU (tests/test_cuda_ipc.py).
+  the device it mapped on.
+- CUDA symmetric tensors (``symmetric._cuda_symmetric``) through the same exchange
+  (``ipc_exchange.PeerMaps``) and the same fake driver, on CPU memory: every peer's address, the
+  two-barrier teardown, and every rank a plain tensor when one rank cannot export or open.
+
+The kernels themselves are tested on a GPU (tests/test_cuda_ipc.py).
 """
 
 import time
@@ -119,6 +124,9 @@ def test_describe_says_what_each_world_size_would_get(monkeypatch):
 
 # ------------------------------------------------------------------ over processes (fake driver)
 
+SYMMETRIC_OFFSET = 512
+
+
 class FakeDriver:
     """The native boundary, faked on CPU: allocations are numbers, handles name their owner,
     and the 'kernel' is a gloo all_reduce of the CPU tensor over the group (so the probe really
@@ -158,6 +166,10 @@ class FakeDriver:
     def export(self, ptr, device):
         self._call("export", ptr)
         return [self.rank, ptr]
+
+    def export_tensor(self, t):  # the tensor lies SYMMETRIC_OFFSET bytes into its allocation
+        self._call("export_tensor", t.numel())
+        return [self.rank, t.data_ptr()], SYMMETRIC_OFFSET
 
     def open(self, handle, device):
         self._call("open", tuple(handle), str(device))
@@ -333,3 +345,95 @@ def test_setup_inside_a_graph_capture_is_refused(protocol):
     for out in protocol:
         assert "cannot happen inside a CUDA graph capture" in out["capture"]
         assert "global ranks [0, 1, 2]" in out["capture"]
+
+
+def body_symmetric_setup():
+    """CUDA symmetric tensors (``symmetric._cuda_symmetric``) through the same exchange, with the
+    fake driver and CPU memory: healthy (every peer's address, then the two-barrier teardown at
+    shutdown), and an export or an open failing on global rank 1 (every rank a plain tensor)."""
+    import logging
+
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.comm import symmetric
+    from fastpar.comm.state import current
+
+    topo = fastpar.init(timeout=60)
+    rank, world = topo.rank, topo.world_size
+    ranks = list(range(world))
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("fastpar.comm")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out = {}
+    try:
+        for case, fault in (("healthy", {}), ("fail-export", {"fail": "export_tensor"}),
+                            ("fail-open", {"fail": "open"})):
+            st, group = current(), dist.group.WORLD  # a new world after each re-init
+            driver = FakeDriver(rank, group, **(fault if rank == 1 else {}))
+            del said[:]
+            t = symmetric._cuda_symmetric(st, group, ranks, (2, 5), 10, torch.float32,
+                                          torch.device("cpu"), driver=driver)
+            sym = st.symmetric.get(t.data_ptr())
+            r = {"shape": list(t.shape), "own": t.data_ptr(), "slots": sym and sym.slots,
+                 "closers": len(st.closers), "said": [m for m in said if "symmetric" in m]}
+            fastpar.shutdown()  # the teardown, on every rank
+            r["done"] = time.monotonic()
+            r["calls"] = [(at, c, list(a)) for at, c, a in driver.log]
+            out[case] = r
+            topo = fastpar.init(timeout=60)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, out, group=dist.group.WORLD)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    fastpar.shutdown()
+    return everyone
+
+
+@pytest.fixture(scope="module")
+def symmetric_setup():
+    return run_ranks(3, body_symmetric_setup, timeout=240).values()[0]  # every rank's, gathered
+
+
+def test_symmetric_tensor_maps_every_peer_and_tears_down_in_order(symmetric_setup):
+    for rank, out in enumerate(symmetric_setup):
+        h = out["healthy"]
+        assert h["shape"] == [2, 5] and h["said"] == [], h
+        # its own tensor, and each peer's at the opened base + the tensor's offset
+        assert h["slots"] == [h["own"] if p == rank else 7_000_000 + p + SYMMETRIC_OFFSET
+                              for p in range(3)], h["slots"]
+        assert h["closers"] >= 1
+        names = _names(h["calls"])
+        assert names == ["export_tensor", "open", "open", "synchronize", "close", "close"], names
+        opens = [a for _, c, a in h["calls"] if c == "open"]
+        closes = [a for _, c, a in h["calls"] if c == "close"]
+        assert sorted(a[0][0] for a in opens) == [p for p in range(3) if p != rank]
+        assert sorted(a[0] for a in closes) == sorted(7_000_000 + a[0][0] for a in opens)
+        assert all(a[1] == "cpu" for a in opens + closes)
+    # No rank lets go of its tensor (its teardown returns) before every rank has unmapped it.
+    last_close = max(t for out in symmetric_setup for t, c, _ in out["healthy"]["calls"]
+                     if c == "close")
+    assert last_close < min(out["healthy"]["done"] for out in symmetric_setup)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("fail-export", "exporting the tensor's IPC handle failed (global rank 1: RuntimeError: "
+                    "injected export_tensor"),
+    ("fail-open", "opening the peers' IPC handles failed (global rank 1: RuntimeError: "
+                  "injected open"),
+])
+def test_a_symmetric_setup_failure_on_one_rank_gives_every_rank_a_plain_tensor(
+        symmetric_setup, case, words):
+    for rank, out in enumerate(symmetric_setup):
+        r = out[case]
+        assert r["slots"] is None and r["closers"] == 0 and r["shape"] == [2, 5], (rank, r)
+        assert len(r["said"]) == 1 and "a plain tensor" in r["said"][0], r["said"]
+        assert words in r["said"][0], (rank, r["said"])
+        names = _names(r["calls"])
+        assert names.count("open") == names.count("close"), names  # every mapping undone
+        assert "synchronize" in names, names

@@ -22,6 +22,7 @@ is an ordinary tensor.
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 
@@ -29,8 +30,11 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
+from fastpar.comm import ipc_exchange
 from fastpar.comm.segments import map_segments
 from fastpar.comm.state import current
+
+log = logging.getLogger("fastpar.comm")
 
 _PAGE = 4096
 _OPS = ("sum", "max")  # the ops the symmetric kernel reduces with
@@ -142,63 +146,38 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
     return t
 
 
-def _cuda_symmetric(st, group, ranks, size, numel, dtype, device) -> torch.Tensor:
+def _cuda_symmetric(st, group, ranks, size, numel, dtype, device, driver=None) -> torch.Tensor:
     """CUDA IPC symmetric tensor: allocate (16-byte padded, as the kernel loads 16 bytes at a
-    time), export the allocation's IPC handle, map every peer's, each step agreed over the
-    group (``cuda_ipc.agreed_step``). If any rank cannot (no CUDA build, an expandable segment or
-    cudaMallocAsync, a handle that does not open), every rank returns a plain tensor instead and
-    the all_reduce copies as usual; the reason is logged."""
-    import logging
-
-    from fastpar.comm import cuda_ipc
-
-    cuda_ipc.check_not_capturing(ranks, "a CUDA symmetric tensor")
+    time) and share it with the group by the one CUDA IPC exchange (``ipc_exchange.PeerMaps``:
+    export the allocation's handle, map every peer's, each step agreed over the group). If any
+    rank cannot (no CUDA build, an expandable segment or cudaMallocAsync, a handle that does not
+    open), every rank returns a plain tensor instead and the all_reduce copies as usual; the
+    reason is logged. ``driver``: the native calls (``ipc_exchange.Driver``; tests pass a fake
+    one and a CPU ``device``)."""
+    ipc_exchange.check_not_capturing(ranks, "a CUDA symmetric tensor")
     _agree(group, ranks, size, dtype)
+    driver = driver or ipc_exchange.Driver()
     esize = torch.empty((), dtype=dtype).element_size()
     base = torch.empty(-(-max(numel, 1) * esize // 16) * 16, dtype=torch.uint8, device=device)
     t = base[:numel * esize].view(dtype).view(size)
-    me = ranks.index(st.topo.rank)
-    opened = []
+    peers = ipc_exchange.PeerMaps(group, ranks, ranks.index(st.topo.rank), device, driver,
+                                  f"a symmetric tensor's {base.numel()} bytes")
 
     def export():
-        if not _native.status().get("cuda"):
-            raise cuda_ipc.Refused("fastpar._C was built without CUDA")
-        handle, offset = torch.ops.fastpar.ipc_get_handle(base)
-        return handle.tolist(), offset
+        handle, offset = driver.export_tensor(base)
+        return t.data_ptr(), handle, offset
 
-    def open_peers():
-        for p, (h, off) in enumerate(shared):
-            if p != me:
-                b = torch.ops.fastpar.ipc_open_handle(torch.tensor(h, dtype=torch.uint8),
-                                                      device.index)
-                opened.append(b)
-        return [t.data_ptr() if p == me else opened[p - (p > me)] + off
-                for p, (_, off) in enumerate(shared)]
-
-    def close_opened():
-        for b in opened:
-            torch.ops.fastpar.ipc_close_handle(b, device.index)
-        opened.clear()
-
-    shared, why = cuda_ipc.agreed_step(group, ranks, "exporting the tensor's IPC handle", export)
-    if why is None:
-        slots, why = cuda_ipc.agreed_step(group, ranks, "opening the peers' handles", open_peers)
-        slots = slots[me]
+    why = peers.exchange(export, "exporting the tensor's IPC handle")
     if why is not None:
-        close_opened()
-        logging.getLogger("fastpar.comm").info(
-            "symmetric_empty on %s for global ranks %s: a plain tensor (%s)", device, ranks, why)
+        peers.release()  # nothing to free: t stays, a plain tensor
+        log.info("symmetric_empty on %s for global ranks %s: a plain tensor (%s)", device, ranks,
+                 why)
         return t
-    st.symmetric[t.data_ptr()] = SymmetricSegment(group, ranks, dtype, numel, slots)
-
-    def close(base=base):
-        """At shutdown, on every rank: nobody is in a kernel on these tensors (sync, barrier),
-        unmap the peers', and only after a second barrier let ours go (a peer must not hold a
-        mapping of memory its owner has freed)."""
-        torch.cuda.synchronize(base.device)
-        cuda_ipc.all_agree(True, group, device)
-        close_opened()
-        cuda_ipc.all_agree(True, group, device)
-
-    st.closers.append(close)
+    st.symmetric[t.data_ptr()] = SymmetricSegment(group, ranks, dtype, numel, peers.addresses)
+    # At shutdown, on every rank, the exchange's teardown: nobody is in a kernel on these tensors
+    # (sync, barrier), unmap the peers', and only after a second barrier let go of ours (a peer
+    # must not hold a mapping of memory its owner has freed). The caching allocator takes the
+    # memory back once the caller's last view of it goes too.
+    held = [base]
+    st.closers.append(lambda: peers.teardown(free=held.clear))
     return t
