@@ -24,6 +24,9 @@ TORCH_LIBRARY(fastpar, m) {
         "bool oversubscribed) -> int",
         &fastpar::shm_attach);
   m.def("shm_detach(int comm) -> ()", &fastpar::shm_detach);
+  // (kind, cause) of this thread's last shm error (collectives and p2p), as the codes of
+  // csrc/shm/shm_errors.h; reading clears it.
+  m.def("shm_last_error() -> (int, int)", &fastpar::shm_last_error);
   m.def("shm_all_reduce(int comm, Tensor(a!) t, str op) -> ()", &fastpar::shm_all_reduce);
   m.def("shm_all_reduce_symmetric(int comm, Tensor(a!) t, int[] slots, str op) -> ()",
         &fastpar::shm_all_reduce_symmetric);

@@ -53,18 +53,38 @@ void check_cpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), "fastpar shm: ", what, " must be contiguous");
 }
 
-// The kernel reports mismatches and timeouts as std::runtime_error; re-raise as c10::Error
-// so Python sees a RuntimeError with the kernel's message.
+// The kernel reports mismatches and timeouts as shm::Error (std::runtime_error); re-raise as
+// c10::Error so Python sees a RuntimeError with the kernel's message, its kind recorded.
 template <typename F>
 void run(F&& f) {
+  shm_record_error(nullptr);
   try {
     f();
   } catch (const std::runtime_error& e) {
+    shm_record_error(&e);
     TORCH_CHECK(false, e.what());
   }
 }
 
+// What the last kernel call of this thread threw (shm_last_error).
+thread_local shm::ErrorKind last_kind = shm::ErrorKind::None;
+thread_local shm::ErrorKind last_cause = shm::ErrorKind::None;
+
 }  // namespace
+
+void shm_record_error(const std::exception* e) {
+  const auto* typed = dynamic_cast<const shm::Error*>(e);
+  last_kind = e == nullptr ? shm::ErrorKind::None
+              : typed != nullptr ? typed->kind()
+                                 : shm::ErrorKind::Other;
+  last_cause = typed != nullptr ? typed->cause() : last_kind;
+}
+
+std::tuple<int64_t, int64_t> shm_last_error() {
+  std::tuple<int64_t, int64_t> out{int64_t(last_kind), int64_t(last_cause)};
+  shm_record_error(nullptr);
+  return out;
+}
 
 // The kernel's poll hook: ends a long wait when SIGINT (Ctrl-C) has arrived, within ~10 ms
 // instead of after the timeout. No Python handler runs here (this is inside a collective):

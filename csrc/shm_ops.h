@@ -4,7 +4,9 @@
 // class (fastpar/comm/shm.py); these functions only receive its address.
 #include <ATen/core/Tensor.h>
 
+#include <exception>
 #include <string>
+#include <tuple>
 
 namespace fastpar {
 
@@ -29,6 +31,14 @@ void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t
 void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,
                         const std::string& op);
 void shm_broadcast(int64_t comm, at::Tensor& t, int64_t root, int64_t sig);
+
+// Error kinds (csrc/shm/shm_errors.h), so that Python tells a timeout from an interrupt by a
+// code, not by the message's text. Each op's kernel call records what it threw (or nothing)
+// in this thread: shm_record_error, called by the ops' error translation. shm_last_error
+// returns (kind, cause) of the last error recorded in this thread and clears it: read it right
+// after catching the RuntimeError (fastpar/comm/native_errors.py).
+void shm_record_error(const std::exception* e);
+std::tuple<int64_t, int64_t> shm_last_error();
 
 // The poll hook of the shm kernels' waits (also used by shm_p2p_ops.cpp): "was interrupted
 // (SIGINT)" once Ctrl-C has arrived, else null. Takes the GIL itself.

@@ -98,17 +98,22 @@ class GilReleased {
   PyThreadState* state_ = nullptr;
 };
 
-// The kernel throws std::runtime_error (protocol errors) and std::invalid_argument (misuse);
-// re-raise as c10 errors so Python sees RuntimeError / ValueError with the kernel's message.
+// The kernel throws shm::Error (protocol errors, a std::runtime_error) and
+// std::invalid_argument (misuse); re-raise as c10 errors so Python sees RuntimeError /
+// ValueError with the kernel's message, its kind recorded (shm_last_error).
 template <typename F>
 auto run(F&& f) -> decltype(f()) {
+  shm_record_error(nullptr);
   try {
     return f();
-  } catch (const c10::Error&) {
+  } catch (const c10::Error& e) {
+    shm_record_error(&e);
     throw;
   } catch (const std::invalid_argument& e) {
+    shm_record_error(&e);
     TORCH_CHECK_VALUE(false, e.what());
   } catch (const std::exception& e) {
+    shm_record_error(&e);
     TORCH_CHECK(false, e.what());
   }
 }

@@ -140,6 +140,8 @@ def body_mismatch():
 
     import torch.distributed as dist
 
+    from fastpar.comm.native_errors import Kind
+
     topo = fastpar.init(timeout=30)
     r = topo.rank
     messages = []
@@ -156,6 +158,7 @@ def body_mismatch():
             call(dist.new_group([0, 1]))
         except RuntimeError as exc:
             messages.append(str(exc))
+            assert (exc.kind, exc.cause) == (Kind.MISMATCH, Kind.MISMATCH), (exc.kind, exc)
             continue
         raise AssertionError("a mismatch was not detected")
     return messages
@@ -195,18 +198,23 @@ def body_missing_peer():
         comm.all_reduce(x, group=topo.dp_group)
     except RuntimeError as exc:
         message = str(exc)
+        # the code, not the text, says what happened: a caller catches TimeoutError
+        kinds = [exc.kind.name, exc.cause.name, isinstance(exc, TimeoutError)]
     else:
         raise AssertionError("a missing peer did not time out")
     try:  # the segment stays poisoned: the next call fails at once, with the first error
         comm.all_reduce(x, group=topo.dp_group)
     except RuntimeError as exc:
-        return [message, str(exc)]
+        return [message, str(exc), kinds,
+                [exc.kind.name, exc.cause.name, isinstance(exc, TimeoutError)]]
     raise AssertionError("a poisoned segment served a call")
 
 
 def test_missing_peer_times_out_naming_it():
     values = run_ranks(4, body_missing_peer, env={"FASTPAR_COMM_BACKEND": "shm"}).values()
-    first, second = values[0]
+    first, second, first_kind, second_kind = values[0]
+    assert first_kind == ["TIMEOUT", "TIMEOUT", True], first_kind
+    assert second_kind == ["POISONED", "TIMEOUT", True], second_kind
     assert "timed out" in first and "waiting for rank 1 (global rank 2)" in first, first
     assert "shm group of global ranks [0, 2]" in first, first
     assert "poisoned" in second and "global rank 2" in second, second

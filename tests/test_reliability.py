@@ -252,6 +252,9 @@ def body_ctrl_c(rounds):
             raise AssertionError("a poisoned group served a call")
         except RuntimeError as exc:
             assert "poisoned" in str(exc), exc
+            # by code: poisoned by an interrupt, and not an interrupt of this call's own wait
+            assert (exc.kind.name, exc.cause.name) == ("POISONED", "INTERRUPTED"), exc.kind
+            assert not isinstance(exc, TimeoutError), type(exc)
     return results
 
 

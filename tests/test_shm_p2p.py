@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from fastpar.comm.native_errors import Kind
 from tests.multirank import run_ranks
 
 # ---- the message plan (shared by senders and receivers) -------------------------------------
@@ -127,6 +128,10 @@ def body_ring(ring_bytes: int):
     return result
 
 
+def _kind(exc: RuntimeError) -> list:
+    return [exc.kind.name, exc.cause.name, isinstance(exc, TimeoutError)]
+
+
 def _timeout_case(me: int):
     """Rank 0 waits for a message rank 1 never sends (timeout 1 s); then rank 1's channel to
     rank 0 is poisoned with rank 0's error."""
@@ -141,16 +146,16 @@ def _timeout_case(me: int):
         try:
             p2p.recv_header(1, 1)
         except RuntimeError as exc:
-            message = str(exc)
+            message, kind = str(exc), _kind(exc)
     dist.barrier()
     if me == 1:
         try:
             p2p.recv_header(0, 0)
         except RuntimeError as exc:
-            message = str(exc)
+            message, kind = str(exc), _kind(exc)
     elapsed = time.monotonic() - start
     p2p.close()
-    return [elapsed, message]
+    return [elapsed, message, kind]
 
 
 @pytest.mark.parametrize("nranks, ring_bytes", [(2, 4 << 20), (4, 1 << 16)])
@@ -159,7 +164,10 @@ def test_ring_of_ranks(nranks, ring_bytes):
     for v in values:
         assert len(v["misuse"]) == 4 and all("fastpar shm p2p" in m for m in v["misuse"]), v
     if nranks == 2:
-        (elapsed0, message0), (_, message1) = values[0]["timeout"], values[1]["timeout"]
+        (elapsed0, message0, kind0), (_, message1, kind1) = (values[0]["timeout"],
+                                                              values[1]["timeout"])
+        assert kind0 == ["TIMEOUT", "TIMEOUT", True], kind0  # the code, whatever the wording
+        assert kind1 == ["POISONED", "TIMEOUT", True], kind1
         want = (r"fastpar shm p2p: rank 0 waited 1\.\d s for the header of the next message "
                 r"from rank 1 on tag 1 \(gradients\)")
         assert re.fullmatch(want, message0) and 0.9 < elapsed0 < 5, (elapsed0, message0)
@@ -193,7 +201,7 @@ def body_peer_killed():
         p2p.recv_header(1, 0)
         raise AssertionError("a receive from a killed peer returned")
     except RuntimeError as exc:
-        result = [time.monotonic() - start, str(exc)]
+        result = [time.monotonic() - start, str(exc), exc.kind.name]
     p2p.close()
     return result
 
@@ -202,7 +210,8 @@ def test_killed_peer_is_named_at_once_and_nothing_leaks():
     before = set(glob.glob("/dev/shm/fastpar-p2p-*"))
     launch = run_ranks(2, body_peer_killed, launcher="torchrun", check=False, timeout=90)
     assert 0 in launch.results and launch.results[0]["ok"], launch.describe()
-    elapsed, message = launch.results[0]["value"]
+    elapsed, message, kind = launch.results[0]["value"]
+    assert kind == "PEER_DEAD", kind
     assert "rank 0 found rank 1 dead" in message and "has exited" in message, message
     assert "tag 0 (activations)" in message, message
     assert elapsed < 5, (elapsed, message)
@@ -276,6 +285,8 @@ def test_kernel_hello_and_ctrl_c():
                         ((0, False, [2], [base], 2, 8192, 1.0), "ranks {0, 2}")):
         with pytest.raises(RuntimeError) as err:
             ops.shm_p2p_open(*args)
+        assert ops.shm_last_error() == (Kind.OTHER, Kind.OTHER)
+        assert ops.shm_last_error() == (Kind.NONE, Kind.NONE)  # reading clears it
         assert ("expected a segment with version 3, " in str(err.value) and found in
                 str(err.value).split(" but found ")[0] and
                 "but found version 3, 2 tags, 8192-byte rings, ranks {0, 1}" in str(err.value)), err
@@ -287,8 +298,12 @@ def test_kernel_hello_and_ctrl_c():
     with pytest.raises(RuntimeError, match=r"rank 0 was interrupted \(SIGINT\) while waiting "
                                            r"for the header of the next message from rank 1"):
         ops.shm_p2p_recv_header(ep, 0, 0)
+    assert ops.shm_last_error() == (Kind.INTERRUPTED, Kind.INTERRUPTED)
     assert time.monotonic() - start < 3
     timer.join()
+    with pytest.raises(RuntimeError, match="poisoned by an earlier error"):
+        ops.shm_p2p_recv_header(ep, 0, 1)
+    assert ops.shm_last_error() == (Kind.POISONED, Kind.INTERRUPTED)
     ops.shm_p2p_close(ep)
     del anchor
     mem.close()

@@ -47,19 +47,21 @@ void ring_peers(Comm& c) {
     if (p != c.rank) detail::ring_fenced(ctrl(c, p)->bell);
 }
 
-[[noreturn]] void fail(Comm& c, const std::string& msg) {
+[[noreturn]] void fail(Comm& c, ErrorKind kind, const std::string& msg) {
   Header* h = header(c);
-  detail::poison(h->poison, h->message, sizeof(h->message), msg);
+  detail::poison(h->poison, h->message, sizeof(h->message), &h->cause, kind, msg);
   ring_peers(c);
-  throw std::runtime_error(msg);
+  throw_error(kind, msg);
 }
 
 [[noreturn]] void throw_poisoned(const Comm& c, Kind k) {
-  detail::await_poison_message(header(c)->poison);
-  throw std::runtime_error(std::string("fastpar shm ") + kind_name(k) + ": rank " +
-                           std::to_string(c.rank) +
-                           " cannot proceed, the segment was poisoned by an earlier error: " +
-                           poison_message(c));
+  const Header* h = header(c);
+  detail::await_poison_message(h->poison);
+  throw PoisonedError(std::string("fastpar shm ") + kind_name(k) + ": rank " +
+                          std::to_string(c.rank) +
+                          " cannot proceed, the segment was poisoned by an earlier error: " +
+                          poison_message(c),
+                      detail::poison_cause(h->poison, h->cause));
 }
 
 // ---- liveness -----------------------------------------------------------------------
@@ -85,19 +87,19 @@ void wait_peer(Comm& c, int p, uint64_t target, Kind k) {
         const double s = clock.seconds();
         if (c.poll != nullptr && clock.poll_due(s)) {
           if (const char* why = c.poll())
-            fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+            fail(c, ErrorKind::Interrupted, std::string("fastpar shm ") + kind_name(k) + ": rank " +
                         std::to_string(c.rank) + " " + why + " while waiting for rank " +
                         std::to_string(p) + " (call " + std::to_string(c.calls) + ")");
         }
         if (clock.liveness_due(s) && f.load(std::memory_order_acquire) < target &&
             peer_dead(c, p))
-          fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+          fail(c, ErrorKind::PeerDead, std::string("fastpar shm ") + kind_name(k) + ": rank " +
                       std::to_string(c.rank) + " found rank " + std::to_string(p) +
                       " dead (pid " + std::to_string(ctrl(c, p)->ident.pid) +
                       " has exited) while waiting for it (call " + std::to_string(c.calls) +
                       ")");
         if (s > c.timeout_s)
-          fail(c, std::string("fastpar shm ") + kind_name(k) + ": rank " +
+          fail(c, ErrorKind::Timeout, std::string("fastpar shm ") + kind_name(k) + ": rank " +
                       std::to_string(c.rank) + " timed out after " + std::to_string(s) +
                       " s waiting for rank " + std::to_string(p) + " (call " +
                       std::to_string(c.calls) + "; rank " + std::to_string(p) +
@@ -156,7 +158,8 @@ void first_round_sync(Comm& c, const Desc& mine) {
         d.count == d0.count && d.sig == d0.sig)
       continue;
     bool full = d.kind != d0.kind || d.op != d0.op || d.root != d0.root;
-    fail(c, std::string("fastpar shm ") + kind_name(Kind(mine.kind)) + ": rank " +
+    fail(c, ErrorKind::Mismatch,
+         std::string("fastpar shm ") + kind_name(Kind(mine.kind)) + ": rank " +
                 std::to_string(r) + " passed " + describe(d, full) + " but rank 0 passed " +
                 describe(d0, full));
   }
@@ -377,7 +380,8 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt, 
 void broadcast(Comm& c, void* data, size_t bytes, int root, uint64_t sig) {
   const Desc d = begin_call(c, Kind::Broadcast, DType::F32, Op::Sum, bytes, root, sig);
   if (root < 0 || root >= c.world)
-    fail(c, "fastpar shm broadcast: rank " + std::to_string(c.rank) + " passed root " +
+    fail(c, ErrorKind::Mismatch,
+         "fastpar shm broadcast: rank " + std::to_string(c.rank) + " passed root " +
                 std::to_string(root) + " outside 0.." + std::to_string(c.world - 1));
   if (c.world == 1) return;
   char* buf = static_cast<char*>(data);

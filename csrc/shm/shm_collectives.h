@@ -11,10 +11,14 @@
 //              all_reduce(c, ptr, count, DType::F32, Op::Sum);
 //
 // Every rank of the segment must issue the same sequence of calls with the same
-// op / dtype / count / root; a mismatch throws std::runtime_error on every rank.
+// op / dtype / count / root; a mismatch throws MismatchError on every rank. Protocol errors
+// are shm::Error (a std::runtime_error) whose type and kind() say what happened
+// (shm_errors.h: timeout, interrupt, dead peer, poisoned segment, mismatch).
 // Any error (mismatch, timeout) poisons the segment: later calls on it throw at once.
 // A Comm is thread-compatible: one thread at a time per Comm.
 #pragma once
+
+#include "shm_errors.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -46,6 +46,7 @@ struct alignas(128) Header {
   int32_t rank[2];               // the pair, lower rank first
   std::atomic<uint32_t> poison;  // 0 ok, 1 being poisoned, 2 poisoned + message written
   char message[256];
+  uint32_t cause;  // ErrorKind of the first error, written before poison becomes 2
 };
 
 // One per side of the pair (0: the lower rank), written by that side at attach.
@@ -157,19 +158,21 @@ struct Await {
 // Wakes the other side of the pair if it sleeps in a wait (after a store it may wait for).
 void ring_peer(Peer& p) { detail::ring(side(p, 1 - p.side)->bell); }
 
-[[noreturn]] void fail(Peer& p, const std::string& msg) {
+[[noreturn]] void fail(Peer& p, ErrorKind kind, const std::string& msg) {
   Header* h = header(p);
-  detail::poison(h->poison, h->message, sizeof(h->message), msg);
+  detail::poison(h->poison, h->message, sizeof(h->message), &h->cause, kind, msg);
   ring_peer(p);
-  throw std::runtime_error(msg);
+  throw_error(kind, msg);
 }
 
 void check_poison(const Endpoint& ep, const Peer& p) {
   if (header(p)->poison.load(std::memory_order_acquire) == 0) return;
-  detail::await_poison_message(header(p)->poison);
-  throw std::runtime_error(me(ep) + " cannot use its channels to rank " + std::to_string(p.rank) +
-                           ", their segment was poisoned by an earlier error: " +
-                           poison_message(ep, int(&p - ep.peers.data())));
+  const Header* h = header(p);
+  detail::await_poison_message(h->poison);
+  throw PoisonedError(me(ep) + " cannot use its channels to rank " + std::to_string(p.rank) +
+                          ", their segment was poisoned by an earlier error: " +
+                          poison_message(ep, int(&p - ep.peers.data())),
+                      detail::poison_cause(h->poison, h->cause));
 }
 
 // Misuse: nothing was consumed or published, so the pair stays usable.
@@ -210,18 +213,21 @@ void wait(Endpoint& ep, Peer& p, int tag, const Await& what, Ready&& ready) {
         const double s = clock.seconds();
         if (ep.poll != nullptr && clock.poll_due(s)) {
           if (const char* why = ep.poll())
-            fail(p, me(ep) + " " + why + " while waiting for " + what.describe(p, tag));
+            fail(p, ErrorKind::Interrupted,
+                 me(ep) + " " + why + " while waiting for " + what.describe(p, tag));
         }
         const Side* peer = side(p, 1 - p.side);
         if (clock.liveness_due(s) && peer->attached.load(std::memory_order_acquire) != 0 &&
             !ready() && detail::ident_dead(peer->ident))
-          fail(p, me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
+          fail(p, ErrorKind::PeerDead,
+               me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
                       std::to_string(peer->ident.pid) + " has exited) while waiting for " +
                       what.describe(p, tag));
         if (s > ep.timeout_s) {
           char waited[32];
           std::snprintf(waited, sizeof(waited), "%.1f", s);
-          fail(p, me(ep) + " waited " + waited + " s for " + what.describe(p, tag));
+          fail(p, ErrorKind::Timeout,
+               me(ep) + " waited " + waited + " s for " + what.describe(p, tag));
         }
       },
       [&]() -> detail::Bell* {
@@ -380,10 +386,12 @@ void read_remote(Endpoint& ep, Peer& p, int tag, const Span* parts, size_t n_par
       const int err = got < 0 ? errno : EFAULT;
       const Await what{Await::Payload, done, rx.payload_bytes};
       if (err == ESRCH || detail::ident_dead(peer->ident))
-        fail(p, me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
+        fail(p, ErrorKind::PeerDead,
+             me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
                     std::to_string(peer->pid) + " has exited) while waiting for " +
                     what.describe(p, tag));
-      fail(p, me(ep) + " could not copy " + what.describe(p, tag) + " out of rank " +
+      fail(p, ErrorKind::Other,
+           me(ep) + " could not copy " + what.describe(p, tag) + " out of rank " +
                   std::to_string(p.rank) + "'s memory (process_vm_readv: " +
                   std::strerror(err) + ")");
     }
@@ -608,7 +616,8 @@ size_t recv_header(Endpoint& ep, int slot, int tag, void* buf, size_t cap) {
   ring_get(r, p.ring_bytes, rx.read, &pre, sizeof(pre));
   const bool single = pre.mark == kSingleCopyMark;
   auto corrupt = [&](const std::string& why) {
-    fail(p, me(ep) + " found a corrupt message frame from rank " + std::to_string(p.rank) +
+    fail(p, ErrorKind::Other,
+         me(ep) + " found a corrupt message frame from rank " + std::to_string(p.rank) +
                 " on " + tag_name(tag) + " at stream byte " + std::to_string(rx.read) + " (" +
                 why + ")");
   };

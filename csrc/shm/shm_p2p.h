@@ -42,6 +42,8 @@
 // An Endpoint is thread-compatible: one thread at a time per Endpoint.
 #pragma once
 
+#include "shm_errors.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <deque>

@@ -44,6 +44,7 @@ struct alignas(128) Header {
   uint64_t slot_bytes, small_max_bytes, chunk_bytes;
   std::atomic<uint32_t> poison;  // 0 ok, 1 being poisoned, 2 poisoned + message written
   char message[256];
+  uint32_t cause;  // ErrorKind of the first error, written before poison becomes 2
 };
 
 // One cache line per rank, written only by its owner: flag and descriptors share the
@@ -76,8 +77,9 @@ inline char* half(const Comm& c, int r, uint64_t round) {
 
 const char* kind_name(Kind k);
 
-// Poisons the segment with `msg` (every waiting peer fails with it) and throws it.
-[[noreturn]] void fail(Comm& c, const std::string& msg);
+// Poisons the segment with `msg` (every waiting peer fails with it) and throws it as an error
+// of `kind` (shm_errors.h).
+[[noreturn]] void fail(Comm& c, ErrorKind kind, const std::string& msg);
 
 // Publish this rank's next flag value (release), then wait for every peer to publish it.
 void signal_and_wait(Comm& c, Kind k);

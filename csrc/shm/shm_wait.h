@@ -8,9 +8,11 @@
 //   (a syscall only when the peer sleeps).
 // * Ident: who a rank's process is (pid, start time, pid namespace), recorded at attach, so
 //   that a waiting peer can tell a dead rank from a slow one.
-// * poison / await_poison_message: the first error of a segment, kept in the segment.
+// * poison / await_poison_message / poison_cause: the first error of a segment and its kind,
+//   kept in the segment.
 #pragma once
 
+#include "shm_errors.h"
 #include "x86_simd.h"
 
 #include <errno.h>
@@ -253,14 +255,15 @@ inline bool ident_dead(const Ident& id) {
 
 // ---- poisoning --------------------------------------------------------------------------
 
-// Records `msg` as the segment's first error: `state` goes 0 -> 1 (being written) -> 2 (message
-// written); a later error leaves the first one in place.
-inline void poison(std::atomic<uint32_t>& state, char* message, size_t cap,
-                   const std::string& msg) {
+// Records `msg` (an error of `kind`) as the segment's first error: `state` goes 0 -> 1 (being
+// written) -> 2 (message and `cause` written); a later error leaves the first one in place.
+inline void poison(std::atomic<uint32_t>& state, char* message, size_t cap, uint32_t* cause,
+                   ErrorKind kind, const std::string& msg) {
   uint32_t expected = 0;
   if (state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
     std::strncpy(message, msg.c_str(), cap - 1);
     message[cap - 1] = '\0';
+    *cause = uint32_t(kind);
     state.store(2, std::memory_order_release);
   }
 }
@@ -273,6 +276,11 @@ inline void await_poison_message(const std::atomic<uint32_t>& state) {
   while (state.load(std::memory_order_acquire) == 1 &&
          std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1))
     std::this_thread::yield();
+}
+
+// The kind of the error that poisoned the segment (Other while its message is being written).
+inline ErrorKind poison_cause(const std::atomic<uint32_t>& state, const uint32_t& cause) {
+  return state.load(std::memory_order_acquire) == 2 ? ErrorKind(cause) : ErrorKind::Other;
 }
 
 }  // namespace detail

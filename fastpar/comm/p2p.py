@@ -45,7 +45,7 @@ from fastpar.comm.p2p_engines import _engine_choice, _ShmEngine, _TorchEngine
 from fastpar.comm.p2p_messages import (_WHAT, ACTIVATION, GRADIENT, P2PError, P2PTimeout,
                                        SendHandle,
                                        _abort_reason, _decode, _encode, _encode_abort,
-                                       _same_shapes, _TIMEOUT, describe, spec_of)
+                                       _same_shapes, describe, spec_of)
 
 __all__ = ["ACTIVATION", "GRADIENT", "Channels", "P2PError", "P2PTimeout", "SendHandle",
            "describe", "recv_backward", "recv_forward", "send_backward",
@@ -371,7 +371,7 @@ class Channels:
             message = (f" the {what} of the {_WHAT[direction]} of microbatch {mb} for stage "
                        f"{stage}" if mb is not None else f" {what}")
             peer_text = f" (peer rank {peer})" if peer is not None else ""
-            if _TIMEOUT.search(str(exc)):
+            if isinstance(exc, TimeoutError):  # the engines type their timeouts
                 raise self._fail(P2PTimeout(
                     f"fastpar p2p: rank {self.rank} waited {self.timeout:g} s for{message}"
                     f"{peer_text} and gave up: {exc}")) from exc

@@ -5,12 +5,40 @@ from __future__ import annotations
 
 import datetime
 import math
+import re
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
 from fastpar.comm.p2p_messages import HEADER_MAX, SendHandle
+
+# torch (2.x) has no timeout type: gloo's recv times out with a plain RuntimeError ("Timed out
+# waiting 1000ms for recv operation to complete"), NCCL's watchdog with a DistBackendError
+# ("... collective operation timeout ..."), a dead peer with the same types. So, as a fallback
+# documented here, a torch error counts as a timeout when its text says so; fastpar's own shm
+# engine reports a code instead (fastpar/comm/native_errors.py).
+_TORCH_TIMEOUT = re.compile(r"[Tt]imed out|timeout")
+
+
+class TorchTimeout(RuntimeError, TimeoutError):
+    """A wait of the torch engine that ran past the channel's timeout (torch's message)."""
+
+
+def _wait(work, timeout: float) -> None:
+    """``work.wait`` bounded by ``timeout`` (seconds; ``math.inf``: none); a wait that ran out
+    raises ``TorchTimeout``: one that returns False (torch's way where it has one), or one
+    that raises a RuntimeError (DistError and DistBackendError are ones) saying it timed out."""
+    try:
+        done = work.wait() if math.isinf(timeout) else work.wait(
+            datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if not isinstance(exc, TimeoutError) and _TORCH_TIMEOUT.search(str(exc)):
+            raise TorchTimeout(str(exc)).with_traceback(exc.__traceback__) from None
+        raise
+    if done is False:
+        raise TorchTimeout(f"torch.distributed: a wait ran past {timeout:g} s")
+
 
 class TorchSend(SendHandle):
     """A send of the torch engine (batched isend works): keeps its tensors alive until
@@ -26,10 +54,7 @@ class TorchSend(SendHandle):
 
     def wait(self) -> None:
         for w in self._works:
-            if math.isinf(self._timeout):
-                w.wait()
-            else:
-                w.wait(datetime.timedelta(seconds=self._timeout))
+            _wait(w, self._timeout)
         self._works, self._keep = [], ()
 
 
@@ -38,12 +63,6 @@ class _TorchEngine:
 
     def __init__(self, clones, timeout: float, device):
         self.clones, self.timeout, self.device = clones, timeout, device
-
-    def _wait(self, work) -> None:
-        if math.isinf(self.timeout):
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=self.timeout))
 
     def isend(self, peer: int, direction: int, header: torch.Tensor, parts):
         padded = torch.zeros(HEADER_MAX, dtype=torch.int64, device=self.device)
@@ -58,14 +77,14 @@ class _TorchEngine:
         # batched like the sender's ops (NCCL pairs a batch with a batch)
         for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, peer,
                                                        self.clones[direction])]):
-            self._wait(work)
+            _wait(work, self.timeout)
         return header.cpu()
 
     def recv_payload(self, peer: int, direction: int, parts) -> None:
         if parts:
             ops = [dist.P2POp(dist.irecv, t, peer, self.clones[direction]) for t in parts]
             for work in dist.batch_isend_irecv(ops):
-                self._wait(work)
+                _wait(work, self.timeout)
 
     def close(self) -> None:
         pass

@@ -9,8 +9,6 @@ tensor: dtype code (0: none), requires_grad, scattered, ndim, *shape]``; an abor
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from fastpar.comm.dtypes import CODE, dtype_of
@@ -19,7 +17,6 @@ ACTIVATION, GRADIENT = 0, 1
 _WHAT = ("activation", "gradient")
 _MAGIC = 0x46505032  # "FPP2"
 HEADER_MAX = 256  # int64 words; the torch engine sends headers of exactly this size
-_TIMEOUT = re.compile(r"[Tt]imed out|waited .* s\b|timeout", re.S)
 
 
 class SendHandle:

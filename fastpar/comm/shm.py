@@ -18,6 +18,7 @@ import torch
 
 from fastpar import _native
 from fastpar.comm import dtypes
+from fastpar.comm.native_errors import Kind, ShmError, shm_error
 from fastpar.comm.segments import map_segments
 
 SLOT_BYTES = 4 << 20  # per rank; larger messages are chunked by the kernel
@@ -51,14 +52,12 @@ def _describe(sig: int, mine: dict) -> str:
     return f" of {dtype} with {ndim} dims (shape hash {sig & (1 << 48) - 1:012x})"
 
 
-_INTERRUPTED = re.compile(r"fastpar shm \w+: rank \d+ was interrupted \(SIGINT\)")
-
-
-def raise_after_kernel(error: Exception, interrupted) -> None:
-    """Raise a kernel call's ``error``; when the kernel ended its wait because it took a pending
-    SIGINT (``interrupted``), let the program's own SIGINT handler run instead (by default a
-    KeyboardInterrupt carrying the error's text)."""
-    if interrupted:
+def raise_after_kernel(error: ShmError) -> None:
+    """Raise a kernel call's ``error``; when the kernel ended this very wait because it took a
+    pending SIGINT (kind ``INTERRUPTED``; a segment poisoned by an earlier interrupt is not),
+    let the program's own SIGINT handler run instead (by default a KeyboardInterrupt carrying
+    the error's text)."""
+    if error.kind == Kind.INTERRUPTED:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             raise KeyboardInterrupt(str(error))
         signal.raise_signal(signal.SIGINT)
@@ -110,9 +109,10 @@ class ShmCommunicator:
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
 
-    def _failed(self, exc: RuntimeError, t: torch.Tensor | None = None) -> RuntimeError:
+    def _failed(self, exc: RuntimeError, t: torch.Tensor | None = None) -> ShmError:
         """The kernel numbers ranks within the group; name the global ranks where they differ,
-        and the dtypes and shapes behind signatures (``t``: this rank's tensor)."""
+        and the dtypes and shapes behind signatures (``t``: this rank's tensor). Call it right
+        after catching ``exc``: it reads the error's kind (``native_errors``)."""
         def globalise(m):
             k = int(m.group(1))
             if k >= self.world or self.ranks[k] == k:
@@ -123,8 +123,8 @@ class ShmCommunicator:
             signature(t): f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"}
         text = _SIG.sub(lambda m: _describe(int(m.group(1), 16), mine), str(exc))
         text = re.sub(r"\brank (\d+)", globalise, text)
-        return RuntimeError(f"{text} [shm group of global ranks {self.ranks}; after an error "
-                            "the group's segment is unusable and later calls on it fail too]")
+        return shm_error(f"{text} [shm group of global ranks {self.ranks}; after an error "
+                         "the group's segment is unusable and later calls on it fail too]")
 
     def _call(self, name: str, kernel, *args, t: torch.Tensor | None = None) -> None:
         if not self._busy.acquire(blocking=False):
@@ -138,10 +138,9 @@ class ShmCommunicator:
             return
         except RuntimeError as exc:
             error = self._failed(exc, t)
-            interrupted = _INTERRUPTED.match(str(exc))  # SIGINT in this wait, not an earlier one
         finally:
             self._busy.release()
-        raise_after_kernel(error, interrupted)
+        raise_after_kernel(error)
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         self._call("all_reduce", self._all_reduce, t, op)

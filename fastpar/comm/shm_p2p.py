@@ -45,7 +45,8 @@ import torch.distributed as dist
 from fastpar import _native
 from fastpar.comm.p2p_messages import SendHandle
 from fastpar.comm.segments import map_segments
-from fastpar.comm.shm import _INTERRUPTED, host_oversubscribed, raise_after_kernel
+from fastpar.comm.native_errors import shm_error
+from fastpar.comm.shm import host_oversubscribed, raise_after_kernel
 
 TAG_ACTIVATIONS = 0
 TAG_GRADIENTS = 1
@@ -256,11 +257,11 @@ class ShmP2P:
                                "on them; use them from one thread at a time")
         try:
             return kernel(self._ep, *args)
-        except RuntimeError as exc:
-            error, interrupted = exc, _INTERRUPTED.match(str(exc))
+        except RuntimeError as exc:  # typed by the kind the kernel recorded, same message
+            error = shm_error(str(exc)).with_traceback(exc.__traceback__)
         finally:
             self._busy.release()
-        raise_after_kernel(error, interrupted)
+        raise_after_kernel(error)
 
     def _slot_of(self, peer: int, tag: int, what: str) -> int:
         slot = self._slot.get(peer)
