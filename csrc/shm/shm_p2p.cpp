@@ -12,9 +12,8 @@
 // completes the sender's oldest single-copy send on that ring.
 #include "shm_p2p.h"
 
+#include "shm_p2p_internal.h"
 #include "shm_wait.h"
-
-#include <sys/uio.h>
 
 #include <algorithm>
 #include <atomic>
@@ -31,209 +30,10 @@
 namespace fastpar {
 namespace shm {
 namespace p2p {
+
+using namespace internal;
+
 namespace {
-
-constexpr uint64_t kMagic = 0x3130305032505046ULL;  // "FPP2P001"
-constexpr uint32_t kVersion = 3;  // 3: a bell on each side
-constexpr uint32_t kFrameMark = 0x4d415246;       // "FRAM"
-constexpr uint32_t kSingleCopyMark = 0x59504f43;  // "COPY"
-constexpr size_t kPage = 4096;
-
-struct alignas(128) Header {
-  std::atomic<uint64_t> magic;
-  uint32_t version, tags;
-  uint64_t ring_bytes;
-  int32_t rank[2];               // the pair, lower rank first
-  std::atomic<uint32_t> poison;  // 0 ok, 1 being poisoned, 2 poisoned + message written
-  char message[256];
-  uint32_t cause;  // ErrorKind of the first error, written before poison becomes 2
-};
-
-// One per side of the pair (0: the lower rank), written by that side at attach.
-struct alignas(128) Side {
-  std::atomic<uint32_t> attached;  // released after the fields below are written
-  // Whether this side can read the other's memory (probe_single_copy): 0 not probed, 1 yes, 2 no.
-  std::atomic<uint32_t> reads_peer;
-  std::atomic<uint32_t> closing;  // set by flush: this side takes no more messages
-  detail::Ident ident;
-  int64_t pid;                       // getpid(): where the other side's single copies read from
-  uint64_t probe_addr, probe_value;  // a word of this process and its value, for the probe
-  detail::Bell bell;  // where this side sleeps in a long wait; the other side rings it after
-                      // every store this side may wait for (written, read, acked, closing)
-};
-
-struct alignas(128) Counter {
-  std::atomic<uint64_t> value;
-};
-
-// Starts every message in the ring.
-struct Prefix {
-  uint32_t header_len;
-  uint32_t mark;  // kFrameMark, or kSingleCopyMark: a descriptor follows the header
-  uint64_t payload_len;
-};
-
-// One part of a single-copy payload in the descriptor: an address in the sender's memory.
-struct RemotePart {
-  uint64_t addr, bytes;
-};
-
-// The word a peer's probe reads back (probe_single_copy): nonzero once this process attached.
-std::atomic<uint64_t> probe_word{0};
-
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free 64-bit atomics");
-static_assert(sizeof(Counter) == 128 && sizeof(Side) == 128, "one cache line pair each");
-static_assert(sizeof(Prefix) == 16, "16-byte frame prefix");
-
-// ---- layout -------------------------------------------------------------------------------
-
-constexpr int kCountersPerRing = 3;  // written, read, acked
-size_t counters_offset() { return sizeof(Header) + 2 * sizeof(Side); }
-size_t data_offset(int tags) {
-  size_t h = counters_offset() + size_t(2 * tags) * kCountersPerRing * sizeof(Counter);
-  return (h + kPage - 1) / kPage * kPage;
-}
-Header* header(const Peer& p) { return static_cast<Header*>(p.base); }
-Side* side(const Peer& p, int s) {
-  return reinterpret_cast<Side*>(static_cast<char*>(p.base) + sizeof(Header)) + s;
-}
-// Ring i = `dir * tags + tag` carries side dir's messages; its counters are 3i (written, by
-// the sender), 3i + 1 (read, by the receiver) and 3i + 2 (acked: single-copy payloads taken,
-// by the receiver).
-size_t ring_index(const Peer& p, int dir, int tag) { return size_t(dir) * p.tags + tag; }
-Counter& counter(const Peer& p, int dir, int tag, int which) {
-  return reinterpret_cast<Counter*>(static_cast<char*>(p.base) + counters_offset())
-      [kCountersPerRing * ring_index(p, dir, tag) + which];
-}
-Counter& written(const Peer& p, int dir, int tag) { return counter(p, dir, tag, 0); }
-Counter& read(const Peer& p, int dir, int tag) { return counter(p, dir, tag, 1); }
-Counter& acked(const Peer& p, int dir, int tag) { return counter(p, dir, tag, 2); }
-char* ring(const Peer& p, int dir, int tag) {
-  return static_cast<char*>(p.base) + data_offset(p.tags) + ring_index(p, dir, tag) * p.ring_bytes;
-}
-
-// n bytes at stream position pos of a ring of `size` bytes, wrapping at its end.
-void ring_put(char* r, size_t size, uint64_t pos, const void* src, size_t n) {
-  const size_t at = size_t(pos & (size - 1)), first = std::min(n, size - at);
-  std::memcpy(r + at, src, first);
-  std::memcpy(r, static_cast<const char*>(src) + first, n - first);
-}
-void ring_get(const char* r, size_t size, uint64_t pos, void* dst, size_t n) {
-  const size_t at = size_t(pos & (size - 1)), first = std::min(n, size - at);
-  std::memcpy(dst, r + at, first);
-  std::memcpy(static_cast<char*>(dst) + first, r, n - first);
-}
-
-// ---- errors -------------------------------------------------------------------------------
-
-std::string tag_name(int tag) {
-  std::string s = "tag " + std::to_string(tag);
-  if (tag == 0) s += " (activations)";
-  if (tag == 1) s += " (gradients)";
-  return s;
-}
-
-std::string me(const Endpoint& ep) { return "fastpar shm p2p: rank " + std::to_string(ep.rank); }
-
-// What a wait awaits, for its error messages.
-struct Await {
-  enum Kind { Header, Payload, Send } kind;
-  uint64_t done, total;  // Payload: bytes received / payload length; Send: queued / total
-
-  std::string describe(const Peer& p, int tag) const {
-    const std::string from = " rank " + std::to_string(p.rank) + " on " + tag_name(tag);
-    switch (kind) {
-      case Header: return "the header of the next message from" + from;
-      case Payload:
-        return "byte " + std::to_string(done) + " of the " + std::to_string(total) +
-               "-byte payload of the message from" + from;
-      case Send:
-        return "rank " + std::to_string(p.rank) + " to take the messages sent to it on " +
-               tag_name(tag) + " (" + std::to_string(done) + " bytes still queued)";
-    }
-    return "?";
-  }
-};
-
-// Wakes the other side of the pair if it sleeps in a wait (after a store it may wait for).
-void ring_peer(Peer& p) { detail::ring(side(p, 1 - p.side)->bell); }
-
-[[noreturn]] void fail(Peer& p, ErrorKind kind, const std::string& msg) {
-  Header* h = header(p);
-  detail::poison(h->poison, h->message, sizeof(h->message), &h->cause, kind, msg);
-  ring_peer(p);
-  throw_error(kind, msg);
-}
-
-void check_poison(const Endpoint& ep, const Peer& p) {
-  if (header(p)->poison.load(std::memory_order_acquire) == 0) return;
-  const Header* h = header(p);
-  detail::await_poison_message(h->poison);
-  throw PoisonedError(me(ep) + " cannot use its channels to rank " + std::to_string(p.rank) +
-                          ", their segment was poisoned by an earlier error: " +
-                          poison_message(ep, int(&p - ep.peers.data())),
-                      detail::poison_cause(h->poison, h->cause));
-}
-
-// Misuse: nothing was consumed or published, so the pair stays usable.
-[[noreturn]] void misuse(const std::string& msg) { throw std::invalid_argument(msg); }
-
-Peer& channel(Endpoint& ep, int slot, int tag, const char* call) {
-  if (slot < 0 || size_t(slot) >= ep.peers.size())
-    misuse(me(ep) + " " + call + ": no peer in slot " + std::to_string(slot) + " (" +
-           std::to_string(ep.peers.size()) + " attached)");
-  Peer& p = ep.peers[slot];
-  if (tag < 0 || tag >= p.tags)
-    misuse(me(ep) + " " + call + ": " + tag_name(tag) + " outside the " +
-           std::to_string(p.tags) + " tags of the channels to rank " + std::to_string(p.rank));
-  return p;
-}
-
-// ---- waiting ------------------------------------------------------------------------------
-
-// Sends of the endpoint not wholly in their rings, on channels to peers other than p: while
-// there are any, a wait must not sleep on p's bell (their rings free up without ringing it).
-size_t pending_elsewhere(const Endpoint& ep, const Peer& p) {
-  size_t here = 0;
-  for (const TxRing& tx : p.tx) here += tx.queue.size();
-  return ep.pending - here;
-}
-
-// Waits until ready() (which is expected to call progress(ep)) on the channel `tag` of peer p:
-// bounded by ep.timeout_s, failing at once if the peer's process dies or the pair is poisoned.
-// A long wait sleeps on this side's bell of the pair, unless sends to other peers are pending
-// (then it naps, pushing them at each wake).
-template <typename Ready>
-void wait(Endpoint& ep, Peer& p, int tag, const Await& what, Ready&& ready) {
-  detail::wait_until(
-      ep.spin_now, ep.spin_iters, ep.yields_before_sleep, ready,
-      [&](uint64_t it, detail::WaitClock& clock) {
-        check_poison(ep, p);
-        if ((it & 63) != 0) return;
-        const double s = clock.seconds();
-        if (ep.poll != nullptr && clock.poll_due(s)) {
-          if (const char* why = ep.poll())
-            fail(p, ErrorKind::Interrupted,
-                 me(ep) + " " + why + " while waiting for " + what.describe(p, tag));
-        }
-        const Side* peer = side(p, 1 - p.side);
-        if (clock.liveness_due(s) && peer->attached.load(std::memory_order_acquire) != 0 &&
-            !ready() && detail::ident_dead(peer->ident))
-          fail(p, ErrorKind::PeerDead,
-               me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
-                      std::to_string(peer->ident.pid) + " has exited) while waiting for " +
-                      what.describe(p, tag));
-        if (s > ep.timeout_s) {
-          char waited[32];
-          std::snprintf(waited, sizeof(waited), "%.1f", s);
-          fail(p, ErrorKind::Timeout,
-               me(ep) + " waited " + waited + " s for " + what.describe(p, tag));
-        }
-      },
-      [&]() -> detail::Bell* {
-        return pending_elsewhere(ep, p) == 0 ? &side(p, p.side)->bell : nullptr;
-      });
-}
 
 // ---- sending ------------------------------------------------------------------------------
 
@@ -294,16 +94,6 @@ void push(Endpoint& ep, Peer& p, int tag) {
   }
 }
 
-// Completes the single-copy sends of one channel that the receiver has read.
-void collect_acks(Endpoint& ep, Peer& p, int tag) {
-  std::deque<AwaitedAck>& u = p.tx[tag].unacked;
-  const uint64_t acks = acked(p, p.side, tag).value.load(std::memory_order_acquire);
-  while (!u.empty() && u.front().ack <= acks) {
-    u.pop_front();
-    --ep.unacked;
-  }
-}
-
 // Whether send `id` of this channel is done; ids ascend through unacked, then queue.
 bool channel_done(const TxRing& tx, uint64_t id) {
   return (tx.queue.empty() || tx.queue.front().id > id) &&
@@ -335,13 +125,6 @@ bool fits_now(Peer& p, int tag, uint64_t n) {
   return p.ring_bytes - (tx.written - tx.read_seen) >= n;
 }
 
-// Whether the peer said it can read this process's memory (its verdict only goes 0 -> 1 or 2).
-bool peer_reads_me(Peer& p) {
-  if (!p.single_copy)
-    p.single_copy = side(p, 1 - p.side)->reads_peer.load(std::memory_order_acquire) == 1;
-  return p.single_copy;
-}
-
 // ---- receiving ----------------------------------------------------------------------------
 
 // Waits until n bytes of the ring of `tag` from p are unread; pushes pending sends meanwhile.
@@ -360,60 +143,6 @@ void await_bytes(Endpoint& ep, Peer& p, int tag, uint64_t n, const Await& what) 
 // Publishes that the receiver is done with everything before rx.read.
 void release(Peer& p, int tag) {
   read(p, 1 - p.side, tag).value.store(p.rx[tag].read, std::memory_order_release);
-  ring_peer(p);
-}
-
-// Copies the single-copy payload of the message taken last on `tag` (rx.remote, in the
-// sender's memory) into `parts` (their sizes add up to it), then acknowledges it.
-void read_remote(Endpoint& ep, Peer& p, int tag, const Span* parts, size_t n_parts) {
-  RxRing& rx = p.rx[tag];
-  const Side* peer = side(p, 1 - p.side);
-  constexpr size_t kIov = 64;  // iovecs per call, each side (the kernel allows IOV_MAX)
-  iovec local[kIov], remote[kIov];
-  size_t li = 0, lo = 0, ri = 0, ro = 0;  // next byte: parts[li] at lo, rx.remote[ri] at ro
-  uint64_t done = 0;
-  while (done < rx.payload_bytes) {
-    size_t nl = 0, nr = 0;
-    for (size_t i = li; i < n_parts && nl < kIov; ++i, ++nl)
-      local[nl] = {static_cast<char*>(parts[i].data) + (i == li ? lo : 0),
-                   parts[i].bytes - (i == li ? lo : 0)};
-    for (size_t i = ri; i < rx.remote.size() && nr < kIov; ++i, ++nr)
-      remote[nr] = {const_cast<char*>(static_cast<const char*>(rx.remote[i].data)) +
-                        (i == ri ? ro : 0),
-                    rx.remote[i].bytes - (i == ri ? ro : 0)};
-    const ssize_t got = ::process_vm_readv(pid_t(peer->pid), local, nl, remote, nr, 0);
-    if (got <= 0) {
-      const int err = got < 0 ? errno : EFAULT;
-      const Await what{Await::Payload, done, rx.payload_bytes};
-      if (err == ESRCH || detail::ident_dead(peer->ident))
-        fail(p, ErrorKind::PeerDead,
-             me(ep) + " found rank " + std::to_string(p.rank) + " dead (pid " +
-                    std::to_string(peer->pid) + " has exited) while waiting for " +
-                    what.describe(p, tag));
-      fail(p, ErrorKind::Other,
-           me(ep) + " could not copy " + what.describe(p, tag) + " out of rank " +
-                  std::to_string(p.rank) + "'s memory (process_vm_readv: " +
-                  std::strerror(err) + ")");
-    }
-    done += uint64_t(got);
-    for (uint64_t n = uint64_t(got); n > 0;) {  // advance both cursors by `got` bytes
-      const size_t k = size_t(std::min<uint64_t>(n, parts[li].bytes - lo));
-      n -= k;
-      lo += k;
-      if (lo == parts[li].bytes) ++li, lo = 0;
-    }
-    for (uint64_t n = uint64_t(got); n > 0;) {
-      const size_t k = size_t(std::min<uint64_t>(n, rx.remote[ri].bytes - ro));
-      n -= k;
-      ro += k;
-      if (ro == rx.remote[ri].bytes) ++ri, ro = 0;
-    }
-    while (li < n_parts && parts[li].bytes == 0) ++li;  // empty parts end no transfer
-    while (ri < rx.remote.size() && rx.remote[ri].bytes == 0) ++ri;
-  }
-  rx.payload_left = 0;
-  rx.single_copy = false;
-  acked(p, 1 - p.side, tag).value.store(++rx.acks, std::memory_order_release);
   ring_peer(p);
 }
 
@@ -579,25 +308,6 @@ void progress(Endpoint& ep) {
       if (!p.tx[t].unacked.empty()) collect_acks(ep, p, t);
     }
   }
-}
-
-bool probe_single_copy(Endpoint& ep, int slot) {
-  Peer& p = channel(ep, slot, 0, "probe_single_copy");
-  const Side* peer = side(p, 1 - p.side);
-  bool ok = false;
-  if (peer->attached.load(std::memory_order_acquire) != 0 && peer->pid > 0) {
-    uint64_t got = 0;
-    iovec local{&got, sizeof(got)};
-    iovec remote{reinterpret_cast<void*>(peer->probe_addr), sizeof(got)};
-    ok = ::process_vm_readv(pid_t(peer->pid), &local, 1, &remote, 1, 0) == ssize_t(sizeof(got)) &&
-         got == peer->probe_value;
-  }
-  side(p, p.side)->reads_peer.store(ok ? 1 : 2, std::memory_order_release);
-  return ok;
-}
-
-bool single_copy(Endpoint& ep, int slot) {
-  return peer_reads_me(channel(ep, slot, 0, "single_copy"));
 }
 
 size_t recv_header(Endpoint& ep, int slot, int tag, void* buf, size_t cap) {
