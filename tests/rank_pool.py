@@ -48,6 +48,7 @@ class RankPool:
         self.log_path = os.path.join(self.dir, "output.txt")
         self.proc = None
         self.conns: dict[int, socket.socket] = {}
+        self.segments: set[str] = set()
         self.pids: dict[int, int] = {}
         self.bodies = 0
         self.busy = threading.Lock()  # one body at a time: the ranks run one
@@ -80,9 +81,10 @@ class RankPool:
                 hello = json.loads(conn.makefile("r").readline())
                 self.conns[hello["rank"]] = conn
                 self.pids[hello["rank"]] = hello["pid"]
-            # MPICH's segments of this job (made in MPI_Init, before the ranks connected):
-            # unlinked at the end, since MPICH leaves them when its job is killed.
-            self.segments = set(glob.glob("/dev/shm/mpich_shm_*")) - before
+            # MPICH's segments of this job: those its ranks map when it ends (_mapped) and any
+            # made before they connected; unlinked at the end, since MPICH leaves them behind
+            # when its job is killed (and here, at times, when it ends).
+            self.segments |= set(glob.glob("/dev/shm/mpich_shm_*")) - before
         except BaseException:
             self.kill()
             raise
@@ -91,6 +93,7 @@ class RankPool:
 
     def close(self) -> None:
         """End the job politely (ranks leave their loop at EOF), or kill it after 30 s."""
+        self._mapped()
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
@@ -102,6 +105,7 @@ class RankPool:
         self._cleanup()
 
     def kill(self) -> None:
+        self._mapped()
         # The ranks too: torchrun starts its workers in sessions of their own.
         for pid in self.pids.values():
             with contextlib.suppress(ProcessLookupError):
@@ -114,8 +118,18 @@ class RankPool:
         self.conns.clear()
         self._cleanup()
 
+    def _mapped(self) -> None:
+        """Add the MPICH segments the ranks map now to those unlinked at the end."""
+        for pid in self.pids.values():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    self.segments |= {line.split()[-1] for line in f
+                                      if "/dev/shm/mpich_shm_" in line}
+            except OSError:  # gone already
+                pass
+
     def _cleanup(self) -> None:
-        for path in getattr(self, "segments", ()):
+        for path in self.segments:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         self.segments = set()
