@@ -23,7 +23,8 @@ import time
 
 import pytest
 
-from tests.multirank import ROOT, launch, launch_argv, launch_env, run_ranks
+from tests.multirank import (ROOT, launch, launch_argv, launch_env, mpich_segments_removed,
+                             run_ranks)
 
 BASE = ["--preset", "tiny", "--steps", "20", "--log-every", "10", "--no-progress", "--plot", "",
         "--timeout", "60"]
@@ -160,6 +161,13 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
                                for s, r in rates.items())
 
 
+@pytest.fixture
+def mpich_cleanup():
+    """A job killed on purpose leaves MPICH's segment in /dev/shm: removed after the test."""
+    with mpich_segments_removed():
+        yield
+
+
 def _mpirun_train(args):
     return subprocess.Popen(launch_argv("mpirun", 2, [
         sys.executable, "-m", "fastpar.train", *BASE[:2], "--steps", "100000", "--no-progress",
@@ -194,7 +202,7 @@ def _rank_pids(marker):
     return found
 
 
-def test_killed_rank_ends_the_job_named(tmp_path):
+def test_killed_rank_ends_the_job_named(tmp_path, mpich_cleanup):
     """SIGKILL to rank 1 mid-training: the job ends well within --timeout (20 s of 60: a detection
     that fell back to the timeout could not pass) and the output names
     the dead process (MPICH names its pid; the banner maps pids to ranks)."""
@@ -217,7 +225,7 @@ def test_killed_rank_ends_the_job_named(tmp_path):
     assert f"PID {pids[1]}" in out or "rank 1" in out, out[-2000:]
 
 
-def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path, mpich_cleanup):
     """Ctrl-C (SIGINT to the job's process group, as a terminal sends it) while a checkpoint is
     written every step: the latest complete one loads, and training resumes from it."""
     from fastpar.training import checkpoint
