@@ -143,7 +143,6 @@ def format_report(rep: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from fastpar.runtime.cli import Parser
-    from fastpar.runtime.launcher import detect
 
     parser = Parser(prog="python -m fastpar info", description=__doc__)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
@@ -155,12 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.check(args.tp >= 1 and args.pp >= 1,
                  f"--tp and --pp must be at least 1, got {args.tp} and {args.pp}")
     parser.check(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
-    try:
-        launched = detect(os.environ)
-    except ValueError as exc:  # conflicting launchers
-        parser.error(str(exc))
-    world = 1 if launched.launcher == "single" else launched.world_size
-    if world > 0:  # else MPI alone knows it: fastpar.init checks the layout
+    world = parser.launched_world()
+    if world is not None:
         parser.check(world % (args.tp * args.pp) == 0,
                      f"world_size {world} is not divisible by tp {args.tp} x pp {args.pp}")
     try:

@@ -265,7 +265,7 @@ BAD_FLAGS = [  # (argv, the one line each must print)
     (["--tp", "3"], "--tp 3 x --pp 1 = 3 does not divide the 2 launched ranks"),
     (["--global-batch", "10", "--microbatches", "4"],
      "global batch 10 is not divisible by dp 2 x microbatches 4 (world 2 = tp 1 x pp 1 x dp 2)"),
-    (["--tp", "2", "--heads", "3"], "heads"),
+    (["--tp", "2", "--heads", "3"], "heads 3 is not divisible by tp 2"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
 ]
 

@@ -151,7 +151,9 @@ def _bind(rank, world_size, local_rank, local_world_size, device, hosts):
     whether this host's ranks outnumber the CPUs they may run on together."""
     import torch.distributed as dist
 
-    if world_size == 1:
+    if world_size == 1 or device.type != "cpu":
+        # A GPU job: its host collectives (the shm engine) carry little; no extra collective
+        # at init to tell whether its ranks share cores.
         return (*bind_cpus(local_rank, local_world_size, device, []), False)
     everyone = [None] * world_size  # every rank's CPUs (alike on every rank: a collective)
     dist.all_gather_object(everyone, affinity())

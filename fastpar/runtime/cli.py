@@ -44,3 +44,16 @@ class Parser(argparse.ArgumentParser):
         """``error(message)`` unless ``ok``."""
         if not ok:
             self.error(message)
+
+    def launched_world(self) -> int | None:
+        """The ranks this process was launched among, as the launcher's environment says
+        (1 alone), without starting MPI: ``None`` where only MPI knows (``fastpar.init`` then
+        checks the layout); conflicting launchers are a command-line error."""
+        from fastpar.runtime.launcher import detect
+
+        try:
+            info = detect(os.environ)
+        except ValueError as exc:
+            self.error(str(exc))
+        world = 1 if info.launcher == "single" else info.world_size
+        return world if world > 0 else None

@@ -98,15 +98,8 @@ def check_args(p, args) -> None:
     except ValueError as exc:
         p.error(f"--schedule {args.schedule} --pp {args.pp} --virtual-stages "
                 f"{args.virtual_stages}: {exc}")
-    from fastpar.runtime.launcher import detect
-
-    try:
-        world = detect(os.environ).world_size
-    except ValueError as exc:  # conflicting launchers
-        p.error(str(exc))
-    if world < 1:
-        world = 1 if detect(os.environ).launcher == "single" else None
-    if world is not None:  # else MPI alone knows it: fastpar.init checks the layout
+    world = p.launched_world()
+    if world is not None:
         p.check(world % (args.tp * args.pp) == 0,
                 f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the "
                 f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x pp))")
