@@ -107,7 +107,7 @@ class Topology:
     device: torch.device
     backend: str
     launcher: str
-    hosts: tuple = ()  # host name of every global rank
+    hosts: tuple = ()  # host identity of every global rank (fastpar.runtime.hostid)
     cpus: str = ""  # the CPUs this rank runs on and who chose them (fastpar.runtime.binding)
     # This host's ranks outnumber the CPUs they may run on: a rank waiting for a peer of this
     # host must soon hand its core over (the shm engines' waits sleep early).
@@ -118,6 +118,9 @@ class Topology:
     dp_group: Any = None
     mp_group: Any = None
     embedding_group: Any = None
+    # the host sub-groups of every group of this rank (the world's too) that spans hosts with
+    # as many ranks on each: a group's name -> runtime.groups.HostSplit (hierarchical engine)
+    host_splits: Any = None
     mpi_comm: Any = None  # the MPI communicator kept as an out-of-band channel (None without MPI)
     store: Any = None  # the torch.distributed store every rank joined through
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import fastpar
 from fastpar import _native
+from fastpar.runtime import hostid
 
 
 def _dist_version(name: str) -> str | None:
@@ -64,7 +65,9 @@ def versions(topo) -> dict:
 
 
 def rank_entry(topo) -> dict:
-    return {"rank": topo.rank, "host": socket.gethostname(), "local_rank": topo.local_rank,
+    host = hostid.labels(topo.hosts)[topo.hosts[topo.rank]] if topo.hosts else \
+        socket.gethostname()
+    return {"rank": topo.rank, "host": host, "local_rank": topo.local_rank,
             "device": str(topo.device), "cpus": topo.cpus, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
             "dp_rank": topo.dp_rank}
 
@@ -94,7 +97,32 @@ def report(topo) -> dict | None:
         return None
     return {"world_size": topo.world_size, "tp": topo.tp_size, "pp": topo.pp_size,
             "dp": topo.dp_size, "backend": topo.backend, "versions": versions(topo),
+            "hosts": hosts(topo), "warnings": layout_warnings(topo),
             "ranks": entries, "engines": engine_table(topo), "gpu_engines": gpu_engines()}
+
+
+def hosts(topo) -> list[dict]:
+    """Every host of the job with its ranks: ``{"host", "id", "ranks"}`` in rank order."""
+    ids = topo.hosts or (hostid.host_id(),) * topo.world_size
+    label = hostid.labels(ids)
+    return [{"host": label[h], "id": h, "ranks": [r for r, x in enumerate(ids) if x == h]}
+            for h in dict.fromkeys(ids)]
+
+
+def layout_warnings(topo) -> list[str]:
+    """What the layout does that it should not across hosts: a tp group that spans hosts (its
+    collectives, on every layer, would cross the slowest link)."""
+    if not topo.hosts or len(set(topo.hosts)) == 1:
+        return []
+    label = hostid.labels(topo.hosts)
+    out = []
+    for ranks in topo.grid.groups("tp"):
+        where = list(dict.fromkeys(label[topo.hosts[r]] for r in ranks))
+        if len(where) > 1:
+            out.append(f"tp group {ranks} spans hosts {', '.join(where)}: its all-reduces cross "
+                       "the link between them on every layer; launch ranks by host (consecutive "
+                       "ranks on one host) with tp at most the ranks per host")
+    return out
 
 
 def gpu_engines() -> dict:
@@ -116,6 +144,10 @@ def format_report(rep: dict) -> str:
         lines.append(f"  cuda_ipc  {line}")
     lines.append(f"  nccl_mpi  {rep['gpu_engines']['nccl_mpi']}")
     lines.append("")
+    lines.append("hosts: " + "; ".join(f"{h['host']} (ranks {', '.join(map(str, h['ranks']))})"
+                                       for h in rep["hosts"]))
+    for warning in rep["warnings"]:
+        lines.append(f"WARNING: {warning}")
     lines.append(f"rank map: world {rep['world_size']} = tp {rep['tp']} x pp {rep['pp']} x "
                  f"dp {rep['dp']}, backend {rep['backend']}")
     cols = ["rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank", "cpus"]

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from fastpar.runtime import hostid
 from fastpar.training import run_state
 from fastpar.training.args import (DEFAULT_STEPS, check_layout, lr_lambda, model_config,
                                    parse_args)
@@ -77,8 +78,9 @@ class Trainer:
         self.records: list[dict] = []
         # Who is who: a launcher that reports a dead process by pid (MPICH) is then readable.
         self.pids = [None] * topo.world_size
-        torch.distributed.all_gather_object(self.pids, (os.getpid(), topo.hosts[topo.rank]
-                                                        if topo.hosts else ""))
+        label = hostid.labels(topo.hosts) if topo.hosts else {}
+        torch.distributed.all_gather_object(self.pids, (os.getpid(), label.get(
+            topo.hosts[topo.rank], "") if topo.hosts else ""))
 
     # ---- one step ----------------------------------------------------------------------------
 

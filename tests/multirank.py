@@ -44,7 +44,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARAL
 # OpenMP's, FASTPAR_TRITON_AUTOTUNE at import): such a launch gets a pool of its own.
 PER_BODY_ENV = {"FASTPAR_COMM_BACKEND", "FASTPAR_BIND", "FASTPAR_SYMMETRIC", "FASTPAR_CUDA_IPC",
                 "FASTPAR_CUDA_IPC_ALGO", "FASTPAR_SIGNAL_OVERLAP", "FASTPAR_SHARED_GPU",
-                "FASTPAR_TRACE", "FASTPAR_MASTER_ADDR", "FASTPAR_MASTER_PORT", "FASTPAR_DEBUG"}
+                "FASTPAR_TRACE", "FASTPAR_MASTER_ADDR", "FASTPAR_MASTER_PORT", "FASTPAR_DEBUG",
+                "FASTPAR_HOST_ID", "FASTPAR_SOCKET_IFNAME"}
 # The environment pools start from: this process's as the session began, so that a test's
 # monkeypatched variable does not become part of a pool that later tests share.
 SESSION_ENV = dict(os.environ)

@@ -11,6 +11,12 @@ CPU_SPAN = Layout(size=4, same_host=False)
 CPU_NONATIVE = Layout(size=4, same_host=True, native=False)
 GPU_IPC = Layout(size=4, same_host=True, ipc_ready=True, ipc_max_bytes=8 << 20, pg_backend="nccl")
 GPU_NOIPC = Layout(size=4, same_host=True, ipc_ready=False, pg_backend="nccl")
+# 2 hosts x 2 ranks, host sub-groups made, MPI-launched; and the layouts hier cannot serve
+HIER = Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=True, mpi=True)
+HIER_TORCHRUN = Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=True)
+UNEVEN = Layout(size=4, same_host=False, per_host=(3, 1), hier_ready=False, mpi=True)
+ONE_EACH = Layout(size=2, same_host=False, per_host=(1, 1), mpi=True)
+NO_SPLIT = Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=False, mpi=True)
 GPU_SPAN = Layout(size=8, same_host=False, ipc_ready=True, ipc_max_bytes=8 << 20,
                   pg_backend="nccl")
 
@@ -36,6 +42,21 @@ TABLE = [
     ("all_gather", "cuda", GPU_IPC, 4096, F32, "nccl", "all_reduce only"),
     ("all_reduce", "cuda", GPU_NOIPC, 4096, F32, "nccl", "P2P"),
     ("all_reduce", "cuda", GPU_SPAN, 4096, F32, "nccl", "spans nodes"),
+    # across hosts: hierarchical from HIER_MIN_BYTES, else one flat call (MPI where launched)
+    ("all_reduce", "cpu", HIER, 64 << 10, F32, "hier", "2 hosts x 2 ranks: shm within each "
+                                                       "host, mpi across"),
+    ("reduce_scatter", "cpu", HIER, 16 << 20, BF16, "hier", "gloo across"),
+    ("all_gather", "cpu", HIER_TORCHRUN, 1 << 20, F32, "hier", "gloo across"),
+    ("all_reduce", "cpu", HIER, (64 << 10) - 4, F32, "mpi", "below 64 KiB"),
+    ("all_reduce", "cpu", HIER, 4096, BF16, "gloo", "below 64 KiB"),
+    ("all_reduce", "cpu", HIER_TORCHRUN, 4096, F32, "gloo", "below 64 KiB"),
+    ("broadcast", "cpu", HIER, 1 << 20, F32, "mpi", "broadcast is flat"),
+    ("all_reduce", "cpu", HIER, 1 << 20, I64, "mpi", "not torch.int64"),
+    ("all_reduce", "cpu", UNEVEN, 1 << 20, F32, "mpi", "3 + 1 of its ranks (uneven)"),
+    ("all_reduce", "cpu", ONE_EACH, 1 << 20, F32, "mpi", "one of its ranks per host"),
+    ("all_reduce", "cpu", NO_SPLIT, 1 << 20, F32, "mpi", "no host sub-groups"),
+    ("all_reduce", "cuda", Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=True,
+                                  pg_backend="nccl"), 1 << 20, F32, "nccl", "spans nodes"),
 ]
 
 
@@ -56,6 +77,9 @@ def test_reduce_ops_each_engine_lacks():
 @pytest.mark.parametrize("forced, device, layout, dtype, ok", [
     ("shm", "cpu", CPU, F32, True),
     ("shm", "cpu", CPU_SPAN, F32, False),
+    ("hier", "cpu", HIER, F32, True),
+    ("hier", "cpu", CPU, F32, False),
+    ("hier", "cpu", UNEVEN, F32, False),
     ("shm", "cuda", GPU_IPC, F32, False),
     ("gloo", "cpu", CPU, I64, True),
     ("mpi", "cpu", CPU, F32, True),

@@ -88,15 +88,16 @@ def _route(name: str, t: torch.Tensor, group, op="sum") -> Route:
     """The route of one call; routes are cached per job, so a hot loop pays one dict lookup
     (the tensor and the op are checked only when a call misses the cache).
 
-    The policy depends on bytes only for CUDA (IPC buffer size, 16-byte multiple), so only CUDA
-    routes are keyed by size. Each new route logs its engine and the reason at debug level
+    The policy depends on bytes for CUDA (IPC buffer size, 16-byte multiple), so CUDA routes
+    are keyed by size, and for CPU tensors only on which side of ``policy.HIER_MIN_BYTES`` they
+    are (groups that span hosts). Each new route logs its engine and the reason at debug level
     (``logging.getLogger("fastpar.comm")``).
     """
     st = current()
     try:
         cuda = t.is_cuda
         key = (id(group), name, op, t.dtype, t.layout, cuda, st.forced,
-               t.numel() if cuda else 0)
+               t.numel() if cuda else t.numel() * t.element_size() >= policy.HIER_MIN_BYTES)
         route = st.routes.get(key)
     except (AttributeError, TypeError):  # not a tensor, or an unhashable op
         key, route = None, None

@@ -17,11 +17,8 @@ before they return. Inputs are contiguous; ``op`` is a name ("sum", ...).
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
 from fastpar.comm import symmetric
+from fastpar.comm.flat import TORCH_OPS, Mpi, Torch  # noqa: F401 - TORCH_OPS: collectives'
 from fastpar.comm.shm import signature as shm_signature
 
 # Below these sizes the copying shm kernels' single round beats the symmetric kernels' entry and
@@ -31,43 +28,6 @@ from fastpar.comm.shm import signature as shm_signature
 SYMMETRIC_ALL_REDUCE_MIN = 16 << 10
 SYMMETRIC_GATHER_MIN = 64 << 10
 SYMMETRIC_SCATTER_MIN = 256 << 10
-
-# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-             "prod": dist.ReduceOp.PRODUCT}
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
-
-
-class Torch:
-    """gloo and NCCL through torch.distributed: the only engines that run in the background."""
-
-    @staticmethod
-    def all_reduce(route, t, op, async_op):
-        return dist.all_reduce(t, op=TORCH_OPS[op], group=route.group, async_op=async_op)
-
-    @staticmethod
-    def all_gather(route, inp, stacked, async_op):
-        return _all_gather_tensor(stacked, inp, group=route.group, async_op=async_op)
-
-    @staticmethod
-    def all_gather_into(route, block, out, async_op):
-        return _all_gather_tensor(out, block, group=route.group, async_op=async_op)
-
-    @staticmethod
-    def reduce_scatter(route, inp, out, op, async_op):
-        return _reduce_scatter_tensor(out, inp, op=TORCH_OPS[op], group=route.group,
-                                      async_op=async_op)
-
-    @staticmethod
-    def broadcast(route, t, src, async_op):
-        return dist.broadcast(t, src=src, group=route.group, async_op=async_op)
-
 
 class Native:
     """A fastpar communicator with the collectives' own names and arguments (in place, group
@@ -141,42 +101,13 @@ class CudaIpc:
             route.comm.all_reduce(t)
 
 
-class Mpi:
-    """The MPI library's own collectives through mpi4py (numpy views of CPU tensors)."""
-
-    @staticmethod
-    def _op(op: str):
-        from mpi4py import MPI
-
-        return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
-
-    @staticmethod
-    def all_reduce(route, t, op, async_op):
-        from mpi4py import MPI
-
-        route.comm.Allreduce(MPI.IN_PLACE, _np(t), op=Mpi._op(op))
-
-    @staticmethod
-    def all_gather(route, inp, stacked, async_op):
-        route.comm.Allgather(_np(inp), _np(stacked))
-
-    @staticmethod
-    def all_gather_into(route, block, out, async_op):
-        from mpi4py import MPI
-
-        route.comm.Allgather(MPI.IN_PLACE, _np(out))
-
-    @staticmethod
-    def reduce_scatter(route, inp, out, op, async_op):
-        route.comm.Reduce_scatter_block(_np(inp), _np(out), op=Mpi._op(op))
-
-    @staticmethod
-    def broadcast(route, t, src, async_op):
-        route.comm.Bcast(_np(t), root=route.ranks.index(src))
+class Hier(Native):
+    """Hierarchical across hosts (``comm/hierarchical.py``): shm within a host, a flat engine
+    between hosts."""
 
 
 ADAPTERS = {"shm": Shm, "cuda_ipc": CudaIpc, "nccl_mpi": NcclMpi, "mpi": Mpi, "gloo": Torch,
-            "nccl": Torch}
+            "nccl": Torch, "hier": Hier}
 
 
 def adapter(engine: str):

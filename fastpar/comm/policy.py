@@ -7,7 +7,10 @@ Engines:
   ``shm``       our C++ shared-memory collectives (CPU tensors, every member on one host)
   ``cuda_ipc``  our CUDA IPC all-reduce (CUDA tensors, one node, small/medium messages)
   ``nccl``/``gloo``  torch.distributed's engine for the device
-  ``mpi``       the MPI library's own collective through mpi4py (CPU; only when forced)
+  ``hier``      hierarchical, for a group that spans hosts with as many ranks on each (CPU):
+                shm within each host, one engine across hosts (``comm/hierarchical.py``)
+  ``mpi``       the MPI library's own collective through mpi4py (CPU; unforced only for small
+                messages of a group that spans hosts in an MPI-launched job)
   ``nccl_mpi``  a raw NCCL communicator through CuPy, bootstrapped by MPI (CUDA; only when
                 forced: for CUDA-graph capture and the overlap kernels' own streams)
 
@@ -21,7 +24,7 @@ import dataclasses
 
 import torch
 
-ENGINES = ("shm", "cuda_ipc", "nccl", "gloo", "mpi", "nccl_mpi")
+ENGINES = ("shm", "cuda_ipc", "nccl", "gloo", "mpi", "nccl_mpi", "hier")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 REDUCE_OPS = ("all_reduce", "reduce_scatter")
 SHM_REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -34,6 +37,10 @@ NCCL_MPI_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, 
 # --------------------------------------------------------------- cuda_ipc size limits
 
 KiB, MiB = 1 << 10, 1 << 20
+# Below this many bytes a group that spans hosts takes one flat call (MPI where the job was
+# MPI-launched, else gloo) instead of the hierarchical engine's three stages: measured on the
+# cluster harness (2 hosts x 2 ranks, bench/collectives.py --engines hier,mpi,gloo).
+HIER_MIN_BYTES = 64 * KiB
 # cuda_ipc's largest message (also the size of its staging buffer) by compute capability and
 # world size, on GPUs with NVLink between every pair. Source: vLLM's custom all-reduce,
 # CUSTOM_ALL_REDUCE_MAX_SIZES in vllm/distributed/device_communicators/all_reduce_utils.py,
@@ -83,6 +90,21 @@ def ipc_limit(capability: tuple[int, int], world: int, link: str) -> tuple[int, 
                    f"for {sm} at {world + world % 2} GPUs)")
 
 
+def _across_hosts(op: str, layout: Layout, nbytes: int, dtype: torch.dtype,
+                  reduce_op: str) -> Choice:
+    """CPU tensors of a group that spans hosts: hierarchical from ``HIER_MIN_BYTES``, else (or
+    where it cannot serve) one flat call on the cross-host engine."""
+    flat = cross_engine(layout, dtype)
+    why = _hier_refusal(op, "cpu", layout, dtype, reduce_op)
+    if why is None and nbytes >= HIER_MIN_BYTES:
+        hosts, per = len(layout.per_host), layout.per_host[0]
+        return Choice("hier", f"{hosts} hosts x {per} ranks: shm within each host, "
+                              f"{flat} across")
+    if why is None:
+        why = f"{nbytes} bytes is below {_size(HIER_MIN_BYTES)} (one flat call is faster)"
+    return Choice(flat, f"spans hosts, not hier: {why}")
+
+
 def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= MiB else f"{n >> 10} KiB"
 
@@ -99,6 +121,9 @@ class Layout:
     pg_backend: str = "gloo"  # torch.distributed's backend for the group
     # why nccl_mpi cannot run here ("" when it can; asked only when it is forced)
     nccl_mpi: str = "not checked"
+    per_host: tuple = ()  # the group's ranks on each host (hosts in order of first appearance)
+    hier_ready: bool = False  # fastpar.init made the group's host sub-groups (runtime.groups)
+    mpi: bool = False  # the job was launched by MPI (the mpi engine can serve it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +145,38 @@ def _shm_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
     if op in REDUCE_OPS and reduce_op not in ("sum", "max"):
         return f"shm reduces with sum or max, not {reduce_op}"
     return None
+
+
+def _hier_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
+                  reduce_op: str) -> str | None:
+    if device != "cpu":
+        return f"the tensor is on {device}; NCCL is hierarchical across nodes on its own"
+    if not layout.native:
+        return "the native extension fastpar._C is not loaded"
+    if layout.same_host:
+        return "the group is on one host"
+    if op == "broadcast":
+        return "broadcast is flat (it sends every byte across hosts once either way)"
+    if op in REDUCE_OPS and dtype not in SHM_REDUCE_DTYPES:
+        return f"shm reduces float32/float64/bfloat16/float16, not {dtype}"
+    if op in REDUCE_OPS and reduce_op not in ("sum", "max"):
+        return f"shm reduces with sum or max, not {reduce_op}"
+    counts = " + ".join(map(str, layout.per_host))
+    if len(set(layout.per_host)) > 1:
+        return f"its hosts hold {counts} of its ranks (uneven)"
+    if set(layout.per_host) == {1}:
+        return "one of its ranks per host: nothing to share within a host"
+    if not layout.hier_ready:
+        return ("no host sub-groups for this group (fastpar.init makes them for the world and "
+                "the grid's groups)")
+    return None
+
+
+def cross_engine(layout: Layout, dtype: torch.dtype) -> str:
+    """The flat engine that carries a spanning group's bytes between hosts: MPI where the job
+    was MPI-launched and MPI carries the dtype (its latency is gloo's 1/30 here), else the
+    group's torch backend."""
+    return "mpi" if layout.mpi and dtype in MPI_DTYPES else layout.pg_backend
 
 
 def _ipc_refusal(op: str, device: str, layout: Layout, nbytes: int,
@@ -146,6 +203,8 @@ def _refusal(engine: str, op: str, device: str, layout: Layout, nbytes: int,
              dtype: torch.dtype, reduce_op: str) -> str | None:
     if engine == "shm":
         return _shm_refusal(op, device, layout, dtype, reduce_op)
+    if engine == "hier":
+        return _hier_refusal(op, device, layout, dtype, reduce_op)
     if engine == "cuda_ipc":
         if reduce_op != "sum":
             return f"cuda_ipc reduces with sum only, not {reduce_op}"
@@ -197,7 +256,9 @@ def choose(op: str, device: str, layout: Layout, nbytes: int, dtype: torch.dtype
         why = _shm_refusal(op, device, layout, dtype, reduce_op)
         if why is None:
             return Choice("shm", "CPU tensors on one host")
-        return Choice(layout.pg_backend, f"not shm: {why}")
+        if layout.same_host:
+            return Choice(layout.pg_backend, f"not shm: {why}")
+        return _across_hosts(op, layout, nbytes, dtype, reduce_op)
     if device == "cuda":
         why = _refusal("cuda_ipc", op, device, layout, nbytes, dtype, reduce_op)
         if why is None:

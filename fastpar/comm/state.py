@@ -19,6 +19,7 @@ from fastpar import _native
 from fastpar.comm import policy
 from fastpar.comm.policy import Layout
 from fastpar.runtime.bootstrap import job
+from fastpar.runtime.groups import by_host
 
 log = logging.getLogger("fastpar.comm")
 
@@ -41,6 +42,7 @@ class CommState:
         self._mpi: dict = {}  # id(group) -> MPI communicator
         self._ipc: dict = {}  # id(group) -> CudaIpcCommunicator, or None where IPC is off
         self._nccl_mpi: dict = {}  # id(group) -> NcclMpiCommunicator
+        self._hier: dict = {}  # id(group) -> HierCommunicator (its parts live in the tables)
         # data_ptr of a symmetric tensor -> its SymmetricSegment (fastpar/comm/symmetric.py);
         # an entry goes with the tensor's mapping, or at close()
         self.symmetric: dict = {}
@@ -66,9 +68,13 @@ class CommState:
                                  f"rank ({self.topo.rank}) is not in it ({type(exc).__name__}: "
                                  f"{exc}); pass one of the Topology's *_group or a group from "
                                  "torch.distributed.new_group") from None
-            hosts = {self.topo.hosts[r] for r in ranks} if self.topo.hosts else {None, 0}
-            layout = Layout(size=len(ranks), same_host=len(hosts) == 1,
-                            native=_native.available(), pg_backend=dist.get_backend(group))
+            hosts = self.topo.hosts
+            per_host = tuple(len(m) for m in by_host(ranks, hosts)) if hosts else ()
+            splits = self.topo.host_splits or {}
+            layout = Layout(size=len(ranks), same_host=len(per_host) == 1,
+                            native=_native.available(), pg_backend=dist.get_backend(group),
+                            per_host=per_host, hier_ready=group.group_name in splits,
+                            mpi=self.topo.mpi_comm is not None)
             entry = (group, ranks, layout)
             self._groups[id(group)] = entry
         return entry
@@ -106,7 +112,19 @@ class CommState:
             return self.cuda_ipc(group, ranks, device)
         if engine == "nccl_mpi":
             return self.nccl_mpi(group, ranks, device)
+        if engine == "hier":
+            return self.hier(group, ranks)
         return None
+
+    def hier(self, group, ranks):
+        key = id(group)
+        if key not in self._hier:
+            from fastpar.comm.hierarchical import HierCommunicator
+
+            _, _, layout = self.resolve(group)
+            split = self.topo.host_splits[group.group_name]
+            self._hier[key] = HierCommunicator(self, split, ranks, layout)
+        return self._hier[key]
 
     def shm(self, group, ranks):
         key = id(group)
@@ -191,7 +209,7 @@ class CommState:
         closers += [c.close for c in self._ipc.values() if c is not None]
         closers += [c.close for c in self._nccl_mpi.values()]
         closers += [sub.Free for sub in self._mpi.values()]
-        for table in (self._shm, self._ipc, self._nccl_mpi, self._mpi, self._groups,
+        for table in (self._shm, self._ipc, self._nccl_mpi, self._mpi, self._hier, self._groups,
                       self.routes, self.symmetric):
             table.clear()
         self.channels = None

@@ -17,7 +17,6 @@ Steps, identical under every launcher:
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from fastpar.runtime import abort, rendezvous
 from fastpar.runtime import launcher as _launcher
 from fastpar.runtime.binding import affinity, bind_cpus
 from fastpar.runtime.groups import build_groups
+from fastpar.runtime.hostid import boot_id, host_id
 from fastpar.runtime.job import Job
 from fastpar.runtime.rendezvous import as_timedelta, check_timeout
 
@@ -107,14 +107,16 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     owns_pg = not dist.is_initialized()
     if owns_pg:
         if info.uses_mpi:
-            store = rendezvous.rendezvous_mpi(mpi_comm, timeout)
+            store, address = rendezvous.rendezvous_mpi(mpi_comm, timeout)
         elif world_size > 1:
-            store = rendezvous.rendezvous_env(rank, world_size, timeout)
+            store, address = rendezvous.rendezvous_env(rank, world_size, timeout)
         else:
-            store = dist.HashStore()
+            store, address = dist.HashStore(), None
         generation = _STATE["generation"]
         _STATE["generation"] += 1
-        hosts = rendezvous.join_barrier(store, rank, world_size, timeout, generation)
+        hosts, machines = rendezvous.join_barrier(store, rank, world_size, timeout, generation)
+        if backend == "gloo" and address is not None:
+            rendezvous.gloo_interface(address, len(set(hosts)) > 1)
         pg_store = dist.PrefixStore(f"fastpar/pg/{generation}", store)
         dist.init_process_group(backend, store=pg_store, rank=rank,
                                 world_size=world_size,
@@ -125,13 +127,13 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
             raise RuntimeError(f"torch.distributed is already initialised as rank "
                                f"{dist.get_rank()} of {dist.get_world_size()}, but the launcher "
                                f"says rank {rank} of {world_size}")
-        hosts = [None] * world_size
-        dist.all_gather_object(hosts, socket.gethostname())
-        hosts = tuple(hosts)
+        pairs = [None] * world_size
+        dist.all_gather_object(pairs, (host_id(), boot_id()))
+        hosts, machines = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
     try:
-        groups = build_groups(grid, rank, as_timedelta(timeout))
+        groups = build_groups(grid, rank, as_timedelta(timeout), hosts)
         cpus, undo_binding, oversubscribed = _bind(rank, world_size, local_rank,
-                                                   local_world_size, device, hosts)
+                                                   local_world_size, device, machines)
         topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
                         local_world_size=local_world_size, device=device,
                         backend=dist.get_backend(), launcher=info.launcher, hosts=hosts,
@@ -145,10 +147,11 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     return topo
 
 
-def _bind(rank, world_size, local_rank, local_world_size, device, hosts):
+def _bind(rank, world_size, local_rank, local_world_size, device, machines):
     """``runtime.binding.bind_cpus`` with every local rank's CPUs (a collective when the job
     is a multi-rank CPU job that may be bound; the condition is alike on every rank), and
-    whether this host's ranks outnumber the CPUs they may run on together."""
+    whether this machine's ranks outnumber the CPUs they may run on together (by machine, not
+    host identity: ranks in two namespaces of one machine share its cores)."""
     import torch.distributed as dist
 
     if world_size == 1 or device.type != "cpu":
@@ -157,7 +160,7 @@ def _bind(rank, world_size, local_rank, local_world_size, device, hosts):
         return (*bind_cpus(local_rank, local_world_size, device, []), False)
     everyone = [None] * world_size  # every rank's CPUs (alike on every rank: a collective)
     dist.all_gather_object(everyone, affinity())
-    local = [cpus for cpus, host in zip(everyone, hosts) if host == hosts[rank]]
+    local = [cpus for cpus, m in zip(everyone, machines) if m == machines[rank]]
     # Launcher-bound ranks of one CPU each are not oversubscribed; four on two CPUs are.
     cpus = len(set().union(*map(set, local))) or os.cpu_count() or 1
     return (*bind_cpus(local_rank, local_world_size, device, local), len(local) > cpus)

@@ -17,18 +17,74 @@ import torch.distributed as dist
 from fastpar.grid import AXES, Grid
 
 
-def build_groups(grid: Grid, rank: int, timeout: datetime.timedelta) -> dict[str, Any]:
-    """``{"tp_group": ..., "pp_group": ..., ...}``: the group of each axis that ``rank`` is in.
+def build_groups(grid: Grid, rank: int, timeout: datetime.timedelta,
+                 hosts: tuple = ()) -> dict[str, Any]:
+    """``{"tp_group": ..., "pp_group": ..., ..., "host_splits": {...}}``: the group of each axis
+    that ``rank`` is in, and the host sub-groups of those groups (and of the world) that span
+    hosts (``host_splits``: a group's name -> ``HostSplit``; ``hosts``: every rank's host
+    identity).
 
     ``timeout`` bounds every collective on these groups, as it bounds the world's (without it
     torch's 30-minute default would)."""
     mine: dict[str, Any] = {}
+    spanning = []  # (group this rank is in or None, its ranks): candidates for a split
+    world = list(range(grid.world_size))
+    spanning.append((dist.group.WORLD, world))
     for axis in AXES:
         for ranks in grid.groups(axis):
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine[f"{axis}_group"] = group
+            spanning.append((group if rank in ranks else None, ranks))
+    splits = {}
+    for group, ranks in spanning:  # every rank walks the same list: new_group is collective
+        split = _host_split(group, ranks, rank, hosts, timeout)
+        if split is not None:
+            splits[group.group_name] = split
+    mine["host_splits"] = splits
     return mine
+
+
+class HostSplit:
+    """A group that spans hosts with the same number (at least 2) of its ranks on each, cut in
+    two: ``intra`` (this rank's host's members) and ``cross`` (the members with this rank's
+    index on every host), with their global ranks in group order; ``members``: the group's
+    global ranks on each host (hosts in order of first appearance)."""
+
+    def __init__(self, members, intra, intra_ranks, cross, cross_ranks):
+        self.members, self.intra, self.intra_ranks = members, intra, intra_ranks
+        self.cross, self.cross_ranks = cross, cross_ranks
+
+
+def by_host(ranks, hosts) -> list[list[int]]:
+    """``ranks`` (global, in group order) on each host, hosts in order of first appearance."""
+    out: dict = {}
+    for r in ranks:
+        out.setdefault(hosts[r], []).append(r)
+    return list(out.values())
+
+
+def _host_split(group, ranks, rank, hosts, timeout):
+    """The ``HostSplit`` of ``group`` for ``rank`` (None where the group does not span hosts
+    evenly with >= 2 ranks on each, or ``rank`` is not in it); collective over the world
+    (every rank makes every sub-group, in the same order)."""
+    if not hosts:
+        return None
+    members = by_host(ranks, hosts)
+    per_host = {len(m) for m in members}
+    if len(members) < 2 or len(per_host) != 1 or per_host == {1}:
+        return None
+    made = {}
+    for m in members:
+        made[tuple(m)] = dist.new_group(m, timeout=timeout)
+    for i in range(len(members[0])):
+        cross = [m[i] for m in members]
+        made[tuple(cross)] = dist.new_group(cross, timeout=timeout)
+    if group is None:
+        return None
+    intra = next(m for m in members if rank in m)
+    cross = [m[intra.index(rank)] for m in members]
+    return HostSplit(members, made[tuple(intra)], intra, made[tuple(cross)], cross)
 
 
 def _check(group, what: str) -> None:

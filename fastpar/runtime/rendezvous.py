@@ -16,6 +16,7 @@ import socket
 import time
 
 from fastpar.runtime import launcher as _launcher
+from fastpar.runtime.hostid import boot_id, describe, host_id
 from fastpar.runtime.watchdog import deadline
 
 
@@ -62,21 +63,80 @@ def mpi_world(info: _launcher.LaunchInfo, timeout: float):
     return MPI
 
 
-def _routable_address() -> str:
-    """An address of this host that peers can reach (override: ``FASTPAR_MASTER_ADDR``)."""
-    override = os.environ.get("FASTPAR_MASTER_ADDR")
-    if override:
-        return override
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (``ValueError`` naming the interfaces
+    there are when it has none)."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        names = ", ".join(n for _, n in socket.if_nameindex())
+        raise ValueError(f"FASTPAR_SOCKET_IFNAME={name}: no interface of that name with an IPv4 "
+                         f"address on this host (interfaces: {names})") from None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's interface that holds ``address`` (None if none does)."""
+    for _, name in socket.if_nameindex():
+        try:
+            if interface_address(name) == address:
+                return name
+        except ValueError:
+            continue
+    return None
+
+
+def _outgoing_address(peer: str = "10.255.255.255") -> str | None:
+    """The local address this host would send from to ``peer`` (None without a route)."""
     try:
         # No packet is sent: connecting a UDP socket only selects the outgoing interface.
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
+            s.connect((peer, 1))
             addr = s.getsockname()[0]
-        if addr and not addr.startswith("0."):
-            return addr
+        return addr if addr and not addr.startswith("0.") else None
     except OSError:
-        pass
-    return "127.0.0.1"
+        return None
+
+
+def _routable_address(spans_hosts: bool = False, where: str = "") -> str:
+    """An address of this host that the job's other ranks can reach: ``FASTPAR_MASTER_ADDR``,
+    else the address of ``FASTPAR_SOCKET_IFNAME``, else the one the default route leaves from,
+    else loopback, which is refused for a job whose ranks span hosts (``where``: which rank
+    is on which host, for the message): they would wait for their own loopback."""
+    override = os.environ.get("FASTPAR_MASTER_ADDR")
+    if override:
+        return override
+    ifname = os.environ.get("FASTPAR_SOCKET_IFNAME")
+    addr = interface_address(ifname) if ifname else _outgoing_address()
+    if addr is None or addr.startswith("127."):
+        if spans_hosts:
+            raise RuntimeError(
+                f"fastpar.init: the job spans hosts ({where}) but rank 0 found no address "
+                f"the others can reach ({'no default route' if addr is None else addr}, the "
+                "loopback is all there is); set FASTPAR_SOCKET_IFNAME=<interface> (e.g. eth0) "
+                "or FASTPAR_MASTER_ADDR=<address of rank 0's host>")
+        return addr or "127.0.0.1"
+    return addr
+
+
+def gloo_interface(store_address: str, spans_hosts: bool) -> None:
+    """Name gloo's interface for a job that spans hosts, unless the user did
+    (``GLOO_SOCKET_IFNAME``): ``FASTPAR_SOCKET_IFNAME``, else the interface this rank reaches
+    rank 0's store from. gloo otherwise binds to the address its host name resolves to, which
+    is loopback on many machines (Debian's 127.0.1.1), and the other hosts' ranks wait for it."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or not spans_hosts:
+        return
+    ifname = os.environ.get("FASTPAR_SOCKET_IFNAME")
+    if not ifname:
+        local = _outgoing_address(store_address)
+        ifname = interface_of(local) if local and not local.startswith("127.") else None
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 def _join_store(host: str, port: int, rank: int, world_size: int, is_master: bool,
@@ -94,16 +154,19 @@ def _join_store(host: str, port: int, rank: int, world_size: int, is_master: boo
 
 
 def rendezvous_mpi(comm, timeout: float):
+    """Rank 0 starts the store on an address the others can reach (MPI says, before any store
+    exists, whether the job spans hosts) and broadcasts it; ``(store, its address)``."""
     rank = comm.Get_rank()
     world_size = comm.Get_size()
     store, error, address = None, None, None
+    hosts = comm.allgather(host_id())
     if rank == 0:
-        host = _routable_address()
         port = int(os.environ.get("FASTPAR_MASTER_PORT", "0"))
         try:
+            host = _routable_address(len(set(hosts)) > 1, describe(hosts))
             store = _join_store(host, port, rank, world_size, True, timeout)
             address = (host, store.port)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             error = str(exc)
     address, error = comm.bcast((address, error), root=0)
     if error is not None:
@@ -117,7 +180,7 @@ def rendezvous_mpi(comm, timeout: float):
     errors = [e for e in comm.allgather(error) if e is not None]
     if errors:
         raise RuntimeError("; ".join(errors))
-    return store
+    return store, address[0]
 
 
 def rendezvous_env(rank: int, world_size: int, timeout: float):
@@ -129,20 +192,21 @@ def rendezvous_env(rank: int, world_size: int, timeout: float):
                          "rank 0's store (torchrun sets it)") from None
     # torchrun's agent already serves the store on MASTER_PORT; otherwise rank 0 hosts it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return _join_store(host, port, rank, world_size, rank == 0 and not agent_store, timeout)
+    return _join_store(host, port, rank, world_size, rank == 0 and not agent_store,
+                       timeout), host
 
 
 def join_barrier(store, rank: int, world_size: int, timeout: float,
-                  generation: int) -> tuple[str, ...]:
-    """Wait until every rank has checked in and return every rank's host name; on the deadline,
-    name the ranks that did not arrive.
+                 generation: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Wait until every rank has checked in and return every rank's host identity and machine
+    (``runtime.hostid``); on the deadline, name the ranks that did not arrive.
 
     Rank 0 hosts the store (unless torchrun's agent does), so on failure it stays until every
     rank that did arrive has read the missing list (or 5 s pass): they all fail with the same
     message.
     """
     prefix = f"fastpar/join/{generation}"
-    store.set(f"{prefix}/{rank}", socket.gethostname())
+    store.set(f"{prefix}/{rank}", f"{host_id()}\n{boot_id()}")
     arrived = store.add(f"{prefix}/count", 1)
     deadline = time.monotonic() + timeout
     pause = 0.001
@@ -160,4 +224,5 @@ def join_barrier(store, rank: int, world_size: int, timeout: float,
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
         arrived = store.add(f"{prefix}/count", 0)
-    return tuple(store.get(f"{prefix}/{r}").decode() for r in range(world_size))
+    pairs = [store.get(f"{prefix}/{r}").decode().split("\n") for r in range(world_size)]
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)

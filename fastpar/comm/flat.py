@@ -1,0 +1,86 @@
+"""The flat engines' adapters: torch.distributed (gloo, NCCL) and MPI through mpi4py.
+
+The five methods every adapter has (``engines.py``), for the engines that need nothing of
+fastpar's own: the hierarchical engine runs its cross-host stage on these too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+             "prod": dist.ReduceOp.PRODUCT}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+class Torch:
+    """gloo and NCCL through torch.distributed: the only engines that run in the background."""
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        return dist.all_reduce(t, op=TORCH_OPS[op], group=route.group, async_op=async_op)
+
+    @staticmethod
+    def all_gather(route, inp, stacked, async_op):
+        return _all_gather_tensor(stacked, inp, group=route.group, async_op=async_op)
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
+        return _all_gather_tensor(out, block, group=route.group, async_op=async_op)
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        return _reduce_scatter_tensor(out, inp, op=TORCH_OPS[op], group=route.group,
+                                      async_op=async_op)
+
+    @staticmethod
+    def broadcast(route, t, src, async_op):
+        return dist.broadcast(t, src=src, group=route.group, async_op=async_op)
+
+
+class Mpi:
+    """The MPI library's own collectives through mpi4py (numpy views of CPU tensors)."""
+
+    @staticmethod
+    def _op(op: str):
+        from mpi4py import MPI
+
+        return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        from mpi4py import MPI
+
+        route.comm.Allreduce(MPI.IN_PLACE, _np(t), op=Mpi._op(op))
+
+    @staticmethod
+    def all_gather(route, inp, stacked, async_op):
+        route.comm.Allgather(_np(inp), _np(stacked))
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
+        from mpi4py import MPI
+
+        route.comm.Allgather(MPI.IN_PLACE, _np(out))
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        route.comm.Reduce_scatter_block(_np(inp), _np(out), op=Mpi._op(op))
+
+    @staticmethod
+    def broadcast(route, t, src, async_op):
+        route.comm.Bcast(_np(t), root=route.ranks.index(src))
+
+
+def flat_adapter(engine: str):
+    """The adapter of a flat engine: ``mpi``, or torch's for any torch.distributed backend."""
+    return Mpi if engine == "mpi" else Torch

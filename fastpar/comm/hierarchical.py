@@ -1,0 +1,99 @@
+"""The hierarchical engine: collectives of a group that spans hosts with as many ranks on each.
+
+Only the bytes that must cross a host do. A group of H hosts x L ranks (group index g; the rank
+with host index h and local index i) is cut by ``fastpar.init`` into an *intra* group per host
+(shm, our kernels) and a *cross* group per local index (the same i on every host; MPI or the
+torch backend, ``policy.cross_engine``)::
+
+    all_reduce(t)       t -> shm reduce_scatter within the host -> piece i (|t| / L)
+                        piece i -> all_reduce across hosts (cross group i)
+                        shm all_gather within the host -> t
+    reduce_scatter(x)   x's G blocks reordered [i][h] -> shm reduce_scatter within the host ->
+                        H blocks (those of local index i) -> reduce_scatter across hosts -> g's
+    all_gather(x)       all_gather across hosts (H blocks of local index i) -> shm all_gather
+                        within the host -> G blocks in [i][h] order -> reordered to group order
+
+For 2 hosts an all-reduce of S bytes puts S on each direction of the link between them (each of
+the L ranks sends and receives S / L), where a flat ring over the 2L ranks puts S (2L - 1) / L.
+Reductions: the shm kernels reduce within a host (float32 accumulation for 16-bit dtypes), the
+cross engine across hosts in the tensor's dtype. Every call is synchronous (complete on return).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from fastpar.comm import policy
+from fastpar.comm.flat import flat_adapter
+
+# What an engine adapter reads of a route: the group, its global ranks, the communicator.
+_Leg = collections.namedtuple("_Leg", "group ranks comm")
+
+
+class HierCommunicator:
+    """The hierarchical collectives of one group; built at its first call (see ``CommState``)
+    from the group's ``HostSplit`` (``runtime.groups``): the intra-host shm communicator is
+    made then (collective over the host's members), the cross-host engine at its first use."""
+
+    def __init__(self, state, split, ranks: list[int], layout: policy.Layout):
+        self._state, self._layout = state, layout
+        self.hosts, self.local = len(split.members), len(split.members[0])
+        index = {r: g for g, r in enumerate(ranks)}
+        # group index of the block at position (i, h) of the intra-host stage's [i][h] order
+        order = [index[split.members[h][i]] for i in range(self.local) for h in range(self.hosts)]
+        self._order = None if order == list(range(len(order))) else torch.tensor(order)
+        self.intra = state.shm(split.intra, split.intra_ranks)
+        self._cross = (split.cross, split.cross_ranks)
+        self._legs: dict = {}  # cross engine -> _Leg
+
+    def cross_engine(self, dtype: torch.dtype) -> str:
+        return policy.cross_engine(self._layout, dtype)
+
+    def _leg(self, dtype: torch.dtype):
+        engine = self.cross_engine(dtype)
+        if engine not in self._legs:
+            group, ranks = self._cross
+            comm = self._state.communicator(engine, group, ranks, torch.device("cpu"))
+            self._legs[engine] = _Leg(group, ranks, comm)
+        return flat_adapter(engine), self._legs[engine]
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> None:
+        flat = t.view(-1)
+        n, per = flat.numel(), -(-t.numel() // self.local)
+        work = flat
+        if n % self.local:  # the shm stages split into L equal pieces: pad with zeros
+            work = torch.zeros(per * self.local, dtype=t.dtype)
+            work[:n] = flat
+        piece = torch.empty(per, dtype=t.dtype)
+        self.intra.reduce_scatter(work, piece, op)  # the host's sum of piece i
+        engine, leg = self._leg(t.dtype)
+        engine.all_reduce(leg, piece, op, False)  # ... and every host's
+        self.intra.all_gather(piece, work)
+        if work is not flat:
+            flat.copy_(work[:n])
+
+    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        blocks = inp.view(self.hosts * self.local, -1)  # (G, block)
+        if self._order is not None:
+            blocks = blocks.index_select(0, self._order)  # [i][h]: local index i's in a row
+        pieces = torch.empty((self.hosts, blocks.shape[1]), dtype=inp.dtype)
+        self.intra.reduce_scatter(blocks.reshape(-1), pieces.view(-1), op)
+        engine, leg = self._leg(inp.dtype)
+        engine.reduce_scatter(leg, pieces.view(-1), out.view(-1), op, False)
+
+    def all_gather(self, inp: torch.Tensor, stacked: torch.Tensor) -> None:
+        """``stacked`` = every rank's ``inp`` in group order; ``inp`` may be a block of
+        ``stacked`` (it is read before ``stacked`` is written)."""
+        flat = inp.reshape(-1)
+        pieces = torch.empty(self.hosts * flat.numel(), dtype=inp.dtype)
+        engine, leg = self._leg(inp.dtype)
+        engine.all_gather(leg, flat, pieces, False)  # local index i's blocks of every host
+        blocks = stacked.view(self.hosts * self.local, -1)
+        if self._order is None:
+            self.intra.all_gather(pieces, blocks.view(-1))
+            return
+        arranged = torch.empty_like(blocks)
+        self.intra.all_gather(pieces, arranged.view(-1))
+        blocks.index_copy_(0, self._order, arranged)

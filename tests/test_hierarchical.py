@@ -1,0 +1,140 @@
+"""Hierarchical collectives on one machine: ``FASTPAR_HOST_ID`` makes ranks of this host
+behave as ranks of several (each rank's identity set before ``fastpar.init``), so the policy and
+the hierarchical engine run here; the cluster tests (test_cluster.py) run them across real
+namespaces.
+
+Every result is compared with a float64 reference built from every rank's input, within a bound
+derived from the dtype: a sum of n terms taken in any order, in two levels (within a host, then
+across), each partial sum rounded once, is off by at most ``n * eps * sum(|x_r|)`` per element.
+"""
+
+import os
+import zlib
+
+import pytest
+
+from tests.multirank import run_ranks
+
+DTYPES = ["float32", "float64", "bfloat16", "float16"]
+SIZES = [1, 5, 4099, (1 << 18) + 3]  # 1 and 5: padding to the host's ranks; the last > 64 KiB
+
+
+def _rank() -> int:
+    return int(os.environ.get("PMI_RANK") or os.environ.get("RANK") or 0)
+
+
+def _input(rank, n, dtype, salt):
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{n}/{salt}".encode()))
+    return torch.randn(n, generator=g, dtype=torch.float64).to(getattr(torch, dtype))
+
+
+def _close(what, got, parts, op="sum"):
+    """``got`` against the float64 reduction of ``parts`` (every rank's input) within the
+    bound of the module docstring."""
+    import torch
+
+    stack = torch.stack([p.double() for p in parts])
+    want = stack.sum(0) if op == "sum" else stack.amax(0)
+    eps = torch.finfo(got.dtype).eps
+    bound = len(parts) * eps * stack.abs().sum(0) if op == "sum" else eps * want.abs()
+    err = (got.double() - want).abs()
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert bool((err <= bound).all()), f"{what}: error {err.max():.3g} above its bound"
+
+
+def body_hier(hosts, tp=1, forced=None, expect=None):
+    """Set this rank's host identity, then every op x dtype x size on the world (and the dp
+    group); ``expect``: {op: engine the policy must pick for 1 MiB of float32 on the world}.
+    Returns a digest per result (for equality across ranks) and the engines chosen."""
+    import hashlib
+
+    import torch
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm.state import current
+
+    os.environ["FASTPAR_HOST_ID"] = hosts[_rank()]
+    topo = fastpar.init(tp=tp, timeout=120)
+    n, rank = topo.world_size, topo.rank
+    assert topo.hosts == tuple(hosts), topo.hosts
+    st = current()
+    big = torch.empty(1 << 18)
+    chosen = {op: st.choose(op, big, None)[2] for op in ("all_reduce", "all_gather",
+                                                         "reduce_scatter", "broadcast")}
+    for op, engine in (expect or {}).items():
+        assert chosen[op].engine == engine, (op, chosen[op])
+    comm.use_backend(forced)
+    digests = {}
+    for dtype in DTYPES:
+        for size in SIZES:
+            key = f"{dtype}/{size}"
+            inputs = [_input(r, size, dtype, "x") for r in range(n)]
+            for op in ("sum", "max"):
+                x = inputs[rank].clone()
+                comm.all_reduce(x, op=op)
+                _close(f"all_reduce {op} {key}", x, inputs, op)
+                digests[f"ar-{op}/{key}"] = hashlib.sha1(x.view(torch.uint8).numpy()).hexdigest()
+            out = comm.all_gather(inputs[rank].reshape(size, 1), dim=1)
+            assert torch.equal(out, torch.stack(inputs, 1)), f"all_gather dim 1 {key}"
+            into = torch.empty(n * size, dtype=inputs[0].dtype)
+            into[rank * size:(rank + 1) * size] = inputs[rank]
+            comm.all_gather(into[rank * size:(rank + 1) * size], out=into)
+            assert torch.equal(into, torch.cat(inputs)), f"all_gather out= {key}"
+            blocks = [_input(r, size * n, dtype, "rs") for r in range(n)]
+            shard = comm.reduce_scatter(blocks[rank])
+            _close(f"reduce_scatter {key}", shard, [b.chunk(n)[rank] for b in blocks])
+    if topo.dp_group is not None and topo.dp_size > 1:  # a group of the grid, not the world
+        x = torch.full((1 << 17,), float(rank))
+        comm.all_reduce(x, group=topo.dp_group)
+        assert torch.equal(x, torch.full_like(x, float(sum(topo.ranks("dp")))))
+    comm.use_backend(None)
+    return {"digests": digests, "engines": {k: (c.engine, c.reason) for k, c in chosen.items()}}
+
+
+def _same_everywhere(launch):
+    values = launch.values()
+    for key in values[0]["digests"]:
+        assert len({v["digests"][key] for v in values}) == 1, key
+    return values[0]["engines"]
+
+
+HIER = {"all_reduce": "hier", "all_gather": "hier", "reduce_scatter": "hier"}
+
+
+@pytest.mark.parametrize("launcher,hosts", [
+    ("mpirun", ["a", "a", "b", "b"]),   # by host: the reordering path
+    ("torchrun", ["a", "b", "a", "b"]),  # round robin: blocks already in [i][h] order; gloo across
+])
+def test_hierarchical_two_by_two(launcher, hosts):
+    engines = _same_everywhere(run_ranks(4, body_hier, launcher=launcher, hosts=hosts,
+                                         expect=HIER, timeout=300))
+    cross = "mpi" if launcher == "mpirun" else "gloo"
+    assert engines["all_reduce"][1] == f"2 hosts x 2 ranks: shm within each host, {cross} across"
+    assert engines["broadcast"][0] == cross, engines
+
+
+def test_hierarchical_forced_at_every_size():
+    """``hier`` forced: the small sizes (padding, fewer elements than ranks) go through it too."""
+    _same_everywhere(run_ranks(4, body_hier, hosts=["a", "a", "b", "b"], forced="hier",
+                               expect=HIER, timeout=300))
+
+
+@pytest.mark.parametrize("hosts,why", [
+    (["a", "a", "a", "b"], "its hosts hold 3 + 1 of its ranks (uneven)"),
+    (["a", "b", "c", "d"], "one of its ranks per host: nothing to share within a host"),
+])
+def test_flat_where_hierarchical_cannot_serve(hosts, why):
+    engines = _same_everywhere(run_ranks(4, body_hier, hosts=hosts, timeout=300))
+    assert engines["all_reduce"] == ["mpi", f"spans hosts, not hier: {why}"], engines
+
+
+def test_one_host_and_tp_inside_hosts():
+    """1 x 4 stays on shm; tp 2 inside each of 2 hosts: the dp groups ({0, 2}, {1, 3}) span
+    hosts with one rank on each (flat)."""
+    engines = _same_everywhere(run_ranks(4, body_hier, hosts=["a"] * 4,
+                                         expect={"all_reduce": "shm"}, timeout=300))
+    assert engines["all_reduce"] == ["shm", "CPU tensors on one host"]
+    run_ranks(4, body_hier, hosts=["a", "a", "b", "b"], tp=2, expect=HIER, timeout=300)
