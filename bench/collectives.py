@@ -17,6 +17,17 @@ all_gather into a symmetric output (no staging copies; its JSON records carry
 ``"symmetric": true``).
 
 More ranks than cores (a laptop): set ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` so idle MPICH ranks sleep.
+
+Across hosts (``scripts/cluster.sh`` makes them on one machine): ``--backends hier,mpi,gloo,auto``
+(``hier``: the hierarchical engine forced; ``auto``: whatever the policy picks per size) and
+``--link-gbit R`` (the rate of each host's link, per direction) add a column ``link%``: the
+time the bytes that must cross hosts take at R, as a fraction of the measured time. For H hosts
+each host must send (and receive) ``(H-1)/H`` of an all_gather's output or a reduce_scatter's
+input, and twice that of an all_reduce's buffer (S for 2 hosts), and a broadcast's whole buffer
+reaches the other hosts once.
+
+    scripts/cluster.sh --hosts 2 --rate 1gbit -- mpirun -hosts h0,h1 -ppn 2 \
+        python bench/collectives.py --backends hier,mpi,gloo,auto --link-gbit 1 -b 4K -e 64M -f 4
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from fastpar.runtime.cli import Parser
 from fastpar import comm
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
-BACKENDS = ("shm", "gloo", "mpi", "nccl", "cuda_ipc", "nccl_mpi")
+BACKENDS = ("shm", "gloo", "mpi", "nccl", "cuda_ipc", "nccl_mpi", "hier", "auto")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
               "sendrecv": lambda n: 1.0}
@@ -152,6 +163,11 @@ def _shm_rings(topo, peers):
     return _RINGS[0]
 
 
+def call_input(op, count, dtype, n):
+    """A tensor of the shape and dtype a call of ``op`` passes (for the route it takes)."""
+    return torch.empty(count // n if op == "all_gather" else count, dtype=dtype)
+
+
 def reference(op, count, dtype, topo, fill):
     n, rank = topo.world_size, topo.rank
     if op == "sendrecv":
@@ -198,9 +214,35 @@ def memcpy_time(nbytes, warmup, iters, topo):
     return time_calls(lambda: dst.copy_(src), warmup, iters, topo)
 
 
+def hosts_of(topo) -> int:
+    return len(set(topo.hosts)) if topo.hosts else 1
+
+
+def must_cross(op: str, nbytes: int, hosts: int) -> float:
+    """Bytes each host must send to the others (see the module docstring)."""
+    if hosts < 2:
+        return 0.0
+    share = (hosts - 1) / hosts
+    return {"all_reduce": 2 * share * nbytes, "all_gather": share * nbytes,
+            "reduce_scatter": share * nbytes, "broadcast": nbytes}.get(op, 0.0)
+
+
 def supported(op, backend, topo, dtype) -> str | None:
     """None, or why this backend cannot run this op here (the row is skipped, saying so)."""
     cuda = topo.device.type == "cuda"
+    if backend == "auto":
+        return "auto runs collectives only" if op == "sendrecv" else None
+    if backend == "hier":
+        from fastpar.comm import policy
+        from fastpar.comm.state import current
+
+        if op == "sendrecv":
+            return "hier has no send/recv"
+        layout = current().resolve(None)[2]
+        try:
+            policy.choose(op, topo.device.type, layout, 1 << 20, dtype, forced="hier")
+        except ValueError as exc:
+            return str(exc).split(": ", 1)[-1]
     if backend in ("nccl", "cuda_ipc", "nccl_mpi") and not cuda:
         return f"{backend} needs CUDA"
     if backend in ("shm", "mpi") and cuda:
@@ -256,11 +298,13 @@ def run(args, topo) -> list[dict]:
                 if topo.rank == 0:
                     print(f"# {op} on {label}: skipped, {why}")
                 continue
-            comm.use_backend(backend)
+            comm.use_backend(None if backend == "auto" else backend)
             if topo.rank == 0:
-                print(f"\n# {op}  backend {label}  ranks {n}  dtype {args.dtype}")
+                print(f"\n# {op}  backend {label}  ranks {n} on {hosts_of(topo)} host(s)  "
+                      f"dtype {args.dtype}")
                 print(f"{'size':>12} {'count':>12} {'type':>9} {'time(us)':>11} "
-                      f"{'p99(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
+                      f"{'p99(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}"
+                      + (f" {'link%':>6}" if args.link_gbit else ""))
             for nbytes in args.sizes:
                 count = max(nbytes // esize, 1)
                 count -= count % n if op in ("all_gather", "reduce_scatter") else 0
@@ -280,11 +324,19 @@ def run(args, topo) -> list[dict]:
                        "dtype": args.dtype, "world_size": n, "time_us": t * 1e6,
                        "p99_us": p99 * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * BUS_FACTOR[op](n),
                        "wrong": wrong, "symmetric": symmetric}
+                if args.link_gbit:  # the link's time for the bytes that must cross / ours
+                    bound = must_cross(op, size, hosts_of(topo)) * 8 / (args.link_gbit * 1e9)
+                    rec["link_bound_us"], rec["link_fraction"] = bound * 1e6, bound / t
+                if backend == "auto":
+                    rec["engine"] = comm.collectives._route(op, call_input(op, count, dtype, n),
+                                                            None).engine
                 records.append(rec)
                 if topo.rank == 0:
                     print(f"{size:>12} {count:>12} {args.dtype:>9} {t * 1e6:>11.1f} "
                           f"{p99 * 1e6:>10.1f} {algbw:>12.3f} {rec['busbw_gbps']:>12.3f} "
-                          f"{wrong if wrong >= 0 else 'N/A':>7}", flush=True)
+                          f"{wrong if wrong >= 0 else 'N/A':>7}"
+                          + (f" {rec['link_fraction']:>6.0%}" if args.link_gbit else "")
+                          + (f"  ({rec['engine']})" if backend == "auto" else ""), flush=True)
             comm.use_backend(None)
     return records
 
@@ -323,7 +375,8 @@ def summary(records: list[dict]) -> None:
                     parts.append(f"{mine}/{other} {by[other] / by[mine]:.1f}x")
         if "shm" in by and "shm (symmetric)" in by:
             parts.append(f"symmetric/shm {by['shm'] / by['shm (symmetric)']:.2f}x")
-        for mine, other in (("cuda_ipc", "nccl"), ("cuda_ipc", "nccl_mpi"), ("nccl_mpi", "nccl"),
+        for mine, other in (("hier", "mpi"), ("hier", "gloo"), ("auto", "mpi"),
+                            ("auto", "gloo"), ("cuda_ipc", "nccl"), ("cuda_ipc", "nccl_mpi"), ("nccl_mpi", "nccl"),
                             ("cuda_ipc", "gloo")):
             if mine in by and other in by:
                 parts.append(f"{mine}/{other} {by[other] / by[mine]:.2f}x")
@@ -332,6 +385,11 @@ def summary(records: list[dict]) -> None:
             parts.append(f"bound: {best} at {copy[nbytes] / by[best]:.0%} of memcpy")
             if "shm (symmetric)" in by and best != "shm (symmetric)":
                 parts.append(f"shm (symmetric) at {copy[nbytes] / by['shm (symmetric)']:.0%}")
+        link = {r["backend"]: r["link_fraction"] for r in records if r["op"] == op and
+                r["bytes"] == nbytes and "link_fraction" in r}
+        if link:
+            best = max(link, key=link.get)
+            parts.append(f"link: {best} at {link[best]:.0%} of the link bound")
         if parts:
             print(f"{op:>15} {nbytes:>10} B  " + "  ".join(parts))
 
@@ -378,6 +436,9 @@ def main() -> int:
     p.add_argument("--symmetric", action="store_true",
                    help="add all_reduce / all_gather / reduce_scatter on comm.symmetric_empty "
                    "buffers (with shm in --backends)")
+    p.add_argument("--link-gbit", type=float, default=0.0,
+                   help="each host's link rate in Gbit/s per direction: adds the link%% column "
+                   "(the bytes that must cross hosts at that rate, over the measured time)")
     args = p.parse_args()
     args.ops = [o for o in args.ops.split(",") if o]
     args.backends = [b for b in args.backends.split(",") if b]
@@ -385,6 +446,8 @@ def main() -> int:
         bad = [g for g in given if g not in allowed]
         if bad:
             p.error(f"unknown {name}(s) {bad}; choose from {', '.join(allowed)}")
+    if args.link_gbit < 0:
+        p.error(f"--link-gbit must be >= 0, got {args.link_gbit}")
     if args.stepfactor < 2:
         p.error(f"-f must be at least 2, got {args.stepfactor}")
     args.sizes = sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
