@@ -220,6 +220,12 @@ NEVER = {
     **{layer: FRONT_DOORS for layer in ("fastpar.nn", "fastpar.data_parallel", "fastpar.optim",
                                         "fastpar.training", "fastpar.parallelize",
                                         "fastpar.state_dict", "fastpar.kernels")},
+    # beside the library: the tolerance helpers and the cluster harness import nothing of it
+    "fastpar.testing": ("fastpar.grid", "fastpar.runtime", "fastpar.comm", "fastpar.kernels",
+                        "fastpar.nn", "fastpar.pipeline", "fastpar.data_parallel",
+                        "fastpar.optim", "fastpar.models", "fastpar.training",
+                        "fastpar.parallelize", "fastpar.state_dict", "fastpar._native",
+                        "fastpar.version", "fastpar._C", *FRONT_DOORS),
 }
 
 
@@ -257,3 +263,5 @@ def test_the_checker_sees_a_circle_and_a_layer_breach():
     assert ("fastpar.runtime.bootstrap", "fastpar.comm.state") in _breaches(real)
     real["fastpar.pipeline.pipe"].add("fastpar.train")  # a layer reaching up to the front door
     assert ("fastpar.pipeline.pipe", "fastpar.train") in _breaches(real)
+    real["fastpar.testing.cluster"].add("fastpar.runtime.launcher")
+    assert ("fastpar.testing.cluster", "fastpar.runtime.launcher") in _breaches(real)
