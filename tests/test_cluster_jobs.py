@@ -1,0 +1,185 @@
+"""fastpar across real hosts: the namespaced cluster (fastpar.testing.cluster), 2 hosts.
+
+Each launch runs several cases in one job (a launch across hosts costs ~10 s here):
+- mpirun 2 x 2: host identities, the hierarchical collectives (MPI across) at every op and dtype
+  against float64, then the main job at tp 2 x pp 2 and at tp 2 x dp 2 with ZeRO-1 (dp across
+  the hosts), each against one serial process's loss curve;
+- torchrun 2 x 2: the hierarchical collectives with gloo across;
+- mpirun 3 + 1: uneven hosts fall back to a flat engine, saying why, and stay correct;
+- mpirun 2 x 1 on two hosts that share a host name: never shm between them;
+- the main job on 2 x 2 with rank 3 (on h1) killed: the job ends, naming the rank and the host.
+Skipped, saying why, where namespaces cannot be made (tests/test_hierarchical.py runs the same
+paths on one host with FASTPAR_HOST_ID).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from fastpar.testing.cluster import Cluster, cluster_unavailable
+from tests.multirank import ROOT, launch_env, run_ranks
+from tests.test_hierarchical import HIER, body_hier
+from tests.test_train import BASE, assert_parity, body_runs
+
+REASON = cluster_unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+TRAIN_RUNS = [("tp2_pp2", ["--tp", "2", "--pp", "2"]), ("tp2_zero", ["--tp", "2", "--zero"])]
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    with Cluster(2) as c:
+        yield c
+
+
+def _worker(outdir, body, kwargs):
+    return [sys.executable, "-m", "tests._rank_worker", outdir, f"{__name__}:{body.__name__}",
+            json.dumps(kwargs)]
+
+
+def _results(outdir, nranks, procs):
+    got = {}
+    for r in range(nranks):
+        path = os.path.join(outdir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                got[r] = json.load(f)
+    output = "\n".join(p.stdout[-3000:] + p.stderr[-3000:] for p in procs)
+    bad = [r for r in range(nranks) if not got.get(r, {}).get("ok")]
+    assert not bad, "ranks %s failed:\n%s\n%s" % (
+        bad, "\n".join(got[r]["traceback"] for r in bad if r in got), output)
+    return [got[r]["value"] for r in range(nranks)]
+
+
+def on_cluster(c, body, *, launcher="mpirun", mpi_hosts=None, ppn=2, nranks=4, timeout=300,
+               **kwargs):
+    """``body(**kwargs)`` on every rank of a job across the cluster's hosts; every rank's
+    value. ``mpi_hosts``: MPICH's host list (``["h0:3", "h1:1"]``) instead of ``ppn`` per
+    host."""
+    env = launch_env(nranks, {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"})
+    with tempfile.TemporaryDirectory(prefix="fastpar-cluster-job-") as outdir:
+        argv = _worker(outdir, body, kwargs)
+        if launcher == "torchrun":
+            procs = c.torchrun(["--no-python", *argv], nproc_per_node=ppn, env=env,
+                               timeout=timeout)
+        elif mpi_hosts is not None:
+            mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+            procs = [c.run(0, [mpirun, "-hosts", ",".join(mpi_hosts), "-np", str(nranks), *argv],
+                           env=env, timeout=timeout, cwd=ROOT)]
+        else:
+            procs = [c.mpirun(argv, ppn=ppn, env=env, timeout=timeout)]
+        return _results(outdir, nranks, procs)
+
+
+def body_hier_then_train(runs):
+    """The hierarchical collectives on the real hosts, then the main job's runs."""
+    result = body_hier(None, expect=HIER)
+    import fastpar
+
+    fastpar.shutdown()
+    result["train"] = body_runs(runs)
+    return result
+
+
+def body_flat(expect_reason):
+    """A spanning world whose all_reduce the policy sends to a flat engine: the reason, and
+    the results (float64 bounds) of every op."""
+    import fastpar
+    from fastpar.comm.state import current
+
+    result = body_hier(None)
+    topo = fastpar.init(timeout=120)
+    import torch
+
+    choice = current().choose("all_reduce", torch.empty(1 << 18), None)[2]
+    assert (choice.engine, choice.reason) == ("mpi", f"spans hosts, not hier: {expect_reason}")
+    result["hosts"] = list(topo.hosts)
+    return result
+
+
+def test_two_by_two_hierarchical_and_main_job_parity(two_hosts):
+    serial = run_ranks(1, body_runs, runs=[("serial", [])]).values()[0]["serial"]
+    values = on_cluster(two_hosts, body_hier_then_train, runs=TRAIN_RUNS)
+    for key in values[0]["digests"]:  # every rank holds the same result
+        assert len({v["digests"][key] for v in values}) == 1, key
+    assert values[0]["engines"]["all_reduce"][1] == \
+        "2 hosts x 2 ranks: shm within each host, mpi across"
+    for name, _ in TRAIN_RUNS:
+        assert_parity(name, values[0]["train"][name], serial)
+
+
+def test_two_by_two_torchrun_gloo_across(two_hosts):
+    values = on_cluster(two_hosts, body_hier, launcher="torchrun", hosts=None, expect=HIER)
+    assert values[0]["engines"]["all_reduce"][1] == \
+        "2 hosts x 2 ranks: shm within each host, gloo across"
+
+
+def test_three_plus_one_falls_back_flat(two_hosts):
+    values = on_cluster(two_hosts, body_flat, mpi_hosts=["h0:3", "h1:1"],
+                        expect_reason="its hosts hold 3 + 1 of its ranks (uneven)")
+    assert [h.split("/")[0] for h in values[0]["hosts"]] == ["h0", "h0", "h0", "h1"]
+
+
+def test_hosts_with_one_name_never_share_memory():
+    with Cluster(2, hostnames=["node", "node"]) as c:
+        values = on_cluster(c, body_flat, ppn=1, nranks=2,
+                            expect_reason="one of its ranks per host: nothing to share within "
+                                          "a host")
+    a, b = values[0]["hosts"]
+    assert a.split("/")[0] == b.split("/")[0] == "node" and a != b  # one name, two /dev/shm
+
+
+def _cluster_pids(marker):
+    """{rank: pid in this (the root) pid namespace} of the trainer processes holding
+    ``marker`` in their command line."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            if marker not in cmd or "fastpar.train" not in cmd:
+                continue
+            env = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        for item in env.split("\0"):
+            if item.startswith("PMI_RANK="):
+                found[int(item.split("=")[1])] = int(pid)
+    return found
+
+
+def test_killed_rank_on_the_second_host_is_named(two_hosts, tmp_path):
+    metrics = str(tmp_path / "m.jsonl")
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    argv = [mpirun, "-hosts", "h0,h1", "-ppn", "2", "-np", "4", sys.executable, "-m",
+            "fastpar.train", *BASE[:2], "--steps", "100000", "--no-progress", "--plot", "",
+            "--tp", "2", "--pp", "2", "--timeout", "60", "--metrics", metrics]
+    proc = two_hosts.popen(0, argv, env=launch_env(4), cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 120
+        while not (os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 2):
+            assert proc.poll() is None and time.monotonic() < end, proc.poll()
+            time.sleep(0.2)
+        pids = _cluster_pids(metrics)
+        assert set(pids) == {0, 1, 2, 3}, pids
+        os.kill(pids[3], signal.SIGKILL)
+        start = time.monotonic()
+        out = proc.communicate(timeout=60)[0]
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    assert elapsed < 30, (elapsed, out[-2000:])
+    banner = next(line for line in out.splitlines() if "[fastpar.train] ranks:" in line)
+    inner = int(banner.split("3: pid ")[1].split()[0])  # rank 3's pid inside the cluster
+    assert f"3: pid {inner} on h1" in banner, banner
+    assert f"PID {inner} RUNNING AT h1" in out, out[-2000:]
