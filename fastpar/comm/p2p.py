@@ -10,7 +10,8 @@
 Megatron's verbs (``send_forward``, ``recv_forward``, ``send_backward``, ``recv_backward``,
 ``send_forward_recv_backward``, ``send_backward_recv_forward``) are methods of ``Channels``, the
 state of one rank's channels to its previous and next rank in the group's ring (the ring wraps
-around, for interleaved schedules); the module-level functions call the last ``Channels`` built.
+around, for interleaved schedules); the module-level functions (``fastpar/comm/p2p_verbs.py``)
+call the job's latest open ``Channels``.
 
 Every message carries a header (direction, microbatch, destination stage, and each tensor's dtype,
 shape and requires_grad) ahead of its payload. The receiver allocates from the header, so it
@@ -20,37 +21,30 @@ earlier in the step (and, for gradients, the shapes of the activations they belo
 sender applies the same rules to what it sends, so a mismatch raises on both sides, naming the
 stage, the microbatch and both shapes.
 
-Engines: ``shm`` (fastpar's native shared-memory rings, ``fastpar/comm/shm_p2p.py``) when the
-whole group is on one host and the tensors are on the CPU; otherwise ``torch``: batched
-``isend``/``irecv`` (NCCL / gloo) on two clones of the group, one per direction, so that
-activation and gradient messages never queue behind each other (NCCL has no tags). Both are
-created and exercised (a warm-up message each way) in the constructor, never lazily in a step.
-``FASTPAR_COMM_BACKEND=shm`` forces the shm rings, ``gloo``/``nccl`` the torch engine.
-
-Scatter-gather (Megatron's): with ``scatter_group`` (the tp group) set, a tensor that every rank
-of that group holds alike is sent as this rank's 1/tp of it, and the receiver all-gathers the
-pieces over its own tp group: tp times less traffic between stages.
+Engines (``fastpar/comm/p2p_engines.py``): fastpar's shared-memory rings for CPU tensors when
+the whole group is on one host, else batched ``isend``/``irecv`` on clones of the group; both
+created and warmed up in the constructor. The payload's layout on the wire, and Megatron's
+scatter-gather over tp (``scatter_group``): ``fastpar/comm/p2p_payload.py``.
 """
 
 from __future__ import annotations
 
-import datetime
-import math
-
 import torch
-import torch.distributed as dist
 
-from fastpar.comm import collectives
-from fastpar.comm.p2p_engines import _engine_choice, _ShmEngine, _TorchEngine
+from fastpar.comm.p2p_engines import _ShmEngine, choose_engine, open_engine
 from fastpar.comm.p2p_messages import (_WHAT, ACTIVATION, GRADIENT, P2PError, P2PTimeout,
-                                       SendHandle,
-                                       _abort_reason, _decode, _encode, _encode_abort,
-                                       _same_shapes, describe, spec_of)
+                                       SendHandle, _abort_reason, _decode, _encode,
+                                       _encode_abort, _same_shapes, describe, spec_of)
+from fastpar.comm.p2p_payload import Payload
+from fastpar.comm.p2p_verbs import (recv_backward, recv_forward, send_backward,
+                                    send_backward_recv_forward, send_forward,
+                                    send_forward_recv_backward)
 
 __all__ = ["ACTIVATION", "GRADIENT", "Channels", "P2PError", "P2PTimeout", "SendHandle",
            "describe", "recv_backward", "recv_forward", "send_backward",
            "send_backward_recv_forward", "send_forward", "send_forward_recv_backward",
            "spec_of"]
+
 
 class Channels:
     """This rank's channels to its neighbours in ``group``'s ring of ranks.
@@ -66,7 +60,7 @@ class Channels:
 
         state = current()
         topo = state.topo
-        self.group, self.ranks, layout = state.resolve(group)
+        self.group, self.ranks, _ = state.resolve(group)
         self.rank = topo.rank
         self.index = self.ranks.index(self.rank)
         n = len(self.ranks)
@@ -75,49 +69,23 @@ class Channels:
         self.timeout = topo.timeout if timeout is None else float(timeout)
         self.device = torch.device(device) if device is not None else topo.device
         self.scatter_group = scatter_group
-        self.tp = 1
-        if scatter_group is not None:
-            self.tp = dist.get_world_size(scatter_group)
-            self.tp_rank = dist.get_rank(scatter_group)
+        self._wire = Payload(scatter_group, self.device)
         self._specs: dict = {}  # (direction, peer, stage) -> spec seen first in this step
         self._pending: list[SendHandle] = []
         self.bytes_sent = 0  # payload bytes this rank has sent to other ranks
         self._broken: BaseException | None = None
-        self._verified: dict = {}  # direction -> scatter-gather's replication checked this step
         self._aborted = False  # abort messages sent to the neighbours
         self._local: dict = {ACTIVATION: [], GRADIENT: []}  # messages to this rank itself
         groups = [list(g) for g in all_groups] if all_groups is not None else [self.ranks]
         if self.ranks not in groups:
             raise ValueError(f"all_groups {groups} does not hold this rank's group {self.ranks}")
-        # Every rank must choose alike (the torch engine's clones are made by the whole world):
-        # shm only if every group of the partition lies on one host.
-        hosts = topo.hosts or ()
-        same_host = bool(hosts) and all(len({hosts[r] for r in g}) == 1 for g in groups)
         peers = sorted({self.prev, self.next} - {self.rank})
-        self._engine = None
         self.closed = False
-        if n == 1:
-            self.engine_name, self.reason = "local", "a group of one rank"
-        else:
-            self.engine_name, self.reason = _engine_choice(engine, same_host, self.device,
-                                                           state.forced, state.forced_by)
-        if self.engine_name == "shm":
-            from fastpar.comm.shm_p2p import ShmP2P
-
-            self._engine = _ShmEngine(ShmP2P(self.group, self.ranks, self.rank, peers,
-                                             self.timeout))
-        elif self.engine_name == "torch":
-            if sum(len(g) for g in groups) != dist.get_world_size():
-                raise ValueError(f"all_groups must partition the world's "
-                                 f"{dist.get_world_size()} ranks, got {groups}")
-            clones = {}
-            tdelta = None if math.isinf(self.timeout) else datetime.timedelta(
-                seconds=self.timeout)
-            for ranks in groups:
-                pair = [dist.new_group(list(ranks), timeout=tdelta) for _ in (0, 1)]
-                if self.rank in ranks:
-                    clones = {ACTIVATION: pair[0], GRADIENT: pair[1]}
-            self._engine = _TorchEngine(clones, self.timeout, self.device)
+        self.engine_name, self.reason = choose_engine(engine, n, groups, topo.hosts or (),
+                                                      self.device, state.forced, state.forced_by)
+        self._engine = open_engine(self.engine_name, group=self.group, ranks=self.ranks,
+                                   rank=self.rank, peers=peers, groups=groups,
+                                   timeout=self.timeout, device=self.device)
         state.closers.append(self.close)
         self._warm_up()
         self.bytes_sent = 0
@@ -155,7 +123,7 @@ class Channels:
         """Wait for every send of this step; the next step may carry other shapes."""
         self.wait_sends()
         self._specs.clear()
-        self._verified.clear()
+        self._wire.new_step()
 
     def wait_sends(self) -> None:
         pending, self._pending = self._pending, []
@@ -180,12 +148,6 @@ class Channels:
                 self._engine = None
 
     # -- messages -------------------------------------------------------------------------
-    def _where(self, direction, peer, mb, stage) -> str:
-        what = _WHAT[direction]
-        return (f"rank {self.rank}, {'sending' if peer is None else 'with peer rank ' + str(peer)}"
-                f" ({what} of microbatch {mb} for stage {stage})" if mb is not None else
-                f"rank {self.rank}")
-
     def _check_spec(self, direction, peer, mb, stage, spec, expect, side) -> str | None:
         """The mismatch, in words, of ``spec`` against what this channel expects (``None``:
         none). Sender and receiver apply the same rules to the same header."""
@@ -223,28 +185,6 @@ class Channels:
         self._broken = error
         return error
 
-    def _check_replicated(self, tensors, direction, mb, stage) -> None:
-        """Scatter-gather sends 1/tp of a tensor that every rank of the tp group holds alike;
-        on the first scattered message of each step per direction, prove it (a checksum
-        all-gathered over the tp group), so that a stage whose output differs across the
-        group (a sharded output, per-rank dropout) fails here instead of being spliced."""
-        sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().abs()
-                                         .sum()]) for t in tensors]).reshape(-1)
-        every = collectives.all_gather(sums.to(self.device), group=self.scatter_group, dim=0)
-        every = every.reshape(self.tp, -1).cpu()
-        if not torch.equal(every, every[:1].expand_as(every)):
-            raise self._fail(P2PError(
-                f"fastpar p2p: scatter-gather needs the {_WHAT[direction]} that stage "
-                f"{stage - 1 if direction == ACTIVATION else stage + 1} sends (microbatch {mb}) "
-                f"to be identical on every rank of the tp group, but the tp ranks hold "
-                f"different tensors (checksums {every[:, 0].tolist()}): the stage ends in a "
-                "sharded or per-rank layer; build the Pipeline with scatter_gather=False"))
-        self._verified[direction] = True
-
-    def _scattered(self, t) -> bool:
-        return (t is not None and self.tp > 1 and t.numel() % self.tp == 0
-                and t.numel() > 0)
-
     def _send(self, direction, peer, values, mb, stage, expect) -> SendHandle:
         is_tuple = isinstance(values, (tuple, list))
         values = tuple(values) if is_tuple else (values,)
@@ -261,18 +201,12 @@ class Channels:
                 v.requires_grad and direction == ACTIVATION) for v in values)
             self._local[direction].append((mb, stage, values if is_tuple else values[0]))
             return SendHandle()
-        cut = [self._scattered(v) for v in values]
-        if any(cut) and not self._verified.get(direction):
-            self._check_replicated([v for v, c in zip(values, cut) if c], direction, mb, stage)
+        cut = self._wire.cuts(values)
+        unlike = self._wire.check_replicated(values, cut, direction, mb, stage)
+        if unlike:
+            raise self._fail(P2PError(unlike))
         header = _encode(direction, mb, stage, values, is_tuple, cut)
-        parts = []
-        for v, c in zip(values, cut):
-            if v is None:
-                continue
-            v = v.detach()
-            if c:  # this rank's 1/tp of the flattened tensor; the receiver all-gathers
-                v = v.reshape(-1).chunk(self.tp)[self.tp_rank]
-            parts.append(v.contiguous())
+        parts = self._wire.pack(values, cut)
         self.bytes_sent += sum(p.numel() * p.element_size() for p in parts)
         handle = self._guard(lambda: self._engine.isend(peer, direction, header, parts),
                              "send", peer, mb, stage, direction)
@@ -308,7 +242,7 @@ class Channels:
                 f"{mb} for stage {stage} from rank {peer}, but the next message is the "
                 f"{_WHAT[got_dir]} of microbatch {got_mb} for stage {got_stage}: the two ranks "
                 "run different schedules"))
-        if self.scatter_group is None and any(e is not None and e[3] for e in entries):
+        if self._wire.group is None and any(e is not None and e[3] for e in entries):
             raise self._fail(P2PError(
                 f"fastpar p2p: rank {self.rank} received a scattered {_WHAT[direction]} "
                 f"(microbatch {mb}, stage {stage}) from rank {peer} but has no tp group to "
@@ -317,47 +251,15 @@ class Channels:
         mismatch = self._check_spec(direction, peer, mb, stage, spec, expect, "receiver")
         if mismatch:
             raise self._fail(P2PError(mismatch))
-        layout = tuple((e[0], math.prod(e[1]) // (self.tp if e[3] else 1))
-                       for e in entries if e is not None)
-        if shm and guessed is not None and (len(guessed) != len(layout) or any(
-                (b.dtype, b.numel()) != want for b, want in zip(guessed, layout))):
-            # Same bytes in another split (rare): re-cut them along the header's layout.
-            flat = torch.cat([b.view(torch.uint8) for b in guessed] or
-                             [torch.empty(0, dtype=torch.uint8)])
-            guessed, at = [], 0
-            for dtype, numel in layout:
-                nbytes = numel * torch.empty((), dtype=dtype).element_size()
-                guessed.append(flat[at:at + nbytes].clone().view(dtype))
-                at += nbytes
-        out, parts = [], []
-        received = iter(guessed) if shm and guessed is not None else None
-        for e in entries:
-            if e is None:
-                out.append(None)
-                continue
-            dtype, shape, grad, cut = e
-            numel = math.prod(shape)
-            buf = next(received) if received is not None else torch.empty(
-                numel // self.tp if cut else numel, dtype=dtype, device=self.device)
-            parts.append(buf)
-            out.append((buf, shape, grad, cut))
-        if shm:
+        layout, bufs = self._wire.layout(entries), None
+        if shm:  # the payload came with the header when the guessed layout could hold it
             self._engine.remember(peer, direction, stage, layout)
-        if received is None:
-            self._guard(lambda: self._engine.recv_payload(peer, direction, parts),
+            bufs = None if guessed is None else self._engine.recut(guessed, layout)
+        if bufs is None:
+            bufs = [torch.empty(n, dtype=d, device=self.device) for d, n in layout]
+            self._guard(lambda: self._engine.recv_payload(peer, direction, bufs),
                         "payload", peer, mb, stage, direction)
-        values = []
-        for item in out:
-            if item is None:
-                values.append(None)
-                continue
-            buf, shape, grad, cut = item
-            if cut:
-                buf = collectives.all_gather(buf, group=self.scatter_group, dim=0)
-            t = buf.view(shape)
-            if grad and t.is_floating_point() and direction == ACTIVATION:
-                t.requires_grad_(True)
-            values.append(t)
+        values = self._wire.unpack(entries, bufs, direction)
         return tuple(values) if is_tuple else values[0]
 
     def _guard(self, call, what, peer, mb, stage, direction=ACTIVATION):
@@ -388,41 +290,6 @@ class Channels:
                 continue
             self._send(direction, dst, probe, -1, -1, None)
             self._recv(direction, src, -1, -1, None)
-        if self.scatter_group is not None:  # the all-gather on arrival, built now too
-            collectives.all_gather(torch.zeros(self.tp, device=self.device),
-                                   group=self.scatter_group)
+        self._wire.warm_up()
         self.finish_step()
 
-
-def _last() -> Channels:
-    from fastpar.comm.state import current
-
-    channels = current().channels
-    if channels is None or channels.closed:
-        raise RuntimeError("fastpar p2p: no open Channels in this job; build one with "
-                           "fastpar.comm.p2p.Channels(group) (a Pipeline builds its own)")
-    return channels
-
-
-def send_forward(values, *, mb: int, stage: int) -> SendHandle:
-    return _last().send_forward(values, mb=mb, stage=stage)
-
-
-def recv_forward(*, mb: int, stage: int):
-    return _last().recv_forward(mb=mb, stage=stage)
-
-
-def send_backward(grads, *, mb: int, stage: int, expect=None) -> SendHandle:
-    return _last().send_backward(grads, mb=mb, stage=stage, expect=expect)
-
-
-def recv_backward(*, mb: int, stage: int, expect=None):
-    return _last().recv_backward(mb=mb, stage=stage, expect=expect)
-
-
-def send_forward_recv_backward(values, **kwargs):
-    return _last().send_forward_recv_backward(values, **kwargs)
-
-
-def send_backward_recv_forward(grads, **kwargs):
-    return _last().send_backward_recv_forward(grads, **kwargs)

@@ -1,5 +1,13 @@
 """The engines under ``fastpar.comm.p2p.Channels``: batched isend/irecv on clones of the group
-(NCCL / gloo), fastpar's shared-memory rings, and the policy that picks one."""
+(NCCL / gloo), fastpar's shared-memory rings, and the policy that picks one.
+
+``shm`` (fastpar's native shared-memory rings, ``fastpar/comm/shm_p2p.py``) serves a group that
+lies whole on one host with its tensors on the CPU; otherwise ``torch``: batched
+``isend``/``irecv`` (NCCL / gloo) on two clones of the group, one per direction, so that
+activation and gradient messages never queue behind each other (NCCL has no tags). Both are
+created and exercised (a warm-up message each way) in the ``Channels`` constructor, never lazily
+in a step. ``FASTPAR_COMM_BACKEND=shm`` forces the shm rings, ``gloo``/``nccl`` the torch engine.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.p2p_messages import HEADER_MAX, SendHandle
+from fastpar.comm.p2p_messages import ACTIVATION, GRADIENT, HEADER_MAX, SendHandle
 
 # torch (2.x) has no timeout type: gloo's recv times out with a plain RuntimeError ("Timed out
 # waiting 1000ms for recv operation to complete"), NCCL's watchdog with a DistBackendError
@@ -123,15 +131,37 @@ class _ShmEngine:
     def remember(self, peer, direction, stage, layout) -> None:
         self._layout[(peer, direction, stage)] = layout
 
+    @staticmethod
+    def recut(bufs, layout) -> list:
+        """``bufs`` (filled by ``recv``) as buffers of ``layout`` (``((dtype, numel), ...)``):
+        themselves when they match it, else the same bytes re-cut along it (rare)."""
+        if len(bufs) == len(layout) and all((b.dtype, b.numel()) == want
+                                            for b, want in zip(bufs, layout)):
+            return bufs
+        flat = torch.cat([b.view(torch.uint8) for b in bufs] or
+                         [torch.empty(0, dtype=torch.uint8)])
+        out, at = [], 0
+        for dtype, numel in layout:
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            out.append(flat[at:at + nbytes].clone().view(dtype))
+            at += nbytes
+        return out
+
     def close(self):
         self.rings.close()
 
 
-def _engine_choice(engine: str, same_host: bool, device: torch.device,
-                   forced: str | None = None, forced_by: str = "") -> tuple[str, str]:
-    """``(engine, reason)`` for a ``Channels``: ``engine`` as asked ("auto", "shm", "torch"),
-    ``forced``: the job's forced collective engine (``CommState.forced``), which "auto" follows
-    where it names a p2p engine too (shm; gloo and nccl are torch's)."""
+def choose_engine(engine: str, size: int, groups, hosts, device: torch.device,
+                  forced: str | None = None, forced_by: str = "") -> tuple[str, str]:
+    """``(engine, reason)`` for a ``Channels`` in a group of ``size`` ranks, one of ``groups``
+    (the partition of the world it belongs to; ``hosts``: each global rank's host):
+    ``engine`` as asked ("auto", "shm", "torch"), ``forced``: the job's forced collective engine
+    (``CommState.forced``), which "auto" follows where it names a p2p engine too (shm; gloo and
+    nccl are torch's). Every rank must choose alike (the torch engine's clones are made by the
+    whole world): shm only if every group of the partition lies on one host."""
+    if size == 1:
+        return "local", "a group of one rank"
+    same_host = bool(hosts) and all(len({hosts[r] for r in g}) == 1 for g in groups)
     reason = "forced"
     if engine == "auto" and forced in ("shm", "gloo", "nccl"):
         from fastpar.comm.policy import forcing
@@ -151,3 +181,26 @@ def _engine_choice(engine: str, same_host: bool, device: torch.device,
         raise ValueError(f"the shm p2p engine needs every stage on one host and CPU tensors "
                          f"(same host: {same_host}, device: {device})")
     return engine, reason
+
+
+def open_engine(name: str, *, group, ranks, rank, peers, groups, timeout, device):
+    """The engine ``name`` ("shm", "torch"; "local": none) of a ``Channels`` of ``rank`` in
+    ``group`` (global ``ranks``), talking to ``peers``. Collective: the shm rings over ``group``,
+    the torch engine over the world (it clones every group of ``groups``, the partition of the
+    world that ``group`` belongs to, one clone per direction)."""
+    if name == "shm":
+        from fastpar.comm.shm_p2p import ShmP2P
+
+        return _ShmEngine(ShmP2P(group, ranks, rank, peers, timeout))
+    if name != "torch":
+        return None
+    if sum(len(g) for g in groups) != dist.get_world_size():
+        raise ValueError(f"all_groups must partition the world's "
+                         f"{dist.get_world_size()} ranks, got {groups}")
+    clones = {}
+    tdelta = None if math.isinf(timeout) else datetime.timedelta(seconds=timeout)
+    for members in groups:
+        pair = [dist.new_group(list(members), timeout=tdelta) for _ in (0, 1)]
+        if rank in members:
+            clones = {ACTIVATION: pair[0], GRADIENT: pair[1]}
+    return _TorchEngine(clones, timeout, device)
