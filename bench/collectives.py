@@ -122,24 +122,9 @@ def make_sendrecv(backend, count, dtype, topo, fill):
     import torch.distributed as dist
 
     if backend == "shm":  # the pipeline's rings: a header (as a pipeline message has) + payload
-        import weakref
+        from shm_rings import ring_step  # bench/shm_rings.py, beside this script
 
-        from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS
-
-        rings = _shm_rings(topo, sorted({dst, src}))
-        header = torch.zeros(16, dtype=torch.int64)
-        got = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)
-        # A persistent sendrecv (MPI_Send_init + MPI_Recv_init), bound to x and out once as the
-        # mpi row binds its numpy views: each call sends on and takes header and payload, and
-        # returns once its own send is complete (as MPI_Sendrecv). Without the binding, a call
-        # that passes the tensors (rings.sendrecv) pays ~2 us more of torch op dispatch.
-        step = rings.sendrecv_init(dst, 0, header, [x], src, 0, got, [out])
-
-        def call_shm():
-            step.start()  # out fits the payload: filled, and this rank's send is complete
-            return out
-        weakref.finalize(call_shm, step.free)  # the plan holds x and out until then
-        return call_shm
+        return ring_step(_shm_rings(topo, sorted({dst, src})), x, out, dst, src)
 
     def call():
         ops = [dist.P2POp(dist.isend, x, dst), dist.P2POp(dist.irecv, out, src)]
@@ -149,17 +134,17 @@ def make_sendrecv(backend, count, dtype, topo, fill):
     return call
 
 
-_RINGS: list = []  # one ShmP2P for the whole run (its construction is collective)
+_RINGS: list = []  # one ShmRings for the whole run (its construction is collective)
 
 
 def _shm_rings(topo, peers):
     if not _RINGS:
         import torch.distributed as dist
 
-        from fastpar.comm.shm_p2p import ShmP2P
+        from shm_rings import ShmRings
 
-        _RINGS.append(ShmP2P(dist.group.WORLD, list(range(topo.world_size)), topo.rank, peers,
-                             topo.timeout))
+        _RINGS.append(ShmRings(dist.group.WORLD, list(range(topo.world_size)), topo.rank, peers,
+                               topo.timeout))
     return _RINGS[0]
 
 

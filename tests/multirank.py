@@ -194,17 +194,19 @@ def body_script(script: str, args: list[str]) -> str:
     import runpy
 
     out = io.StringIO()
-    argv = sys.argv
+    argv, path = sys.argv, list(sys.path)
     sys.argv = [script, *args]
+    full = os.path.join(ROOT, script)
+    sys.path.insert(0, os.path.dirname(full))  # as `python script`: its helpers import
     try:
         with contextlib.redirect_stdout(out):
-            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+            runpy.run_path(full, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise AssertionError(f"{script} exited with {exc.code!r}; its output:\n"
                                  f"{out.getvalue()[-3000:]}") from None
     finally:
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
     return out.getvalue()
 
 

@@ -539,11 +539,12 @@ def body_sendrecv():
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS, ShmP2P
+    from bench.shm_rings import ShmRings
+    from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS
 
     topo = fastpar.init(timeout=60)
     me, peer = topo.rank, 1 - topo.rank
-    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [peer], timeout=30)
+    p2p = ShmRings(dist.group.WORLD, [0, 1], me, [peer], timeout=30)
     hbuf = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)
     for numel in (1024, 1 << 20):
         x, out = torch.empty(numel), torch.empty(numel)
@@ -636,11 +637,12 @@ def body_burst_then_collective(single_copy: bool):
 
     import fastpar
     from fastpar import comm
-    from fastpar.comm.shm_p2p import RING_BYTES, ShmP2P
+    from bench.shm_rings import ShmRings  # ShmP2P with the queue counters
+    from fastpar.comm.shm_p2p import RING_BYTES
 
     topo = fastpar.init(timeout=60)
     me, peer = topo.rank, 1 - topo.rank
-    p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [peer], timeout=15,
+    p2p = ShmRings(dist.group.WORLD, [0, 1], me, [peer], timeout=15,
                  single_copy_min=(64 << 10) if single_copy else None)
     by_address = p2p.single_copy[peer]
     comm.use_backend("shm")
