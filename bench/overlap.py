@@ -3,16 +3,16 @@ ColumnParallelLinear or RowParallelLinear, sequence parallelism off and on, at a
 shapes, with the engines given.
 
     mpirun -np 2 python bench/overlap.py                      # CPU: gloo and shm, tp 2
-    mpirun -np 2 python bench/overlap.py --backends gloo --chunks 2,4 --json out.json
+    mpirun -np 2 python bench/overlap.py --backends gloo --overlap-pieces 2,4 --json out.json
     torchrun --nproc-per-node 2 bench/overlap.py --dtype bfloat16   # one GPU per rank
 
 For each case, each a median over reps with the ranks lined up before every rep:
   gemm        the layer's local GEMMs alone (forward and backward of this rank's shard)
   comm        the layer's collectives alone, at the sizes the layer sends
   sequential  the layer with overlap=False (GEMMs, then each collective)
-  overlapped  the layer with overlap=True and k chunks
+  overlapped  the layer with overlap=True and k pieces (overlap_pieces=k)
 and speedup = sequential / overlapped, hidden = (sequential - overlapped) / comm: the fraction of
-the communication that no longer costs time (1.0: all of it; negative: chunking cost more than
+the communication that no longer costs time (1.0: all of it; negative: the pieces cost more than
 it hid). Printed as a table, written as JSON (rank 0).
 """
 
@@ -55,13 +55,13 @@ def slowest(value: float, topo) -> float:
     return t.item()
 
 
-def case_runs(kind, sp, tokens, fin, fout, chunks, topo, dtype):
+def case_runs(kind, sp, tokens, fin, fout, pieces, topo, dtype):
     """Closures (gemm, comm, sequential, overlapped) for one case on this rank."""
     n, dev, group = topo.tp_size, topo.device, topo.tp_group
     batch, seq = 2, tokens // 2  # (B, T, H), the sequence split over the tp ranks under SP
     kw = dict(sequence_parallel=sp, dtype=dtype, device=dev, seed=0)
     if kind == "column":
-        layers = [pnn.ColumnParallelLinear(fin, fout, overlap=ov, chunks=chunks, **kw)
+        layers = [pnn.ColumnParallelLinear(fin, fout, overlap=ov, overlap_pieces=pieces, **kw)
                   for ov in (False, True)]
         x = torch.randn(batch, seq // n if sp else seq, fin, dtype=dtype, device=dev)
         x_full = torch.randn(batch, seq, fin, dtype=dtype, device=dev)
@@ -70,7 +70,7 @@ def case_runs(kind, sp, tokens, fin, fout, chunks, topo, dtype):
         # SP: all-gather of the input forward, reduce-scatter of dx backward; else dx's all-reduce
         gathered, reduced = x, x_full
     else:
-        layers = [pnn.RowParallelLinear(fin, fout, overlap=ov, chunks=chunks, **kw)
+        layers = [pnn.RowParallelLinear(fin, fout, overlap=ov, overlap_pieces=pieces, **kw)
                   for ov in (False, True)]
         x = torch.randn(batch, seq, fin // n, dtype=dtype, device=dev)
         x_full = x
@@ -107,7 +107,8 @@ def main():
     parser.add_argument("--backends", default="gloo,shm",
                         help="engines to force for the layers' collectives (CPU: gloo,shm; "
                              "GPU: nccl,cuda_ipc,nccl_mpi); 'policy' lets the policy choose")
-    parser.add_argument("--chunks", default="2,4", help="chunk counts to try (default 2,4)")
+    parser.add_argument("--overlap-pieces", default="2,4",
+                        help="overlap_pieces to try: GEMM pieces per layer call (default 2,4)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--reps", type=int, default=REPS)
     parser.add_argument("--warmup", type=int, default=WARMUP)
@@ -129,7 +130,7 @@ def main():
             for sp in (False, True):
                 for backend in args.backends.split(","):
                     comm.use_backend(None if backend == "policy" else backend)
-                    for k in (int(c) for c in args.chunks.split(",")):
+                    for k in (int(c) for c in args.overlap_pieces.split(",")):
                         gemm, comm_only, seq, ovl = case_runs(kind, sp, tokens, fin, fout, k,
                                                               topo, dtype)
                         t = {key: slowest(median_seconds(fn, barrier, args.reps, args.warmup),
@@ -137,7 +138,7 @@ def main():
                              for key, fn in (("gemm", gemm), ("comm", comm_only),
                                              ("sequential", seq), ("overlapped", ovl))}
                         rec = {"case": f"{kind} {name}", "sp": sp, "engine": backend,
-                               "chunks": k, "tp": topo.tp_size, "dtype": args.dtype,
+                               "overlap_pieces": k, "tp": topo.tp_size, "dtype": args.dtype,
                                "device": topo.device.type, **{f"{a}_ms": b * 1e3
                                                               for a, b in t.items()},
                                "speedup": t["sequential"] / t["overlapped"],

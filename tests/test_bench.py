@@ -84,14 +84,14 @@ def test_train_throughput_bench_runs_at_one_rank(tmp_path):
 def test_overlap_bench_runs(tmp_path):
     out = tmp_path / "o.json"
     text = "".join(run_script(2, "bench/overlap.py", "--small", "--backends", "gloo,shm",
-                              "--chunks", "3", "--reps", "1", "--warmup", "0", "--json",
+                              "--overlap-pieces", "3", "--reps", "1", "--warmup", "0", "--json",
                               str(out)))
     assert "hidden" in text
     rows = json.loads(out.read_text())
-    # column and row, sequence parallel off and on, two engines, one chunk count
+    # column and row, sequence parallel off and on, two engines, one piece count
     assert len(rows) == 2 * 2 * 2 and {r["engine"] for r in rows} == {"gloo", "shm"}
     for r in rows:
-        assert r["tp"] == 2 and r["chunks"] == 3
+        assert r["tp"] == 2 and r["overlap_pieces"] == 3
         assert min(r["gemm_ms"], r["comm_ms"], r["sequential_ms"], r["overlapped_ms"]) > 0
         assert math.isclose(r["speedup"], r["sequential_ms"] / r["overlapped_ms"])
 

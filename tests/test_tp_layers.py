@@ -375,13 +375,13 @@ def check_dropout(c, topo):
 
 
 def check_overlap(c):
-    """overlap=True with chunks 1, 2, 3 and 4 (uneven pieces: 2 x 28 tokens, 28 / tp sequence
-    per rank), sequence parallelism on and off, against the same serial modules as above: the
-    column and row layers, and at chunks 3 the MLP and attention blocks (one overlapped entry for
-    q, k, v).
-    The CPU groups' engine is shm, which completes each call before returning; chunks 3 runs
+    """overlap=True with overlap_pieces 1, 2, 3 and 4 (uneven pieces: 2 x 28 tokens, 28 / tp
+    sequence per rank), sequence parallelism on and off, against the same serial modules as
+    above: the column and row layers, and at 3 pieces the MLP and attention blocks (one
+    overlapped entry for q, k, v).
+    The CPU groups' engine is shm, which completes each call before returning; 3 pieces run
     again on gloo, whose calls really are in flight (its own thread) while the GEMMs run.
-    bfloat16 (rounding, not the decomposition, differs) runs chunks 3 on shm only."""
+    bfloat16 (rounding, not the decomposition, differs) runs 3 pieces on shm only."""
     from fastpar import comm
     from fastpar import nn as pnn
     from fastpar.nn import overlap as ov
@@ -397,14 +397,14 @@ def check_overlap(c):
     for dtype_name in DTYPES:
         dtype = getattr(torch, dtype_name)
         fp32 = dtype == torch.float32
-        for sp, chunks, engine in [(sp, k, None) for sp in (False, True)
-                                   for k in ((1, 2, 3, 4) if fp32 else (3,))] \
+        for sp, k, engine in [(sp, k, None) for sp in (False, True)
+                              for k in ((1, 2, 3, 4) if fp32 else (3,))] \
                 + ([(False, 3, "gloo"), (True, 3, "gloo")] if fp32 else []):
             previous = comm.use_backend(engine)
             try:
                 s = c.seed()
-                tag = f"overlap.{dtype_name}.sp{int(sp)}.k{chunks}.{engine or 'policy'}"
-                kw = dict(sequence_parallel=sp, overlap=True, chunks=chunks, dtype=dtype)
+                tag = f"overlap.{dtype_name}.sp{int(sp)}.k{k}.{engine or 'policy'}"
+                kw = dict(sequence_parallel=sp, overlap=True, overlap_pieces=k, dtype=dtype)
                 torch.manual_seed(s)
                 ser = nn.Linear(16, 24)
                 par = pnn.ColumnParallelLinear(16, 24, gather_output=sp, seed=s, **kw)
@@ -418,7 +418,7 @@ def check_overlap(c):
                 want = c.n > 1
                 assert par.overlap_decision.enabled == want, par.overlap_decision
                 assert ("overlap: on" in repr(par)) == want, repr(par)
-                if chunks != 3:  # the blocks (shared column entry) at one chunk count
+                if k != 3:  # the blocks (shared column entry) at one piece count
                     continue
                 torch.manual_seed(s)
                 ser = SerialMLP(16, 32, "swiglu")
@@ -439,13 +439,14 @@ def check_errors(c):
     from fastpar import nn as pnn
 
     n = c.n
-    for bad in (dict(overlap="yes"), dict(chunks=0), dict(chunks=2.0), dict(chunks=True)):
+    for bad in (dict(overlap="yes"), dict(overlap_pieces=0), dict(overlap_pieces=2.0),
+                dict(overlap_pieces=True)):
         try:
             pnn.ColumnParallelLinear(8, 8, **bad)
             raise AssertionError(f"{bad} did not raise")
         except ValueError as exc:
             assert repr(next(iter(bad.values()))) in str(exc), exc
-    pnn.RowParallelLinear(8, 8, overlap=False, chunks=2)
+    pnn.RowParallelLinear(8, 8, overlap=False, overlap_pieces=2)
     try:
         pnn.VocabParallelEmbedding.from_serial(nn.Embedding(8, 4, max_norm=1.0, sparse=True))
         raise AssertionError("from_serial of an embedding with max_norm did not raise")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.nn import random as tp_random
-from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, pieces_argument
 from fastpar.nn.sharding import generator, resolve_group
 from fastpar.runtime import group_size
 
@@ -58,9 +58,10 @@ class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, *, causal: bool = True, attn_dropout: float = 0.0,
                  dropout: float = 0.0, sequence_parallel: bool = False, sequence_dim: int = 1,
-                 overlap=None, chunks=None, group=None, device=None, dtype=None, seed=None,
-                 rope_base: float | None = None):
+                 overlap=None, overlap_pieces=None, group=None, device=None, dtype=None,
+                 seed=None, rope_base: float | None = None, chunks=None):
         super().__init__()
+        overlap_pieces = pieces_argument(overlap_pieces, chunks, "ParallelSelfAttention")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.group = resolve_group(group)
         tp = group_size(self.group)
@@ -88,7 +89,8 @@ class ParallelSelfAttention(nn.Module):
         self.sequence_parallel = sequence_parallel
         gen = generator(seed)
         common = dict(sequence_parallel=sequence_parallel, sequence_dim=1, overlap=overlap,
-                      chunks=chunks, group=self.group, device=device, dtype=dtype, seed=gen)
+                      overlap_pieces=overlap_pieces, group=self.group, device=device, dtype=dtype,
+                      seed=gen)
         kv_size = num_kv_heads * self.head_dim
         self.q_proj = ColumnParallelLinear(hidden_size, hidden_size, bias, **common)
         self.k_proj = ColumnParallelLinear(hidden_size, kv_size, bias, **common)

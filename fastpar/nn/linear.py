@@ -13,16 +13,18 @@ Sequence parallelism (``sequence_parallel=True``): outside the TP region activat
 along ``sequence_dim``; the column layer all-gathers its input (reduce-scatter in backward) and
 the row layer reduce-scatters its output (all-gather in backward) instead of the all-reduces.
 
-Overlap (``fastpar/nn/overlap.py``): ``overlap=True`` cuts the GEMM into ``chunks`` pieces along
-the tokens and runs each piece's collective while the next computes, and runs the column
+Overlap (``fastpar/nn/overlap.py``): ``overlap=True`` cuts the GEMM into ``overlap_pieces`` pieces
+along the tokens and runs each piece's collective while the next computes, and runs the column
 layer's dgrad collective behind its wgrad GEMM; ``overlap=None`` lets ``overlap.decide`` choose
 from the device, the engine and the sizes. ``layer.overlap_decision`` (and ``extra_repr``) says
-what the last forward did and why.
+what the last forward did and why. (``chunks=``, the old name of ``overlap_pieces=``, is
+deprecated: in fastpar ``chunks`` means the pipeline's model chunks.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +37,30 @@ from fastpar.nn.sharding import ShardedModule, copy_into, full_linear, generator
 from fastpar.runtime import group_size
 
 
-def check_overlap(overlap, chunks) -> None:
+def check_overlap(overlap, overlap_pieces) -> None:
     if overlap not in (None, True, False):
         raise ValueError(f"overlap must be True, False or None (the policy decides), got "
                          f"{overlap!r}")
-    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
-                               or chunks < 1):
-        raise ValueError(f"chunks must be a positive integer or None, got {chunks!r}")
+    if overlap_pieces is not None and (isinstance(overlap_pieces, bool)
+                                       or not isinstance(overlap_pieces, int)
+                                       or overlap_pieces < 1):
+        raise ValueError(f"overlap_pieces must be a positive integer or None, got "
+                         f"{overlap_pieces!r}")
+
+
+def pieces_argument(overlap_pieces, chunks, layer: str):
+    """A layer's ``overlap_pieces``, given as such or by its deprecated name ``chunks=``
+    (a DeprecationWarning at the caller's line; both: a ValueError naming both values). Called
+    by each public constructor, so that the warning points at the user's code."""
+    if chunks is None:
+        return overlap_pieces
+    if overlap_pieces is not None:
+        raise ValueError(f"{layer}: got chunks={chunks!r} and overlap_pieces={overlap_pieces!r};"
+                         f" chunks= is the deprecated name of overlap_pieces=, pass only that")
+    warnings.warn(f"{layer}(chunks={chunks!r}) is deprecated, use overlap_pieces={chunks!r} "
+                  "(chunks= will be removed in the next release; in fastpar chunks are the "
+                  "pipeline's model chunks)", DeprecationWarning, stacklevel=3)
+    return chunks
 
 
 def _forced() -> str | None:
@@ -65,14 +84,14 @@ def _engine(group, op: str, device: str, nbytes: int, dtype) -> str:
 
 class _ParallelLinear(ShardedModule):
     def __init__(self, in_features, out_features, bias, sharded_dim, *, sequence_parallel,
-                 sequence_dim, overlap, chunks, group, device, dtype, seed):
+                 sequence_dim, overlap, overlap_pieces, group, device, dtype, seed):
         super().__init__()
-        check_overlap(overlap, chunks)
+        check_overlap(overlap, overlap_pieces)
         self.group = resolve_group(group)
         self.tp = group_size(self.group)
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.overlap, self.chunks = overlap, chunks
+        self.overlap, self.overlap_pieces = overlap, overlap_pieces
         self.overlap_decision: ov.Decision | None = None  # the last forward's
         self._decision_key = None
         self._signal_key, self._signal_comm = None, None  # RowParallelLinear._signal's answer
@@ -122,14 +141,14 @@ class _ParallelLinear(ShardedModule):
         forced = _forced() if self.tp > 1 else None
         autocast = torch.is_autocast_enabled(x.device.type)
         key = (tuple(x.shape), x.dtype, x.device.type, forced, autocast, self.overlap,
-               self.chunks)
+               self.overlap_pieces)
         if key != self._decision_key:
             # the all-gather of a column layer under SP sends tp x its input's tokens
             tokens = x.numel() // x.shape[-1] * (self.tp if op == "all_gather" else 1)
             nbytes = tokens * features * x.element_size()
             device = x.device.type
             engine = _engine(self.group, op, device, nbytes, x.dtype) if self.tp > 1 else "local"
-            decision = ov.decide(self.overlap, self.chunks, tp=self.tp, device=device,
+            decision = ov.decide(self.overlap, self.overlap_pieces, tp=self.tp, device=device,
                                  engine=engine, nbytes=nbytes, autocast=autocast)
             if decision != self.overlap_decision:
                 ov.log.debug("%s(%d -> %d, tp %d) on input %s: overlap %s", type(self).__name__,
@@ -139,8 +158,8 @@ class _ParallelLinear(ShardedModule):
         return self.overlap_decision
 
     def extra_repr(self) -> str:
-        said = (f"overlap={self.overlap}, chunks={self.chunks}" if self.overlap_decision is None
-                else f"overlap: {self.overlap_decision}")
+        said = (f"overlap={self.overlap}, overlap_pieces={self.overlap_pieces}"
+                if self.overlap_decision is None else f"overlap: {self.overlap_decision}")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.tp}, "
                 f"sequence_parallel={self.sequence_parallel}, {said}")
@@ -155,11 +174,13 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, overlap=None, chunks=None, group=None, device=None,
-                 dtype=None, seed=None):
+                 sequence_dim: int = 1, overlap=None, overlap_pieces=None, group=None,
+                 device=None, dtype=None, seed=None, chunks=None):
+        overlap_pieces = pieces_argument(overlap_pieces, chunks, type(self).__name__)
         super().__init__(in_features, out_features, bias, 0, sequence_parallel=sequence_parallel,
-                         sequence_dim=sequence_dim, overlap=overlap, chunks=chunks, group=group,
-                         device=device, dtype=dtype, seed=seed)
+                         sequence_dim=sequence_dim, overlap=overlap,
+                         overlap_pieces=overlap_pieces, group=group, device=device, dtype=dtype,
+                         seed=seed)
         self.gather_output = gather_output
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +211,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if decision.enabled:
             params = [layer.weight for layer in layers] + [layer.bias for layer in layers]
             return list(ov.ColumnParallelOverlap.apply(
-                x, first.group, first.sequence_parallel, first._seq_dim(x), decision.chunks,
+                x, first.group, first.sequence_parallel, first._seq_dim(x), decision.pieces,
                 len(layers), *params))
         x = first.enter(x)
         return [layer.local(x) for layer in layers]
@@ -205,11 +226,13 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, overlap=None, chunks=None, group=None, device=None,
-                 dtype=None, seed=None):
+                 sequence_dim: int = 1, overlap=None, overlap_pieces=None, group=None,
+                 device=None, dtype=None, seed=None, chunks=None):
+        overlap_pieces = pieces_argument(overlap_pieces, chunks, type(self).__name__)
         super().__init__(in_features, out_features, bias, 1, sequence_parallel=sequence_parallel,
-                         sequence_dim=sequence_dim, overlap=overlap, chunks=chunks, group=group,
-                         device=device, dtype=dtype, seed=seed)
+                         sequence_dim=sequence_dim, overlap=overlap,
+                         overlap_pieces=overlap_pieces, group=group, device=device, dtype=dtype,
+                         seed=seed)
         self.input_is_parallel = input_is_parallel
 
     def _signal(self, x: torch.Tensor, decision: ov.Decision):
@@ -242,7 +265,7 @@ class RowParallelLinear(_ParallelLinear):
         if decision.enabled:
             signal = self._signal(x, decision)
             y = ov.RowParallelOverlap.apply(x, self.weight, self.group, self.sequence_parallel,
-                                            self._seq_dim(x), decision.chunks, signal)
+                                            self._seq_dim(x), decision.pieces, signal)
         elif self.sequence_parallel:
             y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.sequence_dim)
         else:

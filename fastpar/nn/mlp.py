@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.nn import random as tp_random
-from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, pieces_argument
 from fastpar.nn.sharding import generator, resolve_group
 
 
@@ -29,9 +29,10 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu",
                  bias: bool = True, dropout: float = 0.0, *, sequence_parallel: bool = False,
-                 sequence_dim: int = 1, overlap=None, chunks=None, group=None, device=None,
-                 dtype=None, seed=None):
+                 sequence_dim: int = 1, overlap=None, overlap_pieces=None, group=None,
+                 device=None, dtype=None, seed=None, chunks=None):
         super().__init__()
+        overlap_pieces = pieces_argument(overlap_pieces, chunks, "ParallelMLP")
         if activation not in ("gelu", "swiglu"):
             raise ValueError(f"activation must be 'gelu' or 'swiglu', got {activation!r}")
         self.activation, self.dropout = activation, dropout
@@ -39,8 +40,8 @@ class ParallelMLP(nn.Module):
         self.sequence_parallel = sequence_parallel
         gen = generator(seed)
         common = dict(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                      overlap=overlap, chunks=chunks, group=self.group, device=device,
-                      dtype=dtype, seed=gen)
+                      overlap=overlap, overlap_pieces=overlap_pieces, group=self.group,
+                      device=device, dtype=dtype, seed=gen)
 
         def column():
             return ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, **common)

@@ -1,12 +1,14 @@
 """Communication overlapped with the GEMMs of the parallel linear layers.
 
-With ``n`` ranks in the TP group, ``k`` chunks, ``W_n`` this rank's weight shard:
+With ``n`` ranks in the TP group, ``k`` pieces (a layer's ``overlap_pieces``), ``W_n`` this
+rank's weight shard:
 
     RowParallelLinear forward   (x_n: (..., in/n))
         for i < k: p_i = x_n[rows i] @ W_n.T; start all_reduce(p_i)     p_i reduces while
         y = [p_0; ...; p_{k-1}]            (after every wait)           p_{i+1} computes
-      sequence parallel: the sequence is n segments (rank r keeps segment r); chunk i is piece i
-      of every segment, and reduce_scatter over the segment axis leaves piece i of segment r here
+      sequence parallel: the sequence is n segments (rank r keeps segment r); the call's piece i
+      is piece i of every segment, and reduce_scatter over the segment axis leaves piece i of
+      segment r here
     ColumnParallelLinear forward, sequence parallel (x_r: segment r of the sequence)
         start all_gather(piece i of x_r) for every i; for i: wait, y[piece i of every segment]
         = gathered_i @ W_n.T               (piece i computes while pieces i+1.. are in flight)
@@ -16,7 +18,7 @@ With ``n`` ranks in the TP group, ``k`` chunks, ``W_n`` this rank's weight shard
         row, sequence parallel: dy gathered piece by piece as the column forward gathers x;
                 dx_n[piece i] = dy_i @ W_n, dW_n += dy_i.T @ x_n[piece i] while later pieces fly
 
-Chunking splits rows, never a reduction, so every output element is the same dot product as
+The cut splits rows, never a reduction, so every output element is the same dot product as
 without it (the GEMM library may block a shorter matrix differently: float32 rounding only).
 
 Where the collectives run: on CPU, the engine's async handle (gloo runs in its own thread; shm
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -45,16 +48,16 @@ from fastpar.runtime import group_size
 
 log = logging.getLogger("fastpar.nn")
 
-# overlap=None on CUDA: the smallest collective (bytes per call of the layer, before chunking)
+# overlap=None on CUDA: the smallest collective (bytes per call of the layer, before the cut)
 # worth cutting up; below it the collective is latency-bound and k calls cost more than the GEMM
 # time they could hide. A starting point until bench/overlap.py measures a GPU per rank.
 CUDA_MIN_BYTES = 1 << 20
-CUDA_FOUR_CHUNKS_BYTES = 16 << 20  # from here 4 chunks (the first chunk's GEMM is exposed)
+CUDA_FOUR_PIECES_BYTES = 16 << 20  # from here 4 pieces (the first piece's GEMM is exposed)
 SYNC_ENGINES = ("shm", "mpi")  # complete a collective before returning: nothing overlaps
 # overlap=None on CPU: off. Measured (bench/overlap.py, 2 ranks on 2 cores, 1024 tokens, hidden
-# 1024 / ffn 4096, gloo, chunks 2 and 4): overlapped / sequential 0.83x-1.14x, most cases at or
+# 1024 / ffn 4096, gloo, 2 and 4 pieces): overlapped / sequential 0.83x-1.14x, most cases at or
 # below 1.0x: the ranks' GEMMs and gloo's thread share the same cores, so there is no idle
-# resource for the collective to hide in, and the chunking's copies cost more than it hides.
+# resource for the collective to hide in, and the cut's copies cost more than it hides.
 CPU_REASON = ("on CPU the GEMMs and the collectives share the cores: measured 0.83x-1.14x on 2 "
               "cores (bench/overlap.py); overlap=True forces it")
 
@@ -62,19 +65,27 @@ CPU_REASON = ("on CPU the GEMMs and the collectives share the cores: measured 0.
 @dataclasses.dataclass(frozen=True)
 class Decision:
     enabled: bool
-    chunks: int
+    pieces: int
     reason: str
     signal: str = ""  # row layer on CUDA: the signal-driven path taken, or why not
 
     def __str__(self) -> str:
-        said = (f"on, {self.chunks} chunks" if self.enabled else "off") + f" ({self.reason})"
+        said = (f"on, {self.pieces} pieces" if self.enabled else "off") + f" ({self.reason})"
         return f"{said}; {self.signal}" if self.signal else said
 
+    @property
+    def chunks(self) -> int:
+        """Deprecated name of ``pieces`` (``chunks`` means the pipeline's model chunks)."""
+        warnings.warn("Decision.chunks is deprecated: use Decision.pieces", DeprecationWarning,
+                      stacklevel=2)
+        return self.pieces
 
-def decide(overlap, chunks, *, tp: int, device: str, engine: str, nbytes: int,
+
+def decide(overlap, overlap_pieces, *, tp: int, device: str, engine: str, nbytes: int,
            autocast: bool = False) -> Decision:
-    """Whether a layer call overlaps, with how many chunks and why. ``overlap``: the layer's
-    setting (True, False, None: this policy); ``chunks``: the layer's (None: the policy's);
+    """Whether a layer call overlaps, in how many pieces and why. ``overlap``: the layer's
+    setting (True, False, None: this policy); ``overlap_pieces``: the layer's (None: the
+    policy's);
     ``engine``: what the comm policy picks for the layer's collective on ``device`` ("cpu",
     "cuda"); ``nbytes``: that collective's size; ``autocast``: whether autocast is on."""
     if tp == 1:
@@ -86,7 +97,7 @@ def decide(overlap, chunks, *, tp: int, device: str, engine: str, nbytes: int,
                                   "autocast yet" + (" (overlap=True not honoured)" if overlap
                                                     else ""))
     if overlap is True:
-        return Decision(True, chunks or 2, "overlap=True")
+        return Decision(True, overlap_pieces or 2, "overlap=True")
     if device == "cpu" and engine in SYNC_ENGINES:
         return Decision(False, 1, f"the {engine} engine completes a collective before it "
                                   "returns: nothing to overlap with")
@@ -94,14 +105,14 @@ def decide(overlap, chunks, *, tp: int, device: str, engine: str, nbytes: int,
         return Decision(False, 1, CPU_REASON)
     if nbytes < CUDA_MIN_BYTES:
         return Decision(False, 1, f"{nbytes} bytes per collective < {CUDA_MIN_BYTES}: "
-                                  "latency-bound, chunks would cost more than they hide")
-    k = chunks or (4 if nbytes >= CUDA_FOUR_CHUNKS_BYTES else 2)
+                                  "latency-bound, pieces would cost more than they hide")
+    k = overlap_pieces or (4 if nbytes >= CUDA_FOUR_PIECES_BYTES else 2)
     return Decision(True, k, f"{nbytes} bytes per collective on {engine} ({device})")
 
 
-def pieces(length: int, chunks: int) -> list[tuple[int, int]]:
-    """``[(start, stop)]`` of ``min(chunks, length)`` near-equal pieces covering ``length``."""
-    k = max(1, min(chunks, length))
+def pieces(length: int, count: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` of ``min(count, length)`` near-equal pieces covering ``length``."""
+    k = max(1, min(count, length))
     bounds = [length * i // k for i in range(k + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
@@ -148,25 +159,25 @@ def _seg_view(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return t.view(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:])
 
 
-def _gather_pieces(x: torch.Tensor, group, dim: int, chunks: int):
+def _gather_pieces(x: torch.Tensor, group, dim: int, count: int):
     """Start all-gathers of ``x``'s pieces along ``dim`` (this rank's segment): ``[(start,
     stop, pending)]``, each result ``(..., n * (stop - start), ...)`` in rank order."""
     return [(a, b, _start(all_gather, x.narrow(dim, a, b - a).contiguous(), group, dim=dim))
-            for a, b in pieces(x.shape[dim], chunks)]
+            for a, b in pieces(x.shape[dim], count)]
 
 
 # ------------------------------------------------------------------ row-parallel
 
 class RowParallelOverlap(torch.autograd.Function):
-    """``y = comm(x_n @ W_n.T)`` chunked (see the module docstring); the bias is the caller's.
+    """``y = comm(x_n @ W_n.T)`` in pieces (see the module docstring); the bias is the caller's.
     ``sp``: reduce-scatter along ``dim`` instead of all-reduce. ``signal``: the group's
     CudaIpcCommunicator when ``overlap_signal.signal_path`` chose the signal-driven forward,
     else None."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, sp, dim, chunks, signal=None):
+    def forward(ctx, x, weight, group, sp, dim, n_pieces, signal=None):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.sp, ctx.dim, ctx.chunks = group, sp, dim, chunks
+        ctx.group, ctx.sp, ctx.dim, ctx.n_pieces = group, sp, dim, n_pieces
         if signal is not None:
             from fastpar.nn.overlap_signal import signal_row_forward
 
@@ -176,7 +187,7 @@ class RowParallelOverlap(torch.autograd.Function):
             n = group_size(group)
             xv = _seg_view(x, dim, n)  # (..., n, S/n, ..., in/n)
             started = []
-            for a, b in pieces(xv.shape[dim + 1], chunks):
+            for a, b in pieces(xv.shape[dim + 1], n_pieces):
                 partial = F.linear(xv.narrow(dim + 1, a, b - a), weight)  # (.., n, s, .., out)
                 # reduce-scatter over the segment axis: this rank keeps piece (a, b) of its own
                 # segment; it runs while the next piece's GEMM computes
@@ -185,7 +196,7 @@ class RowParallelOverlap(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (rows, in/n)
         y2 = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         started = []
-        for a, b in pieces(x2.shape[0], chunks):
+        for a, b in pieces(x2.shape[0], n_pieces):
             torch.mm(x2[a:b], weight.t(), out=y2[a:b])
             started.append(_start(all_reduce, y2[a:b], group))  # reduces while a:b+ computes
         for p in started:
@@ -206,7 +217,7 @@ class RowParallelOverlap(torch.autograd.Function):
         dxv = _seg_view(dx, dim, n)
         dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         # every piece of dy's all-gather is in flight while the earlier pieces' GEMMs compute
-        for a, b, p in _gather_pieces(dy.contiguous(), ctx.group, dim, ctx.chunks):
+        for a, b, p in _gather_pieces(dy.contiguous(), ctx.group, dim, ctx.n_pieces):
             g = _seg_view(p.wait(), dim, n)  # (.., n, s, .., out): piece (a, b) of each segment
             dxv.narrow(dim + 1, a, b - a).copy_(g.matmul(weight))
             if dw is not None:
@@ -224,7 +235,7 @@ class ColumnParallelOverlap(torch.autograd.Function):
     ``params``: the weights, then the biases (None where a layer has none)."""
 
     @staticmethod
-    def forward(ctx, x, group, sp, dim, chunks, count, *params):
+    def forward(ctx, x, group, sp, dim, n_pieces, count, *params):
         weights, biases = params[:count], params[count:]
         ctx.group, ctx.sp, ctx.dim, ctx.count = group, sp, dim, count
         ctx.has_bias = [b is not None for b in biases]
@@ -240,7 +251,7 @@ class ColumnParallelOverlap(torch.autograd.Function):
                 for w in weights]
         outv = [_seg_view(o, dim, n) for o in outs]
         # all pieces' all-gathers in flight; piece i's GEMMs compute while i+1.. still travel
-        for a, b, p in _gather_pieces(x.contiguous(), group, dim, chunks):
+        for a, b, p in _gather_pieces(x.contiguous(), group, dim, n_pieces):
             g = _seg_view(p.wait(), dim, n)  # (.., n, s, .., in): piece (a, b) of each segment
             fullv.narrow(dim + 1, a, b - a).copy_(g)
             for o, w, bias in zip(outv, weights, biases):
