@@ -1,7 +1,7 @@
 """The payload of a pipeline message on the wire, and Megatron's scatter-gather over tp.
 
     wire = Payload(scatter_group, device)              # scatter_group None: nothing is cut
-    cut = wire.cuts(values)                            # per tensor: sent as 1/tp pieces?
+    cut = wire.cuts(values)                            # per tensor: sent as 1/tp shares?
     why = wire.check_replicated(values, cut, direction, mb, stage)   # None, or the mismatch
     parts = wire.pack(values, cut)                     # what the engine sends
     layout = wire.layout(entries)                      # ((dtype, numel), ...) of what arrives
@@ -9,7 +9,7 @@
 
 Scatter-gather: with ``scatter_group`` (the tp group) set, a tensor that every rank of that
 group holds alike is sent as this rank's 1/tp of it (flattened), and the receiver all-gathers
-the pieces over its own tp group: tp times less traffic between stages. On the first scattered
+the shares over its own tp group: tp times less traffic between stages. On the first scattered
 message of each step per direction, the sender proves the tensors alike (a checksum
 all-gathered over the tp group), so that a stage whose output differs across the group (a
 sharded output, per-rank dropout) fails instead of being spliced.
@@ -40,7 +40,7 @@ class Payload:
         self._verified: set = set()  # directions whose replication was checked this step
 
     def cuts(self, values) -> list[bool]:
-        """Per tensor of ``values``: whether it travels as this rank's 1/tp piece."""
+        """Per tensor of ``values``: whether it travels as this rank's 1/tp share."""
         return [v is not None and self.tp > 1 and v.numel() > 0 and v.numel() % self.tp == 0
                 for v in values]
 
@@ -64,7 +64,7 @@ class Payload:
         return None
 
     def pack(self, values, cut) -> list[torch.Tensor]:
-        """The contiguous tensors to send: each tensor whole, or its 1/tp piece if cut."""
+        """The contiguous tensors to send: each tensor whole, or this rank's 1/tp share if cut."""
         parts = []
         for v, c in zip(values, cut):
             if v is None:
