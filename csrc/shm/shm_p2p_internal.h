@@ -1,6 +1,7 @@
-// Internal to csrc/shm: what the two halves of the shm p2p channels share (the ring protocol,
-// shm_p2p.cpp, and the single-copy path, shm_p2p_single_copy.cpp): the segment layout, the
-// error and wait helpers, and the single-copy calls the ring protocol makes. See README.md.
+// Internal to csrc/shm: what the parts of the shm p2p channels share (the segment's set-up,
+// shm_p2p_segment.cpp, the ring protocol, shm_p2p.cpp, and the single-copy path,
+// shm_p2p_single_copy.cpp): the segment layout, the error and wait helpers, and the single-copy
+// calls the ring protocol makes. See README.md.
 #pragma once
 
 #include "shm_p2p.h"
