@@ -46,6 +46,8 @@ TABLE = [
     ("all_reduce", "cpu", HIER, 64 << 10, F32, "hier", "2 hosts x 2 ranks: shm within each "
                                                        "host, mpi across"),
     ("reduce_scatter", "cpu", HIER, 16 << 20, BF16, "hier", "gloo across"),
+    ("all_reduce", "cpu", HIER, (4 << 20) - 4, F32, "hier", "mpi across"),
+    ("all_reduce", "cpu", HIER, 4 << 20, F32, "hier", "gloo across"),
     ("all_gather", "cpu", HIER_TORCHRUN, 1 << 20, F32, "hier", "gloo across"),
     ("all_reduce", "cpu", HIER, (64 << 10) - 4, F32, "mpi", "below 64 KiB"),
     ("all_reduce", "cpu", HIER, 4096, BF16, "gloo", "below 64 KiB"),

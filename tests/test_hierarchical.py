@@ -88,6 +88,13 @@ def body_hier(hosts, tp=1, forced=None, expect=None):
             blocks = [_input(r, size * n, dtype, "rs") for r in range(n)]
             shard = comm.reduce_scatter(blocks[rank])
             _close(f"reduce_scatter {key}", shard, [b.chunk(n)[rank] for b in blocks])
+    # From 4 MiB the cross-host stage runs on torch's engine, pipelined in parts
+    size = (1 << 20) + 5
+    inputs = [_input(r, size, "float32", "big") for r in range(n)]
+    x = inputs[rank].clone()
+    comm.all_reduce(x)
+    _close("all_reduce 4 MiB + 20 B", x, inputs)
+    digests["ar-big"] = hashlib.sha1(x.view(torch.uint8).numpy()).hexdigest()
     if topo.dp_group is not None and topo.dp_size > 1:  # a group of the grid, not the world
         x = torch.full((1 << 17,), float(rank))
         comm.all_reduce(x, group=topo.dp_group)

@@ -41,6 +41,10 @@ KiB, MiB = 1 << 10, 1 << 20
 # MPI-launched, else gloo) instead of the hierarchical engine's three stages: measured on the
 # cluster harness (2 hosts x 2 ranks, bench/collectives.py --engines hier,mpi,gloo).
 HIER_MIN_BYTES = 64 * KiB
+# From this many bytes the hierarchical engine's cross-host stage runs on torch's engine in the
+# background (pipelined with the host-local stages) instead of MPI's blocking call: 16 MiB
+# all-reduce, 2 x 2 ranks, 1 Gbit/s links: 146 ms pipelined over gloo, 158-186 ms over MPI.
+CROSS_ASYNC_MIN_BYTES = 4 * MiB
 # cuda_ipc's largest message (also the size of its staging buffer) by compute capability and
 # world size, on GPUs with NVLink between every pair. Source: vLLM's custom all-reduce,
 # CUSTOM_ALL_REDUCE_MAX_SIZES in vllm/distributed/device_communicators/all_reduce_utils.py,
@@ -99,7 +103,7 @@ def _across_hosts(op: str, layout: Layout, nbytes: int, dtype: torch.dtype,
     if why is None and nbytes >= HIER_MIN_BYTES:
         hosts, per = len(layout.per_host), layout.per_host[0]
         return Choice("hier", f"{hosts} hosts x {per} ranks: shm within each host, "
-                              f"{flat} across")
+                              f"{cross_engine(layout, dtype, nbytes)} across")
     if why is None:
         why = f"{nbytes} bytes is below {_size(HIER_MIN_BYTES)} (one flat call is faster)"
     return Choice(flat, f"spans hosts, not hier: {why}")
@@ -172,11 +176,15 @@ def _hier_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
     return None
 
 
-def cross_engine(layout: Layout, dtype: torch.dtype) -> str:
+def cross_engine(layout: Layout, dtype: torch.dtype, nbytes: int = 0) -> str:
     """The flat engine that carries a spanning group's bytes between hosts: MPI where the job
-    was MPI-launched and MPI carries the dtype (its latency is gloo's 1/30 here), else the
-    group's torch backend."""
-    return "mpi" if layout.mpi and dtype in MPI_DTYPES else layout.pg_backend
+    was MPI-launched and MPI carries the dtype (its latency is gloo's 1/30 here), up to
+    ``CROSS_ASYNC_MIN_BYTES`` of message; from there, and without MPI, the group's torch
+    backend, which runs in the background, so the hierarchical all-reduce overlaps one part's
+    cross-host stage with the next part's host-local ones (``comm/hierarchical.py``)."""
+    if layout.mpi and dtype in MPI_DTYPES and nbytes < CROSS_ASYNC_MIN_BYTES:
+        return "mpi"
+    return layout.pg_backend
 
 
 def _ipc_refusal(op: str, device: str, layout: Layout, nbytes: int,
