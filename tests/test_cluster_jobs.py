@@ -93,7 +93,7 @@ def body_flat(expect_reason):
     import fastpar
     from fastpar.comm.state import current
 
-    result = body_hier(None)
+    result = body_hier(None, dtypes=["float32", "bfloat16"], sizes=[5, 4099])
     topo = fastpar.init(timeout=120)
     import torch
 
@@ -115,7 +115,9 @@ def test_two_by_two_hierarchical_and_main_job_parity(two_hosts):
 
 
 def test_two_by_two_torchrun_gloo_across(two_hosts):
-    values = on_cluster(two_hosts, body_hier, launcher="torchrun", hosts=None, expect=HIER)
+    # every dtype with gloo across: test_hierarchical's round robin on one host
+    values = on_cluster(two_hosts, body_hier, launcher="torchrun", hosts=None, expect=HIER,
+                        dtypes=["float32", "bfloat16"])
     assert values[0]["engines"]["all_reduce"][1] == \
         "2 hosts x 2 ranks: shm within each host, gloo across"
 
