@@ -185,3 +185,20 @@ def test_killed_rank_on_the_second_host_is_named(two_hosts, tmp_path):
     inner = int(banner.split("3: pid ")[1].split()[0])  # rank 3's pid inside the cluster
     assert f"3: pid {inner} on h1" in banner, banner
     assert f"PID {inner} RUNNING AT h1" in out, out[-2000:]
+
+
+def test_job_across_hosts_refuses_a_loopback_rendezvous(two_hosts):
+    """Rank 0 told to serve the store on loopback (FASTPAR_SOCKET_IFNAME=lo) in a job that
+    spans hosts: every rank ends at once with the fix named, not after the store's timeout."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    start = time.monotonic()
+    out = two_hosts.run(0, [mpirun, "-hosts", "h0,h1", "-ppn", "1", "-np", "2", sys.executable,
+                            "-m", "fastpar", "info", "--timeout", "60"],
+                        env=launch_env(2, {"FASTPAR_SOCKET_IFNAME": "lo"}), cwd=ROOT,
+                        timeout=120)
+    assert out.returncode != 0 and time.monotonic() - start < 30
+    text = out.stdout + out.stderr
+    for rank in (0, 1):
+        assert f"fastpar info: error on rank {rank}: " in text, text[-2000:]
+    assert "the job spans hosts (h0: ranks 0; h1: ranks 1) but rank 0 found no address the " \
+           "others can reach (127.0.0.1, the loopback is all there is)" in text, text[-2000:]
