@@ -21,9 +21,10 @@ earlier in the step (and, for gradients, the shapes of the activations they belo
 sender applies the same rules to what it sends, so a mismatch raises on both sides, naming the
 stage, the microbatch and both shapes.
 
-Engines (``fastpar/comm/p2p_engines.py``): fastpar's shared-memory rings for CPU tensors when
-the whole group is on one host, else batched ``isend``/``irecv`` on clones of the group; both
-created and warmed up in the constructor. The payload's layout on the wire, and Megatron's
+Engines (``fastpar/comm/p2p_engines.py``), chosen per neighbour (``fastpar/comm/p2p_routes.py``):
+fastpar's shared-memory rings for CPU tensors to the neighbours on this rank's host, batched
+``isend``/``irecv`` on clones of the group to those on other hosts; all created and warmed up
+in the constructor. The payload's layout on the wire, and Megatron's
 scatter-gather over tp (``scatter_group``): ``fastpar/comm/p2p_payload.py``.
 """
 
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import torch
 
-from fastpar.comm.p2p_engines import _ShmEngine, choose_engine, open_engine
+from fastpar.comm.p2p_engines import _ShmEngine
 from fastpar.comm.p2p_messages import (_WHAT, ACTIVATION, GRADIENT, P2PError, P2PTimeout,
                                        SendHandle, _abort_reason, _decode, _encode,
                                        _encode_abort, _same_shapes, describe, spec_of)
 from fastpar.comm.p2p_payload import Payload
+from fastpar.comm.p2p_routes import choose_routes, open_routes
 from fastpar.comm.p2p_verbs import (recv_backward, recv_forward, send_backward,
                                     send_backward_recv_forward, send_forward,
                                     send_forward_recv_backward)
@@ -49,10 +51,12 @@ __all__ = ["ACTIVATION", "GRADIENT", "Channels", "P2PError", "P2PTimeout", "Send
 class Channels:
     """This rank's channels to its neighbours in ``group``'s ring of ranks.
 
-    Construction is collective over the world when the torch engine is chosen (it clones every
-    group of ``all_groups``, the partition of the world that ``group`` belongs to, e.g. every pp
-    group) and over ``group`` otherwise. ``timeout`` (seconds; default: the job's) bounds every
-    wait."""
+    Construction is collective over the world when the torch engine serves a pair of
+    neighbours in any group of ``all_groups`` (it clones every group of that partition of the
+    world that ``group`` belongs to, e.g. every pp group), and over ``group`` when the shm rings
+    serve a pair in it. ``engine_name``: "shm", "torch", "shm+torch" (shm to the neighbours on
+    this host, torch to the others) or "local"; ``reason`` says why, per neighbour.
+    ``timeout`` (seconds; default: the job's) bounds every wait."""
 
     def __init__(self, group=None, *, all_groups=None, scatter_group=None, engine: str = "auto",
                  timeout: float | None = None, device=None):
@@ -79,13 +83,13 @@ class Channels:
         groups = [list(g) for g in all_groups] if all_groups is not None else [self.ranks]
         if self.ranks not in groups:
             raise ValueError(f"all_groups {groups} does not hold this rank's group {self.ranks}")
-        peers = sorted({self.prev, self.next} - {self.rank})
         self.closed = False
-        self.engine_name, self.reason = choose_engine(engine, n, groups, topo.hosts or (),
-                                                      self.device, state.forced, state.forced_by)
-        self._engine = open_engine(self.engine_name, group=self.group, ranks=self.ranks,
-                                   rank=self.rank, peers=peers, groups=groups,
-                                   timeout=self.timeout, device=self.device)
+        self.routes = choose_routes(engine, self.ranks, self.rank, groups, topo.hosts or (),
+                                    self.device, state.forced, state.forced_by)
+        self.engine_name, self.reason = self.routes.name, self.routes.reason
+        self._engine = open_routes(self.routes, group=self.group, ranks=self.ranks,
+                                   rank=self.rank, groups=groups, timeout=self.timeout,
+                                   device=self.device)
         state.closers.append(self.close)
         self._warm_up()
         self.bytes_sent = 0
@@ -223,12 +227,13 @@ class Channels:
                 raise P2PError(f"fastpar p2p: rank {self.rank} expects its own {_WHAT[direction]}"
                                f" of microbatch {mb} for stage {stage}, but {got} is queued")
             return queue.pop(0)[2]
-        shm = isinstance(self._engine, _ShmEngine)
+        engine = self._engine.of(peer)
+        shm = isinstance(engine, _ShmEngine)
         if shm:  # header and, if it has the last layout of this channel, payload in one call
-            header, guessed = self._guard(lambda: self._engine.recv(peer, direction, stage),
+            header, guessed = self._guard(lambda: engine.recv(peer, direction, stage),
                                           "header", peer, mb, stage, direction)
         else:
-            header = self._guard(lambda: self._engine.recv_header(peer, direction, self.device),
+            header = self._guard(lambda: engine.recv_header(peer, direction, self.device),
                                  "header", peer, mb, stage, direction)
         reason = _abort_reason(header.cpu())
         if reason is not None:
@@ -253,11 +258,11 @@ class Channels:
             raise self._fail(P2PError(mismatch))
         layout, bufs = self._wire.layout(entries), None
         if shm:  # the payload came with the header when the guessed layout could hold it
-            self._engine.remember(peer, direction, stage, layout)
-            bufs = None if guessed is None else self._engine.recut(guessed, layout)
+            engine.remember(peer, direction, stage, layout)
+            bufs = None if guessed is None else engine.recut(guessed, layout)
         if bufs is None:
             bufs = [torch.empty(n, dtype=d, device=self.device) for d, n in layout]
-            self._guard(lambda: self._engine.recv_payload(peer, direction, bufs),
+            self._guard(lambda: engine.recv_payload(peer, direction, bufs),
                         "payload", peer, mb, stage, direction)
         values = self._wire.unpack(entries, bufs, direction)
         return tuple(values) if is_tuple else values[0]

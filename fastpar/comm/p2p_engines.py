@@ -1,12 +1,12 @@
 """The engines under ``fastpar.comm.p2p.Channels``: batched isend/irecv on clones of the group
-(NCCL / gloo), fastpar's shared-memory rings, and the policy that picks one.
+(NCCL / gloo), and fastpar's shared-memory rings.
 
-``shm`` (fastpar's native shared-memory rings, ``fastpar/comm/shm_p2p.py``) serves a group that
-lies whole on one host with its tensors on the CPU; otherwise ``torch``: batched
-``isend``/``irecv`` (NCCL / gloo) on two clones of the group, one per direction, so that
-activation and gradient messages never queue behind each other (NCCL has no tags). Both are
-created and exercised (a warm-up message each way) in the ``Channels`` constructor, never lazily
-in a step. ``FASTPAR_COMM_BACKEND=shm`` forces the shm rings, ``gloo``/``nccl`` the torch engine.
+``shm`` (fastpar's native shared-memory rings, ``fastpar/comm/shm_p2p.py``) serves neighbours
+on this rank's host with tensors on the CPU; ``torch``: batched ``isend``/``irecv`` (NCCL /
+gloo) on two clones of the group, one per direction, so that activation and gradient messages
+never queue behind each other (NCCL has no tags), serves the others. Which engine serves which
+neighbour, and opening them: ``fastpar/comm/p2p_routes.py``. Both are created and exercised (a
+warm-up message each way) in the ``Channels`` constructor, never lazily in a step.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from fastpar import _native
-from fastpar.comm.p2p_messages import ACTIVATION, GRADIENT, HEADER_MAX, SendHandle
+from fastpar.comm.p2p_messages import HEADER_MAX, SendHandle
 
 # torch (2.x) has no timeout type: gloo's recv times out with a plain RuntimeError ("Timed out
 # waiting 1000ms for recv operation to complete"), NCCL's watchdog with a DistBackendError
@@ -149,58 +148,3 @@ class _ShmEngine:
 
     def close(self):
         self.rings.close()
-
-
-def choose_engine(engine: str, size: int, groups, hosts, device: torch.device,
-                  forced: str | None = None, forced_by: str = "") -> tuple[str, str]:
-    """``(engine, reason)`` for a ``Channels`` in a group of ``size`` ranks, one of ``groups``
-    (the partition of the world it belongs to; ``hosts``: each global rank's host):
-    ``engine`` as asked ("auto", "shm", "torch"), ``forced``: the job's forced collective engine
-    (``CommState.forced``), which "auto" follows where it names a p2p engine too (shm; gloo and
-    nccl are torch's). Every rank must choose alike (the torch engine's clones are made by the
-    whole world): shm only if every group of the partition lies on one host."""
-    if size == 1:
-        return "local", "a group of one rank"
-    same_host = bool(hosts) and all(len({hosts[r] for r in g}) == 1 for g in groups)
-    reason = "forced"
-    if engine == "auto" and forced in ("shm", "gloo", "nccl"):
-        from fastpar.comm.policy import forcing
-
-        engine = "shm" if forced == "shm" else "torch"
-        reason = f"forced by {forcing(forced, forced_by)}"
-    if engine not in ("auto", "shm", "torch"):
-        raise ValueError(f"p2p engine must be 'auto', 'shm' or 'torch', got {engine!r}")
-    native = _native.available() and hasattr(torch.ops.fastpar, "shm_p2p_send")
-    if engine == "auto":
-        if device.type == "cpu" and same_host and native:
-            return "shm", "every stage of the group is on this host, tensors on the CPU"
-        return "torch", ("not every stage is on this host" if not same_host else
-                         f"tensors on {device.type}" if device.type != "cpu" else
-                         "the native extension (with its p2p rings) is not built")
-    if engine == "shm" and not (device.type == "cpu" and same_host):
-        raise ValueError(f"the shm p2p engine needs every stage on one host and CPU tensors "
-                         f"(same host: {same_host}, device: {device})")
-    return engine, reason
-
-
-def open_engine(name: str, *, group, ranks, rank, peers, groups, timeout, device):
-    """The engine ``name`` ("shm", "torch"; "local": none) of a ``Channels`` of ``rank`` in
-    ``group`` (global ``ranks``), talking to ``peers``. Collective: the shm rings over ``group``,
-    the torch engine over the world (it clones every group of ``groups``, the partition of the
-    world that ``group`` belongs to, one clone per direction)."""
-    if name == "shm":
-        from fastpar.comm.shm_p2p import ShmP2P
-
-        return _ShmEngine(ShmP2P(group, ranks, rank, peers, timeout))
-    if name != "torch":
-        return None
-    if sum(len(g) for g in groups) != dist.get_world_size():
-        raise ValueError(f"all_groups must partition the world's "
-                         f"{dist.get_world_size()} ranks, got {groups}")
-    clones = {}
-    tdelta = None if math.isinf(timeout) else datetime.timedelta(seconds=timeout)
-    for members in groups:
-        pair = [dist.new_group(list(members), timeout=tdelta) for _ in (0, 1)]
-        if rank in members:
-            clones = {ACTIVATION: pair[0], GRADIENT: pair[1]}
-    return _TorchEngine(clones, timeout, device)
