@@ -79,6 +79,7 @@ class Channels:
         self.bytes_sent = 0  # payload bytes this rank has sent to other ranks
         self._broken: BaseException | None = None
         self._aborted = False  # abort messages sent to the neighbours
+        self._aborts: list = []  # their sends, held: a torch send dropped in flight stalls gloo
         self._local: dict = {ACTIVATION: [], GRADIENT: []}  # messages to this rank itself
         groups = [list(g) for g in all_groups] if all_groups is not None else [self.ranks]
         if self.ranks not in groups:
@@ -179,7 +180,7 @@ class Channels:
         for direction, dst in ((ACTIVATION, self.next), (GRADIENT, self.prev)):
             if dst != self.rank:
                 try:  # best effort: the channel may be what failed
-                    self._engine.isend(dst, direction, header, [])
+                    self._aborts.append(self._engine.isend(dst, direction, header, []))
                 except Exception:  # noqa: BLE001 - the original error is what gets raised
                     pass
 
