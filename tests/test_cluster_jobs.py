@@ -3,7 +3,8 @@
 Each launch runs several cases in one job (a launch across hosts costs ~10 s here):
 - mpirun 2 x 2: host identities, the hierarchical collectives (MPI across) at every op and dtype
   against float64, then the main job at tp 2 x pp 2 and at tp 2 x dp 2 with ZeRO-1 (dp across
-  the hosts), each against one serial process's loss curve;
+  the hosts) and at pp 4 (shm between the stages of a host, torch across), each against one
+  serial process's loss curve;
 - torchrun 2 x 2: the hierarchical collectives with gloo across;
 - mpirun 3 + 1: uneven hosts fall back to a flat engine, saying why, and stay correct;
 - mpirun 2 x 1 on two hosts that share a host name: never shm between them;
@@ -29,7 +30,10 @@ from tests.test_train import BASE, assert_parity, body_runs
 
 REASON = cluster_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-TRAIN_RUNS = [("tp2_pp2", ["--tp", "2", "--pp", "2"]), ("tp2_zero", ["--tp", "2", "--zero"])]
+# pp 4: the tiny preset's 4 layers (embedding, 2 blocks, head), one per stage; each stage has
+# one neighbour on its host (shm rings) and one on the other (torch / gloo)
+TRAIN_RUNS = [("tp2_pp2", ["--tp", "2", "--pp", "2"]), ("tp2_zero", ["--tp", "2", "--zero"]),
+              ("pp4", ["--pp", "4"])]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +88,12 @@ def body_hier_then_train(runs):
 
     fastpar.shutdown()
     result["train"] = body_runs(runs)
+    from fastpar.comm import p2p
+
+    topo = fastpar.init(pp=4, timeout=60)  # what pp 4's channels chose on the real hosts
+    ch = p2p.Channels(topo.pp_group, all_groups=topo.grid.groups("pp"))
+    result["p2p"] = [ch.engine_name, ch.reason]
+    fastpar.shutdown()
     return result
 
 
@@ -112,6 +122,9 @@ def test_two_by_two_hierarchical_and_main_job_parity(two_hosts):
         "2 hosts x 2 ranks: shm within each host, mpi across"
     for name, _ in TRAIN_RUNS:
         assert_parity(name, values[0]["train"][name], serial)
+    assert [v["p2p"] for v in values[:2]] == [
+        ["shm+torch", "shm with rank 1 (this host), torch with rank 3 (host h1)"],
+        ["shm+torch", "shm with rank 0 (this host), torch with rank 2 (host h1)"]], values[0]
 
 
 def test_two_by_two_torchrun_gloo_across(two_hosts):
