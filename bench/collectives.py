@@ -313,8 +313,7 @@ def run(args, topo) -> list[dict]:
                     bound = must_cross(op, size, hosts_of(topo)) * 8 / (args.link_gbit * 1e9)
                     rec["link_bound_us"], rec["link_fraction"] = bound * 1e6, bound / t
                 if backend == "auto":
-                    rec["engine"] = comm.collectives._route(op, call_input(op, count, dtype, n),
-                                                            None).engine
+                    rec["engine"] = comm.engine_for(op, call_input(op, count, dtype, n))[0]
                 records.append(rec)
                 if topo.rank == 0:
                     print(f"{size:>12} {count:>12} {args.dtype:>9} {t * 1e6:>11.1f} "

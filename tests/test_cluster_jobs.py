@@ -62,11 +62,11 @@ def _results(outdir, nranks, procs):
 
 
 def on_cluster(c, body, *, launcher="mpirun", mpi_hosts=None, ppn=2, nranks=4, timeout=300,
-               **kwargs):
+               env=None, **kwargs):
     """``body(**kwargs)`` on every rank of a job across the cluster's hosts; every rank's
     value. ``mpi_hosts``: MPICH's host list (``["h0:3", "h1:1"]``) instead of ``ppn`` per
     host."""
-    env = launch_env(nranks, {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"})
+    env = {**launch_env(nranks, {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="fastpar-cluster-job-") as outdir:
         argv = _worker(outdir, body, kwargs)
         if launcher == "torchrun":
@@ -128,9 +128,11 @@ def test_two_by_two_hierarchical_and_main_job_parity(two_hosts):
 
 
 def test_two_by_two_torchrun_gloo_across(two_hosts):
-    # every dtype with gloo across: test_hierarchical's round robin on one host
+    # every dtype with gloo across: test_hierarchical's round robin on one host. No
+    # GLOO_SOCKET_IFNAME (the harness sets one): fastpar names gloo's interface itself.
     values = on_cluster(two_hosts, body_hier, launcher="torchrun", hosts=None, expect=HIER,
-                        dtypes=["float32", "bfloat16"])
+                        dtypes=["float32", "bfloat16"], env={"GLOO_SOCKET_IFNAME": None})
+    assert {v["gloo_ifname"] for v in values} == {"eth0"}
     assert values[0]["engines"]["all_reduce"][1] == \
         "2 hosts x 2 ranks: shm within each host, gloo across"
 

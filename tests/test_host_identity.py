@@ -55,12 +55,13 @@ def test_spanning_job_never_rendezvous_on_loopback(monkeypatch):
 def test_gloo_interface_for_spanning_jobs(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("FASTPAR_SOCKET_IFNAME", raising=False)
-    rendezvous.gloo_interface("127.0.0.1", spans_hosts=True)  # loopback: nothing to name
+    monkeypatch.setattr(rendezvous, "_outgoing_address", lambda peer="": "127.0.0.1")
+    assert rendezvous.gloo_interface("10.0.0.1", spans_hosts=True) is None  # only loopback
     assert "GLOO_SOCKET_IFNAME" not in os.environ
     monkeypatch.setenv("FASTPAR_SOCKET_IFNAME", "lo")
     rendezvous.gloo_interface("10.0.0.1", spans_hosts=False)  # one host: gloo's default
     assert "GLOO_SOCKET_IFNAME" not in os.environ
-    rendezvous.gloo_interface("10.0.0.1", spans_hosts=True)
+    assert rendezvous.gloo_interface("10.0.0.1", spans_hosts=True) == "lo"
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine")  # the user's setting stays
     rendezvous.gloo_interface("10.0.0.1", spans_hosts=True)

@@ -11,7 +11,7 @@ Each collective exists twice: the raw call above (result or ``Handle``), and an 
 Function behind a wrapper (``copy_to_tp``, ``reduce_from_tp``, ... in ``autograd.py``) whose
 docstring states its forward and backward.
 
-``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi|nccl_mpi`` (read once per job, at its first
+``FASTPAR_COMM_BACKEND=shm|cuda_ipc|nccl|gloo|mpi|nccl_mpi|hier`` (read once per job, at its first
 use of ``fastpar.comm``) or ``comm.use_backend(name)`` forces one engine, for the collectives and
 the pipeline P2P alike; a forced engine that cannot serve a call raises.
 """
@@ -19,11 +19,11 @@ the pipeline P2P alike; a forced engine that cannot serve a call raises.
 from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                    gather_sequence, reduce_from_tp, reduce_scatter_sequence,
                                    scatter_sequence, scatter_to_tp)
-from fastpar.comm.collectives import (Handle, all_gather, all_reduce, broadcast, reduce_scatter,
-                                      use_backend)
+from fastpar.comm.collectives import (Handle, all_gather, all_reduce, broadcast, engine_for,
+                                      reduce_scatter, use_backend)
 from fastpar.comm.symmetric import symmetric_available, symmetric_empty
 
 __all__ = ["Handle", "all_gather", "all_gather_sequence", "all_reduce", "broadcast",
-           "copy_to_tp", "gather_from_tp", "gather_sequence", "reduce_from_tp",
+           "copy_to_tp", "engine_for", "gather_from_tp", "gather_sequence", "reduce_from_tp",
            "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp",
            "symmetric_available", "symmetric_empty", "use_backend"]

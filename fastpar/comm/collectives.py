@@ -19,8 +19,8 @@ import logging
 import torch
 
 from fastpar.comm import policy
-from fastpar.comm.engines import TORCH_OPS as _TORCH_OPS
 from fastpar.comm.engines import adapter
+from fastpar.comm.flat import TORCH_OPS as _TORCH_OPS
 from fastpar.comm.state import current
 
 log = logging.getLogger("fastpar.comm")
@@ -89,15 +89,15 @@ def _route(name: str, t: torch.Tensor, group, op="sum") -> Route:
     (the tensor and the op are checked only when a call misses the cache).
 
     The policy depends on bytes for CUDA (IPC buffer size, 16-byte multiple), so CUDA routes
-    are keyed by size, and for CPU tensors only on which side of ``policy.HIER_MIN_BYTES`` they
-    are (groups that span hosts). Each new route logs its engine and the reason at debug level
+    are keyed by size, and for CPU tensors only on ``policy.size_class`` (groups that span
+    hosts: below ``HIER_MIN_BYTES``, below ``CROSS_ASYNC_MIN_BYTES``, above). Each new route logs its engine and the reason at debug level
     (``logging.getLogger("fastpar.comm")``).
     """
     st = current()
     try:
         cuda = t.is_cuda
         key = (id(group), name, op, t.dtype, t.layout, cuda, st.forced,
-               t.numel() if cuda else t.numel() * t.element_size() >= policy.HIER_MIN_BYTES)
+               t.numel() if cuda else policy.size_class(t.numel() * t.element_size()))
         route = st.routes.get(key)
     except (AttributeError, TypeError):  # not a tensor, or an unhashable op
         key, route = None, None
@@ -125,6 +125,15 @@ def use_backend(name: str | None) -> str | None:
     st = current()
     previous, st.forced, st.forced_by = st.forced, name, "comm.use_backend"
     return previous
+
+
+def engine_for(name: str, t: torch.Tensor, group=None, op="sum") -> tuple[str, str]:
+    """``(engine, reason)``: what collective ``name`` ("all_reduce", ...) of ``t`` on ``group``
+    would take now. Communicates nothing, except that a CUDA all_reduce first builds the
+    group's CUDA IPC communicator (collective over the group) as a call would."""
+    _check_tensor(name, t)
+    choice = current().choose(name, t, group, _op_name(op))[2]
+    return choice.engine, choice.reason
 
 
 def _check_dim(name: str, t: torch.Tensor, dim: int) -> int:

@@ -18,7 +18,7 @@ before they return. Inputs are contiguous; ``op`` is a name ("sum", ...).
 from __future__ import annotations
 
 from fastpar.comm import symmetric
-from fastpar.comm.flat import TORCH_OPS, Mpi, Torch  # noqa: F401 - TORCH_OPS: collectives'
+from fastpar.comm.flat import Mpi, Torch
 from fastpar.comm.shm import signature as shm_signature
 
 # Below these sizes the copying shm kernels' single round beats the symmetric kernels' entry and

@@ -27,6 +27,7 @@ import torch
 
 from fastpar.comm import policy
 from fastpar.comm.flat import Mpi, flat_adapter
+from fastpar.runtime.groups import cross_ranks
 
 # An all_reduce whose cross-host stage runs on torch's engine (in the background: from
 # policy.CROSS_ASYNC_MIN_BYTES under MPI, always otherwise) is cut in this many parts from
@@ -48,8 +49,10 @@ class HierCommunicator:
         self._state, self._layout = state, layout
         self.hosts, self.local = len(split.members), len(split.members[0])
         index = {r: g for g, r in enumerate(ranks)}
-        # group index of the block at position (i, h) of the intra-host stage's [i][h] order
-        order = [index[split.members[h][i]] for i in range(self.local) for h in range(self.hosts)]
+        # group index of the block at position (i, p) of the intra-host stage's [i][p] order:
+        # local index i, then position p in the cross group of i (its ranks sorted, so the
+        # hosts may come in another order for each i)
+        order = [index[r] for i in range(self.local) for r in cross_ranks(split.members, i)]
         self._order = None if order == list(range(len(order))) else torch.tensor(order)
         self.intra = state.shm(split.intra, split.intra_ranks)
         self._cross = (split.cross, split.cross_ranks)
@@ -74,6 +77,8 @@ class HierCommunicator:
         if n % self.local:  # the shm stages split into L equal pieces: pad with zeros
             work = torch.zeros(per * self.local, dtype=t.dtype)
             work[:n] = flat
+        if n == 0:
+            return
         engine, leg = self._leg(t.dtype, work.nbytes)
         # Where the cross engine runs in the background (torch's), large messages go in
         # PIPELINE_PIECES parts: part k's cross-host all-reduce is in flight while part k+1 is
@@ -81,15 +86,28 @@ class HierCommunicator:
         parts = PIPELINE_PIECES if engine is not Mpi and work.nbytes >= PIPELINE_MIN_BYTES else 1
         step = -(-per // parts) * self.local
         pending = []
-        for start in range(0, work.numel(), step):
-            part = work[start:start + step]
-            piece = torch.empty(part.numel() // self.local, dtype=t.dtype)
-            self.intra.reduce_scatter(part, piece, op)  # the host's sum of piece i
-            pending.append((part, piece, engine.all_reduce(leg, piece, op, parts > 1)))
-        for part, piece, inflight in pending:
-            if inflight is not None:
-                inflight.wait()  # ... and every host's
-            self.intra.all_gather(piece, part)
+        try:
+            for start in range(0, work.numel(), step):
+                part = work[start:start + step]
+                piece = torch.empty(part.numel() // self.local, dtype=t.dtype)
+                self.intra.reduce_scatter(part, piece, op)  # the host's sum of piece i
+                pending.append([part, piece, engine.all_reduce(leg, piece, op, parts > 1)])
+            for entry in pending:
+                part, piece, inflight = entry
+                if inflight is not None:
+                    inflight.wait()  # ... and every host's
+                    entry[2] = None
+                self.intra.all_gather(piece, part)
+        except BaseException:
+            # A part failed (a dead peer, a timeout): no cross-host call of this one stays in
+            # flight behind the error (its buffers would be freed under it).
+            for _, _, inflight in pending:
+                if inflight is not None:
+                    try:
+                        inflight.wait()
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        pass
+            raise
         if work is not flat:
             flat.copy_(work[:n])
 

@@ -9,8 +9,9 @@ Engines:
   ``nccl``/``gloo``  torch.distributed's engine for the device
   ``hier``      hierarchical, for a group that spans hosts with as many ranks on each (CPU):
                 shm within each host, one engine across hosts (``comm/hierarchical.py``)
-  ``mpi``       the MPI library's own collective through mpi4py (CPU; unforced only for small
-                messages of a group that spans hosts in an MPI-launched job)
+  ``mpi``       the MPI library's own collective through mpi4py (CPU; unforced only for a group
+                that spans hosts in an MPI-launched job: the flat engine there, and the cross-
+                host stage of ``hier`` below CROSS_ASYNC_MIN_BYTES)
   ``nccl_mpi``  a raw NCCL communicator through CuPy, bootstrapped by MPI (CUDA; only when
                 forced: for CUDA-graph capture and the overlap kernels' own streams)
 
@@ -107,6 +108,12 @@ def _across_hosts(op: str, layout: Layout, nbytes: int, dtype: torch.dtype,
     if why is None:
         why = f"{nbytes} bytes is below {_size(HIER_MIN_BYTES)} (one flat call is faster)"
     return Choice(flat, f"spans hosts, not hier: {why}")
+
+
+def size_class(nbytes: int) -> int:
+    """Which side of the policy's CPU size thresholds ``nbytes`` is on (0, 1, 2): the routes
+    of CPU calls are cached per class, the choice and its reason being alike within one."""
+    return (nbytes >= HIER_MIN_BYTES) + (nbytes >= CROSS_ASYNC_MIN_BYTES)
 
 
 def _size(n: int) -> str:

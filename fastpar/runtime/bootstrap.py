@@ -26,7 +26,7 @@ from fastpar.runtime import abort, rendezvous
 from fastpar.runtime import launcher as _launcher
 from fastpar.runtime.binding import affinity, bind_cpus
 from fastpar.runtime.groups import build_groups
-from fastpar.runtime.hostid import boot_id, host_id
+from fastpar.runtime.hostid import host_id, machine_id
 from fastpar.runtime.job import Job
 from fastpar.runtime.rendezvous import as_timedelta, check_timeout
 
@@ -115,23 +115,26 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         generation = _STATE["generation"]
         _STATE["generation"] += 1
         hosts, machines = rendezvous.join_barrier(store, rank, world_size, timeout, generation)
+        gloo_ifname = None
         if backend == "gloo" and address is not None:
-            rendezvous.gloo_interface(address, len(set(hosts)) > 1)
+            gloo_ifname = rendezvous.gloo_interface(address, len(set(hosts)) > 1)
         pg_store = dist.PrefixStore(f"fastpar/pg/{generation}", store)
         dist.init_process_group(backend, store=pg_store, rank=rank,
                                 world_size=world_size,
                                 timeout=as_timedelta(timeout))
     else:
-        store = None
+        store, gloo_ifname = None, None
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed is already initialised as rank "
                                f"{dist.get_rank()} of {dist.get_world_size()}, but the launcher "
                                f"says rank {rank} of {world_size}")
         pairs = [None] * world_size
-        dist.all_gather_object(pairs, (host_id(), boot_id()))
+        dist.all_gather_object(pairs, (host_id(), machine_id()))
         hosts, machines = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
     try:
-        groups = build_groups(grid, rank, as_timedelta(timeout), hosts)
+        # host sub-groups serve the hierarchical engine, which serves CPU tensors only
+        groups = build_groups(grid, rank, as_timedelta(timeout),
+                              hosts if device.type == "cpu" else ())
         cpus, undo_binding, oversubscribed = _bind(rank, world_size, local_rank,
                                                    local_world_size, device, machines)
         topo = Topology(grid=grid, rank=rank, local_rank=local_rank,
@@ -142,8 +145,12 @@ def init(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     except BaseException:
         if owns_pg:  # no half-made job: the next init starts from scratch
             dist.destroy_process_group()
+        if gloo_ifname is not None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
         raise
     _STATE["job"] = Job(topology=topo, args=args, owns_pg=owns_pg, undo_binding=undo_binding)
+    if gloo_ifname is not None:  # set for this job only: a later init decides again
+        _STATE["job"].on_close(lambda: os.environ.pop("GLOO_SOCKET_IFNAME", None))
     return topo
 
 

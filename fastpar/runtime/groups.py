@@ -48,8 +48,9 @@ def build_groups(grid: Grid, rank: int, timeout: datetime.timedelta,
 class HostSplit:
     """A group that spans hosts with the same number (at least 2) of its ranks on each, cut in
     two: ``intra`` (this rank's host's members) and ``cross`` (the members with this rank's
-    index on every host), with their global ranks in group order; ``members``: the group's
-    global ranks on each host (hosts in order of first appearance)."""
+    local index on every host), with their global ranks in each sub-group's own order (sorted,
+    as ``torch.distributed.new_group`` orders its ranks); ``members``: the group's global ranks
+    on each host (hosts in order of first appearance, each host's ranks in group order)."""
 
     def __init__(self, members, intra, intra_ranks, cross, cross_ranks):
         self.members, self.intra, self.intra_ranks = members, intra, intra_ranks
@@ -78,13 +79,19 @@ def _host_split(group, ranks, rank, hosts, timeout):
     for m in members:
         made[tuple(m)] = dist.new_group(m, timeout=timeout)
     for i in range(len(members[0])):
-        cross = [m[i] for m in members]
+        cross = cross_ranks(members, i)
         made[tuple(cross)] = dist.new_group(cross, timeout=timeout)
     if group is None:
         return None
     intra = next(m for m in members if rank in m)
-    cross = [m[intra.index(rank)] for m in members]
+    cross = cross_ranks(members, intra.index(rank))
     return HostSplit(members, made[tuple(intra)], intra, made[tuple(cross)], cross)
+
+
+def cross_ranks(members, i: int) -> list[int]:
+    """The ranks of local index ``i`` on every host, in the cross group's order: sorted, as
+    torch orders a group's ranks (hosts a, b, b, a: index 1 is [2, 3], b's rank first)."""
+    return sorted(m[i] for m in members)
 
 
 def _check(group, what: str) -> None:

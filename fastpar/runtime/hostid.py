@@ -49,6 +49,23 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot_id()[:8]}/{_shm_device()}"
 
 
+def machine_id() -> str:
+    """What shares CPUs with this rank: its kernel (boot id), or its host identity where the
+    kernel does not say."""
+    boot = boot_id()
+    return boot if boot != "unknown" else host_id()
+
+
+def network_id() -> str:
+    """This rank's network: its kernel (boot id) and network namespace. Ranks with equal ones
+    reach each other over loopback, whatever their host identities say."""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{boot_id()}/{netns}"
+
+
 def host_name(identity: str) -> str:
     """The host-name part of an identity (the whole override when it has none)."""
     return identity.split("/", 1)[0]

@@ -16,7 +16,7 @@ import socket
 import time
 
 from fastpar.runtime import launcher as _launcher
-from fastpar.runtime.hostid import boot_id, describe, host_id
+from fastpar.runtime.hostid import describe, host_id, machine_id, network_id
 from fastpar.runtime.watchdog import deadline
 
 
@@ -124,19 +124,24 @@ def _routable_address(spans_hosts: bool = False, where: str = "") -> str:
     return addr
 
 
-def gloo_interface(store_address: str, spans_hosts: bool) -> None:
+def gloo_interface(store_address: str, spans_hosts: bool) -> str | None:
     """Name gloo's interface for a job that spans hosts, unless the user did
     (``GLOO_SOCKET_IFNAME``): ``FASTPAR_SOCKET_IFNAME``, else the interface this rank reaches
-    rank 0's store from. gloo otherwise binds to the address its host name resolves to, which
-    is loopback on many machines (Debian's 127.0.1.1), and the other hosts' ranks wait for it."""
+    rank 0's store from, else (rank 0's own host, where that path is loopback) the default
+    route's. gloo otherwise binds to the address its host name resolves to, which is loopback
+    on many machines (Debian's 127.0.1.1), and the other hosts' ranks wait for it. Returns the
+    name it set (``init`` removes it again at shutdown), or None."""
     if "GLOO_SOCKET_IFNAME" in os.environ or not spans_hosts:
-        return
+        return None
     ifname = os.environ.get("FASTPAR_SOCKET_IFNAME")
     if not ifname:
-        local = _outgoing_address(store_address)
-        ifname = interface_of(local) if local and not local.startswith("127.") else None
+        for local in (_outgoing_address(store_address), _outgoing_address()):
+            if local and not local.startswith("127."):
+                ifname = interface_of(local)
+                break
     if ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    return ifname
 
 
 def _join_store(host: str, port: int, rank: int, world_size: int, is_master: bool,
@@ -159,11 +164,14 @@ def rendezvous_mpi(comm, timeout: float):
     rank = comm.Get_rank()
     world_size = comm.Get_size()
     store, error, address = None, None, None
-    hosts = comm.allgather(host_id())
+    # Loopback is refused only where it cannot serve: ranks on other kernels or in other
+    # network namespaces (FASTPAR_HOST_ID's hosts of one machine still meet over loopback).
+    seen = comm.allgather((host_id(), network_id()))
+    hosts, networks = [h for h, _ in seen], {n for _, n in seen}
     if rank == 0:
         port = int(os.environ.get("FASTPAR_MASTER_PORT", "0"))
         try:
-            host = _routable_address(len(set(hosts)) > 1, describe(hosts))
+            host = _routable_address(len(networks) > 1, describe(hosts))
             store = _join_store(host, port, rank, world_size, True, timeout)
             address = (host, store.port)
         except (RuntimeError, ValueError) as exc:
@@ -206,7 +214,7 @@ def join_barrier(store, rank: int, world_size: int, timeout: float,
     message.
     """
     prefix = f"fastpar/join/{generation}"
-    store.set(f"{prefix}/{rank}", f"{host_id()}\n{boot_id()}")
+    store.set(f"{prefix}/{rank}", f"{host_id()}\n{machine_id()}")
     arrived = store.add(f"{prefix}/count", 1)
     deadline = time.monotonic() + timeout
     pause = 0.001

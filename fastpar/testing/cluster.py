@@ -169,7 +169,8 @@ class Cluster:
 
     # -- commands ----------------------------------------------------------------------------
     def env(self, extra: dict | None = None) -> dict:
-        """os.environ, the network settings (NET_ENV), FASTPAR_CLUSTER for cluster_ssh, extra."""
+        """os.environ, the network settings (NET_ENV), FASTPAR_CLUSTER for cluster_ssh, extra
+        (a variable given as None there is removed)."""
         table = {}
         for i, pid in enumerate(self.inner_pids):
             for name in (self.names[i], self.address(i), self.hostnames[i]):
@@ -177,7 +178,7 @@ class Cluster:
         env = {**os.environ, **NET_ENV,
                "FASTPAR_CLUSTER": " ".join(f"{k}={v}" for k, v in table.items())}
         env.update(extra or {})
-        return env
+        return {k: v for k, v in env.items() if v is not None}
 
     def popen(self, i: int, argv: list[str], *, env: dict | None = None, cwd: str | None = None,
               new_session: bool = True, **kw) -> subprocess.Popen:
