@@ -4,6 +4,7 @@
     topo = fastpar.init(tp=2)
     mlp = fastpar.nn.ParallelMLP(1024, 4096, activation="swiglu", seed=0)   # group: topo.tp_group
     loss = fastpar.nn.vocab_parallel_cross_entropy(logits_shard, target)
+    y = fastpar.nn.recompute(block, h)      # keep only h; recompute block's forward in backward
 
 Every layer holds this rank's slice of the serial module's weights drawn from the same seed.
 """
@@ -15,8 +16,9 @@ from fastpar.nn.embedding import VocabParallelEmbedding
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.mlp import ParallelMLP
 from fastpar.nn.norm import LayerNorm, RMSNorm
+from fastpar.nn.recomputation import recompute
 from fastpar.nn.sharding import ShardedModule
 
 __all__ = ["ColumnParallelLinear", "LayerNorm", "ParallelMLP", "ParallelSelfAttention",
            "RMSNorm", "RowParallelLinear", "ShardedModule", "VocabParallelEmbedding", "random",
-           "vocab_parallel_cross_entropy"]
+           "recompute", "vocab_parallel_cross_entropy"]
