@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+RECOMPUTE = ("none", "selective", "full")  # GPTConfig.recompute, --recompute
+
 
 @dataclasses.dataclass
 class GPTConfig:
@@ -18,7 +20,8 @@ class GPTConfig:
     ``8/3 * hidden`` rounded up to a multiple of 8 (about the parameters of the gelu MLP).
     ``bias``: biases in every linear layer and in LayerNorm (the head never has one).
     ``dropout``: on the embedding output, the attention probabilities and both residual
-    branches."""
+    branches. ``recompute``: what backward recomputes instead of keeping, "none", "selective"
+    (each attention core: softmax, dropout, @ v) or "full" (each block keeps only its input)."""
 
     vocab_size: int = 256  # byte-level
     seq_len: int = 64
@@ -37,6 +40,7 @@ class GPTConfig:
     bias: bool = False
     rope_base: float = 10000.0
     init_std: float = 0.02
+    recompute: str = "none"  # "none" | "selective" | "full"
 
     @property
     def num_kv_heads(self) -> int:
@@ -60,7 +64,8 @@ class GPTConfig:
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 bad.append(f"{name} must be a positive integer, got {value!r}")
         for name, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
-                              ("positions", ("rope", "learned"))):
+                              ("positions", ("rope", "learned")),
+                              ("recompute", RECOMPUTE)):
             if getattr(self, name) not in allowed:
                 bad.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:

@@ -46,6 +46,7 @@ from fastpar.nn import (ColumnParallelLinear, LayerNorm, ParallelMLP, ParallelSe
                         RMSNorm, RowParallelLinear, ShardedModule, VocabParallelEmbedding,
                         vocab_parallel_cross_entropy)
 from fastpar.nn import random as tp_random
+from fastpar.nn.recomputation import recompute
 from fastpar.nn.sharding import copy_into, resolve_group
 from fastpar.runtime import group_rank, group_size
 
@@ -137,7 +138,9 @@ class GPTEmbedding(nn.Module):
 
 class GPTBlock(nn.Module):
     """Pre-norm transformer block: ``h + attn(norm1(h))``, then ``h + mlp(norm2(h))``; shapes
-    as the embedding's output, (B, T, H) or (B, T/tp, H)."""
+    as the embedding's output, (B, T, H) or (B, T/tp, H). ``cfg.recompute == "full"``: only
+    ``h`` (sequence-sharded under SP) is kept for backward, which recomputes the block
+    (``fastpar.nn.recompute``); "selective": only the attention core is recomputed."""
 
     def __init__(self, cfg: GPTConfig, group):
         super().__init__()
@@ -147,13 +150,19 @@ class GPTBlock(nn.Module):
         self.attn = ParallelSelfAttention(cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.bias,
                                           attn_dropout=p, dropout=p, sequence_parallel=sp,
                                           overlap=cfg.overlap, group=group, device="meta",
-                                          rope_base=rope)
+                                          rope_base=rope,
+                                          recompute_core=cfg.recompute == "selective")
         self.norm2 = _norm(cfg, group)
         self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_size, cfg.mlp, cfg.bias, p,
                                sequence_parallel=sp, overlap=cfg.overlap, group=group,
                                device="meta")
 
+        self.recompute = cfg.recompute == "full"
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return recompute(self._forward, h) if self.recompute else self._forward(h)
+
+    def _forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.norm1(h))
         return h + self.mlp(self.norm2(h))
 

@@ -17,6 +17,11 @@ already gathered it, so p runs over 0..T-1 on every rank), by angles that grow w
 
 so ``q_p . k_s`` depends on the positions only through ``p - s``. Heads are independent, so the
 rotation needs no communication.
+
+``recompute_core=True`` is Megatron's selective recomputation: the attention core
+``softmax(q k^T / sqrt(hd) + mask) -> dropout -> @ v`` keeps only q, k, v for backward and runs
+again there (``fastpar.nn.recompute``, same dropout mask), dropping the (B, nh/tp, T, T)
+probabilities and mask, the largest activations of a block and few of its FLOPs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 
 from fastpar.nn import random as tp_random
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, pieces_argument
+from fastpar.nn.recomputation import recompute
 from fastpar.nn.sharding import generator, resolve_group
 from fastpar.runtime import group_size
 
@@ -53,13 +59,15 @@ class ParallelSelfAttention(nn.Module):
     drawn in that order from ``seed``. ``attn_dropout`` runs on the per-TP-rank stream (heads are
     sharded); ``dropout`` on the output as in ``ParallelMLP``. ``rope_base``: rotate q and k by
     rotary position embedding with that base (e.g. 10000.0; ``None``: no position information
-    here); the head dim must be even."""
+    here); the head dim must be even. ``recompute_core``: recompute the attention core in
+    backward (see the module docstring)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, *, causal: bool = True, attn_dropout: float = 0.0,
                  dropout: float = 0.0, sequence_parallel: bool = False, sequence_dim: int = 1,
                  overlap=None, overlap_pieces=None, group=None, device=None, dtype=None,
-                 seed=None, rope_base: float | None = None, chunks=None):
+                 seed=None, rope_base: float | None = None, chunks=None,
+                 recompute_core: bool = False):
         super().__init__()
         overlap_pieces = pieces_argument(overlap_pieces, chunks, "ParallelSelfAttention")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -86,7 +94,7 @@ class ParallelSelfAttention(nn.Module):
         self._rope_cache: tuple | None = None  # (key, cos, sin) of the last forward's tables
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads // tp
         self.causal, self.attn_dropout, self.dropout = causal, attn_dropout, dropout
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
         gen = generator(seed)
         common = dict(sequence_parallel=sequence_parallel, sequence_dim=1, overlap=overlap,
                       overlap_pieces=overlap_pieces, group=self.group, device=device, dtype=dtype,
@@ -107,6 +115,17 @@ class ParallelSelfAttention(nn.Module):
                                                         dtype, device))
         return self._rope_cache[1], self._rope_cache[2]
 
+    def _core(self, q, k, v) -> torch.Tensor:
+        """The attention core: q (B, nh/tp, T, hd), k, v (B, nkv/tp, T, hd) -> (B, nh/tp, T,
+        hd), probabilities dropped on the per-TP-rank stream (heads are sharded)."""
+        p = self.attn_dropout if self.training else 0.0
+        gqa = self.local_heads != self.local_kv_heads
+        if p:
+            with tp_random.fork("tp", self.group):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p,
+                                                      is_causal=self.causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one entry communication for q, k and v (overlapped with their GEMMs by policy)
         q, k, v = ColumnParallelLinear.shared_forward(x, [self.q_proj, self.k_proj, self.v_proj])
@@ -118,14 +137,7 @@ class ParallelSelfAttention(nn.Module):
         if self.rope_base is not None:  # positions 0..T-1 of the full (gathered) sequence
             cos, sin = self._rotary(T, q.dtype, q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        p = self.attn_dropout if self.training else 0.0
-        gqa = self.local_heads != self.local_kv_heads
-        if p:
-            with tp_random.fork("tp", self.group):
-                h = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
-                                                   enable_gqa=gqa)
-        else:
-            h = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
+        h = recompute(self._core, q, k, v) if self.recompute_core else self._core(q, k, v)
         h = h.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)  # (B, T, nh/tp*hd)
         y = self.o_proj(h)
         if self.dropout and self.training:
