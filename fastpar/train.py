@@ -201,8 +201,8 @@ class Trainer:
               flush=True)
         print(f"[fastpar.train] model: {self.args.preset} preset, {cfg.num_params() / 1e6:.2f} M "
               f"params ({cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/"
-              f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}); steps {self.start} -> {self.steps}, "
-              f"global batch {self.args.global_batch}", flush=True)
+              f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}, recompute {cfg.recompute}); steps "
+              f"{self.start} -> {self.steps}, global batch {self.args.global_batch}", flush=True)
         print(f"[fastpar.train] data: {self.corpus_info}", flush=True)
         ranks = ", ".join(f"{r}: pid {pid}" + (f" on {host}" if host else "")
                           for r, (pid, host) in enumerate(self.pids[:16]))

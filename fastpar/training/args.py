@@ -41,6 +41,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--overlap", default="auto", choices=["auto", "on", "off"],
       help="overlap the tensor-parallel layers' communication with their GEMMs (auto: the "
            "layers' policy decides; the first step says what it did)")
+    a("--recompute", default="none", choices=["none", "selective", "full"],
+      help="activations recomputed in backward instead of kept: selective (each attention "
+           "core: softmax, dropout, @ v) or full (each block keeps only its input)")
     a("--lr", type=float, default=2e-3, help="peak learning rate (AdamW)")
     a("--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of lr")
     a("--warmup", type=int, default=None, help="linear warm-up steps (default: steps / 10)")
@@ -121,6 +124,7 @@ def model_config(args):
     if args.sequence_parallel:
         overrides["sequence_parallel"] = True
     overrides["overlap"] = {"auto": None, "on": True, "off": False}[args.overlap]
+    overrides["recompute"] = args.recompute
     if "heads" in overrides and "kv_heads" not in overrides:
         overrides["kv_heads"] = None  # a new head count: MHA unless told
     return dataclasses.replace(PRESETS[args.preset], **overrides)

@@ -66,7 +66,7 @@ def resume(t, where: str) -> None:
     saved = c.meta.get("model", {})
     mine = dataclasses.asdict(t.cfg)
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in mine.items()
-            if k not in ("sequence_parallel", "overlap", "dropout") and saved.get(k) != v]
+            if k not in ("sequence_parallel", "overlap", "dropout", "recompute") and saved.get(k) != v]
     if diff:
         raise ValueError(f"checkpoint {c.path} was saved from a different model: "
                          + "; ".join(diff))
