@@ -90,8 +90,8 @@ def _route(name: str, t: torch.Tensor, group, op="sum") -> Route:
 
     The policy depends on bytes for CUDA (IPC buffer size, 16-byte multiple), so CUDA routes
     are keyed by size, and for CPU tensors only on ``policy.size_class`` (groups that span
-    hosts: below ``HIER_MIN_BYTES``, below ``CROSS_ASYNC_MIN_BYTES``, above). Each new route logs its engine and the reason at debug level
-    (``logging.getLogger("fastpar.comm")``).
+    hosts: below ``HIER_MIN_BYTES``, below ``CROSS_ASYNC_MIN_BYTES``, above). Each new route
+    logs its engine and the reason at debug level (``logging.getLogger("fastpar.comm")``).
     """
     st = current()
     try:
