@@ -40,14 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.comm.autograd import copy_to_tp
 from fastpar.models.config import PRESETS, GPTConfig
 from fastpar.nn import (ColumnParallelLinear, LayerNorm, ParallelMLP, ParallelSelfAttention,
                         RMSNorm, RowParallelLinear, ShardedModule, VocabParallelEmbedding,
                         vocab_parallel_cross_entropy)
 from fastpar.nn import random as tp_random
 from fastpar.nn.recomputation import recompute
-from fastpar.nn.sharding import copy_into, resolve_group
+from fastpar.nn.sharding import copy_into, copy_replicated, resolve_group
 from fastpar.runtime import group_rank, group_size
 
 # GPTConfig and PRESETS live in config.py; they stay importable from here.
@@ -102,7 +101,7 @@ class GPTEmbedding(nn.Module):
     """tokens (B, T) -> (B, T, H), or (B, T/tp, H) under sequence parallelism (Megatron's rule:
     the vocab-parallel lookup is reduce-scattered along the sequence instead of all-reduced).
     Learned positions ``pos`` are replicated; under SP each rank adds its own T/tp rows, and
-    their gradient is summed over the tp group (``copy_to_tp``)."""
+    their gradient is summed over the tp group (``copy_replicated``: in float32 at least)."""
 
     def __init__(self, cfg: GPTConfig, group):
         super().__init__()
@@ -127,7 +126,7 @@ class GPTEmbedding(nn.Module):
             t = h.shape[1]
             if self.sequence_parallel:  # rows of this rank's tokens; dW summed over ranks
                 start = group_rank(self.group) * t
-                h = h + copy_to_tp(self.pos.weight, self.group)[start:start + t]
+                h = h + copy_replicated(self.pos.weight, self.group)[start:start + t]
             else:
                 h = h + self.pos.weight[:t]
         if self.dropout and self.training:  # under SP each rank holds other tokens: own mask
@@ -252,17 +251,22 @@ def sum_tied_grads(modules, group=None) -> None:
     """Give every tied Parameter the gradient of the tied weight: the sum of all copies' grads,
     here and over ``group`` (the topology's ``embedding_group``: first and last pipeline stage;
     None or one rank: local only). Call after backward, before clipping and the optimizer step;
-    a missing grad counts as zeros."""
+    a missing grad counts as zeros. The sum is in float32 at least (a bf16 model's copies are
+    widened, summed here and over the group, and rounded once)."""
     from fastpar.comm.collectives import all_reduce
 
     params = tied_parameters(modules)
     if not params:  # untied (then no rank has any), or a middle stage (in no embedding group)
         return
-    total = sum((p.grad for p in params if p.grad is not None), torch.zeros_like(params[0]))
+    wide = torch.promote_types(params[0].dtype, torch.float32)
+    total = torch.zeros_like(params[0], dtype=wide)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad
     if group is not None and group_size(group) > 1:
         all_reduce(total, group)
     for p in params:  # in place: a data-parallel reducer may hold views of the grads
         if p.grad is None:
-            p.grad = total.clone()
+            p.grad = total.to(p.dtype, copy=True)
         else:
             p.grad.copy_(total)

@@ -33,7 +33,8 @@ from torch import nn
 from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_tp,
                                    reduce_from_tp, reduce_scatter_sequence, scatter_to_tp)
 from fastpar.nn import overlap as ov
-from fastpar.nn.sharding import ShardedModule, copy_into, full_linear, generator, resolve_group
+from fastpar.nn.sharding import (ShardedModule, copy_into, copy_replicated, full_linear, generator,
+                                 resolve_group)
 from fastpar.runtime import group_size
 
 
@@ -272,8 +273,9 @@ class RowParallelLinear(_ParallelLinear):
             # The matmul output is fresh and saved by nobody, so it is reduced in place.
             y = reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
         if self.sequence_parallel:
-            # The bias is replicated but meets only this rank's tokens: sum its grad over ranks.
-            bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
+            # The bias is replicated but meets only this rank's tokens: sum its grad over ranks
+            # (in float32 for a bf16 bias).
+            bias = None if self.bias is None else copy_replicated(self.bias, self.group)
         else:
             bias = self.bias
         return y if bias is None else y + bias

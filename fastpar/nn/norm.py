@@ -2,8 +2,8 @@
 
 Their parameters are replicated. Without sequence parallelism every TP rank sees the same tokens
 and computes the same gradients. With it each rank sees only its tokens, so the weight (and bias)
-enter the computation through ``copy_to_tp``: forward ``w``, backward ``dw = all_reduce(dw_n)``,
-the gradient of the serial model over the whole sequence.
+enter the computation through ``copy_replicated``: forward ``w``, backward ``dw = all_reduce(dw_n)``
+(summed in float32 for a bf16 weight), the gradient of the serial model over the whole sequence.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.comm.autograd import copy_to_tp
+from fastpar.nn.sharding import copy_replicated, resolve_group
 
 
 class _SequenceParallelNorm(nn.Module):
@@ -21,14 +21,12 @@ class _SequenceParallelNorm(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.group = None
         if sequence_parallel:
-            from fastpar.nn.sharding import resolve_group
-
             self.group = resolve_group(group)
 
     def _param(self, p):
         if p is None or not self.sequence_parallel:
             return p
-        return copy_to_tp(p, self.group)
+        return copy_replicated(p, self.group)
 
 
 class LayerNorm(_SequenceParallelNorm):

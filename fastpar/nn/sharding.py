@@ -81,6 +81,23 @@ def vocab_range(num_embeddings: int, rank: int, size: int) -> tuple[int, int]:
     return start, min(start + per, num_embeddings)
 
 
+def copy_replicated(param: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's f for a parameter replicated over the tp group that meets only this rank's
+    tokens (sequence parallelism: norm weights and biases, a row layer's bias, learned
+    positions). forward: ``y = param``; backward: ``dparam = all_reduce(dparam_n)`` summed in
+    float32 at least: a bf16 / fp16 gradient is widened (exactly), summed, and rounded once to
+    the parameter's dtype, rather than rounded after each rank's addition (pytorch#190626 is
+    FSDP2 summing such gradients in bf16)."""
+    from fastpar.comm.autograd import copy_to_tp
+
+    if group_size(group) == 1:
+        return param
+    wide = torch.promote_types(param.dtype, torch.float32)
+    if wide == param.dtype:
+        return copy_to_tp(param, group)
+    return copy_to_tp(param.to(wide), group).to(param.dtype)  # forward: exact round trip
+
+
 def copy_into(param: nn.Parameter, value: torch.Tensor) -> None:
     with torch.no_grad():
         param.copy_(value.to(device=param.device, dtype=param.dtype))
