@@ -153,6 +153,43 @@ class Unused(nn.Module):
         return self.used(x)
 
 
+def check_replicated_grads_in_fp32(c, topo, seed):
+    """A bf16 RMSNorm and a row layer's bias under sequence parallelism: their gradients are
+    summed over tp in float32 (every all-reduce of the backward carries float32, not bf16: the
+    FSDP2 bug pytorch#190626), and the norm's matches the serial one within bf16's bound."""
+    from fastpar import nn as pnn
+    from fastpar.comm import autograd as ag
+
+    tp, r = topo.tp_size, topo.tp_rank
+    gen = torch.Generator().manual_seed(seed + 5)
+    x = torch.randn(2, 4 * tp, 16, generator=gen)  # (B, T, H), the same on every rank
+    w = 1 + 0.1 * torch.randn(16, generator=gen)
+    norm = pnn.RMSNorm(16, sequence_parallel=True, dtype=torch.bfloat16)
+    row = pnn.RowParallelLinear(16, 16, sequence_parallel=True, seed=seed, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    seen, real = [], ag.all_reduce
+
+    def spy(t, group, *args, **kwargs):
+        seen.append(t.dtype)
+        return real(t, group, *args, **kwargs)
+
+    ag.all_reduce = spy
+    try:
+        norm(x.chunk(tp, 1)[r].bfloat16()).float().square().sum().backward()  # (B, T/tp, H)
+        row(x.chunk(tp, -1)[r].bfloat16()).float().square().sum().backward()  # (B, T, H/tp)
+    finally:
+        ag.all_reduce = real
+    assert len(seen) == 2 and all(d == torch.float32 for d in seen), seen
+    grads = []
+    for dtype in (torch.float64, torch.bfloat16):  # the serial norm over the whole sequence
+        wt = w.bfloat16().to(dtype).requires_grad_(True)  # the weight the model holds
+        F.rms_norm(x.bfloat16().to(dtype), (16,), wt, 1e-6).float().square().sum().backward()
+        grads.append(wt.grad)
+    c.close("sp.norm.bf16.dweight", norm.weight.grad, *grads)
+    c.checked.append("sp.replicated_grads_fp32")
+
+
 def check_unused(c, topo, seed):
     import fastpar
 
@@ -353,6 +390,7 @@ def body_dp(tp, seed, pp=1):
         check_replicas_differ(c, topo)
     else:
         check_tp_training(c, topo, seed)
+        check_replicated_grads_in_fp32(c, topo, seed)
     return {"checked": c.checked, "worst": c.worst}
 
 
@@ -361,6 +399,49 @@ def test_data_parallel(world, tp, pp):
     values = run_ranks(world, body_dp, tp=tp, pp=pp, seed=1234, timeout=180).values()
     assert all(v["checked"] == values[0]["checked"] for v in values)
     assert len(values[0]["checked"]) > 10
+
+
+def test_master_weights_keep_updates_below_bf16_resolution():
+    """``MasterWeights``: AdamW on float32 masters of a bf16 model, bitwise as AdamW on a float32
+    copy given the same (bf16) gradients; updates of 1e-4 on weights of 1.0 (bf16's spacing there
+    is 2^-8) move the bf16 weights, where AdamW on the bf16 weights themselves never moves them.
+    ``state_dict`` / ``masters_as_params`` round-trip exactly."""
+    from fastpar.optim import MasterWeights
+
+    kw = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.0}
+    model = nn.Linear(4, 3, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ref = copy.deepcopy(model.weight).detach().requires_grad_(True)
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    opt = MasterWeights(model.parameters(), torch.optim.AdamW, **kw)
+    model.to(torch.bfloat16)
+    ropt = torch.optim.AdamW([ref], **kw)
+    popt = torch.optim.AdamW(plain.parameters(), **kw)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(100):
+        g = (torch.rand(3, 4, generator=gen) + 0.5).bfloat16()  # one sign: a steady drift
+        model.weight.grad, ref.grad, plain.weight.grad = g.clone(), g.float(), g.clone()
+        for o in (opt, ropt, popt):
+            o.step()
+            o.zero_grad()
+    master = opt.master_of(model.weight)
+    assert master.dtype == torch.float32 and torch.equal(master, ref), (master, ref)
+    assert torch.equal(model.weight, ref.bfloat16()) and (model.weight != 1).any()
+    assert (plain.weight == 1).all(), plain.weight  # the bug MasterWeights fixes
+    assert opt.state[master]["exp_avg"].dtype == torch.float32
+    twin = nn.Linear(4, 3, bias=False).to(torch.bfloat16)
+    topt = MasterWeights(twin.parameters(), torch.optim.AdamW, **kw)
+    topt.load_state_dict(opt.state_dict())
+    with opt.masters_as_params():
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    assert saved["weight"].dtype == torch.float32 and torch.equal(saved["weight"], master)
+    with topt.masters_as_params():
+        twin.load_state_dict(saved)
+    assert torch.equal(topt.master_of(twin.weight), master)
+    assert torch.equal(twin.weight, model.weight) and twin.weight.dtype == torch.bfloat16
+    assert torch.equal(topt.state[topt.master_of(twin.weight)]["exp_avg_sq"],
+                       opt.state[master]["exp_avg_sq"])
 
 
 def test_bucket_plan():
