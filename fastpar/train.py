@@ -11,7 +11,9 @@ stages (tp inside each layer) and averages the gradients over dp (``--zero``: a 
 ``DistributedOptimizer`` reduce-scatters them instead); tied embedding gradients are summed over
 the first and last stage; the gradients are clipped by the serial model's global norm; AdamW
 steps. The initial weights depend only on ``--seed``, so every layout starts from the serial
-model and, up to float32 rounding, follows the same loss curve.
+model and, up to float32 rounding, follows the same loss curve. ``--dtype bfloat16`` computes in
+bf16 and reduces gradients in float32 on every axis; AdamW steps float32 master weights with
+float32 state (``fastpar.optim.MasterWeights``; with ``--zero`` the ZeRO optimizer's own).
 
 Rank 0 shows a progress bar and a line every ``--log-every`` steps, validation loss every
 ``--val-every``, JSON lines with ``--metrics``, and a loss plot at the end (``--plot``).
@@ -61,17 +63,22 @@ class Trainer:
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
         self.pipe = Pipeline(gpt_layers(cfg, seed=args.seed), loss_fn=gpt_loss,
                              schedule=args.schedule, microbatches=self.microbatches,
-                             virtual_stages=args.virtual_stages).to(dtype)
+                             virtual_stages=args.virtual_stages)  # float32, as initialised
+        adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
         if args.zero:
-            self.model = self.pipe
+            self.model = self.pipe.to(dtype)
             self.opt = fastpar.optim.DistributedOptimizer(
-                self.pipe.parameters(), torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
-                weight_decay=args.weight_decay)
+                self.pipe.parameters(), torch.optim.AdamW, **adamw)
+        elif dtype == torch.float32:
+            self.model = fastpar.DataParallel(self.pipe)
+            self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
         else:
-            self.model = fastpar.DataParallel(self.pipe, reduce_dtype=torch.float32
-                                              if dtype != torch.float32 else None)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                         weight_decay=args.weight_decay)
+            # Masters from the float32 initial weights, then the model computes in bf16;
+            # gradients are reduced over dp in float32 (over tp and the tied copies too:
+            # fastpar.nn, sum_tied_grads) and AdamW steps the float32 masters.
+            self.opt = fastpar.optim.MasterWeights(self.pipe.parameters(), torch.optim.AdamW,
+                                                   **adamw)
+            self.model = fastpar.DataParallel(self.pipe.to(dtype), reduce_dtype=torch.float32)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
         self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
         self.start = 0
@@ -197,8 +204,9 @@ class Trainer:
         print(f"[fastpar.train] world {t.world_size} = tp {t.tp_size} x pp {t.pp_size} x dp "
               f"{t.dp_size} on {t.device.type}; schedule {self.args.schedule}, "
               f"{self.microbatches} microbatches of {self.rows // self.microbatches} "
-              f"sequences; {'ZeRO-1 ' if self.args.zero else ''}AdamW lr {self.args.lr:g}",
-              flush=True)
+              f"sequences; {'ZeRO-1 ' if self.args.zero else ''}AdamW lr {self.args.lr:g}"
+              + ("; bfloat16 compute, float32 master weights, gradients reduced in float32"
+                 if self.args.dtype == "bfloat16" else ""), flush=True)
         print(f"[fastpar.train] model: {self.args.preset} preset, {cfg.num_params() / 1e6:.2f} M "
               f"params ({cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/"
               f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}, recompute {cfg.recompute}); steps "

@@ -8,11 +8,14 @@
 ``trainer`` is a ``fastpar.train.Trainer``. A checkpoint holds the serial layout (safetensors,
 ``fastpar.training.checkpoint``), so any tp / pp / dp of the same model loads it; its metadata
 records the model, the data stream (seed, global batch), the layout it was saved under and the
-learning-rate plan, and a resume checks each against this run.
+learning-rate plan, and a resume checks each against this run. A ``--dtype bfloat16`` run saves
+its float32 master weights and float32 optimizer state, so it resumes exactly, and a checkpoint
+loads under either dtype (a bf16 model takes the masters rounded).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -27,7 +30,8 @@ def save(t, step: int) -> None:
     from fastpar.training import checkpoint as ckpt
     from fastpar.training.state import serial_optimizer_state
 
-    weights = fastpar.full_state_dict(t.model)
+    with masters_in_place(t.opt):  # a bf16 run's weights are its float32 masters
+        weights = fastpar.full_state_dict(t.model)
     opt_tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
     if t.topo.rank == 0:
         meta = {"model": dataclasses.asdict(t.cfg), "seed": t.args.seed,
@@ -80,7 +84,8 @@ def resume(t, where: str) -> None:
     ckpt.check_model_shapes(expected, c.model, c.path)
     if c.step > t.steps:
         raise ValueError(f"checkpoint {c.path} is at step {c.step}, past --steps {t.steps}")
-    fastpar.load_full_state_dict(t.model, c.model)
+    with masters_in_place(t.opt):  # float32 masters exact; the bf16 weights rounded from them
+        fastpar.load_full_state_dict(t.model, c.model)
     load_serial_optimizer_state(t.pipe, t.opt, c.optimizer, c.meta.get("optimizer_scalars", {}))
     t.sched.load_state_dict({**t.sched.state_dict(), **c.meta["scheduler"]})
     # This run's flags make the plan (the same flags: the checkpoint's plan, bit for bit):
@@ -114,6 +119,14 @@ def replanned(t, saved: dict | None, step: int) -> str | None:
     changed = ", ".join(f"{k} {saved[k]:g} -> {plan[k]:g}" for k in plan if saved[k] != plan[k])
     return (f"the learning-rate schedule is replanned ({changed}): at step {step} the rate "
             f"goes from {lr_at(saved, step):.3g} to {now:.3g}")
+
+
+def masters_in_place(opt):
+    """Where the weights of record are: ``opt``'s float32 masters for a bf16 run without ZeRO
+    (``fastpar.optim.MasterWeights``), else the parameters themselves."""
+    from fastpar.optim import MasterWeights
+
+    return opt.masters_as_params() if isinstance(opt, MasterWeights) else contextlib.nullcontext()
 
 
 def scheduler_state(sched) -> dict:

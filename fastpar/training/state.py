@@ -11,7 +11,8 @@ into serial names (``"<param>:<kind>"``), and loading runs ``load_full_state_dic
 swapped-in zero tensors. Scalar state (Adam's ``step``) is the same for every parameter of a
 run that steps them together; it is returned once per kind.
 
-Works for ``torch.optim`` optimizers over ``model.parameters()`` in order, and for
+Works for ``torch.optim`` optimizers over ``model.parameters()`` in order, for
+``fastpar.optim.MasterWeights`` over them (the state is its masters', float32), and for
 ``fastpar.optim.DistributedOptimizer`` (ZeRO-1: its consolidated flat state is split per
 parameter first, and rebuilt the same way on load, at any dp size).
 """
@@ -22,7 +23,7 @@ import contextlib
 
 import torch
 
-from fastpar.optim import DistributedOptimizer
+from fastpar.optim import DistributedOptimizer, MasterWeights
 from fastpar.state_dict import full_state_dict, load_full_state_dict
 
 
@@ -53,7 +54,10 @@ def _per_param(model, opt) -> tuple[list, dict[str, list], dict]:
         per = {k: [full["state"][where[id(p)][0]][k][where[id(p)][1]:where[id(p)][2]]
                    .view(p.shape).to(p.dtype) for p in params] for k in kinds}
         return params, per, scalars
-    state = [opt.state.get(p, {}) for p in params]
+    if isinstance(opt, MasterWeights):  # the state is the float32 masters'
+        state = [opt.state.get(opt.master_of(p), {}) for p in params]
+    else:
+        state = [opt.state.get(p, {}) for p in params]
     if any(not st for st in state):
         raise ValueError("optimizer state is missing for some parameters (save after the "
                          "first step)")
@@ -86,7 +90,8 @@ def load_serial_optimizer_state(model, opt, tensors: dict[str, torch.Tensor],
     per = {}
     for kind in kinds:
         serial = {k.rsplit(":", 1)[0]: v for k, v in tensors.items() if k.endswith(":" + kind)}
-        fresh = [torch.zeros_like(p) for p in params]
+        fresh = [torch.zeros_like(opt.master_of(p) if isinstance(opt, MasterWeights) else p)
+                 for p in params]  # the state's dtype: the masters' for MasterWeights
         with _swapped(params, fresh):
             load_full_state_dict(model, serial)
         per[kind] = fresh
@@ -108,7 +113,8 @@ def load_serial_optimizer_state(model, opt, tensors: dict[str, torch.Tensor],
         return
     sd = opt.state_dict()
     order = [id(p) for g in opt.param_groups for p in g["params"]]
-    if order != [id(p) for p in params]:
+    held = [opt.master_of(p) for p in params] if isinstance(opt, MasterWeights) else params
+    if order != [id(p) for p in held]:
         raise ValueError("the optimizer must hold model.parameters(), in order")
     state = {}
     for j in range(len(params)):
