@@ -403,8 +403,8 @@ def test_data_parallel(world, tp, pp):
 
 def test_master_weights_keep_updates_below_bf16_resolution():
     """``MasterWeights``: AdamW on float32 masters of a bf16 model, bitwise as AdamW on a float32
-    copy given the same (bf16) gradients; updates of 1e-4 on weights of 1.0 (bf16's spacing there
-    is 2^-8) move the bf16 weights, where AdamW on the bf16 weights themselves never moves them.
+    copy given the same (bf16) gradients; updates of -1e-4 on weights of 1.0 (bf16's spacing below
+    1 is 2^-8) move the bf16 weights, where AdamW on the bf16 weights themselves never moves them.
     ``state_dict`` / ``masters_as_params`` round-trip exactly."""
     from fastpar.optim import MasterWeights
 
