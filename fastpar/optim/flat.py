@@ -1,19 +1,26 @@
-"""The flat layout ZeRO-1 shards: one (dtype, device) group of parameters laid end to end.
+"""The flat layout ZeRO shards: one (dtype, device) group of parameters laid end to end, cut
+into runs, each run sharded over dp on its own.
 
-A ``FlatGroup`` is pure arithmetic plus the copies in and out of the flat order; it owns no
-communication. Parameters keep their own storage; the flat order exists only in the buffers the
-optimizer assembles (gradients in, updated shards out)::
+A ``FlatGroup`` is pure arithmetic plus copies in and out of the flat order; it owns no
+communication and no storage but the master shard::
 
-    flat   = cat(p.reshape(-1) for p in params) ++ zeros(pad)        # (padded,)
-    padded = ceil(numel / dp) * dp,  shard = padded // dp
-    rank r owns flat[r * shard : (r + 1) * shard]
+    flat   = cat(p.reshape(-1) for p in params)                         # (numel,)
+    runs   = contiguous slices flat[lo:hi], cut before the parameters in ``cuts``
+    piece  = ceil((hi - lo) / dp)          # a run padded to dp * piece (the padding is zero)
+    rank r owns flat[lo + r * piece : lo + (r + 1) * piece] of every run
+    shard  = cat over runs of rank r's piece                            # (sum of pieces,)
 
-The order is the order the parameters were given in, so every dp rank that passes the same
-model derives the same layout, and the unpadded flat order does not depend on dp (what makes a
-consolidated state re-shardable at another dp size).
+ZeRO-1 has one run (the whole group: rank r owns one block of the flat order); ZeRO-2 cuts runs
+by bucket size (each is reduce-scattered as soon as backward fills it); ZeRO-3 cuts them by
+module (each is all-gathered before its module runs). The order is the order the parameters
+were given in, so every dp rank that passes the same model derives the same layout, and the
+unpadded flat order does not depend on dp or on the runs (what makes a consolidated state
+re-shardable at another dp size or stage).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -23,15 +30,32 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class FlatGroup:
-    """Parameters of one (dtype, device), their offsets in the flat order and this rank's shard.
+@dataclasses.dataclass
+class Run:
+    """Parameters ``first .. last - 1`` of a group: ``flat[lo:hi]``, rank r's piece at
+    ``lo + r * piece``, this rank's piece at ``shard[soff:soff + piece]``, and the run's
+    padded ``(dp * piece,)`` block at ``poff`` in the padded flat order."""
 
-    ``master``: an ``nn.Parameter`` of shape ``(shard,)`` in ``master_dtype``, this rank's slice
-    of the flat parameters (padding zero); it is what the inner optimizer sees.
+    index: int
+    first: int
+    last: int
+    lo: int
+    hi: int
+    piece: int
+    soff: int
+    poff: int
+
+
+class FlatGroup:
+    """Parameters of one (dtype, device), their offsets in the flat order, the runs, and this
+    rank's shard.
+
+    ``master``: an ``nn.Parameter`` of shape ``(shard,)`` in ``master_dtype``, what the inner
+    optimizer sees; ``DistributedOptimizer`` may make it a view of the parameters' own storage.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], dp_size: int, dp_rank: int,
-                 alloc=None):
+                 cuts=(0,)):
         self.params = params
         self.dtype, self.device = params[0].dtype, params[0].device
         self.numels = [p.numel() for p in params]
@@ -40,27 +64,22 @@ class FlatGroup:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = self.offsets[-1]
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        self.shard = -(-self.numel // dp_size)  # ceil
-        self.padded = self.shard * dp_size
-        self.start = dp_rank * self.shard
+        starts = sorted({0, *(c for c in cuts if 0 < c < len(params))})
+        self.runs: list[Run] = []
+        soff = poff = 0
+        for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(params)])):
+            lo, hi = self.offsets[a], self.offsets[b]
+            piece = -(-(hi - lo) // dp_size)  # ceil
+            self.runs.append(Run(k, a, b, lo, hi, piece, soff, poff))
+            soff += piece
+            poff += piece * dp_size
+        self.shard, self.padded = soff, poff
+        self.run_of = [r for r in self.runs for _ in range(r.first, r.last)]  # param -> run
         self.master = torch.nn.Parameter(self.local(self.flat_params()))
-        # alloc(numel, dtype) -> zeroed tensor, e.g. in symmetric memory (DistributedOptimizer);
-        # None: plain tensors. Both buffers are (padded,) in master_dtype, reused every step.
-        self._alloc = alloc
-        self._grad_buf: torch.Tensor | None = None
-        self._gather_buf: torch.Tensor | None = None
-        if alloc is not None and self.device.type == "cpu":
-            self.buffer("grad"), self.buffer("gather")  # collective: now, in the same order
-
-    def buffer(self, name: str) -> torch.Tensor:
-        """The reused ``(padded,)`` buffer ``name`` ("grad" or "gather"), zeroed when made."""
-        attr = f"_{name}_buf"
-        if getattr(self, attr) is None:
-            dt = master_dtype(self.dtype)
-            setattr(self, attr, torch.zeros(self.padded, dtype=dt, device=self.device)
-                    if self._alloc is None or self.device.type != "cpu"
-                    else self._alloc(self.padded, dt))
-        return getattr(self, attr)
+        # storage DistributedOptimizer attaches (stages 1 and 2): the parameters' padded flat
+        # buffer, stage 1's gradient buffer and the parameters' views of it
+        self.param_buf = self.grad_buf = self.grad_views = None
+        self.master_is_view = False
 
     @torch.no_grad()
     def flat_params(self) -> torch.Tensor:
@@ -68,43 +87,54 @@ class FlatGroup:
         return torch.cat([p.detach().reshape(-1) for p in self.params]).to(
             master_dtype(self.dtype))
 
+    def _mine(self, run: Run) -> tuple[int, int]:
+        """This rank's unpadded part of ``run``: flat ``[lo, hi)`` (maybe empty)."""
+        lo = min(run.lo + self.dp_rank * run.piece, run.hi)
+        return lo, min(lo + run.piece, run.hi)
+
     def local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's padded shard ``(shard,)`` of an unpadded flat tensor ``(numel,)``: a
         fresh tensor."""
         assert full.shape == (self.numel,), (full.shape, self.numel)
         out = torch.zeros(self.shard, dtype=full.dtype, device=full.device)
-        end = min(self.start + self.shard, self.numel)
-        if end > self.start:
-            out[:end - self.start].copy_(full[self.start:end])
+        for run in self.runs:
+            lo, hi = self._mine(run)
+            out[run.soff:run.soff + hi - lo].copy_(full[lo:hi])
         return out
 
-    @torch.no_grad()
-    def flat_grad(self) -> torch.Tensor:
-        """The gradients in flat order, ``(padded,)`` in ``master_dtype``; a missing gradient
-        (a parameter this backward did not reach) counts as zero."""
-        buf = self.buffer("grad")
-        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
-            if p.grad is None:
-                buf[a:b].zero_()
-            else:
-                buf[a:b].copy_(p.grad.reshape(-1))
-        return buf  # the padding was zeroed at allocation and is never written
+    def unshard(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The unpadded flat ``(numel,)`` of every rank's shard, ``stacked`` ``(dp * shard,)``
+        in rank order (an all-gather of the shards)."""
+        rows = stacked.view(self.dp_size, self.shard)
+        return torch.cat([rows[:, r.soff:r.soff + r.piece].reshape(-1)[:r.hi - r.lo]
+                          for r in self.runs])
 
-    @torch.no_grad()
-    def write_params(self, full: torch.Tensor) -> None:
-        """Copy a gathered flat tensor ``(padded,)`` or ``(numel,)`` into the parameters."""
-        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
-            p.copy_(full[a:b].view(p.shape))
+    def padded_view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s place in a padded flat buffer ``(padded,)``, shaped like it."""
+        run = self.run_of[i]
+        start = run.poff + self.offsets[i] - run.lo
+        return buf[start:start + self.numels[i]].view(self.params[i].shape)
+
+    def run_view(self, block: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s place in its run's own padded block ``(dp * piece,)``."""
+        start = self.offsets[i] - self.run_of[i].lo
+        return block[start:start + self.numels[i]].view(self.params[i].shape)
+
+    def run_block(self, buf: torch.Tensor, run: Run) -> torch.Tensor:
+        """``run``'s padded block ``(dp * piece,)`` of a padded flat buffer."""
+        return buf[run.poff:run.poff + run.piece * self.dp_size]
 
     def shard_mask(self, keep) -> torch.Tensor:
         """``(shard,)`` float64 on the group's device: 0 on this rank's elements of every
         parameter ``p`` with ``keep(p)`` false, 1 elsewhere (padding included)."""
         mask = torch.ones(self.shard, dtype=torch.float64, device=self.device)
-        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
-            lo, hi = max(a, self.start), min(b, self.start + self.shard)
+        for p, a, b, run in zip(self.params, self.offsets, self.offsets[1:], self.run_of):
+            mine_lo, mine_hi = self._mine(run)
+            lo, hi = max(a, mine_lo), min(b, mine_hi)
             if hi > lo and not keep(p):
-                mask[lo - self.start:hi - self.start] = 0
+                mask[run.soff + lo - mine_lo:run.soff + hi - mine_lo] = 0
         return mask
 
     def describe(self) -> str:
-        return f"{self.dtype}/{self.device.type}: {self.numel} elements, shard {self.shard}"
+        return (f"{self.dtype}/{self.device.type}: {self.numel} elements in {len(self.runs)} "
+                f"run{'s' if len(self.runs) != 1 else ''}, shard {self.shard}")

@@ -1,33 +1,48 @@
-"""``fastpar.optim.DistributedOptimizer``: ZeRO stage 1, optimizer state sharded over dp.
+"""``fastpar.optim.DistributedOptimizer``: ZeRO stages 1, 2 and 3 over the dp group.
 
     model = build_model()                       # NOT wrapped in fastpar.DataParallel
-    opt = fastpar.optim.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
+    opt = fastpar.optim.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4,
+                                             stage=2)        # stage=3 also needs module=model
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    loss_fn(model(x_local), y_local).backward() # this dp rank's slice of the batch
+    with opt.no_sync():                         # accumulation: every microbatch but the last
+        loss_fn(model(x0), y0).backward()
+    loss_fn(model(x1), y1).backward()           # this dp rank's slice of the batch
     norm = opt.clip_grad_norm_(1.0)             # optional: reduces, then clips
     opt.step(); sched.step(); opt.zero_grad()
 
-Each step (``fastpar.optim.flat`` holds the layout, dp ranks r = 0..dp-1)::
+The parameters of each (dtype, device) are laid end to end (``fastpar.optim.flat``: runs,
+each sharded over the dp ranks r = 0..dp-1). Per step::
 
     reduce:  g_shard_r = reduce_scatter(flat(param.grad))[r] / dp     # mean over dp
-    update:  inner.step() on master_r (this rank's fp32 slice), using g_shard_r
-    gather:  params = all_gather(master_r)                            # every rank, full model
+    update:  inner.step() on master_r (this rank's fp32 shard), using g_shard_r
+    gather:  params = all_gather(master_r)
 
-Gradients are copied into a flat buffer and reduced in the master dtype (float32 for a
-bfloat16 model). The inner optimizer (``optimizer_cls``: Adam, AdamW, SGD, ...) keeps state for
-1/dp of the elements; gradients travel once as a reduce-scatter and parameters once as an
-all-gather (the bytes of one all-reduce). ``group=None`` is the topology's dp group.
+What each stage keeps per rank (P parameter bytes, G gradient bytes, S optimizer state):
+
+- stage 1: the parameters are views of one flat buffer and their gradients views of another
+  (symmetric memory where the dp group's collectives go to shm, so the reduce-scatter and
+  all-gather read and write them in place); the fp32 master of a float32 model is this rank's
+  block of the parameter buffer itself. P + G + S / dp (+ a G / dp reduced shard).
+- stage 2: runs of about ``bucket_mb`` are reduce-scattered as backward fills them
+  (``fastpar.optim.zero_grads``), overlapped with the rest of backward; their ``.grad`` are
+  dropped at launch, so no full-size gradient outlives its run. P + (P + G + S) / dp.
+- stage 3: the parameters themselves are 1/dp shards (the masters); each module's are
+  all-gathered around its forward and backward (``fastpar.optim.zero_stage3``).
+  (P + G + S) / dp + the gathered modules.
+
+A bfloat16 model keeps float32 masters and reduces its gradients in float32 (a float32 copy of
+the gradient buffer at stage 1). The inner optimizer (``optimizer_cls``: Adam, AdamW, SGD, ...)
+keeps state for 1/dp of the elements; ``group=None`` is the topology's dp group.
 
 Gradients: the optimizer averages the plain per-rank gradients itself, so the model must not also
-be wrapped in ``fastpar.DataParallel`` (its already averaged gradients would be averaged again:
-harmless in value, but the all-reduce is wasted). A parameter whose ``.grad`` is None counts as a
-zero gradient: its master still steps, so weight decay (AdamW, SGD's ``weight_decay``) moves a
-parameter the serial optimizer would skip; an untouched Adam/SGD state without decay stays put.
+be wrapped in ``fastpar.DataParallel``. A parameter whose ``.grad`` is None counts as a zero
+gradient: its master still steps, so weight decay moves a parameter the serial optimizer would
+skip; an untouched Adam/SGD state without decay stays put.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import math
 
@@ -35,24 +50,29 @@ import torch
 
 from fastpar import comm
 from fastpar.optim.clip import check_max_norm, clip_by_global_norm_, counted
-from fastpar.optim.flat import FlatGroup
+from fastpar.optim.flat import FlatGroup, master_dtype
+from fastpar.optim.zero_checkpoint import CheckpointMixin
+from fastpar.optim.zero_grads import GradReducer
+from fastpar.optim.zero_stage3 import ShardedParams, module_units, unit_cuts
 from fastpar.runtime import group_rank, group_size, topology
 
 log = logging.getLogger("fastpar.optim")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1 over the dp group; see the module docstring.
+class DistributedOptimizer(CheckpointMixin, torch.optim.Optimizer):
+    """ZeRO over the dp group; see the module docstring.
 
     ``params``: an iterable of tensors (one hyper-parameter group; per-group options are not
-    supported); frozen ones (``requires_grad=False``) are skipped. ``optimizer_cls(masters,
-    **kwargs)`` builds the inner optimizer over one flat master shard per (dtype, device).
+    supported); frozen ones (``requires_grad=False``) are skipped and stay as they are.
+    ``optimizer_cls(masters, **kwargs)`` builds the inner optimizer over one flat master shard
+    per (dtype, device). ``stage``: 1, 2 or 3. ``module``: the model holding ``params``
+    (stage 3 needs it: its modules are the gather units). ``bucket_mb``: stage 2's run size.
     ``param_groups`` and ``state`` are the inner optimizer's, so ``torch.optim.lr_scheduler``
-    drives it. Masters are ``float32`` (or ``float64`` for ``float64`` parameters), so a bfloat16
-    model keeps full-precision weights and state.
+    drives it. Masters are ``float32`` (or ``float64`` for ``float64`` parameters).
     """
 
-    def __init__(self, params, optimizer_cls, *, group=None, **kwargs):
+    def __init__(self, params, optimizer_cls, *, group=None, stage: int = 1, module=None,
+                 bucket_mb: float = 25.0, **kwargs):
         # torch.optim.Optimizer.__init__ is not called: it would build param_groups of the
         # full parameters; this class delegates them to the inner optimizer instead.
         params = list(params)
@@ -61,6 +81,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "options (dicts) are not supported")
         if not all(isinstance(p, torch.Tensor) for p in params):
             raise TypeError("DistributedOptimizer: params must be tensors")
+        if stage not in (1, 2, 3) or isinstance(stage, bool):
+            raise ValueError(f"DistributedOptimizer: stage must be 1, 2 or 3, got {stage!r}")
+        if stage == 3 and not isinstance(module, torch.nn.Module):
+            raise ValueError("DistributedOptimizer(stage=3) needs module= the nn.Module that "
+                             f"holds the parameters (its modules are gathered one by one); got "
+                             f"{type(module).__name__}")
+        if not bucket_mb > 0:
+            raise ValueError(f"DistributedOptimizer: bucket_mb must be positive, got {bucket_mb}")
         seen, trainable = set(), []
         for p in params:
             if p.requires_grad and id(p) not in seen:
@@ -68,25 +96,75 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 trainable.append(p)
         if not trainable:
             raise ValueError("DistributedOptimizer got no trainable parameters")
+        self.stage = stage
         self.group = topology().dp_group if group is None else group
         self.dp_size = group_size(self.group, "DistributedOptimizer")
         self.dp_rank = group_rank(self.group, "DistributedOptimizer")
         by_key: dict[tuple, list] = {}  # (dtype, device) -> params, in order of first appearance
         for p in trainable:
             by_key.setdefault((p.dtype, p.device), []).append(p)
-        # Buffers in symmetric memory when the dp group's collectives go to shm: the gradient
+        units = module_units(module) if stage == 3 else None
+        self.flat = [FlatGroup(ps, self.dp_size, self.dp_rank, self._cuts(ps, units, bucket_mb))
+                     for ps in by_key.values()]
+        # Stage 1 in symmetric memory when the dp group's collectives go to shm: the gradient
         # reduce-scatter then reads every rank's buffer where it lies, and the parameter
         # all-gather copies the peers' shards straight out of theirs (no staging copies).
-        alloc = None
-        if comm.symmetric_available(self.group, "all_gather"):
-            def alloc(numel, dtype):  # collective: every dp rank builds the same FlatGroups
-                return comm.symmetric_empty(numel, dtype=dtype, group=self.group).zero_()
-        self.symmetric = alloc is not None
-        self.flat = [FlatGroup(ps, self.dp_size, self.dp_rank, alloc) for ps in by_key.values()]
+        self.symmetric = stage == 1 and comm.symmetric_available(self.group, "all_gather")
+        self.grads = self.sharded = None
+        if stage < 3:
+            for f in self.flat:
+                self._build_buffers(f)
+        else:
+            self.sharded = ShardedParams(self.flat, self.group, self.dp_rank, module, units)
+        if stage >= 2:
+            self.grads = GradReducer(self.flat, self.group, self.dp_size)
         self.optimizer_cls, self.kwargs = optimizer_cls, dict(kwargs)
         self.inner = optimizer_cls([f.master for f in self.flat], **kwargs)
         self._reduced = False  # master grads hold this backward's reduced gradient
         log.debug("%r", self)
+
+    def _cuts(self, ps, units, bucket_mb) -> list[int]:
+        """Where the runs of one flat group start (see ``fastpar.optim.flat``)."""
+        if self.stage == 1:
+            return [0]
+        if self.stage == 3:
+            return unit_cuts(ps, units)
+        cap, used, cuts = int(bucket_mb * 2**20), 0, [0]
+        for i, p in enumerate(ps):
+            nbytes = p.numel() * torch.empty((), dtype=master_dtype(p.dtype)).element_size()
+            if used and used + nbytes > cap:
+                cuts.append(i)
+                used = 0
+            used += nbytes
+        return cuts
+
+    def _alloc(self, numel: int, dtype, device) -> torch.Tensor:
+        if self.symmetric and device.type == "cpu":  # collective: same order on every rank
+            return comm.symmetric_empty(numel, dtype=dtype, group=self.group).zero_()
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def _build_buffers(self, f: FlatGroup) -> None:
+        """Stages 1 and 2: the parameters become views of one padded flat buffer (their values
+        kept); stage 1 also puts the gradients in one (views when the dtype is the master's)."""
+        f.param_buf = self._alloc(f.padded, f.dtype, f.device)
+        for i, p in enumerate(f.params):
+            view = f.padded_view(f.param_buf, i)
+            view.copy_(p.detach())
+            p.data = view
+        f.master_is_view = self.stage == 1 and f.dtype == master_dtype(f.dtype)
+        if f.master_is_view:  # this rank's block of the parameters is the master itself
+            f.master = torch.nn.Parameter(f.param_buf[self.dp_rank * f.shard:
+                                                      (self.dp_rank + 1) * f.shard])
+        f.grad_buf = f.grad_views = None
+        if self.stage == 1:
+            f.grad_buf = self._alloc(f.padded, master_dtype(f.dtype), f.device)
+            if f.master_is_view:
+                f.grad_views = [f.padded_view(f.grad_buf, i) for i in range(len(f.params))]
+                for p, v in zip(f.params, f.grad_views):
+                    if p.grad is not None:
+                        v.copy_(p.grad)
+                    p.grad = v  # autograd accumulates into the flat buffer from now on
 
     # ---- what torch.optim.Optimizer users (and lr schedulers) read ------------------------------
 
@@ -108,31 +186,75 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         groups = "; ".join(f.describe() for f in self.flat)
-        return (f"DistributedOptimizer({self.optimizer_cls.__name__}, dp={self.dp_size}, "
-                f"dp_rank={self.dp_rank}, symmetric={self.symmetric}, {groups})")
+        return (f"DistributedOptimizer({self.optimizer_cls.__name__}, stage={self.stage}, "
+                f"dp={self.dp_size}, dp_rank={self.dp_rank}, symmetric={self.symmetric}, "
+                f"{groups})")
 
     # ---- the step ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates into ``.grad`` and communicates nothing (stages 2 and 3:
+        the runs are then reduce-scattered once, at the next backward outside or at
+        ``reduce()``; stage 1 reduces at the step anyway)."""
+        if self.grads is None:
+            yield
+            return
+        old, self.grads.sync = self.grads.sync, False
+        try:
+            yield
+        finally:
+            self.grads.sync = old
+
+    def gathered(self):
+        """Context: stage 3 keeps every parameter gathered for its duration (collective on
+        entry); stages 1 and 2 hold them anyway. For a pipeline step, evaluation, checkpoints."""
+        return self.sharded.gathered() if self.sharded is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def reduce(self) -> None:
         """Average the gradients over dp into this rank's master shard gradients (collective)."""
-        for f in self.flat:
-            g = comm.reduce_scatter(f.flat_grad(), group=self.group)  # (shard,): the dp sum
-            if self.dp_size > 1:
-                g = g.div_(self.dp_size)  # once, after the sum
-            else:
-                g = g.clone()  # dp 1 returns the reused buffer itself
-            f.master.grad = g
+        if self.grads is not None:
+            self.grads.finish()
+        else:
+            for f in self.flat:
+                buf = f.grad_buf
+                for i, p in enumerate(f.params):
+                    g, view = p.grad, f.padded_view(buf, i)
+                    if f.grad_views is not None and g is not None and \
+                            g.data_ptr() == view.data_ptr():
+                        continue  # accumulated in place
+                    view.copy_(g) if g is not None else view.zero_()
+                    if f.grad_views is not None:
+                        p.grad = view
+                g = comm.reduce_scatter(buf, group=self.group)  # (shard,): the dp sum
+                f.master.grad = g.div_(self.dp_size) if self.dp_size > 1 else g.clone()
+        if self.sharded is not None and not self.sharded.pinned:
+            self.sharded.free_all()  # units whose parameters got no gradient stayed gathered
         self._reduced = True
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Every rank's parameters from the master shards (collective): stages 1 and 2
+        all-gather each run into the parameters' buffer; stage 3 re-gathers only what is
+        gathered now (the rest is gathered when its module runs)."""
+        if self.sharded is not None:
+            self.sharded.refresh()
+            return
+        for f in self.flat:
+            for run in f.runs:
+                block = f.run_block(f.param_buf, run)  # (dp * piece,)
+                mine = block[self.dp_rank * run.piece:(self.dp_rank + 1) * run.piece]
+                if not f.master_is_view:  # cast (a bfloat16 model) or copy (stage 2's runs)
+                    mine.copy_(f.master.detach()[run.soff:run.soff + run.piece])
+                # symmetric (stage 1): each rank copies its peers' shards out of their buffers
+                comm.all_gather(mine, group=self.group, out=block)
 
     @torch.no_grad()
     def update(self) -> None:
         """The inner step on the masters, then every rank's parameters from all shards."""
         self.inner.step()
-        for f in self.flat:
-            # (padded,); symmetric: each rank copies its peers' shards out of their buffers
-            full = comm.all_gather(f.master.detach(), group=self.group, out=f.buffer("gather"))
-            f.write_params(full)
+        self._publish()
         self._reduced = False
 
     def step(self, closure=None):
@@ -145,8 +267,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.update()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model's gradients (and the masters'); a pending reduction is dropped."""
+        """Clear the model's gradients (and the masters'); a pending reduction is dropped.
+        Stage 1 of a float32 model keeps its gradients as zeroed views of the flat buffer even
+        with ``set_to_none`` (the buffer is their storage: backward accumulates into it)."""
+        if self.grads is not None:
+            for _, _, handle in self.grads.handles:  # launched everywhere: complete them
+                handle.wait()
+            self.grads.reset()
         for f in self.flat:
+            if f.grad_views is not None:
+                f.grad_buf.zero_()
+                for p, view in zip(f.params, f.grad_views):
+                    p.grad = view
+                continue
             for p in f.params:
                 if p.grad is None:
                     continue
@@ -206,78 +339,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
             total += sum(t.numel() * t.element_size() for t in st.values()
                          if isinstance(t, torch.Tensor))
         return total
-
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """This rank's shard: the inner optimizer's state dict and the masters; loads back only
-        at the same dp size (``consolidated_state_dict`` moves between sizes)."""
-        return {"dp_size": self.dp_size, "dp_rank": self.dp_rank,
-                "numels": [f.numel for f in self.flat],
-                "masters": [f.master.detach().clone() for f in self.flat],
-                "inner": self.inner.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Inverse of ``state_dict`` (same dp size and rank, same parameters); the masters are
-        restored and all-gathered into the parameters (collective)."""
-        got = (state_dict["dp_size"], state_dict["dp_rank"], list(state_dict["numels"]))
-        want = (self.dp_size, self.dp_rank, [f.numel for f in self.flat])
-        if got != want:
-            raise ValueError(f"DistributedOptimizer.load_state_dict: saved at dp_size "
-                             f"{got[0]}, dp_rank {got[1]} with flat groups of {got[2]} elements; "
-                             f"this optimizer has dp_size {want[0]}, dp_rank {want[1]}, "
-                             f"{want[2]}; use consolidated_state_dict() to change dp size")
-        self.inner.load_state_dict(copy.deepcopy(state_dict["inner"]))  # steps mutate it
-        self._set_masters(list(state_dict["masters"]), sharded=True)
-
-    @torch.no_grad()
-    def consolidated_state_dict(self) -> dict:
-        """The full, unsharded state, identical on every rank (collective): per flat group the
-        master weights and each per-element state tensor as ``(numel,)`` in flat order, the
-        scalar state (Adam's ``step``) as is, and the hyper-parameters. Independent of dp; plain
-        tensors, lists and numbers, so ``torch.load(weights_only=True)`` reads it."""
-        inner = self.inner.state_dict()
-        state = {}
-        for i, f in enumerate(self.flat):
-            st = {}
-            for key, value in inner["state"].get(i, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == f.master.shape \
-                        and value.dim() == 1:
-                    value = comm.all_gather(value.detach(), group=self.group)[:f.numel]
-                st[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            state[i] = st
-        masters = [comm.all_gather(f.master.detach(), group=self.group)[:f.numel].clone()
-                   for f in self.flat]
-        return {"numels": [f.numel for f in self.flat], "masters": masters, "state": state,
-                "param_groups": inner["param_groups"]}
-
-    @torch.no_grad()
-    def load_consolidated_state_dict(self, state_dict: dict) -> None:
-        """Take this rank's shard of a ``consolidated_state_dict`` saved at any dp size (the same
-        parameters, in the same order); masters and parameters are set from it."""
-        numels = [f.numel for f in self.flat]
-        if list(state_dict["numels"]) != numels:
-            raise ValueError(f"DistributedOptimizer.load_consolidated_state_dict: saved flat "
-                             f"groups of {list(state_dict['numels'])} elements, this optimizer "
-                             f"has {numels} (a different model or parameter order)")
-        state = {}
-        for i, f in enumerate(self.flat):
-            st = {}
-            for key, value in state_dict["state"].get(i, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == (f.numel,) \
-                        and value.dim() == 1 and key != "step":
-                    value = f.local(value.to(f.master.device))
-                elif isinstance(value, torch.Tensor):
-                    value = value.clone()  # torch keeps it as is: the caller's dict stays intact
-                st[key] = value
-            state[i] = st
-        self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
-        self._set_masters(list(state_dict["masters"]), sharded=False)
-
-    def _set_masters(self, masters: list[torch.Tensor], sharded: bool) -> None:
-        for f, m in zip(self.flat, masters):
-            m = m.to(device=f.master.device, dtype=f.master.dtype)
-            f.master.copy_(m if sharded else f.local(m))
-            f.write_params(comm.all_gather(f.master.detach(), group=self.group))
-        self._reduced = False

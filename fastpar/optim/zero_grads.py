@@ -1,0 +1,106 @@
+"""ZeRO-2/3 gradients: each run reduce-scattered into this rank's shard as backward fills it.
+
+One cycle per optimizer step (``DistributedOptimizer.reduce`` ends it):
+  - a post-accumulate-grad hook marks its parameter ready; when every parameter of a run is
+    ready, the run may be launched: its gradients are copied into one ``(dp * piece,)`` tensor
+    in the master dtype, their ``.grad`` dropped (so no full-size gradient outlives its run),
+    and ``comm.reduce_scatter(..., async_op=True)`` runs while backward computes the next runs.
+  - ordering: runs are launched strictly in launch order (the reverse of the flat order, the
+    order backward fills them); a run ready early waits for its predecessors. Every dp rank
+    derives the same runs from the same parameters, so all issue the same collectives in the
+    same order, whatever order their autograd engines run in.
+  - ``reduce()`` launches what is left (runs whose parameters got no gradient count as zero),
+    waits for every handle and writes ``piece / dp`` into ``master.grad[soff:soff + piece]``.
+  - inside ``no_sync()`` (every microbatch but the last, or around a whole pipeline step) the
+    hooks only let autograd accumulate in ``.grad``: one reduce-scatter per run per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastpar import comm
+from fastpar.optim.flat import master_dtype
+
+
+class GradReducer:
+    """The reduce-scatter cycle of a ``DistributedOptimizer``'s flat groups over ``group``."""
+
+    def __init__(self, flat, group, dp_size: int):
+        self.flat, self.group, self.dp_size = flat, group, dp_size
+        # launch order: the last run of the last group first
+        self.order = [(f, run) for f in flat for run in f.runs][::-1]
+        slot = {(id(f), run.index): k for k, (f, run) in enumerate(self.order)}
+        self.sync = True
+        self.on_launch = []  # callbacks(f, run): ZeRO-3 frees what backward no longer needs
+        self._hooks = []
+        for f in flat:
+            for i, p in enumerate(f.params):
+                k = slot[(id(f), f.run_of[i].index)]
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(k)))
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = [run.last - run.first for _, run in self.order]
+        self.fired: set[int] = set()
+        self.next = 0
+        self.handles: list = []  # (f, run, Handle)
+
+    def _hook(self, k: int):
+        def on_grad(p: torch.Tensor) -> None:
+            if not self.sync:
+                return  # inside no_sync(): autograd accumulates into .grad
+            if id(p) in self.fired:
+                raise RuntimeError(
+                    "DistributedOptimizer: a parameter received a gradient twice in one step "
+                    "outside no_sync(); run all but the last backward of a step under "
+                    "opt.no_sync()")
+            self.fired.add(id(p))
+            self.pending[k] -= 1
+            if self.pending[k] == 0:
+                self._launch_ready()
+        return on_grad
+
+    def _launch_ready(self) -> None:
+        while self.next < len(self.order) and self.pending[self.next] == 0:
+            self._launch(*self.order[self.next])
+            self.next += 1
+
+    @torch.no_grad()
+    def _launch(self, f, run) -> None:
+        """Copy ``run``'s gradients into one padded flat tensor, drop them, reduce-scatter it
+        (async: the collective overlaps the backward of the runs before it)."""
+        buf = torch.zeros(run.piece * self.dp_size, dtype=master_dtype(f.dtype),
+                          device=f.device)
+        for i in range(run.first, run.last):
+            p = f.params[i]
+            if p.grad is not None:
+                a = f.offsets[i] - run.lo
+                buf[a:a + f.numels[i]].copy_(p.grad.reshape(-1))
+                p.grad = None
+        self.handles.append((f, run, comm.reduce_scatter(buf, group=self.group,
+                                                         async_op=True)))
+        for callback in self.on_launch:
+            callback(f, run)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch every run not launched yet, wait for all, write the averaged pieces into the
+        masters' gradients; a new cycle starts."""
+        for k in range(self.next, len(self.order)):
+            self._launch(*self.order[k])
+        for f in self.flat:
+            f.master.grad = torch.empty_like(f.master)
+        for f, run, handle in self.handles:
+            piece = handle.wait()
+            dst = f.master.grad[run.soff:run.soff + run.piece]
+            if self.dp_size > 1:
+                torch.div(piece, self.dp_size, out=dst)  # once, after the sum
+            else:
+                dst.copy_(piece)
+        self.reset()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

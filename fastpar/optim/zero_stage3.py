@@ -1,0 +1,228 @@
+"""ZeRO-3 parameters: 1/dp shards that are all-gathered around each module's forward and
+backward, the next module's gather prefetched, and freed after use.
+
+Units are modules: the root and every ``nn.Sequential`` / ``nn.ModuleList`` / ``nn.ModuleDict``
+are opened, any other module is one unit (a GPT block, an embedding, a ``Linear``); what the root
+or a container holds itself is a unit of its own. A unit's trainable parameters are one or more
+runs of the flat order (``fastpar.optim.flat``). Each run owns a ``(dp * piece,)`` buffer whose
+storage is released (``untyped_storage().resize_(0)``) when the run is freed and re-allocated
+when it is gathered; the parameters are permanent views of it. Releasing the storage rather than
+swapping ``.data`` keeps every tensor autograd saved from a parameter (``weight.t()`` in a
+linear) a view of memory that the backward's gather fills again::
+
+    forward pre-hook of unit u:   wait u's gather (prefetched) or gather now;
+                                  launch the gather of unit u + 1 (forward order)
+    forward hook of unit u:       hook u's outputs (backward pre-hook); free u
+    backward pre-hook of unit u:  wait or gather u; launch the gather of unit u - 1
+    post-accumulate-grad hooks:   once every parameter of u has its gradient, free u
+
+``gathered()`` pins every unit full for its duration (``fastpar.train`` runs a pipeline step,
+validation and checkpoints inside it; see ``docs/design.md``, ZeRO-3 and pipelines).
+Recomputation (``nn.recompute``) inside a unit re-runs its forward hooks in backward: only
+under ``gathered()``. The gather buffers are plain memory even where the dp group's collectives
+go to shm: a symmetric segment cannot give its pages back per module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from fastpar import comm
+
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def module_units(root: nn.Module) -> list[tuple[nn.Module, list]]:
+    """``[(module, its trainable parameters not in an earlier unit)]`` in registration order
+    (the forward order of a sequential model); units without parameters are left out."""
+    units, seen = [], set()
+
+    def take(m, recurse):
+        ps = [p for p in m.parameters(recurse=recurse) if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in ps)
+        if ps:
+            units.append((m, ps))
+
+    def walk(m, is_root):
+        if is_root or isinstance(m, CONTAINERS):
+            take(m, recurse=False)
+            for child in m.children():
+                walk(child, False)
+        else:
+            take(m, recurse=True)
+
+    walk(root, True)
+    return units
+
+
+def unit_cuts(flat_params: list, units) -> list[int]:
+    """Where runs start in ``flat_params`` so that no run crosses a unit."""
+    unit_of = {id(p): u for u, (_, ps) in enumerate(units) for p in ps}
+    missing = [i for i, p in enumerate(flat_params) if id(p) not in unit_of]
+    if missing:
+        raise ValueError(f"DistributedOptimizer(stage=3): {len(missing)} of the parameters are "
+                         f"not in `module` (positions {missing[:5]}); pass module= the model "
+                         "that holds every parameter given")
+    return [i for i in range(len(flat_params))
+            if i == 0 or unit_of[id(flat_params[i])] != unit_of[id(flat_params[i - 1])]]
+
+
+class ShardedParams:
+    """Owns the gather buffers of every run and the module hooks of ZeRO-3."""
+
+    def __init__(self, flat, group, dp_rank: int, root: nn.Module, units):
+        self.group, self.dp_rank = group, dp_rank
+        self.runs = {}  # (id(f), run.index) -> [f, run, buffer, handle or None, gathered]
+        with torch.no_grad():
+            for f in flat:
+                for run in f.runs:
+                    buf = torch.zeros(run.piece * f.dp_size, dtype=f.dtype, device=f.device)
+                    for i in range(run.first, run.last):
+                        f.params[i].data = f.run_view(buf, i)  # views from now on
+                    self.runs[(id(f), run.index)] = [f, run, buf, None, True]
+        where = {id(p): (id(f), f.run_of[i].index) for f in flat for i, p in enumerate(f.params)}
+        self.units = [(m, sorted({where[id(p)] for p in ps})) for m, ps in units]
+        self.pinned = 0
+        self._hooks = []
+        for u, (m, keys) in enumerate(self.units):
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward(u)))
+            self._hooks.append(m.register_forward_hook(self._post_forward(u)))
+            for key in keys:
+                f, run = self.runs[key][:2]
+                for i in range(run.first, run.last):
+                    self._hooks.append(f.params[i].register_post_accumulate_grad_hook(
+                        self._grad_ready(u)))
+        self._left = [0] * len(self.units)  # parameters still without gradient, per backward
+        self.free_all()
+
+    # ---- one run -----------------------------------------------------------------------------
+
+    def _launch(self, key) -> None:
+        """Start the all-gather of a run into its buffer (nothing if gathered or in flight)."""
+        entry = self.runs[key]
+        f, run, buf, handle, gathered = entry
+        if gathered or handle is not None:
+            return
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        mine = buf[self.dp_rank * run.piece:(self.dp_rank + 1) * run.piece]
+        with torch.no_grad():
+            mine.copy_(f.master.detach()[run.soff:run.soff + run.piece])  # cast if bf16
+        entry[3] = comm.all_gather(mine, group=self.group, async_op=True, out=buf)
+
+    def _wait(self, key) -> None:
+        entry = self.runs[key]
+        if entry[4]:
+            return
+        if entry[3] is None:
+            self._launch(key)
+        entry[3].wait()
+        entry[3], entry[4] = None, True
+
+    def _free(self, key) -> None:
+        entry = self.runs[key]
+        if entry[3] is not None:  # a prefetch that was not used: complete it first
+            entry[3].wait()
+            entry[3] = None
+        entry[4] = False
+        entry[2].untyped_storage().resize_(0)
+
+    # ---- units ---------------------------------------------------------------------------------
+
+    def gather_unit(self, u: int, prefetch: int | None = None) -> None:
+        for key in self.units[u][1]:
+            self._launch(key)
+        if prefetch is not None and 0 <= prefetch < len(self.units):
+            for key in self.units[prefetch][1]:  # overlaps the compute of unit u
+                self._launch(key)
+        for key in self.units[u][1]:
+            self._wait(key)
+
+    def free_unit(self, u: int) -> None:
+        if not self.pinned:
+            for key in self.units[u][1]:
+                self._free(key)
+
+    def free_all(self) -> None:
+        for key in self.runs:
+            self._free(key)
+
+    def refresh(self) -> None:
+        """After the masters changed: gathered runs are gathered again."""
+        for key, entry in self.runs.items():
+            if entry[4]:
+                entry[4] = False
+                self._launch(key)
+                self._wait(key)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's full parameters for the duration (collective: all-gathers every run)."""
+        if self.pinned == 0:
+            for key in self.runs:
+                self._launch(key)
+            for key in self.runs:
+                self._wait(key)
+        self.pinned += 1
+        try:
+            yield
+        finally:
+            self.pinned -= 1
+            if self.pinned == 0:
+                self.free_all()
+
+    # ---- hooks ---------------------------------------------------------------------------------
+
+    def _pre_forward(self, u: int):
+        def hook(module, args):
+            if not self.pinned:
+                self.gather_unit(u, prefetch=u + 1)
+        return hook
+
+    def _post_forward(self, u: int):
+        def hook(module, args, output):
+            if self.pinned:
+                return None
+            if torch.is_grad_enabled():
+                self._left[u] = sum(self.runs[k][1].last - self.runs[k][1].first
+                                    for k in self.units[u][1])
+                state = {"done": False}
+
+                def pre_backward(grad):
+                    if not state["done"] and not self.pinned:
+                        state["done"] = True
+                        self.gather_unit(u, prefetch=u - 1)
+                    return grad
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(pre_backward)
+            self.free_unit(u)
+            return None
+        return hook
+
+    def _grad_ready(self, u: int):
+        def hook(p):
+            if self.pinned:
+                return
+            self._left[u] -= 1
+            if self._left[u] == 0:
+                self.free_unit(u)
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
