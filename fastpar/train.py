@@ -7,8 +7,9 @@
 
 Each step: the global batch (a pure function of (seed, step): ``fastpar.training.data``) is cut
 into dp slices; ``DataParallel(Pipeline(gpt_layers(cfg)))`` runs the microbatches through the
-stages (tp inside each layer) and averages the gradients over dp (``--zero``: a ZeRO-1
-``DistributedOptimizer`` reduce-scatters them instead); tied embedding gradients are summed over
+stages (tp inside each layer) and averages the gradients over dp (``--zero N``: a ZeRO-N
+``DistributedOptimizer`` reduce-scatters them instead; at stage 3 each pipeline step runs
+with the stage's parameters gathered, see docs/design.md); tied embedding gradients are summed over
 the first and last stage; the gradients are clipped by the serial model's global norm; AdamW
 steps. The initial weights depend only on ``--seed``, so every layout starts from the serial
 model and, up to float32 rounding, follows the same loss curve. ``--dtype bfloat16`` computes in
@@ -22,6 +23,7 @@ Checkpoints (``--save``) hold the serial layout (safetensors) and reload under a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -68,7 +70,8 @@ class Trainer:
         if args.zero:
             self.model = self.pipe.to(dtype)
             self.opt = fastpar.optim.DistributedOptimizer(
-                self.pipe.parameters(), torch.optim.AdamW, **adamw)
+                self.pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=self.pipe,
+                **adamw)
         elif dtype == torch.float32:
             self.model = fastpar.DataParallel(self.pipe)
             self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
@@ -79,6 +82,8 @@ class Trainer:
             self.opt = fastpar.optim.MasterWeights(self.pipe.parameters(), torch.optim.AdamW,
                                                    **adamw)
             self.model = fastpar.DataParallel(self.pipe.to(dtype), reduce_dtype=torch.float32)
+        # ZeRO-3: what needs the full parameters (a pipeline step, validation, checkpoints)
+        self.gathered = self.opt.gathered if args.zero else contextlib.nullcontext
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
         self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
         self.start = 0
@@ -100,7 +105,11 @@ class Trainer:
         topo, args = self.topo, self.args
         tp_random.seed(self.sampler_seed(step))  # dropout streams: a function of (seed, step)
         x, y = self.sampler.shard(step, topo.dp_rank, topo.dp_size)
-        loss = self.model.step(x, y)  # this replica's mean; DataParallel reduced the grads
+        if args.zero >= 2:  # accumulate over the microbatches, reduce-scatter once at the step
+            with self.opt.no_sync(), self.gathered():
+                loss = self.model.step(x, y)
+        else:
+            loss = self.model.step(x, y)  # this replica's mean; DataParallel reduced the grads
         if self.cfg.tie_embeddings:  # the same on every rank: the embedding group's collective
             sum_tied_grads(self.stage_modules, topo.embedding_group)
         if args.clip <= 0:
@@ -131,9 +140,11 @@ class Trainer:
 
         self.pipe.eval()
         total = torch.zeros(1, dtype=torch.float64)
-        for x, y in self.val:
-            logits = self.pipe.forward(x)
-            total += gpt_loss(logits.to(self.topo.device), y.to(self.topo.device)).double().cpu()
+        with self.gathered():
+            for x, y in self.val:
+                logits = self.pipe.forward(x)
+                total += gpt_loss(logits.to(self.topo.device),
+                                  y.to(self.topo.device)).double().cpu()
         self.pipe.train()
         comm.all_reduce(total, group=self.topo.dp_group)
         return total.item() / (len(self.val) * self.topo.dp_size)
@@ -204,7 +215,8 @@ class Trainer:
         print(f"[fastpar.train] world {t.world_size} = tp {t.tp_size} x pp {t.pp_size} x dp "
               f"{t.dp_size} on {t.device.type}; schedule {self.args.schedule}, "
               f"{self.microbatches} microbatches of {self.rows // self.microbatches} "
-              f"sequences; {'ZeRO-1 ' if self.args.zero else ''}AdamW lr {self.args.lr:g}"
+              f"sequences; {f'ZeRO-{self.args.zero} ' if self.args.zero else ''}AdamW lr "
+              f"{self.args.lr:g}"
               + ("; bfloat16 compute, float32 master weights, gradients reduced in float32"
                  if self.args.dtype == "bfloat16" else ""), flush=True)
         print(f"[fastpar.train] model: {self.args.preset} preset, {cfg.num_params() / 1e6:.2f} M "

@@ -98,6 +98,11 @@ def four_ranks(tmp_path_factory):
                                os.path.join(ck, "step_00000010")]),
             ("tp2dp2", ["--tp", "2"]),
             ("pp2dp2.zero", ["--pp", "2", "--zero"]),
+            ("tp2dp2.zero2", ["--tp", "2", "--zero", "2"]),
+            # saved at tp 2 x pp 2 without ZeRO, resumed at pp 2 x dp 2 under ZeRO-3
+            ("pp2dp2.zero3.resume", ["--pp", "2", "--zero", "3", "--resume",
+                                     os.path.join(ck, "step_00000010")]),
+            ("dp4.zero3.tied", ["--zero", "3", "--tie-embeddings"]),
             ("tp2pp2.interleaved.tied.sp", ["--tp", "2", "--pp", "2", "--virtual-stages", "2",
                                             "--schedule", "interleaved", "--tie-embeddings",
                                             "--sequence-parallel", "--overlap", "on"]),
@@ -139,8 +144,10 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         timeout=240).values()[0]
     serial = one["serial"]
     assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
-    for name in ("tp2pp2", "tp2dp2", "pp2dp2.zero"):
+    for name in ("tp2pp2", "tp2dp2", "pp2dp2.zero", "tp2dp2.zero2"):
         assert_parity(name, four[name], serial)
+    assert_parity("pp2dp2.zero3.resume", four["pp2dp2.zero3.resume"], serial)
+    assert_parity("dp4.zero3.tied", four["dp4.zero3.tied"], one["serial.tied"])
     assert_parity("interleaved.tied.sp", four["tp2pp2.interleaved.tied.sp"], one["serial.tied"])
     for name in ("pp2", "tp2", "dp2"):
         assert_parity(name, two[name], serial)

@@ -1,4 +1,5 @@
-"""fastpar.optim.DistributedOptimizer (ZeRO-1) against a serial model trained on the full batch.
+"""fastpar.optim.DistributedOptimizer (ZeRO-1/2/3) against a serial model trained on the full
+batch.
 
 The serial model (float32) and its float64 copy step with ``torch.optim`` on the whole batch;
 the ZeRO model is a plain copy on every rank, each dp rank backpropagating its 1/dp slice, and
@@ -10,7 +11,9 @@ clipped update, both clipping and not); ``state_bytes`` about 1/dp of the serial
 per-rank state dict round trip; a consolidated state saved at dp 2 (a pair of ranks) and
 reloaded at dp = world and at dp 1, training on equal to the reference. One more launch at
 tp 2 x dp 2: ``ParallelMLP`` with ZeRO over dp and ``clip_grad_norm_(model=)`` against the
-serial ``SerialMLP`` clip.
+serial ``SerialMLP`` clip. Stages 2 and 3 run every case again (``test_zero_stages``), each
+step as two accumulated halves (the first under ``no_sync()``), stage 3 compared inside
+``gathered()``; the checkpoint continuations load into the next stage (1 -> 2 -> 3 -> 1).
 """
 
 import copy
@@ -59,33 +62,48 @@ def serial_step(net, opt, x, y, max_norm=None):
     return norm
 
 
+def make_opt(model, cls, stage, **kw):
+    from fastpar.optim import DistributedOptimizer
+
+    # stage 2 with 256-byte buckets: a run per parameter or two, launched during backward
+    extra = {"bucket_mb": 256 / 2**20} if stage == 2 else {}
+    return DistributedOptimizer(model.parameters(), cls, stage=stage, module=model, **extra,
+                                **kw)
+
+
 def zero_step(net, opt, x, y, group, max_norm=None):
     from fastpar.runtime import group_rank, group_size
 
     dp, r = group_size(group), group_rank(group)
-    F.mse_loss(net(x.chunk(dp)[r]), y.chunk(dp)[r]).backward()  # mean over this rank's rows
+    x, y = x.chunk(dp)[r], y.chunk(dp)[r]
+    if opt.stage > 1:  # two accumulated halves: the mean over this rank's rows
+        h = len(x) // 2
+        with opt.no_sync():
+            (0.5 * F.mse_loss(net(x[:h]), y[:h])).backward()
+        (0.5 * F.mse_loss(net(x[h:]), y[h:])).backward()
+    else:
+        F.mse_loss(net(x), y).backward()  # mean over this rank's rows
     norm = opt.clip_grad_norm_(max_norm) if max_norm is not None else None
     opt.step()
     opt.zero_grad(set_to_none=False)  # the next backward accumulates into zeros
     return norm
 
 
-def compare(c, tag, par, ref, ser):
+def compare(c, tag, par, ref, ser, opt):
     rp, sp = dict(ref.named_parameters()), dict(ser.named_parameters())
-    for name, p in par.named_parameters():
-        c.close(f"{tag}.{name}", p, rp[name], sp[name])
+    with opt.gathered():  # stage 3: the full parameters, for the comparison
+        for name, p in par.named_parameters():
+            c.close(f"{tag}.{name}", p, rp[name], sp[name])
 
 
-def check_training(c, topo, seed):
-    from fastpar.optim import DistributedOptimizer
-
+def check_training(c, topo, seed, stage):
     cases = [("adam.clip", torch.optim.Adam, {"lr": 1e-2}, 0.05, None),
              ("adam.noclip", torch.optim.Adam, {"lr": 1e-2}, 1e3, None),
              ("adamw.steplr", torch.optim.AdamW, {"lr": 2e-2, "weight_decay": 0.1}, None, 0.5),
              ("sgd", torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}, 0.05, None)]
     data = batches(seed, 4)
     for name, cls, kw, max_norm, gamma in cases:
-        tag = f"dp{topo.dp_size}.{name}"
+        tag = f"s{stage}.dp{topo.dp_size}.{name}"
         torch.manual_seed(seed)
         ser = Net()
         if cls is torch.optim.AdamW:  # decay moves a zero-gradient master: no unused param
@@ -96,9 +114,10 @@ def check_training(c, topo, seed):
         # SGD takes the copying path (plain buffers), the others symmetric buffers when dp > 1
         # (the group's collectives go to shm here): both must match the serial optimizer.
         os.environ["FASTPAR_SYMMETRIC"] = "0" if cls is torch.optim.SGD else "1"
-        opt = DistributedOptimizer(par.parameters(), cls, **kw)
+        opt = make_opt(par, cls, stage, **kw)
         del os.environ["FASTPAR_SYMMETRIC"]
-        assert opt.symmetric == (topo.dp_size > 1 and cls is not torch.optim.SGD), repr(opt)
+        assert opt.symmetric == (stage == 1 and topo.dp_size > 1 and cls is not torch.optim.SGD), \
+            repr(opt)
         scheds = []
         if gamma is not None:
             scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=gamma) for o in (*opts, opt)]
@@ -111,24 +130,26 @@ def check_training(c, topo, seed):
                     assert (float(nr) > max_norm) == (name != "adam.noclip"), (tag, float(nr))
             for s in scheds:
                 s.step()
-            compare(c, f"{tag}.step{step}", par, ref, ser)
+            compare(c, f"{tag}.step{step}", par, ref, ser, opt)
         if scheds:
             lrs = {o.param_groups[0]["lr"] for o in (*opts, opt)}
             assert lrs == {kw["lr"] * gamma ** len(data)}, lrs
-        assert torch.equal(par.a.weight, ser.a.weight)  # frozen: untouched
-        if cls is torch.optim.Adam:
-            assert torch.equal(par.unused, ser.unused)  # zero gradient, zero Adam update
+        with opt.gathered():
+            assert torch.equal(par.a.weight, ser.a.weight)  # frozen: untouched
+            if cls is torch.optim.Adam:
+                assert torch.equal(par.unused, ser.unused)  # zero gradient, zero Adam update
         if name == "adam.noclip":  # fp32 masters, exp_avg, exp_avg_sq; a float32 step per group
             n_el = sum(p.numel() for p in trainable)
             got = opt.state_bytes()
-            shard = -(-n_el // topo.dp_size)
+            shard, runs = opt.flat[0].shard, len(opt.flat[0].runs)
+            assert shard == sum(-(-(r.hi - r.lo) // topo.dp_size) for r in opt.flat[0].runs)
             assert got == 3 * 4 * shard + 4, (got, shard)
             # Against the unsharded optimizer, measured: its state tensors plus the float32
             # weights (what ZeRO's masters hold). Slack: padding (< 1 element of 12 bytes per
             # rank) and Adam's step, one 4-byte tensor per parameter there, per group here.
             full = sum(t.nbytes for st in opts[0].state.values() for t in st.values()
                        if torch.is_tensor(t)) + 4 * n_el
-            assert abs(got - full / topo.dp_size) <= 12 + 4 * len(trainable), \
+            assert abs(got - full / topo.dp_size) <= 12 * runs + 4 * len(trainable), \
                 (got, full, topo.dp_size)
             c.checked.append(f"{tag}.state_bytes")
 
@@ -145,17 +166,16 @@ class Mixed(nn.Module):
         return self.l2(h.to(self.l2.weight.dtype)).to(self.l1.weight.dtype)
 
 
-def check_mixed(c, topo, seed):
+def check_mixed(c, topo, seed, stage):
     """bfloat16 parameters step from float32 masters: no further from the float64 reference
     than serial Adam on the bfloat16 parameters themselves."""
     from fastpar import comm
-    from fastpar.optim import DistributedOptimizer
 
     torch.manual_seed(seed)
     ser = Mixed()
     ref, par = copy.deepcopy(ser).double(), copy.deepcopy(ser)
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ser, ref)]
-    opt = DistributedOptimizer(par.parameters(), torch.optim.Adam, lr=1e-2)
+    opt = make_opt(par, torch.optim.Adam, stage, lr=1e-2)
     assert [f.master.dtype for f in opt.flat] == [torch.float32, torch.float32]
     dp, r = topo.dp_size, topo.dp_rank
     for x, y in batches(seed + 5, 3):
@@ -166,18 +186,19 @@ def check_mixed(c, topo, seed):
         F.mse_loss(par(x.chunk(dp)[r]), y.chunk(dp)[r]).backward()
         opt.step()
         opt.zero_grad()
-    compare(c, f"mixed.dp{dp}", par, ref, ser)
-    every = comm.all_gather(par.l2.weight.detach().float().reshape(1, -1), group=topo.dp_group)
+    compare(c, f"mixed.s{stage}.dp{dp}", par, ref, ser, opt)
+    with opt.gathered():
+        w = par.l2.weight.detach().float().reshape(1, -1).clone()
+    every = comm.all_gather(w, group=topo.dp_group)
     assert bool((every == every[0]).all()), "dp ranks hold different bfloat16 weights"
 
 
-def check_checkpoints(c, topo, seed):
+def check_checkpoints(c, topo, seed, stage):
     """Phase 1 at dp 2 (or 1 alone), then the same run continued after (a) the per-rank state
     dict into a new optimizer of the same group, (b) the consolidated state into dp = world and
     (c) into dp 1; every continuation matches the reference trained straight through."""
     import torch.distributed as dist
 
-    from fastpar.optim import DistributedOptimizer
 
     world, rank = topo.world_size, topo.rank
     if world == 1:
@@ -196,7 +217,7 @@ def check_checkpoints(c, topo, seed):
     opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], **kw)
             for m in (ser, ref)]
     par = copy.deepcopy(ser)
-    opt = DistributedOptimizer(par.parameters(), torch.optim.Adam, group=first, **kw)
+    opt = make_opt(par, torch.optim.Adam, stage, group=first, **kw)
     for i, (x, y) in enumerate(data):
         for m, o in zip((ser, ref), opts):
             serial_step(m, o, x, y)
@@ -214,7 +235,9 @@ def check_checkpoints(c, topo, seed):
         torch.manual_seed(seed + 99)
         fresh = Net()  # other weights: the checkpoint must set them
         fresh.a.load_state_dict(ser.a.state_dict())  # the frozen layer is the model's business
-        new = DistributedOptimizer(fresh.parameters(), torch.optim.Adam, group=group, lr=1.0)
+        # the consolidated state loads into the next stage (the layout of its shards differs)
+        new = make_opt(fresh, torch.optim.Adam, stage if how == "per_rank" else stage % 3 + 1,
+                       group=group, lr=1.0)
         if how == "per_rank":
             new.load_state_dict(per_rank)
         else:
@@ -223,11 +246,10 @@ def check_checkpoints(c, topo, seed):
                                                                                           0.95)
         for x, y in data[k1:]:
             zero_step(fresh, new, x, y, group)
-        compare(c, f"ckpt.{label}.dp{new.dp_size}", fresh, ref, ser)
+        compare(c, f"ckpt.s{stage}.{label}.dp{new.dp_size}", fresh, ref, ser, new)
 
     if world > 1:  # the per-rank state dict is tied to its dp size
-        other = DistributedOptimizer(copy.deepcopy(ser).parameters(), torch.optim.Adam,
-                                     group=single, **kw)
+        other = make_opt(copy.deepcopy(ser), torch.optim.Adam, stage, group=single, **kw)
         with pytest.raises(ValueError, match="consolidated_state_dict"):
             other.load_state_dict(per_rank)
         c.checked.append("ckpt.per_rank_mismatch")
@@ -239,6 +261,10 @@ def check_errors(c, topo):
     net = Net()
     with pytest.raises(TypeError, match="per-group"):
         DistributedOptimizer([{"params": list(net.parameters())}], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 4"):
+        DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=4, lr=0.1)
+    with pytest.raises(ValueError, match="needs module="):
+        DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=3, lr=0.1)
     with pytest.raises(ValueError, match="no trainable"):
         DistributedOptimizer(net.a.parameters(), torch.optim.SGD, lr=0.1)
     opt = DistributedOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
@@ -250,11 +276,10 @@ def check_errors(c, topo):
     c.checked.append("errors")
 
 
-def check_tp(c, topo, seed):
+def check_tp(c, topo, seed, stage):
     """tp x dp: ParallelMLP shards, ZeRO over the dp group; clip_grad_norm_(model=) sums the
     shards over tp once and the replicated fc2 bias once."""
     from fastpar import nn as pnn
-    from fastpar.optim import DistributedOptimizer
     from fastpar.testing import SerialMLP
 
     torch.manual_seed(seed)
@@ -269,7 +294,7 @@ def check_tp(c, topo, seed):
 
     kw = {"lr": 1e-2}
     opts = [torch.optim.AdamW(m.parameters(), **kw) for m in (ser, ref)]
-    opt = DistributedOptimizer(par.parameters(), torch.optim.AdamW, **kw)
+    opt = make_opt(par, torch.optim.AdamW, stage, **kw)
     gen = torch.Generator().manual_seed(seed + 3)
     dp, r = topo.dp_size, topo.dp_rank
     for step in range(3):
@@ -285,25 +310,28 @@ def check_tp(c, topo, seed):
         n = opt.clip_grad_norm_(0.05, model=par)
         opt.step()
         opt.zero_grad()
-        c.close(f"tp.step{step}.norm", n, norms[1], norms[0])
+        c.close(f"tp.s{stage}.step{step}.norm", n, norms[1], norms[0])
         rp, sp = dict(ref.named_parameters()), dict(ser.named_parameters())
-        for name, p in par.named_parameters():
-            c.close(f"tp.step{step}.{name}", p, local(name, rp[name]), local(name, sp[name]))
+        with opt.gathered():
+            for name, p in par.named_parameters():
+                c.close(f"tp.s{stage}.step{step}.{name}", p, local(name, rp[name]),
+                        local(name, sp[name]))
     assert float(norms[1]) > 0.05  # it clipped
 
 
-def body_zero(seed, tp=1):
+def body_zero(seed, tp=1, stages=(1,)):
     import fastpar
 
     topo = fastpar.init(tp=tp, timeout=60)
     c = Checks()
-    if tp > 1:
-        check_tp(c, topo, seed)
-        return {"checked": c.checked, "worst": c.worst}
-    check_errors(c, topo)
-    check_training(c, topo, seed)
-    check_mixed(c, topo, seed)
-    check_checkpoints(c, topo, seed)
+    for stage in stages:
+        if tp > 1:
+            check_tp(c, topo, seed, stage)
+            continue
+        check_errors(c, topo)
+        check_training(c, topo, seed, stage)
+        check_mixed(c, topo, seed, stage)
+        check_checkpoints(c, topo, seed, stage)
     return {"checked": c.checked, "worst": c.worst}
 
 
@@ -315,3 +343,14 @@ def test_zero(world, tp):
     values = run_ranks(world, body_zero, seed=4321, tp=tp, timeout=120).values()
     assert all(v["checked"] == values[0]["checked"] for v in values)
     assert len(values[0]["checked"]) > (10 if tp > 1 else 50), values[0]["checked"]
+
+
+STAGE_LAYOUTS = [(2, 1), (4, 1), (4, 2)]  # (world, tp)
+
+
+@pytest.mark.parametrize("world,tp", STAGE_LAYOUTS, ids=[f"w{w}tp{t}" for w, t in STAGE_LAYOUTS])
+def test_zero_stages(world, tp):
+    """Stages 2 and 3: every case of ``test_zero`` with accumulation, in one body per layout."""
+    values = run_ranks(world, body_zero, seed=4321, tp=tp, stages=(2, 3), timeout=240).values()
+    assert all(v["checked"] == values[0]["checked"] for v in values)
+    assert len(values[0]["checked"]) > (20 if tp > 1 else 100), values[0]["checked"]

@@ -52,7 +52,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--data", default=None, help="a text file or directory (default: the Python stdlib)")
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
-    a("--zero", action="store_true", help="ZeRO-1: optimizer state sharded over dp")
+    a("--zero", type=int, nargs="?", const=1, default=0, choices=[1, 2, 3],
+      help="ZeRO stage (alone: 1): 1 shards the optimizer state over dp, 2 also the "
+           "gradients, 3 also the parameters")
     a("--save", default=None, help="checkpoint directory")
     a("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     a("--resume", default=None, help="checkpoint directory (or one step_* in it) to continue")

@@ -30,7 +30,9 @@ def save(t, step: int) -> None:
     from fastpar.training import checkpoint as ckpt
     from fastpar.training.state import serial_optimizer_state
 
-    with masters_in_place(t.opt):  # a bf16 run's weights are its float32 masters
+    # ZeRO-3: the full parameters of this rank's stage; a bf16 run's weights are its float32
+    # masters
+    with t.gathered(), masters_in_place(t.opt):
         weights = fastpar.full_state_dict(t.model)
     opt_tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
     if t.topo.rank == 0:
@@ -80,13 +82,17 @@ def resume(t, where: str) -> None:
     if data:  # the batches are a function of (seed, step) and the global batch
         raise ValueError(f"checkpoint {c.path} was trained on another data stream: "
                          + "; ".join(data) + " (pass the same --seed and --global-batch)")
-    expected = {k: tuple(v.shape) for k, v in fastpar.full_state_dict(t.model).items()}
+    with t.gathered():
+        expected = {k: tuple(v.shape) for k, v in fastpar.full_state_dict(t.model).items()}
     ckpt.check_model_shapes(expected, c.model, c.path)
     if c.step > t.steps:
         raise ValueError(f"checkpoint {c.path} is at step {c.step}, past --steps {t.steps}")
-    with masters_in_place(t.opt):  # float32 masters exact; the bf16 weights rounded from them
+    # ZeRO-3: loaded into the gathered parameters, then into the masters; bf16 without ZeRO:
+    # the float32 masters exact, the bf16 weights rounded from them
+    with t.gathered(), masters_in_place(t.opt):
         fastpar.load_full_state_dict(t.model, c.model)
-    load_serial_optimizer_state(t.pipe, t.opt, c.optimizer, c.meta.get("optimizer_scalars", {}))
+        load_serial_optimizer_state(t.pipe, t.opt, c.optimizer,
+                                    c.meta.get("optimizer_scalars", {}))
     t.sched.load_state_dict({**t.sched.state_dict(), **c.meta["scheduler"]})
     # This run's flags make the plan (the same flags: the checkpoint's plan, bit for bit):
     # the next step, c.step, runs at this plan's rate, and so do the ones after it.
