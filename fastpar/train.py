@@ -68,10 +68,15 @@ class Trainer:
                              virtual_stages=args.virtual_stages)  # float32, as initialised
         adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
         if args.zero:
-            self.model = self.pipe.to(dtype)
+            initial = {p: p.detach().clone() for p in self.pipe.parameters()} \
+                if dtype != torch.float32 else None
+            self.model = self.pipe.to(dtype)  # the same Parameter objects, now bf16
             self.opt = fastpar.optim.DistributedOptimizer(
                 self.pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=self.pipe,
                 **adamw)
+            if initial is not None:  # the float32 masters start from the float32 initial weights
+                self.opt.load_master_weights(initial)
+                del initial
         elif dtype == torch.float32:
             self.model = fastpar.DataParallel(self.pipe)
             self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)

@@ -93,6 +93,7 @@ def assert_parity(name, got, ref, bound=PARITY):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     ck, ck16 = str(tmp_path_factory.mktemp("ckpt")), str(tmp_path_factory.mktemp("ckpt16"))
+    ckz16 = str(tmp_path_factory.mktemp("ckptz16"))
     runs = [("tp2pp2", ["--tp", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
             ("tp2pp2.resume", ["--tp", "2", "--pp", "2", "--resume",
                                os.path.join(ck, "step_00000010")]),
@@ -111,7 +112,13 @@ def four_ranks(tmp_path_factory):
             ("tp2pp2.bf16.resume", ["--tp", "2", "--pp", "2", *BF16, "--resume",
                                     os.path.join(ck16, "step_00000010")]),
             ("tp2dp2.bf16", ["--tp", "2", *BF16]),
-            ("pp2dp2.bf16", ["--pp", "2", *BF16])]
+            ("pp2dp2.bf16", ["--pp", "2", *BF16]),
+            # ZeRO's float32 masters start from the float32 initial weights, are saved as the
+            # weights with float32 state, and resume bitwise
+            ("pp2dp2.zero.bf16", ["--pp", "2", "--zero", *BF16, "--save", ckz16,
+                                  "--save-every", "10"]),
+            ("pp2dp2.zero.bf16.resume", ["--pp", "2", "--zero", *BF16, "--resume",
+                                         os.path.join(ckz16, "step_00000010")])]
     values = run_ranks(4, body_runs, runs=runs, timeout=360).values()
     assert all(v == values[0] for v in values), "ranks disagree on the losses"
     return values[0], ck, ck16
@@ -202,15 +209,17 @@ def check_bf16_layouts(four, two, one):
     allowed = 4 * max(1.0, *units.values())
     for name, got in (("tp2pp2.bf16", four["tp2pp2.bf16"]), ("tp2dp2.bf16", four["tp2dp2.bf16"]),
                       ("pp2dp2.bf16", four["pp2dp2.bf16"]), ("dp2.bf16", two["dp2.bf16"]),
+                      ("pp2dp2.zero.bf16", four["pp2dp2.zero.bf16"]),
                       ("tp2.sp.bf16", two["tp2.sp.bf16"]),
                       ("dp2.bf16.resume", two["dp2.bf16.resume"]),
                       ("serial.bf16.resume10", one["serial.bf16.resume10"])):
         worst = assert_parity(name, got, serial16, bound=allowed * UNIT["bfloat16"])
         units[name] = worst / UNIT["bfloat16"]
     print("parity in units of each dtype's roundoff:", {k: round(v, 3) for k, v in units.items()})
-    resumed = curve(four["tp2pp2.bf16.resume"])
-    assert sorted(resumed) == list(range(11, 21))
-    assert all(resumed[s] == curve(four["tp2pp2.bf16"])[s] for s in resumed), resumed
+    for run in ("tp2pp2.bf16", "pp2dp2.zero.bf16"):
+        resumed = curve(four[f"{run}.resume"])
+        assert sorted(resumed) == list(range(11, 21))
+        assert all(resumed[s] == curve(four[run])[s] for s in resumed), (run, resumed)
 
 
 def body_drift(steps):

@@ -89,6 +89,25 @@ class CheckpointMixin:
         self.inner.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
         self._set_masters(list(state_dict["masters"]), sharded=False)
 
+    @torch.no_grad()
+    def master_weights(self) -> dict:
+        """``{param: its float32 master, whole}`` (collective over the dp group): the weights
+        of record of a bf16 model (a float32 model's masters equal its parameters)."""
+        out = {}
+        for f in self.flat:
+            full = self._gather_flat(f, f.master)
+            for p, a, b in zip(f.params, f.offsets, f.offsets[1:]):
+                out[p] = full[a:b].view(p.shape)
+        return out
+
+    @torch.no_grad()
+    def load_master_weights(self, values: dict) -> None:
+        """Set the masters from whole values, ``{param: tensor}`` for every parameter held
+        (e.g. a bf16 model's float32 initial weights), and the parameters from them (rounded
+        to their dtype). Local: every dp rank passes the same values."""
+        self._set_masters([torch.cat([values[p].reshape(-1) for p in f.params])
+                           for f in self.flat], sharded=False)
+
     def _set_masters(self, masters: list[torch.Tensor], sharded: bool) -> None:
         for f, m in zip(self.flat, masters):
             m = m.to(device=f.master.device, dtype=f.master.dtype)

@@ -128,11 +128,20 @@ def replanned(t, saved: dict | None, step: int) -> str | None:
 
 
 def masters_in_place(opt):
-    """Where the weights of record are: ``opt``'s float32 masters for a bf16 run without ZeRO
-    (``fastpar.optim.MasterWeights``), else the parameters themselves."""
-    from fastpar.optim import MasterWeights
+    """Where the weights of record are: ``opt``'s float32 masters for a bf16 run
+    (``fastpar.optim.MasterWeights``, or ZeRO's masters: collective over dp), else the
+    parameters themselves. Inside, each parameter's ``.data`` is its master."""
+    from fastpar.optim import DistributedOptimizer, MasterWeights
+    from fastpar.training.state import swapped
 
-    return opt.masters_as_params() if isinstance(opt, MasterWeights) else contextlib.nullcontext()
+    if isinstance(opt, MasterWeights):
+        return opt.masters_as_params()
+    if isinstance(opt, DistributedOptimizer) and any(
+            f.master.dtype != f.params[0].dtype for f in opt.flat if f.params):
+        masters = opt.master_weights()
+        params = list(masters)
+        return swapped(params, [masters[p] for p in params])
+    return contextlib.nullcontext()
 
 
 def scheduler_state(sched) -> dict:

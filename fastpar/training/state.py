@@ -28,7 +28,7 @@ from fastpar.state_dict import full_state_dict, load_full_state_dict
 
 
 @contextlib.contextmanager
-def _swapped(params, tensors):
+def swapped(params, tensors):
     """Every ``p.data`` replaced by the matching tensor for the duration."""
     old = [p.data for p in params]
     try:
@@ -38,6 +38,16 @@ def _swapped(params, tensors):
     finally:
         for p, o in zip(params, old):
             p.data = o
+
+
+def _state_dtype(opt, p) -> torch.dtype:
+    """The dtype ``opt`` keeps ``p``'s state in: its masters' (float32 for a bf16 model)."""
+    if isinstance(opt, MasterWeights):
+        return opt.master_of(p).dtype
+    if isinstance(opt, DistributedOptimizer):
+        return next((f.master.dtype for f in opt.flat if any(q is p for q in f.params)),
+                    p.dtype)
+    return p.dtype
 
 
 def _per_param(model, opt) -> tuple[list, dict[str, list], dict]:
@@ -51,8 +61,9 @@ def _per_param(model, opt) -> tuple[list, dict[str, list], dict]:
                         if isinstance(v, torch.Tensor) and v.dim() == 1})
         scalars = {k: float(v) for st in full["state"].values() for k, v in st.items()
                    if k not in kinds}
+        # in the state's own dtype (a bf16 model's ZeRO state is float32, as its masters)
         per = {k: [full["state"][where[id(p)][0]][k][where[id(p)][1]:where[id(p)][2]]
-                   .view(p.shape).to(p.dtype) for p in params] for k in kinds}
+                   .view(p.shape) for p in params] for k in kinds}
         return params, per, scalars
     if isinstance(opt, MasterWeights):  # the state is the float32 masters'
         state = [opt.state.get(opt.master_of(p), {}) for p in params]
@@ -74,7 +85,7 @@ def serial_optimizer_state(model, opt) -> tuple[dict[str, torch.Tensor], dict]:
     params, per, scalars = _per_param(model, opt)
     out = {}
     for kind, tensors in per.items():
-        with _swapped(params, tensors):
+        with swapped(params, tensors):
             for name, t in full_state_dict(model).items():
                 out[f"{name}:{kind}"] = t
     return out, scalars
@@ -90,9 +101,8 @@ def load_serial_optimizer_state(model, opt, tensors: dict[str, torch.Tensor],
     per = {}
     for kind in kinds:
         serial = {k.rsplit(":", 1)[0]: v for k, v in tensors.items() if k.endswith(":" + kind)}
-        fresh = [torch.zeros_like(opt.master_of(p) if isinstance(opt, MasterWeights) else p)
-                 for p in params]  # the state's dtype: the masters' for MasterWeights
-        with _swapped(params, fresh):
+        fresh = [torch.zeros_like(p, dtype=_state_dtype(opt, p)) for p in params]
+        with swapped(params, fresh):
             load_full_state_dict(model, serial)
         per[kind] = fresh
     if isinstance(opt, DistributedOptimizer):
