@@ -126,21 +126,39 @@ def test_hierarchical_forced_at_every_size():
     assert engines["broadcast"][0] == "mpi", engines
 
 
-def test_hierarchical_round_robin_gloo_across():
-    """Ranks round robin over the hosts (blocks already in [i][h] order), torchrun: gloo."""
-    engines = _same_everywhere(run_ranks(4, body_hier, launcher="torchrun",
-                                         hosts=["a", "b", "a", "b"], expect=HIER, timeout=300))
+def body_layouts(cases):
+    """``body_hier(**case)`` for each case in turn (one launch, one job per case)."""
+    import fastpar
+
+    out = []
+    for case in cases:
+        out.append(body_hier(**case))
+        fastpar.shutdown()
+    return out
+
+
+def test_gloo_across_round_robin_and_out_of_rank_order():
+    """torchrun (gloo across): ranks round robin over the hosts (blocks already in [i][h]
+    order), every dtype; then hosts a, b, b, a, whose cross group of local index 1 holds ranks
+    3 (a) and 2 (b), which a group orders 2, 3, against the order of the hosts."""
+    launch = run_ranks(4, body_layouts, launcher="torchrun", timeout=300, cases=[
+        {"hosts": ["a", "b", "a", "b"], "expect": HIER, "sizes": [1, 5, 4099, 65539]},
+        {"hosts": ["a", "b", "b", "a"], "forced": "hier", "expect": HIER,
+         "dtypes": ["float32", "bfloat16"], "sizes": [8, 4099]}])
+    for case in range(2):
+        values = [v[case] for v in launch.values()]
+        for key in values[0]["digests"]:
+            assert len({v["digests"][key] for v in values}) == 1, (case, key)
+    engines = launch.values()[0][0]["engines"]
     assert engines["all_reduce"][1] == "2 hosts x 2 ranks: shm within each host, gloo across"
     assert engines["broadcast"][0] == "gloo", engines
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
-def test_hosts_out_of_rank_order(launcher):
-    """Hosts a, b, b, a: the cross group of local index 1 holds ranks 3 (a) and 2 (b), which a
-    group orders 2, 3, against the order of the hosts; gloo (torchrun) and MPI alike."""
-    _same_everywhere(run_ranks(4, body_hier, launcher=launcher, hosts=["a", "b", "b", "a"],
-                               forced="hier", expect=HIER, dtypes=["float32", "bfloat16"],
-                               sizes=[8, 4099], timeout=300))
+def test_mpi_across_hosts_out_of_rank_order():
+    """Hosts a, b, b, a with MPI across (its sub-communicator takes the same sorted order)."""
+    _same_everywhere(run_ranks(4, body_hier, hosts=["a", "b", "b", "a"], forced="hier",
+                               expect=HIER, dtypes=["float32", "bfloat16"], sizes=[8, 4099],
+                               timeout=300))
 
 
 @pytest.mark.parametrize("hosts,why", [

@@ -162,11 +162,11 @@ def body_stall():
     from tests.test_pipeline import IN, OUT, _mse
 
     os.environ["FASTPAR_HOST_ID"] = HOSTS[_rank()]
-    fastpar.init(pp=4, timeout=3)
+    fastpar.init(pp=4, timeout=1.5)
 
     class Stall(nn.Module):
         def forward(self, x):
-            time.sleep(6)
+            time.sleep(3)
             return x
 
     layers = [lambda: nn.Linear(IN, OUT), Stall, lambda: nn.Identity(), lambda: nn.Identity()]
@@ -187,4 +187,4 @@ def test_stalled_stage_times_out_on_both_engines():
     for rank, what in ((0, "gradient"), (2, "activation")):
         err = values[rank].get("error")
         assert err is not None, (rank, values[rank])
-        assert "peer rank 1" in err and f"waited 3 s for the header of the {what}" in err, err
+        assert "peer rank 1" in err and f"waited 1.5 s for the header of the {what}" in err, err
