@@ -53,8 +53,13 @@ class _Memory:
 
     def hooks(self, key, x):
         seen: set = set(self.params)
-        size = [sum(t.untyped_storage().nbytes() for t in _tuple(x)
-                    if isinstance(t, torch.Tensor))]
+        size = [0]
+        # The input's own bytes (stage 0's microbatch is a view of the whole batch), once:
+        # not again where autograd saves it (a norm saves its input, an embedding the ids).
+        for t in _tuple(x):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                size[0] += t.numel() * t.element_size()
 
         def pack(t):
             s = t.untyped_storage()
