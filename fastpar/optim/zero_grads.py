@@ -34,6 +34,7 @@ class GradReducer:
         self.sync = True
         self.on_launch = []  # callbacks(f, run): ZeRO-3 frees what backward no longer needs
         self._hooks = []
+        self.staged = self.peak_staging = 0  # bytes of staging in flight, and the largest
         for f in flat:
             for i, p in enumerate(f.params):
                 k = slot[(id(f), f.run_of[i].index)]
@@ -45,6 +46,7 @@ class GradReducer:
         self.fired: set[int] = set()
         self.next = 0
         self.handles: list = []  # (f, run, Handle)
+        self.staged = 0  # the handles held the staging tensors
 
     def _hook(self, k: int):
         def on_grad(p: torch.Tensor) -> None:
@@ -80,6 +82,8 @@ class GradReducer:
                 p.grad = None
         self.handles.append((f, run, comm.reduce_scatter(buf, group=self.group,
                                                          async_op=True)))
+        self.staged += buf.numel() * buf.element_size()  # held until finish() waits
+        self.peak_staging = max(self.peak_staging, self.staged)
         for callback in self.on_launch:
             callback(f, run)
 
