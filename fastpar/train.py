@@ -91,6 +91,10 @@ class Trainer:
         self.gathered = self.opt.gathered if args.zero else contextlib.nullcontext
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
         self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
+        from fastpar.training.memory import trainer_meter
+
+        self.memory = trainer_meter(self)  # peak bytes by category, and their prediction
+        self.memory_rows: list[dict] = []  # every rank's memory record, after run()
         self.start = 0
         self.records: list[dict] = []
         # Who is who: a launcher that reports a dead process by pid (MPICH) is then readable.
@@ -113,8 +117,10 @@ class Trainer:
         if args.zero >= 2:  # accumulate over the microbatches, reduce-scatter once at the step
             with self.opt.no_sync(), self.gathered():
                 loss = self.model.step(x, y)
+                self.memory.sample()  # the gathered parameters, the accumulated gradients
         else:
             loss = self.model.step(x, y)  # this replica's mean; DataParallel reduced the grads
+            self.memory.sample()
         if self.cfg.tie_embeddings:  # the same on every rank: the embedding group's collective
             sum_tied_grads(self.stage_modules, topo.embedding_group)
         if args.clip <= 0:
@@ -124,6 +130,7 @@ class Trainer:
         else:
             norm = optim.clip_grad_norm_(self.pipe, args.clip)
         self.opt.step()
+        self.memory.sample()  # the optimizer state and the masters' gradients
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         total = torch.tensor([loss], dtype=torch.float64)
@@ -157,6 +164,7 @@ class Trainer:
     # ---- the run -----------------------------------------------------------------------------
 
     def run(self) -> list[dict]:
+        from fastpar.training.memory import report
         from fastpar.training.metrics import (MetricsWriter, format_line, plot_losses,
                                               read_records)
 
@@ -208,6 +216,7 @@ class Trainer:
                 run_state.save(self, done)
         if bar is not None:
             bar.close()
+        self.memory_rows = report(self.memory, metrics, lead)  # collective
         metrics.close()
         if lead and args.plot and self.records:
             past = read_records(args.metrics) if args.resume and args.metrics else self.records

@@ -1,0 +1,158 @@
+"""Memory per rank by category, measured beside its prediction (``memory_plan``), for the main
+job: the end-of-run table and one ``--metrics`` record per rank.
+
+    meter = MemoryMeter(pipe, model, opt, layout)   # layout: memory_plan.Layout
+    meter.sample()                  # after backward, and again after the optimizer step
+    rows = meter.gather()           # collective: every rank's record, on every rank
+    print(format_table(rows))       # rank 0
+    rows = report(trainer_meter(trainer), metrics, lead)   # what fastpar.train does
+
+Measured on the CPU (and, the same way, on a GPU) from the tensors the runtime owns, each
+storage counted once, in the first category that holds it, in this order::
+
+    params      the parameters' storage (ZeRO: the flat or gathered buffers they view)
+    grads       every .grad, DistributedOptimizer's and MasterWeights' master gradients
+    optimizer   masters and optimizer state (tensors of one or more dims; not the 0-dim step)
+    buffers     communication storage that is neither: DataParallel's buckets, ZeRO's flat
+                gradient buffer, ZeRO-2/3's reduce-scatter staging (its peak in the step)
+    activations Pipeline.stats["peak_activation_bytes"]: what autograd saved for the
+                microbatches in flight, largest over the steps
+
+A category's peak is its largest value over the samples. ``peak_rss`` is the process's peak
+resident set (``getrusage``), the cross-check: it also holds what no category counts (torch and
+the interpreter, communicator segments, the data, transients inside a collective). On a GPU the
+table adds the allocator's peak (``torch.cuda.max_memory_allocated``).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+import torch.distributed as dist
+
+from fastpar.optim import DistributedOptimizer, MasterWeights
+from fastpar.training.memory_plan import CATEGORIES, Layout, predict
+
+MiB = 2**20
+
+
+def _key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (t.device, s.data_ptr()), s.nbytes()
+
+
+class MemoryMeter:
+    """Peaks per category of one rank's training (see the module docstring)."""
+
+    def __init__(self, pipe, model, opt, layout: Layout):
+        self.pipe, self.model, self.opt, self.layout = pipe, model, opt, layout
+        self.peak = dict.fromkeys(CATEGORIES, 0)
+        self.device = next(pipe.parameters()).device
+
+    def owned(self) -> dict[str, list]:
+        """The tensors of each category now (some may be None)."""
+        opt, inner = self.opt, getattr(self.opt, "inner", self.opt)
+        params = list(self.pipe.parameters())
+        grads = [p.grad for p in params]
+        optim, buffers = [], []
+        if isinstance(opt, DistributedOptimizer):
+            grads += [f.master.grad for f in opt.flat]
+            optim += [f.master for f in opt.flat]
+            buffers += [f.grad_buf for f in opt.flat]
+        elif isinstance(opt, MasterWeights):
+            grads += [m.grad for m in opt.masters]
+            optim += list(opt.masters)
+        optim += [t for st in inner.state.values() for t in st.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        reducer = getattr(self.model, "reducer", None)
+        if reducer is not None:
+            buffers += [b.data for b in reducer.buckets]
+        return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
+
+    def current(self) -> dict[str, int]:
+        """Bytes per category now, each storage once (in its first category)."""
+        seen, out = set(), {}
+        for category, tensors in self.owned().items():
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                key, nbytes = _key(t)
+                if key not in seen:
+                    seen.add(key)
+                    total += nbytes
+            out[category] = total
+        return out
+
+    def sample(self) -> None:
+        for category, nbytes in self.current().items():
+            self.peak[category] = max(self.peak[category], nbytes)
+        self.peak["activations"] = max(self.peak["activations"],
+                                       int(self.pipe.stats.get("peak_activation_bytes", 0)))
+        grads = getattr(self.opt, "grads", None)  # ZeRO-2/3: the reduce-scatter's staging
+        if grads is not None:
+            self.peak["buffers"] = max(self.peak["buffers"], grads.peak_staging)
+
+    def record(self) -> dict:
+        """``{"memory": {"rank", "measured", "predicted", "peak_rss"}}`` (the contract)."""
+        rec = {"rank": dist.get_rank() if dist.is_initialized() else 0,
+               "measured": {k: int(self.peak[k]) for k in CATEGORIES},
+               "predicted": predict(self.layout),
+               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.device.type == "cuda":  # for the table only (``contract`` drops it)
+            rec["device_peak"] = torch.cuda.max_memory_allocated(self.device)
+        return {"memory": rec}
+
+    def gather(self) -> list[dict]:
+        """Every rank's record in rank order, on every rank (collective over the world)."""
+        mine = self.record()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [mine]
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, mine)
+        return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Measured / predicted MiB per category and rank, peak RSS beside them."""
+    head = f"{'rank':>4} " + " ".join(f"{c:>19}" for c in CATEGORIES) + f" {'peak RSS':>9}"
+    lines = ["[fastpar.train] memory per rank, MiB measured / predicted (peak per category):",
+             head]
+    for row in rows:
+        r = row["memory"]
+        cells = " ".join(f"{r['measured'][c] / MiB:>9.2f} /{r['predicted'][c] / MiB:>8.2f}"
+                         for c in CATEGORIES)
+        extra = f" device {r['device_peak'] / MiB:.1f}" if "device_peak" in r else ""
+        lines.append(f"{r['rank']:>4} {cells} {r['peak_rss'] / MiB:>9.1f}{extra}")
+    return "\n".join(lines)
+
+
+def contract(row: dict) -> dict:
+    """A row as ``--metrics`` writes it: exactly ``{"memory": {"rank", "measured",
+    "predicted", "peak_rss"}}``."""
+    return {"memory": {k: row["memory"][k] for k in ("rank", "measured", "predicted",
+                                                     "peak_rss")}}
+
+
+def trainer_meter(trainer) -> MemoryMeter:
+    """The meter of a ``fastpar.train.Trainer`` (built after its optimizer)."""
+    args, topo = trainer.args, trainer.topo
+    layout = Layout(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size, dp=topo.dp_size,
+                    pp_rank=topo.pp_rank, bounds=tuple(trainer.pipe.bounds),
+                    schedule=args.schedule, microbatches=trainer.microbatches,
+                    rows=trainer.rows, zero=args.zero,
+                    dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
+                    virtual_stages=args.virtual_stages)
+    return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, layout)
+
+
+def report(meter: MemoryMeter, metrics, lead: bool) -> list[dict]:
+    """Gather every rank's row (collective); rank 0 (``lead``) prints the table and writes one
+    record per rank to ``metrics``. Returns the rows."""
+    rows = meter.gather()
+    if lead:
+        print(format_table(rows), flush=True)
+        for row in rows:
+            metrics.write(contract(row))
+    return rows

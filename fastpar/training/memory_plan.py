@@ -1,0 +1,201 @@
+"""Peak bytes per rank by category, predicted from the layout alone (the main job's model).
+
+    plan = Layout(cfg, tp=2, pp=2, dp=1, pp_rank=0, bounds=pipe.bounds, schedule="1f1b",
+                  microbatches=4, rows=16, zero=0, dtype=torch.float32)
+    predict(plan)  # {"params": ..., "grads": ..., "optimizer": ..., "activations": ...,
+                   #  "buffers": ...}
+
+Symbols (this rank): ``n_i`` the elements of its i-th parameter tensor (the tp shard; layers of
+its pipeline chunks, ``bounds`` cut them), ``P = sum n_i``, ``e`` the model's element size (4
+float32, 2 bfloat16), ``d`` dp, ``s = sum over runs of ceil(run / d)`` the ZeRO shard (runs of
+the flat order: ZeRO-1 one, ZeRO-2 one per 25 MiB, ZeRO-3 one per layer, its gather unit),
+``pad16(n)`` ``n`` rounded up to 64 bytes of float32 (DataParallel's bucket alignment)::
+
+    layout          params   grads                      optimizer          buffers
+    fp32            4P       4 sum pad16(n_i) (buckets)  8P                 0
+    bf16            2P       2P + 4P (master grads)      12P (masters+m,v)  4 sum pad16(n_i)
+    ZeRO-1 fp32     4ds      4ds (flat) + 4s             8s (master: view)  0
+    ZeRO-1 bf16     2ds      2P + 4s                     12s                4ds (fp32 flat)
+    ZeRO-2/3        e ds     max(eP, 4s)                 12s                4ds (staging)
+
+ZeRO-2/3 in the trainer: a pipeline step accumulates full gradients (``no_sync``) and ZeRO-3
+keeps the stage's parameters gathered across its microbatches, so their peaks are the full ones;
+the fp32 staging of the reduce-scatter is live once per step. ZeRO-2's runs are cut as
+``DistributedOptimizer`` cuts them (``zero2_runs``: 25 MiB of float32, its ``bucket_mb``).
+Adam's ``step`` counters (0-dim) are not counted.
+
+Activations: the bytes autograd saves per microbatch for each layer (``layer_activations``,
+the derivation is in docs/design.md), summed over the microbatches in flight: the schedule's
+own action list is replayed (a microbatch's bytes are held from its F to its B, or W under
+zero-bubble), so 1F1B's first stage holds pp microbatches and GPipe all of them. The loss's own
+saved tensors are not counted (``Pipeline`` measures its chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fastpar.models.config import GPTConfig
+from fastpar.pipeline.schedules import compile_schedule
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+ALIGN = 16  # DataParallel's buckets start every gradient on 64 bytes: 16 float32 elements
+ZERO2_RUN_BYTES = 25 * 2**20  # DistributedOptimizer's default bucket_mb, in master bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the prediction depends on: the model, the grid, the schedule and the options."""
+
+    cfg: GPTConfig
+    tp: int
+    pp: int
+    dp: int
+    pp_rank: int
+    bounds: tuple  # layer cuts of the pp * v stages (Pipeline.bounds)
+    schedule: str
+    microbatches: int
+    rows: int  # sequences per step on this dp rank
+    zero: int = 0
+    dtype: torch.dtype = torch.float32
+    virtual_stages: int = 1
+
+    def stage_layers(self, chunk: int) -> range:
+        s = chunk * self.pp + self.pp_rank
+        return range(self.bounds[s], self.bounds[s + 1])
+
+
+def layer_tensors(cfg: GPTConfig, tp: int, index: int) -> list[int]:
+    """Elements of each parameter tensor of layer ``index`` (0 the embedding, 1..L the blocks,
+    L + 1 the head) on one tp rank."""
+    h, v, ffn, b = cfg.hidden, cfg.vocab_size, cfg.ffn_size, cfg.bias
+    kv = cfg.num_kv_heads * (h // cfg.heads)
+    norm = [h, h] if cfg.norm == "layernorm" and b else [h]
+    if index == 0:
+        return [v // tp * h] + ([cfg.seq_len * h] if cfg.positions == "learned" else [])
+    if index == cfg.layers + 1:
+        return norm + [v // tp * h]
+
+    def column(out):  # weight (out/tp, h) and bias (out/tp)
+        return [out // tp * h] + ([out // tp] if b else [])
+
+    def row(inp):  # weight (h, in/tp) and a replicated bias (h)
+        return [h * (inp // tp)] + ([h] if b else [])
+    attn = column(h) + column(kv) + column(kv) + row(h)
+    mlp = column(ffn) + row(ffn) if cfg.mlp == "gelu" else column(ffn) * 2 + row(ffn)
+    return norm + attn + norm + mlp
+
+
+def layer_activations(cfg: GPTConfig, tp: int, index: int, rows: int, esize: int,
+                      first: bool = False) -> int:
+    """Bytes autograd saves for one microbatch of ``rows`` sequences in layer ``index`` (tp
+    rank's share); ``first``: the layer's input is the stage input, counted there. Each term
+    is what one op saves (docs/design.md has the table)."""
+    n, h, hd = rows * cfg.seq_len, cfg.hidden, cfg.hidden // cfg.heads
+    q, kv, ffn = cfg.heads // tp * hd, cfg.num_kv_heads // tp * hd, cfg.ffn_size // tp
+    m = n // (tp if cfg.sequence_parallel else 1)  # tokens outside the tp regions
+    x = 0 if first else m * h * esize  # the layer's input, where it is saved itself
+    # A norm (composite rms/layer norm, computed in float32) saves its input in float32 (a
+    # bf16 input: a float32 copy, even of the stage input), rstd, and the normalised input
+    # before the weight; its output is saved by the linear layers after it (gathered under SP).
+    norm = (x if esize == 4 else m * h * 4) + m * 4 + m * h * 4
+    norm2 = m * h * 4 + m * 4 + m * h * 4  # a block's second norm: its input is inside
+    if cfg.norm == "layernorm":  # native_layer_norm: the input, mean and rstd (not measured)
+        norm, norm2 = x + 2 * m * 4, m * h * esize + 2 * m * 4
+    out = n * h * esize  # a norm's output, as the next linear layers keep it
+    if index == 0:  # the token ids are the stage input; tp > 1 also saves local ids and a mask
+        return 0 if tp == 1 else n * (8 + 1)
+    if index == cfg.layers + 1:  # the final norm, the projection's input
+        return norm + out
+    if cfg.recompute == "full":
+        return x  # the block's input, kept by the recompute
+    rope = cfg.seq_len * hd * esize if cfg.positions == "rope" else 0  # cos, sin (T, hd/2)
+    core = (2 * q + 2 * kv) * n * esize + cfg.heads // tp * n * 4  # q, k, v, out, logsumexp
+    if cfg.recompute == "selective":
+        core = (q + 2 * kv) * n * esize  # recompute keeps q, k, v only
+    o_in = q * n * esize  # o_proj's input: the heads joined
+    mlp = 4 * ffn * n * esize if cfg.mlp == "swiglu" else 2 * ffn * n * esize
+    return norm + norm2 + 2 * out + rope + core + o_in + mlp
+
+
+def stage_input_bytes(cfg: GPTConfig, tp: int, stage: int, rows: int, esize: int) -> int:
+    """What a stage keeps of its input per microbatch: the token ids on stage 0, else the
+    activation received (sequence-sharded under SP)."""
+    n = rows * cfg.seq_len
+    if stage == 0:
+        return n * 8
+    return n // (tp if cfg.sequence_parallel else 1) * cfg.hidden * esize
+
+
+def in_flight_peak(layout: Layout, per_chunk: list[int]) -> int:
+    """Replay this rank's action list: +bytes at each F, - at B (or W); the largest total."""
+    actions = compile_schedule(layout.schedule, layout.pp, layout.microbatches,
+                               layout.virtual_stages)[layout.pp_rank]
+    total = peak = 0
+    split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
+    for a in actions:
+        if a.kind == "F":
+            total += per_chunk[a.chunk]
+            peak = max(peak, total)
+        elif a.kind == "W" or (a.kind in ("B", "I") and (a.mb, a.chunk) not in split):
+            total -= per_chunk[a.chunk]
+    return peak
+
+
+def zero2_runs(tensors: list[int]) -> list[int]:
+    """Elements of each ZeRO-2 run: parameters in order, a new run before one that would take
+    the current run past ``ZERO2_RUN_BYTES`` of float32 (``DistributedOptimizer._cuts``)."""
+    runs, used = [0], 0
+    for n in tensors:
+        if used and used + 4 * n > ZERO2_RUN_BYTES:
+            runs.append(0)
+            used = 0
+        used += 4 * n
+        runs[-1] += n
+    return runs
+
+
+def _pad(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def predict(layout: Layout) -> dict[str, int]:
+    """Peak bytes per category on this rank (see the module docstring)."""
+    cfg, tp, d = layout.cfg, layout.tp, layout.dp
+    e = torch.empty((), dtype=layout.dtype).element_size()
+    bf16 = layout.dtype != torch.float32
+    chunks = range(layout.virtual_stages)
+    layers = [i for c in chunks for i in layout.stage_layers(c)]
+    tensors = [n for i in layers for n in layer_tensors(cfg, tp, i)]
+    P = sum(tensors)
+    buckets = 4 * sum(_pad(n, ALIGN) for n in tensors)
+    if layout.zero == 0:
+        out = {"params": e * P, "grads": (2 + 4) * P if bf16 else buckets,
+               "optimizer": 12 * P if bf16 else 8 * P, "buffers": buckets if bf16 else 0}
+    else:
+        if layout.zero == 3:  # a run per layer (gather unit)
+            runs = [sum(layer_tensors(cfg, tp, i)) for i in layers]
+        elif layout.zero == 2:
+            runs = zero2_runs(tensors)
+        else:
+            runs = [P]
+        s = sum(-(-r // d) for r in runs)  # each run padded to a multiple of dp
+        flat = 4 * d * s  # a padded flat buffer in float32
+        if layout.zero == 1:
+            out = {"params": e * d * s, "grads": (e * P if bf16 else flat) + 4 * s,
+                   "optimizer": (12 if bf16 else 8) * s, "buffers": flat if bf16 else 0}
+        else:
+            out = {"params": e * d * s, "grads": max(e * P, 4 * s), "optimizer": 12 * s,
+                   "buffers": flat}
+    rows = layout.rows // layout.microbatches
+    per_chunk = []
+    for c in chunks:
+        stage = c * layout.pp + layout.pp_rank
+        cut = layout.stage_layers(c)
+        per_chunk.append(stage_input_bytes(cfg, tp, stage, rows, e) + sum(
+            layer_activations(cfg, tp, i, rows, e, first=stage > 0 and i == cut[0])
+            for i in cut))
+    out["activations"] = in_flight_peak(layout, per_chunk)
+    return {k: int(out[k]) for k in CATEGORIES}
