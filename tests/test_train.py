@@ -46,8 +46,10 @@ def body_runs(runs):
     out = {}
     for name, argv in runs:
         try:
-            records = Trainer(parse_args(BASE + argv)).run()
+            trainer = Trainer(parse_args(BASE + argv))
+            records = trainer.run()
             out[name] = [[r["step"], r["loss"], r.get("val_loss")] for r in records]
+            out[name + ":memory"] = trainer.memory_rows  # every rank's, gathered
         except ValueError as exc:
             out[name] = f"ValueError: {exc}"
         finally:
@@ -94,6 +96,7 @@ def assert_parity(name, got, ref, bound=PARITY):
 def four_ranks(tmp_path_factory):
     ck, ck16 = str(tmp_path_factory.mktemp("ckpt")), str(tmp_path_factory.mktemp("ckpt16"))
     ckz16 = str(tmp_path_factory.mktemp("ckptz16"))
+    memory_metrics = str(tmp_path_factory.mktemp("metrics") / "m.jsonl")
     runs = [("tp2pp2", ["--tp", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
             ("tp2pp2.resume", ["--tp", "2", "--pp", "2", "--resume",
                                os.path.join(ck, "step_00000010")]),
@@ -118,14 +121,17 @@ def four_ranks(tmp_path_factory):
             ("pp2dp2.zero.bf16", ["--pp", "2", "--zero", *BF16, "--save", ckz16,
                                   "--save-every", "10"]),
             ("pp2dp2.zero.bf16.resume", ["--pp", "2", "--zero", *BF16, "--resume",
-                                         os.path.join(ckz16, "step_00000010")])]
+                                         os.path.join(ckz16, "step_00000010")]),
+            # memory only (test_memory_is_measured_beside_its_prediction): 2 steps
+            ("pp2dp2.zero2.full", ["--pp", "2", "--zero", "2", "--recompute", "full",
+                                   "--steps", "2", "--metrics", memory_metrics])]
     values = run_ranks(4, body_runs, runs=runs, timeout=360).values()
     assert all(v == values[0] for v in values), "ranks disagree on the losses"
-    return values[0], ck, ck16
+    return values[0], ck, ck16, memory_metrics
 
 
 def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
-    four, ck, ck16 = four_ranks
+    four, ck, ck16, _ = four_ranks
     step10 = os.path.join(ck, "step_00000010")
     step10b = os.path.join(ck16, "step_00000010")
     two = run_ranks(2, body_runs, runs=[
@@ -191,6 +197,41 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     notes, rates = run_ranks(1, body_notes, argv=["--steps", "20", "--resume", step10]).values()[0]
     assert notes == [] and all(abs(r - cosine_rate(int(s), 20, 2)) < 1e-12
                                for s, r in rates.items())
+
+
+def test_memory_is_measured_beside_its_prediction(four_ranks):
+    """Every run's memory rows (one per rank, the same on every rank) have the contract's shape;
+    parameters, gradients, optimizer state and buffers are measured exactly as predicted (each
+    is a sum of tensor sizes the layout fixes), activations within 10% (the formula counts what
+    autograd saves; dropout is 0 here); both fit inside the process's peak RSS. ``--metrics``
+    gets exactly one contract record per rank."""
+    from fastpar.training.memory_plan import CATEGORIES
+    from fastpar.training.metrics import read_records
+
+    four, _, _, metrics = four_ranks
+    names = sorted(n for n in four if n.endswith(":memory"))
+    assert len(names) == 15, names
+    worst = {}
+    for name in names:
+        rows = four[name]
+        assert [row["memory"]["rank"] for row in rows] == [0, 1, 2, 3], (name, rows)
+        for row in rows:
+            r = row["memory"]
+            assert set(row) == {"memory"} and set(r) == {"rank", "measured", "predicted",
+                                                         "peak_rss"}, (name, row)
+            assert list(r["measured"]) == list(r["predicted"]) == list(CATEGORIES), (name, r)
+            for c in ("params", "grads", "optimizer", "buffers"):
+                assert r["measured"][c] == r["predicted"][c], (name, c, r)
+            got, want = r["measured"]["activations"], r["predicted"]["activations"]
+            assert want > 0 and abs(got - want) <= 0.1 * want, (name, r)
+            worst[name] = max(worst.get(name, 0), abs(got - want) / want)
+            assert 0 < sum(r["measured"].values()) < r["peak_rss"], (name, r)
+    print("activations, worst relative error per run:", worst)
+    records = [r for r in read_records(metrics) if "memory" in r]
+    assert [r["memory"]["rank"] for r in records] == [0, 1, 2, 3], records
+    assert records == [{"memory": {k: row["memory"][k] for k in ("rank", "measured", "predicted",
+                                                                  "peak_rss")}}
+                       for row in four["pp2dp2.zero2.full:memory"]], records
 
 
 def check_bf16_layouts(four, two, one):
