@@ -5,6 +5,8 @@
     fastpar.training.checkpoint  atomic, verified checkpoints (safetensors + JSON, no pickle)
     fastpar.training.metrics     JSON-lines metrics, the human log line, the loss plot
     fastpar.training.state       optimizer state in the serial layout (collective; resharding)
+    fastpar.training.memory      memory per rank by category, measured; the end-of-run table
+    fastpar.training.memory_plan the same categories predicted from the layout (the formula)
 
 Import the module you need (`from fastpar.training import checkpoint`); nothing here imports
 safetensors or matplotlib until it is used.
