@@ -172,6 +172,11 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     assert_parity("serial.resume10", one["serial.resume10"], serial)
     assert one["serial.resume"] == [], one["serial.resume"]  # step 20 of 20: nothing to do
     check_bf16_layouts(four, two, one)
+    for runs, nranks in ((two, 2), (one, 1)):  # the memory report at 2 ranks and serially
+        for name in runs:
+            if name.endswith(":memory") and name != "serial.resume:memory":
+                check_memory_rows(name, runs[name], nranks)
+    assert one["serial.resume:memory"] == []  # no step ran: nothing measured, no report
     # Validation loss (same tokens under every layout) at step 20.
     vals = {n: r[-1][2] for n, r in (("serial", serial), ("tp2pp2", four["tp2pp2"]),
                                       ("dp2", two["dp2"]))}
@@ -199,34 +204,40 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
                                for s, r in rates.items())
 
 
+def check_memory_rows(name, rows, nranks):
+    """One run's memory rows (see ``test_memory_is_measured_beside_its_prediction``); returns
+    the worst relative error of the activations."""
+    from fastpar.training.memory_plan import CATEGORIES
+
+    assert [row["memory"]["rank"] for row in rows] == list(range(nranks)), (name, rows)
+    worst = 0.0
+    for row in rows:
+        r = row["memory"]
+        assert set(row) == {"memory"} and set(r) == {"rank", "measured", "predicted",
+                                                     "peak_rss"}, (name, row)
+        assert list(r["measured"]) == list(r["predicted"]) == list(CATEGORIES), (name, r)
+        for c in ("params", "grads", "optimizer", "buffers"):
+            assert r["measured"][c] == r["predicted"][c], (name, c, r)
+        got, want = r["measured"]["activations"], r["predicted"]["activations"]
+        assert want > 0 and abs(got - want) <= 0.1 * want, (name, r)
+        worst = max(worst, abs(got - want) / want)
+        assert 0 < sum(r["measured"].values()) < r["peak_rss"], (name, r)
+    return worst
+
+
 def test_memory_is_measured_beside_its_prediction(four_ranks):
     """Every run's memory rows (one per rank, the same on every rank) have the contract's shape;
     parameters, gradients, optimizer state and buffers are measured exactly as predicted (each
     is a sum of tensor sizes the layout fixes), activations within 10% (the formula counts what
     autograd saves; dropout is 0 here); both fit inside the process's peak RSS. ``--metrics``
     gets exactly one contract record per rank."""
-    from fastpar.training.memory_plan import CATEGORIES
     from fastpar.training.metrics import read_records
 
     four, _, _, metrics = four_ranks
     names = sorted(n for n in four if n.endswith(":memory"))
     assert len(names) == 15, names
-    worst = {}
-    for name in names:
-        rows = four[name]
-        assert [row["memory"]["rank"] for row in rows] == [0, 1, 2, 3], (name, rows)
-        for row in rows:
-            r = row["memory"]
-            assert set(row) == {"memory"} and set(r) == {"rank", "measured", "predicted",
-                                                         "peak_rss"}, (name, row)
-            assert list(r["measured"]) == list(r["predicted"]) == list(CATEGORIES), (name, r)
-            for c in ("params", "grads", "optimizer", "buffers"):
-                assert r["measured"][c] == r["predicted"][c], (name, c, r)
-            got, want = r["measured"]["activations"], r["predicted"]["activations"]
-            assert want > 0 and abs(got - want) <= 0.1 * want, (name, r)
-            worst[name] = max(worst.get(name, 0), abs(got - want) / want)
-            assert 0 < sum(r["measured"].values()) < r["peak_rss"], (name, r)
-    print("activations, worst relative error per run:", worst)
+    print("activations, worst relative error per run:",
+          {name: check_memory_rows(name, four[name], 4) for name in names})
     records = [r for r in read_records(metrics) if "memory" in r]
     assert [r["memory"]["rank"] for r in records] == [0, 1, 2, 3], records
     assert records == [{"memory": {k: row["memory"][k] for k in ("rank", "measured", "predicted",

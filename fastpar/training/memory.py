@@ -48,6 +48,7 @@ class MemoryMeter:
     def __init__(self, pipe, model, opt, layout: Layout):
         self.pipe, self.model, self.opt, self.layout = pipe, model, opt, layout
         self.peak = dict.fromkeys(CATEGORIES, 0)
+        self.samples = 0
         self.device = next(pipe.parameters()).device
 
     def owned(self) -> dict[str, list]:
@@ -86,6 +87,7 @@ class MemoryMeter:
         return out
 
     def sample(self) -> None:
+        self.samples += 1
         for category, nbytes in self.current().items():
             self.peak[category] = max(self.peak[category], nbytes)
         self.peak["activations"] = max(self.peak["activations"],
@@ -149,7 +151,10 @@ def trainer_meter(trainer) -> MemoryMeter:
 
 def report(meter: MemoryMeter, metrics, lead: bool) -> list[dict]:
     """Gather every rank's row (collective); rank 0 (``lead``) prints the table and writes one
-    record per rank to ``metrics``. Returns the rows."""
+    record per rank to ``metrics``. Returns the rows; none when no step ran (a resume of a
+    finished run: nothing was measured, on any rank)."""
+    if not meter.samples:
+        return []
     rows = meter.gather()
     if lead:
         print(format_table(rows), flush=True)
