@@ -230,13 +230,19 @@ def _own_job(nranks, target, launcher, timeout, env, kwargs) -> Launch:
         out.seek(0)
         output = out.read()
         out.close()
-        results = {}
-        for r in range(nranks):
-            path = os.path.join(outdir, f"rank{r}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    results[r] = json.load(f)
+        results = read_results(outdir, nranks)
     return Launch(nranks, launcher, returncode, elapsed, output, results)
+
+
+def read_results(outdir: str, nranks: int) -> dict[int, dict]:
+    """``{rank: result}`` of the ranks of a one-body launch that wrote ``OUTDIR/rank<r>.json``."""
+    results = {}
+    for r in range(nranks):
+        path = os.path.join(outdir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[r] = json.load(f)
+    return results
 
 
 def count_calls(cls, *names: str) -> dict[str, int]:

@@ -24,9 +24,9 @@ import time
 import pytest
 
 from fastpar.testing.cluster import Cluster, cluster_unavailable
-from tests.multirank import ROOT, launch_env, run_ranks
+from tests.multirank import ROOT, launch_env, read_results, run_ranks
 from tests.test_hierarchical import HIER, body_hier
-from tests.test_train import BASE, assert_parity, body_runs
+from tests.test_train import BASE, _rank_pids, _wait_lines, assert_parity, body_runs
 
 REASON = cluster_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -48,12 +48,7 @@ def _worker(outdir, body, kwargs):
 
 
 def _results(outdir, nranks, procs):
-    got = {}
-    for r in range(nranks):
-        path = os.path.join(outdir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                got[r] = json.load(f)
+    got = read_results(outdir, nranks)
     output = "\n".join(p.stdout[-3000:] + p.stderr[-3000:] for p in procs)
     bad = [r for r in range(nranks) if not got.get(r, {}).get("ok")]
     assert not bad, "ranks %s failed:\n%s\n%s" % (
@@ -153,24 +148,6 @@ def test_hosts_with_one_name_never_share_memory():
     assert a.split("/")[0] == b.split("/")[0] == "node" and a != b  # one name, two /dev/shm
 
 
-def _cluster_pids(marker):
-    """{rank: pid in this (the root) pid namespace} of the trainer processes holding
-    ``marker`` in their command line."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-            if marker not in cmd or "fastpar.train" not in cmd:
-                continue
-            env = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
-        except OSError:
-            continue
-        for item in env.split("\0"):
-            if item.startswith("PMI_RANK="):
-                found[int(item.split("=")[1])] = int(pid)
-    return found
-
-
 def test_killed_rank_on_the_second_host_is_named(two_hosts, tmp_path):
     metrics = str(tmp_path / "m.jsonl")
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
@@ -181,11 +158,8 @@ def test_killed_rank_on_the_second_host_is_named(two_hosts, tmp_path):
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            stdin=subprocess.DEVNULL)
     try:
-        end = time.monotonic() + 120
-        while not (os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 2):
-            assert proc.poll() is None and time.monotonic() < end, proc.poll()
-            time.sleep(0.2)
-        pids = _cluster_pids(metrics)
+        _wait_lines(metrics, 2, proc, deadline=120)
+        pids = _rank_pids(metrics)  # pids in this (the root) pid namespace
         assert set(pids) == {0, 1, 2, 3}, pids
         os.kill(pids[3], signal.SIGKILL)
         start = time.monotonic()

@@ -150,10 +150,15 @@ def _shm_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
                  reduce_op: str) -> str | None:
     if device != "cpu":
         return f"the tensor is on {device}, shm serves CPU tensors"
-    if not layout.native:
-        return "the native extension fastpar._C is not loaded"
     if not layout.same_host:
         return "the group spans hosts"
+    return _kernel_refusal(op, layout, dtype, reduce_op)
+
+
+def _kernel_refusal(op: str, layout: Layout, dtype: torch.dtype, reduce_op: str) -> str | None:
+    """What the shm kernels cannot do (the shm engine and hier's host-local stages alike)."""
+    if not layout.native:
+        return "the native extension fastpar._C is not loaded"
     if op in REDUCE_OPS and dtype not in SHM_REDUCE_DTYPES:
         return f"shm reduces float32/float64/bfloat16/float16, not {dtype}"
     if op in REDUCE_OPS and reduce_op not in ("sum", "max"):
@@ -165,16 +170,13 @@ def _hier_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
                   reduce_op: str) -> str | None:
     if device != "cpu":
         return f"the tensor is on {device}; NCCL is hierarchical across nodes on its own"
-    if not layout.native:
-        return "the native extension fastpar._C is not loaded"
     if layout.same_host:
         return "the group is on one host"
     if op == "broadcast":
         return "broadcast is flat (it sends every byte across hosts once either way)"
-    if op in REDUCE_OPS and dtype not in SHM_REDUCE_DTYPES:
-        return f"shm reduces float32/float64/bfloat16/float16, not {dtype}"
-    if op in REDUCE_OPS and reduce_op not in ("sum", "max"):
-        return f"shm reduces with sum or max, not {reduce_op}"
+    why = _kernel_refusal(op, layout, dtype, reduce_op)
+    if why is not None:
+        return why
     counts = " + ".join(map(str, layout.per_host))
     if len(set(layout.per_host)) > 1:
         return f"its hosts hold {counts} of its ranks (uneven)"

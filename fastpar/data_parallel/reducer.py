@@ -228,7 +228,7 @@ class Reducer:
         """find_unused_parameters: walk the autograd graph from the outputs; parameters it does
         not reach get no gradient from this backward and are marked ready now."""
         reached, seen = set(), set()
-        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        stack = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
         while stack:
             fn = stack.pop()
             if fn in seen:
@@ -243,13 +243,13 @@ class Reducer:
                 self._mark_unused(i)
 
 
-def _tensors(obj):
+def tensors_in(obj):
     """The tensors in a (nested) tuple / list / dict output."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from _tensors(x)
+            yield from tensors_in(x)
     elif isinstance(obj, dict):
         for x in obj.values():
-            yield from _tensors(x)
+            yield from tensors_in(x)

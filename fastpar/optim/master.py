@@ -33,8 +33,10 @@ import contextlib
 
 import torch
 
+from fastpar.optim.inner import InnerOptimizerView
 
-class MasterWeights(torch.optim.Optimizer):
+
+class MasterWeights(InnerOptimizerView, torch.optim.Optimizer):
     """``optimizer_cls`` over full-precision copies of ``params``; see the module docstring.
 
     ``params``: an iterable of tensors (one hyper-parameter group; frozen ones are skipped).
@@ -70,19 +72,7 @@ class MasterWeights(torch.optim.Optimizer):
         self.optimizer_cls, self.kwargs = optimizer_cls, dict(kwargs)
         self.inner = optimizer_cls(self.masters, **kwargs)
 
-    # ---- what torch.optim.Optimizer users (and lr schedulers) read ------------------------------
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    @property
-    def defaults(self):
-        return self.inner.defaults
+    # ---- what torch.optim.Optimizer users read (param_groups, state, defaults: the inner ones) --
 
     def add_param_group(self, param_group) -> None:
         raise NotImplementedError("MasterWeights holds one group; build it with every parameter")

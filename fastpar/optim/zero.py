@@ -51,6 +51,7 @@ import torch
 from fastpar import comm
 from fastpar.optim.clip import check_max_norm, clip_by_global_norm_, counted
 from fastpar.optim.flat import FlatGroup, master_dtype
+from fastpar.optim.inner import InnerOptimizerView
 from fastpar.optim.zero_checkpoint import CheckpointMixin
 from fastpar.optim.zero_grads import GradReducer
 from fastpar.optim.zero_stage3 import ShardedParams, module_units, unit_cuts
@@ -59,7 +60,7 @@ from fastpar.runtime import group_rank, group_size, topology
 log = logging.getLogger("fastpar.optim")
 
 
-class DistributedOptimizer(CheckpointMixin, torch.optim.Optimizer):
+class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Optimizer):
     """ZeRO over the dp group; see the module docstring.
 
     ``params``: an iterable of tensors (one hyper-parameter group; per-group options are not
@@ -166,19 +167,7 @@ class DistributedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                         v.copy_(p.grad)
                     p.grad = v  # autograd accumulates into the flat buffer from now on
 
-    # ---- what torch.optim.Optimizer users (and lr schedulers) read ------------------------------
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    @property
-    def defaults(self):
-        return self.inner.defaults
+    # ---- what torch.optim.Optimizer users read (param_groups, state, defaults: the inner ones) --
 
     def add_param_group(self, param_group) -> None:
         raise NotImplementedError("DistributedOptimizer holds one flat group per dtype; build "

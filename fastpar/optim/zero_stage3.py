@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fastpar import comm
+from fastpar.data_parallel.reducer import tensors_in
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -195,7 +196,7 @@ class ShardedParams:
                         state["done"] = True
                         self.gather_unit(u, prefetch=u - 1)
                     return grad
-                for t in _tensors(output):
+                for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(pre_backward)
             self.free_unit(u)
@@ -215,14 +216,3 @@ class ShardedParams:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)

@@ -19,7 +19,7 @@ import os
 import torch
 
 
-def _compact(cpus) -> str:
+def compact(cpus) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
     cpus, runs, start = sorted(cpus), [], None
     for i, c in enumerate(cpus):
@@ -59,15 +59,15 @@ def bind_cpus(local_rank: int, local_world_size: int, device: torch.device,
     if not mine or not os.path.isdir("/proc/self/task"):
         return "any (no CPU affinity on this platform)", None
     if os.environ.get("FASTPAR_BIND", "1") == "0":
-        return f"{_compact(mine)} (FASTPAR_BIND=0)", None
+        return f"{compact(mine)} (FASTPAR_BIND=0)", None
     if device.type != "cpu":
-        return f"{_compact(mine)} (a {device.type} job: not bound)", None
+        return f"{compact(mine)} (a {device.type} job: not bound)", None
     if local_world_size < 2:
-        return f"{_compact(mine)} (one rank on this host)", None
+        return f"{compact(mine)} (one rank on this host)", None
     if any(a != mine for a in local_affinities):
-        return f"{_compact(mine)} (bound by the launcher)", None
+        return f"{compact(mine)} (bound by the launcher)", None
     if local_world_size > len(mine):
-        return f"{_compact(mine)} (shared: {local_world_size} ranks on {len(mine)} CPUs)", None
+        return f"{compact(mine)} (shared: {local_world_size} ranks on {len(mine)} CPUs)", None
     cpus = share(mine, local_rank, local_world_size)
     threads = torch.get_num_threads()
     _set_all_threads(cpus)
@@ -78,4 +78,4 @@ def bind_cpus(local_rank: int, local_world_size: int, device: torch.device,
         _set_all_threads(mine)
         torch.set_num_threads(threads)
 
-    return f"{_compact(cpus)} (fastpar: local rank {local_rank} of {local_world_size})", undo
+    return f"{compact(cpus)} (fastpar: local rank {local_rank} of {local_world_size})", undo

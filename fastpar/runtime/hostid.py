@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import socket
 
+from fastpar.runtime.binding import compact
+
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -85,14 +87,4 @@ def describe(identities) -> str:
     by_host: dict[str, list[int]] = {}
     for rank, ident in enumerate(identities):
         by_host.setdefault(ident, []).append(rank)
-    return "; ".join(f"{label[h]}: ranks {_ranges(r)}" for h, r in by_host.items())
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(f"{start}-{r}" if r != start else f"{r}")
-            start = None
-    return ",".join(out)
+    return "; ".join(f"{label[h]}: ranks {compact(r)}" for h, r in by_host.items())
