@@ -276,6 +276,40 @@ def check_errors(c, topo):
     c.checked.append("errors")
 
 
+def check_released(c, topo, seed):
+    """Stage 3 outside forward/backward and ``gathered()``: a released parameter reads as NaN
+    of its shape (never freed memory), writing it raises, ``state_dict`` / ``load_state_dict``
+    raise naming ``gathered()``; inside ``gathered()`` everything is the trained values."""
+    from fastpar.optim import DistributedOptimizer
+
+    torch.manual_seed(seed)
+    net = Net()
+    first = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=3, module=net, lr=0.1)
+    w = net.b.weight
+    assert w.shape == (13, 16) and w.numel() == 208 and bool(torch.isnan(w).all())
+    assert "nan" in str(w)  # printing reads it: no crash
+    assert not torch.isnan(net.a.weight).any()  # frozen: not sharded, always there
+    with pytest.raises(RuntimeError):
+        with torch.no_grad():
+            w.add_(1.0)  # the NaN is one element expanded: writes refuse
+    for call in (net.state_dict, net.b.state_dict, lambda: net.load_state_dict(first)):
+        with pytest.raises(RuntimeError, match=r"ZeRO-3: the parameters of (Net|Linear) are "
+                                               r"released.*opt.gathered\(\)"):
+            call()
+    with opt.gathered():
+        got = net.state_dict()
+        assert all(torch.equal(got[k], first[k]) for k in first)
+    x, y = batches(seed, 1)[0]
+    F.mse_loss(net(x[:MB]), y[:MB]).backward()
+    assert bool(torch.isnan(w).all())  # released again after its backward
+    opt.step()
+    with opt.gathered():
+        assert not torch.equal(net.b.weight, first["b.weight"])
+        assert not torch.isnan(net.b.weight).any()
+    c.checked.append("stage3.released")
+
+
 def check_tp(c, topo, seed, stage):
     """tp x dp: ParallelMLP shards, ZeRO over the dp group; clip_grad_norm_(model=) sums the
     shards over tp once and the replicated fc2 bias once."""
@@ -332,6 +366,8 @@ def body_zero(seed, tp=1, stages=(1,)):
         check_training(c, topo, seed, stage)
         check_mixed(c, topo, seed, stage)
         check_checkpoints(c, topo, seed, stage)
+        if stage == 3:
+            check_released(c, topo, seed)
     return {"checked": c.checked, "worst": c.worst}
 
 

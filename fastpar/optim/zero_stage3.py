@@ -6,8 +6,12 @@ are opened, any other module is one unit (a GPT block, an embedding, a ``Linear`
 or a container holds itself is a unit of its own. A unit's trainable parameters are one or more
 runs of the flat order (``fastpar.optim.flat``). Each run owns a ``(dp * piece,)`` buffer whose
 storage is released (``untyped_storage().resize_(0)``) when the run is freed and re-allocated
-when it is gathered; the parameters are permanent views of it. Releasing the storage rather than
-swapping ``.data`` keeps every tensor autograd saved from a parameter (``weight.t()`` in a
+when it is gathered. A gathered parameter is a view of its run's buffer; a released one is a
+NaN of its shape that takes no memory (one element expanded), so reading it outside its
+module's forward/backward and outside ``gathered()`` gives NaN rather than reading freed
+memory, writing it raises, and ``state_dict()`` / ``load_state_dict()`` of a module holding
+released parameters raise naming ``gathered()``. Releasing the buffer's storage, not only
+swapping ``.data``, keeps every tensor autograd saved from a parameter (``weight.t()`` in a
 linear) a view of memory that the backward's gather fills again::
 
     forward pre-hook of unit u:   wait u's gather (prefetched) or gather now;
@@ -77,6 +81,7 @@ class ShardedParams:
     def __init__(self, flat, group, dp_rank: int, root: nn.Module, units):
         self.group, self.dp_rank = group, dp_rank
         self.runs = {}  # (id(f), run.index) -> [f, run, buffer, handle or None, gathered]
+        self._nan = {}  # (dtype, device) -> one NaN element: what a released parameter shows
         with torch.no_grad():
             for f in flat:
                 for run in f.runs:
@@ -91,6 +96,8 @@ class ShardedParams:
         for u, (m, keys) in enumerate(self.units):
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward(u)))
             self._hooks.append(m.register_forward_hook(self._post_forward(u)))
+            self._hooks.append(m.register_state_dict_pre_hook(self._refuse_released(u)))
+            self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_released(u)))
             for key in keys:
                 f, run = self.runs[key][:2]
                 for i in range(run.first, run.last):
@@ -108,6 +115,8 @@ class ShardedParams:
         if gathered or handle is not None:
             return
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        for i in range(run.first, run.last):
+            f.params[i].data = f.run_view(buf, i)  # read only after _wait
         mine = buf[self.dp_rank * run.piece:(self.dp_rank + 1) * run.piece]
         with torch.no_grad():
             mine.copy_(f.master.detach()[run.soff:run.soff + run.piece])  # cast if bf16
@@ -128,7 +137,14 @@ class ShardedParams:
             entry[3].wait()
             entry[3] = None
         entry[4] = False
-        entry[2].untyped_storage().resize_(0)
+        f, run, buf = entry[:3]
+        nan = self._nan.get((buf.dtype, buf.device))
+        if nan is None:
+            nan = self._nan[(buf.dtype, buf.device)] = torch.full((1,), float("nan"),
+                                                                  dtype=buf.dtype, device=buf.device)
+        for i in range(run.first, run.last):
+            f.params[i].data = nan.expand(f.params[i].shape)
+        buf.untyped_storage().resize_(0)
 
     # ---- units ---------------------------------------------------------------------------------
 
@@ -201,6 +217,17 @@ class ShardedParams:
                         t.register_hook(pre_backward)
             self.free_unit(u)
             return None
+        return hook
+
+    def _refuse_released(self, u: int):
+        def hook(module, *args, **kwargs):
+            if not self.pinned and not all(self.runs[k][4] for k in self.units[u][1]):
+                raise RuntimeError(
+                    f"ZeRO-3: the parameters of {type(module).__name__} are released (each rank "
+                    "holds 1/dp of them); state_dict() and load_state_dict() need them "
+                    "gathered: call them inside `with opt.gathered():` (load_state_dict there "
+                    "changes only the gathered copies: load masters with "
+                    "opt.load_master_weights or a checkpoint)")
         return hook
 
     def _grad_ready(self, u: int):
