@@ -18,7 +18,9 @@ float32 state (``fastpar.optim.MasterWeights``; with ``--zero`` the ZeRO optimiz
 
 Rank 0 shows a progress bar and a line every ``--log-every`` steps, validation loss every
 ``--val-every``, JSON lines with ``--metrics``, and a loss plot at the end (``--plot``).
-Checkpoints (``--save``) hold the serial layout (safetensors) and reload under any layout.
+Checkpoints (``--save``) are sharded: every rank writes its own pieces (in the background unless
+``--sync-save``) and any layout reloads them (``fastpar.checkpoint``; ``python -m
+fastpar.checkpoint export`` writes the serial layout).
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ class Trainer:
         from fastpar.training.memory import trainer_meter
 
         self.memory = trainer_meter(self)  # peak bytes by category, and their prediction
+        self.ckpt = None  # sharded checkpoints: their own gloo group (collective to create)
+        if args.save or args.resume:
+            from fastpar.checkpoint.sharded import ShardedCheckpointer
+
+            self.ckpt = ShardedCheckpointer()
         self.memory_rows: list[dict] = []  # every rank's memory record, after run()
         self.start = 0
         self.records: list[dict] = []
@@ -216,6 +223,8 @@ class Trainer:
                 run_state.save(self, done)
         if bar is not None:
             bar.close()
+        if args.save:
+            run_state.finish_saves(self)  # the last save committed, or its error raised
         self.memory_rows = report(self.memory, metrics, lead)  # collective
         metrics.close()
         if lead and args.plot and self.records:

@@ -143,7 +143,7 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     two = two[0]
     truncated = str(tmp_path / "truncated")
     shutil.copytree(step10, truncated)
-    with open(os.path.join(truncated, "model.safetensors"), "r+b") as f:
+    with open(os.path.join(truncated, "rank_00001.safetensors"), "r+b") as f:
         f.truncate(100)
     one = run_ranks(1, body_runs, runs=[
         ("serial", []), ("serial.tied", ["--tie-embeddings"]),
@@ -182,8 +182,8 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
                                       ("dp2", two["dp2"]))}
     assert max(vals.values()) - min(vals.values()) < PARITY * vals["serial"], vals
     # Errors name what is wrong.
-    assert "incomplete or corrupt" in one["truncated"] and "model.safetensors" in \
-        one["truncated"], one["truncated"]
+    assert "incomplete or corrupt" in one["truncated"] and "rank_00001.safetensors (rank 1's " \
+        "part) has 100 bytes" in one["truncated"], one["truncated"]
     assert "different model" in one["other-model"] and "layers: checkpoint 2, this run 3" in \
         one["other-model"], one["other-model"]
     assert "another data stream: seed: checkpoint 0, this run 1" in one["other-seed"], \
@@ -392,8 +392,9 @@ def test_killed_rank_ends_the_job_named(tmp_path, mpich_cleanup):
 
 def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path, mpich_cleanup):
     """Ctrl-C (SIGINT to the job's process group, as a terminal sends it) while a checkpoint is
-    written every step: the latest complete one loads, and training resumes from it."""
-    from fastpar.training import checkpoint
+    written in the background every step: the latest complete one loads, training resumes from
+    it, and its next save leaves no temporary files behind."""
+    from fastpar.checkpoint import loading
 
     ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
     proc = _mpirun_train(["--pp", "2", "--save", ck, "--save-every", "1", "--timeout", "20",
@@ -406,12 +407,15 @@ def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path, mpich_cleanu
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0, out[-2000:]
-    c = checkpoint.load(ck)
-    assert c.step >= 3, c.step
+    _, index = loading.read_index(ck)
+    step = index["step"]
+    assert step >= 2, step  # step 4's save waited for step 3's commit; 2 at the latest
     resumed = run_ranks(1, body_runs, runs=[("resume", ["--resume", ck, "--steps",
-                                                        str(c.step + 2)])],
+                                                        str(step + 2), "--save", ck])],
                         timeout=120).values()[0]["resume"]
-    assert [s for s, _, _ in resumed] == [c.step + 1, c.step + 2], resumed
+    assert [s for s, _, _ in resumed] == [step + 1, step + 2], resumed
+    assert not [n for n in os.listdir(ck) if n.startswith(".")], os.listdir(ck)
+    assert loading.read_index(ck)[1]["step"] == step + 2
 
 
 BAD_FLAGS = [  # (argv, the one line each must print)
@@ -480,7 +484,7 @@ def test_a_failed_run_says_so_once_and_ends_the_job(tmp_path):
     ck = str(tmp_path / "ck")
     run_ranks(1, body_runs, runs=[("save", ["--steps", "2", "--save", ck])])
     step = os.path.join(ck, "step_00000002")
-    with open(os.path.join(step, "model.safetensors"), "r+b") as f:
+    with open(os.path.join(step, "rank_00000.safetensors"), "r+b") as f:
         f.truncate(100)
     argv = [sys.executable, "-m", "fastpar.train", *BASE, "--steps", "4", "--resume", step]
     proc = launch(argv, nranks=2, launcher="mpirun", timeout=120)

@@ -165,8 +165,8 @@ def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, 
     elif where == "latest":  # step_00000002 is in place, `latest` not yet replaced
         monkeypatch.setattr(checkpoint.os, "replace", interrupt)
     else:  # the second file of the save: the tmp dir holds a partial checkpoint
-        real = checkpoint._write_file
-        monkeypatch.setattr(checkpoint, "_write_file",
+        real = checkpoint.store.write_file
+        monkeypatch.setattr(checkpoint.store, "write_file",
                             lambda p, b: interrupt() if p.endswith("optimizer.safetensors")
                             else real(p, b))
     with pytest.raises(KeyboardInterrupt):

@@ -297,6 +297,7 @@ def check_released(c, topo, seed):
         with pytest.raises(RuntimeError, match=r"ZeRO-3: the parameters of (Net|Linear) are "
                                                r"released.*opt.gathered\(\)"):
             call()
+    assert net.state_dict(keep_vars=True)["b.weight"] is w  # the Parameters: no values read
     with opt.gathered():
         got = net.state_dict()
         assert all(torch.equal(got[k], first[k]) for k in first)

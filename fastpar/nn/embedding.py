@@ -83,6 +83,9 @@ class VocabParallelEmbedding(ShardedModule):
     def shard_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return full[self.vocab_start:self.vocab_end]
 
+    def shard_box(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.vocab_start, 0), (self.vocab_end - self.vocab_start, self.embedding_dim)
+
     def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
             return local

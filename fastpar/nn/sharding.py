@@ -124,6 +124,16 @@ class ShardedModule(nn.Module):
         dim = self.shard_dims.get(name)
         return full if dim is None else even_shard(full, dim, self.group)
 
+    def shard_box(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(offsets, sizes)``: where this rank's ``name`` lies in the serial tensor (what
+        ``shard_full`` cuts out; sharded checkpoints record it, ``fastpar.checkpoint``)."""
+        sizes = tuple(getattr(self, name).shape)
+        offsets = [0] * len(sizes)
+        dim = self.shard_dims.get(name)
+        if dim is not None:
+            offsets[dim] = group_rank(self.group) * sizes[dim]
+        return tuple(offsets), sizes
+
     def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         from fastpar.comm.collectives import all_gather
 

@@ -96,7 +96,7 @@ class ShardedParams:
         for u, (m, keys) in enumerate(self.units):
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward(u)))
             self._hooks.append(m.register_forward_hook(self._post_forward(u)))
-            self._hooks.append(m.register_state_dict_pre_hook(self._refuse_released(u)))
+            self._hooks.append(m.register_state_dict_pre_hook(self._refuse_released(u, True)))
             self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_released(u)))
             for key in keys:
                 f, run = self.runs[key][:2]
@@ -219,8 +219,10 @@ class ShardedParams:
             return None
         return hook
 
-    def _refuse_released(self, u: int):
-        def hook(module, *args, **kwargs):
+    def _refuse_released(self, u: int, saving: bool = False):
+        def hook(module, *args):
+            if saving and args[1]:  # state_dict(keep_vars=True): the Parameters, no values
+                return
             if not self.pinned and not all(self.runs[k][4] for k in self.units[u][1]):
                 raise RuntimeError(
                     f"ZeRO-3: the parameters of {type(module).__name__} are released (each rank "

@@ -29,15 +29,15 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 
 import torch
 
+from fastpar.checkpoint import store
+
 FORMAT = "fastpar-checkpoint-v1"
 KEEP = 3
 FILES = ("model.safetensors", "optimizer.safetensors")
-_STEP_DIR = re.compile(r"step_(\d{8,})")
 
 
 def _safetensors():
@@ -55,22 +55,6 @@ class Checkpoint:
     optimizer: dict    # name -> CPU tensor
     meta: dict         # what the caller passed to save()
     path: str          # the step directory
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path, data):
-    """Write bytes to a new file and fsync it."""
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _serialize(tensors, what):
@@ -101,30 +85,6 @@ def _json_path(obj, where="meta"):
     return bad or next(filter(None, (_json_path(v, f"{where}[{k!r}]") for k, v in items)), None)
 
 
-def _remove(path):
-    """Delete a file or tree; a directory is first renamed to a .tmp- name (atomic), so an
-    interrupted delete never leaves a half-deleted step directory under its real name."""
-    if os.path.isdir(path) and not os.path.basename(path).startswith(".tmp-"):
-        parent, name = os.path.split(path)
-        hidden = os.path.join(parent, f".tmp-del-{name}-{os.getpid()}")
-        os.rename(path, hidden)
-        path = hidden
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
-
-
-def _step_dirs(root):
-    """{step: path} of the step directories under root (complete by construction)."""
-    found = {}
-    for name in os.listdir(root):
-        m = _STEP_DIR.fullmatch(name)
-        if m and os.path.isfile(os.path.join(root, name, "meta.json")):
-            found[int(m.group(1))] = os.path.join(root, name)
-    return found
-
-
 def save(dir, step, *, model, optimizer, meta, keep=KEEP):
     """Write checkpoint `dir/step_{step:08d}` and point `dir/latest` at it; returns its path.
 
@@ -141,14 +101,9 @@ def save(dir, step, *, model, optimizer, meta, keep=KEEP):
     if bad:
         raise ValueError(f"checkpoint meta must be JSON-serialisable; {bad} is not")
     os.makedirs(dir, exist_ok=True)
-    for name in os.listdir(dir):  # leftovers of interrupted saves
-        if name.startswith(".tmp-") or name.startswith(".latest.tmp-"):
-            _remove(os.path.join(dir, name))
-    name = f"step_{step:08d}"
-    final = os.path.join(dir, name)
-    if os.path.lexists(final):
-        raise ValueError(f"checkpoint {final} already exists; save step {step} to another "
-                         f"directory or delete it first")
+    store.clean(dir)  # leftovers of interrupted saves
+    name = store.step_name(step)
+    store.check_new(dir, step)
     blobs = {"model.safetensors": _serialize(model, "model"),
              "optimizer.safetensors": _serialize(optimizer, "optimizer")}
     files = {f: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
@@ -158,44 +113,12 @@ def save(dir, step, *, model, optimizer, meta, keep=KEEP):
     try:
         os.mkdir(tmp)
         for fname, blob in blobs.items():
-            _write_file(os.path.join(tmp, fname), blob)
-        _write_file(os.path.join(tmp, "meta.json"), record.encode())  # last: marks completeness
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(dir)
+            store.write_file(os.path.join(tmp, fname), blob)
+        store.write_file(os.path.join(tmp, "meta.json"), record.encode())  # last: complete
+        return store.publish(dir, tmp, step, keep)
     except BaseException:  # includes KeyboardInterrupt: the partial tmp dir goes, then re-raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = os.path.join(dir, f".latest.tmp-{os.getpid()}")
-    _write_file(latest_tmp, f"{name}\n".encode())
-    os.replace(latest_tmp, os.path.join(dir, "latest"))
-    _fsync_dir(dir)
-    if keep is not None:
-        old = sorted(s for s in _step_dirs(dir) if s != step)
-        for s in old[:max(0, len(old) - (int(keep) - 1))]:
-            _remove(os.path.join(dir, f"step_{s:08d}"))
-    return final
-
-
-def _resolve(path):
-    """A step directory, or a parent directory's `latest` (else its highest step directory)."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint path {path!r} does not exist or is not a directory")
-    if os.path.isfile(os.path.join(path, "meta.json")):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        if not _STEP_DIR.fullmatch(name):
-            raise ValueError(f"checkpoint {latest} names {name!r}, not a step directory")
-        return os.path.join(path, name)
-    steps = _step_dirs(path)
-    if not steps:
-        raise ValueError(f"no checkpoint in {path!r}: no latest file, no step_* directory with "
-                         f"a meta.json")
-    return steps[max(steps)]
 
 
 def _read_verified(path, fname, want):
@@ -222,7 +145,10 @@ def load(path):
     `path` is a step directory or a directory save() wrote into. Each file's size and sha256
     are checked against meta.json; nothing is unpickled (safetensors + JSON).
     """
-    path = _resolve(path)
+    path = store.resolve(path)
+    if store.record_of(path) != "meta.json":
+        raise ValueError(f"checkpoint {path} is sharded (index.json): load it with "
+                         "fastpar.checkpoint (fastpar.train --resume does)")
     try:
         with open(os.path.join(path, "meta.json"), "rb") as f:
             record = json.loads(f.read())

@@ -3,14 +3,17 @@
     from fastpar.training import run_state
     run_state.check_save_dir(trainer)          # before training: never overwrite a later step
     run_state.resume(trainer, "ckpt")          # weights, optimizer, LR schedule, step
-    run_state.save(trainer, step)              # collective; rank 0 writes
+    run_state.save(trainer, step)              # collective; every rank writes its pieces
 
-``trainer`` is a ``fastpar.train.Trainer``. A checkpoint holds the serial layout (safetensors,
-``fastpar.training.checkpoint``), so any tp / pp / dp of the same model loads it; its metadata
-records the model, the data stream (seed, global batch), the layout it was saved under and the
-learning-rate plan, and a resume checks each against this run. A ``--dtype bfloat16`` run saves
-its float32 master weights and float32 optimizer state, so it resumes exactly, and a checkpoint
-loads under either dtype (a bf16 model takes the masters rounded).
+``trainer`` is a ``fastpar.train.Trainer``. A checkpoint is sharded (``fastpar.checkpoint``):
+every rank writes the pieces it owns, in the background unless ``--sync-save``, and any tp /
+pp / dp / ZeRO stage of the same model loads it reading only its slices; the serial layout of
+earlier releases (``fastpar.training.checkpoint``) still loads, and ``python -m
+fastpar.checkpoint export`` writes it. The metadata records the model, the data stream (seed,
+global batch), the layout it was saved under and the learning-rate plan, and a resume checks
+each against this run. A ``--dtype bfloat16`` run saves its float32 master weights and float32
+optimizer state, so it resumes exactly, and a checkpoint loads under either dtype (a bf16
+model takes the masters rounded).
 """
 
 from __future__ import annotations
@@ -18,34 +21,41 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 
-import torch
 
 from fastpar.training.args import lr_at, lr_plan
 
 
-def save(t, step: int) -> None:
-    """Collective: gather the serial layout of ``t`` (a Trainer), rank 0 writes it atomically."""
-    import fastpar
-    from fastpar.training import checkpoint as ckpt
-    from fastpar.training.state import serial_optimizer_state
+def run_meta(t) -> dict:
+    return {"model": dataclasses.asdict(t.cfg), "seed": t.args.seed,
+            "global_batch": t.args.global_batch, "scheduler": scheduler_state(t.sched),
+            "schedule": lr_plan(t.args, t.steps),
+            "layout": {"tp": t.topo.tp_size, "pp": t.topo.pp_size, "dp": t.topo.dp_size,
+                       "zero": t.args.zero},
+            "dtype": t.args.dtype}
 
-    # ZeRO-3: the full parameters of this rank's stage; a bf16 run's weights are its float32
-    # masters
-    with t.gathered(), masters_in_place(t.opt):
-        weights = fastpar.full_state_dict(t.model)
-    opt_tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
+
+def save(t, step: int) -> None:
+    """Collective: every rank writes its pieces of step ``step`` (``fastpar.checkpoint``); an
+    async save returns once they are staged, and the previous one must have committed."""
+    t0 = time.perf_counter()
+    path = t.ckpt.save(t.args.save, step, t.pipe, t.opt, meta=run_meta(t),
+                       async_save=not t.args.sync_save)
     if t.topo.rank == 0:
-        meta = {"model": dataclasses.asdict(t.cfg), "seed": t.args.seed,
-                "global_batch": t.args.global_batch, "optimizer_scalars": scalars,
-                "scheduler": scheduler_state(t.sched),
-                "schedule": lr_plan(t.args, t.steps),
-                "layout": {"tp": t.topo.tp_size, "pp": t.topo.pp_size, "dp": t.topo.dp_size,
-                           "zero": t.args.zero},
-                "dtype": t.args.dtype}
-        path = ckpt.save(t.args.save, step, model=weights, optimizer=opt_tensors, meta=meta)
-        print(f"[fastpar.train] saved step {step} to {path}", flush=True)
-    torch.distributed.barrier()
+        took = time.perf_counter() - t0
+        if path is not None:
+            print(f"[fastpar.train] saved step {step} to {path} ({took:.2f} s)", flush=True)
+        else:
+            print(f"[fastpar.train] saving step {step} in the background (staged in "
+                  f"{took:.2f} s)", flush=True)
+
+
+def finish_saves(t) -> None:
+    """Wait for the save in flight, if any (collective outcome: it raises on every rank)."""
+    path = t.ckpt.wait()
+    if path is not None and t.topo.rank == 0 and not t.args.sync_save:
+        print(f"[fastpar.train] saved {path}", flush=True)
 
 
 def check_save_dir(t) -> None:
@@ -62,52 +72,74 @@ def check_save_dir(t) -> None:
                          f"resume from it (--resume {save}) or save elsewhere")
 
 
-def resume(t, where: str) -> None:
-    """Continue from a checkpoint saved under any layout of the same model."""
-    import fastpar
-    from fastpar.training import checkpoint as ckpt
-    from fastpar.training.state import load_serial_optimizer_state
-
-    c = ckpt.load(where)
-    saved = c.meta.get("model", {})
+def check_meta(t, meta: dict, path: str, step: int) -> None:
+    """The checkpoint is of this model, data stream and run length; else ValueError."""
+    saved = meta.get("model", {})
     mine = dataclasses.asdict(t.cfg)
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in mine.items()
             if k not in ("sequence_parallel", "overlap", "dropout", "recompute") and saved.get(k) != v]
     if diff:
-        raise ValueError(f"checkpoint {c.path} was saved from a different model: "
+        raise ValueError(f"checkpoint {path} was saved from a different model: "
                          + "; ".join(diff))
-    data = [f"{k}: checkpoint {c.meta.get(k)!r}, this run {v!r}"
+    data = [f"{k}: checkpoint {meta.get(k)!r}, this run {v!r}"
             for k, v in (("seed", t.args.seed), ("global_batch", t.args.global_batch))
-            if c.meta.get(k) != v]
+            if meta.get(k) != v]
     if data:  # the batches are a function of (seed, step) and the global batch
-        raise ValueError(f"checkpoint {c.path} was trained on another data stream: "
+        raise ValueError(f"checkpoint {path} was trained on another data stream: "
                          + "; ".join(data) + " (pass the same --seed and --global-batch)")
+    if step > t.steps:
+        raise ValueError(f"checkpoint {path} is at step {step}, past --steps {t.steps}")
+
+
+def resume(t, where: str) -> None:
+    """Continue from a checkpoint saved under any layout of the same model (sharded, or the
+    serial format of earlier releases)."""
+    from fastpar.checkpoint import loading, store
+
+    directory = store.resolve(where)
+    if store.record_of(directory) == "index.json":
+        _, index = loading.read_index(directory)
+        meta, step = index["meta"], int(index["step"])
+        check_meta(t, meta, directory, step)
+        t.ckpt.load(directory, t.pipe, t.opt)  # each rank reads its slices, verified
+    else:
+        meta, step = _resume_serial(t, directory)
+    t.sched.load_state_dict({**t.sched.state_dict(), **meta["scheduler"]})
+    # This run's flags make the plan (the same flags: the checkpoint's plan, bit for bit):
+    # the next step runs at this plan's rate, and so do the ones after it.
+    plan = lr_plan(t.args, t.steps)
+    t.sched.base_lrs = [plan["lr"]] * len(t.opt.param_groups)
+    t.sched._last_lr = [lr_at(plan, step)] * len(t.opt.param_groups)
+    for group, lr in zip(t.opt.param_groups, t.sched.get_last_lr()):
+        group["lr"] = lr
+    t.start = step
+    if t.topo.rank == 0:
+        lay = meta.get("layout", {})
+        print(f"[fastpar.train] resumed {directory} at step {step} (saved under tp "
+              f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')})", flush=True)
+        if (note := replanned(t, meta.get("schedule"), step)) is not None:
+            print(f"[fastpar.train] note: {note}", flush=True)
+
+
+def _resume_serial(t, directory: str) -> tuple[dict, int]:
+    """A serial-layout checkpoint (``fastpar.training.checkpoint``): read whole on every rank,
+    each rank keeps its shards."""
+    import fastpar
+    from fastpar.training import checkpoint as ckpt
+    from fastpar.training.state import load_serial_optimizer_state
+
+    c = ckpt.load(directory)
+    check_meta(t, c.meta, c.path, c.step)
     with t.gathered():
         expected = {k: tuple(v.shape) for k, v in fastpar.full_state_dict(t.model).items()}
     ckpt.check_model_shapes(expected, c.model, c.path)
-    if c.step > t.steps:
-        raise ValueError(f"checkpoint {c.path} is at step {c.step}, past --steps {t.steps}")
     # ZeRO-3: loaded into the gathered parameters, then into the masters; bf16 without ZeRO:
     # the float32 masters exact, the bf16 weights rounded from them
     with t.gathered(), masters_in_place(t.opt):
         fastpar.load_full_state_dict(t.model, c.model)
         load_serial_optimizer_state(t.pipe, t.opt, c.optimizer,
                                     c.meta.get("optimizer_scalars", {}))
-    t.sched.load_state_dict({**t.sched.state_dict(), **c.meta["scheduler"]})
-    # This run's flags make the plan (the same flags: the checkpoint's plan, bit for bit):
-    # the next step, c.step, runs at this plan's rate, and so do the ones after it.
-    plan = lr_plan(t.args, t.steps)
-    t.sched.base_lrs = [plan["lr"]] * len(t.opt.param_groups)
-    t.sched._last_lr = [lr_at(plan, c.step)] * len(t.opt.param_groups)
-    for group, lr in zip(t.opt.param_groups, t.sched.get_last_lr()):
-        group["lr"] = lr
-    t.start = c.step
-    if t.topo.rank == 0:
-        lay = c.meta.get("layout", {})
-        print(f"[fastpar.train] resumed {c.path} at step {c.step} (saved under tp "
-              f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')})", flush=True)
-        if (note := replanned(t, c.meta.get("schedule"), c.step)) is not None:
-            print(f"[fastpar.train] note: {note}", flush=True)
+    return c.meta, c.step
 
 
 def replanned(t, saved: dict | None, step: int) -> str | None:
