@@ -94,8 +94,10 @@ class ShardedCheckpointer:
                 bad.setdefault(e, []).append(r)
         if not bad:
             return
-        if len(bad) == 1 and len(next(iter(bad.values()))) == self.world:
-            said = next(iter(bad))  # every rank found the same
+        if len(bad) == 1 and len(next(iter(bad.values()))) == self.world > 1:
+            said = f"(every rank) {next(iter(bad))}"
+        elif len(bad) == 1 and self.world == 1:
+            said = next(iter(bad))
         else:
             said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} "
                              f"{','.join(map(str, rs))}: {e}" for e, rs in list(bad.items())[:4])
@@ -207,8 +209,10 @@ class ShardedCheckpointer:
                 problem = f"{type(exc).__name__}: {exc}"
                 shutil.rmtree(tmp, ignore_errors=True)
         outcome = self._all((problem, path))
-        self._raise_any([e[0] for e in everyone], f"writing checkpoint step {step}")
-        self._raise_any([outcome[0][0]], f"committing checkpoint step {step}")
+        final = os.path.join(root, store.step_name(step))
+        self._raise_any([e[0] for e in everyone], f"writing checkpoint {final}")
+        self._raise_any([outcome[0][0]] + [None] * (self.world - 1),
+                        f"committing checkpoint {final}")
         self.last_path = outcome[0][1]
         return self.last_path
 
@@ -287,20 +291,18 @@ class ShardedCheckpointer:
         return index
 
     def _check_replicas(self, model, opt, directory) -> None:
-        """The dp replicas of every tp/pp shard hold the same bytes after a load."""
-        from fastpar.runtime import is_initialized, topology
-
-        if not self.dist or not is_initialized():
+        """Ranks that hold the same shards (the same keys and boxes: dp replicas of a tp/pp
+        shard, whatever the groups) hold the same bytes after a load."""
+        if not self.dist:
             return
-        topo = topology()
-        digest = replica_digest(model, opt)
-        seen = self._all(((topo.tp_rank, topo.pp_rank), digest))
+        shards = repr(sorted((key, box) for key, _, _, box in keyed_tensors(model)))
+        seen = self._all((shards, replica_digest(model, opt)))
         by_shard = {}
         for rank, (shard, d) in enumerate(seen):
             by_shard.setdefault(shard, {}).setdefault(d, []).append(rank)
         split = [list(groups.values()) for groups in by_shard.values() if len(groups) > 1]
         if split:
-            raise CheckpointError(f"after loading {directory} the dp replicas differ: "
+            raise CheckpointError(f"after loading {directory} the replicas of one shard differ: "
                                   + "; ".join(" vs ".join(f"ranks {r}" for r in groups)
                                               for groups in split[:3]))
 

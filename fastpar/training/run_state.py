@@ -76,8 +76,9 @@ def check_meta(t, meta: dict, path: str, step: int) -> None:
     """The checkpoint is of this model, data stream and run length; else ValueError."""
     saved = meta.get("model", {})
     mine = dataclasses.asdict(t.cfg)
+    free = ("sequence_parallel", "overlap", "dropout", "recompute")  # may change on resume
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in mine.items()
-            if k not in ("sequence_parallel", "overlap", "dropout", "recompute") and saved.get(k) != v]
+            if k not in free and saved.get(k) != v]
     if diff:
         raise ValueError(f"checkpoint {path} was saved from a different model: "
                          + "; ".join(diff))

@@ -84,11 +84,17 @@ def serial_optimizer_state(model, opt) -> tuple[dict[str, torch.Tensor], dict]:
     group ``full_state_dict`` gathers over; identical on every rank."""
     params, per, scalars = _per_param(model, opt)
     out = {}
-    for kind, tensors in per.items():
-        with swapped(params, tensors):
-            for name, t in full_state_dict(model).items():
-                out[f"{name}:{kind}"] = t
+    with _unreleased(opt):
+        for kind, tensors in per.items():
+            with swapped(params, tensors):
+                for name, t in full_state_dict(model).items():
+                    out[f"{name}:{kind}"] = t
     return out, scalars
+
+
+def _unreleased(opt):
+    """ZeRO-3: the module's state_dict refuses released parameters, even swapped ones."""
+    return opt.gathered() if isinstance(opt, DistributedOptimizer) else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -102,7 +108,7 @@ def load_serial_optimizer_state(model, opt, tensors: dict[str, torch.Tensor],
     for kind in kinds:
         serial = {k.rsplit(":", 1)[0]: v for k, v in tensors.items() if k.endswith(":" + kind)}
         fresh = [torch.zeros_like(p, dtype=_state_dtype(opt, p)) for p in params]
-        with swapped(params, fresh):
+        with _unreleased(opt), swapped(params, fresh):
             load_full_state_dict(model, serial)
         per[kind] = fresh
     if isinstance(opt, DistributedOptimizer):

@@ -1,0 +1,306 @@
+"""Sharded checkpoints (``fastpar.checkpoint``) between every pair of layouts, and every refusal.
+
+One launch per world size (1, 2, 4). Every rank trains the serial ``SerialMLP`` two AdamW steps
+(the reference: weights, ``exp_avg``, ``exp_avg_sq``, ``step``), then for each layout (tp, dp,
+ZeRO stage, dtype; tp and dp groups built inside the launch, so one world holds tp 1/2/4, dp
+1/2/4 and every rank alone) builds ``ParallelMLP`` and its optimizer, loads the reference into
+it through the serial path (``load_full_state_dict`` + ``load_serial_optimizer_state``, tested
+elsewhere), and saves it sharded. Then every layout loads every checkpoint and the serial state
+it then holds (gathered by the serial path) must equal the reference bitwise: weights (float32
+masters for bf16 layouts) and optimizer state. The sizes (hidden 6, ffn 12) cut ZeRO ranges
+across rows, so flat ranges become several boxes. Then, on the largest world: a truncated
+file, a flipped byte, a missing rank's file and another model's checkpoint are refused on every
+rank naming what is wrong; a save into a full file system (a 64 KiB tmpfs) and into a
+read-only one raise on every rank, synchronously and from an async save at ``wait()``.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.multirank import run_ranks
+
+HIDDEN, FFN = 6, 12
+
+
+def layouts(world):
+    """``(name, tp, dp, stage, dtype)``: every rank alone, then whole-world layouts."""
+    out = [("solo", 1, 1, 0, "float32"), ("solo.bf16", 1, 1, 0, "bfloat16")]
+    for tp in (1, 2, 4):
+        if tp > world:
+            continue
+        dp = world // tp
+        out.append((f"tp{tp}dp{dp}", tp, dp, 0, "float32"))
+        if dp > 1:
+            out += [(f"tp{tp}dp{dp}.z{s}", tp, dp, s, "float32") for s in (1, 2, 3)]
+            out.append((f"tp{tp}dp{dp}.z1.bf16", tp, dp, 1, "bfloat16"))
+    return out
+
+
+def groups(world):
+    """``{(tp, dp): (my tp group, my dp group)}``: tp groups of consecutive ranks, dp groups
+    of the ranks with the same tp rank (created in the same order on every rank)."""
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), {}
+    singles = [dist.new_group([r]) for r in range(world)]
+    out[(1, 1)] = (singles[rank], singles[rank])
+    for tp in (1, 2, 4):
+        if tp > world:
+            continue
+        dp = world // tp
+        tps = [dist.new_group(list(range(i * tp, (i + 1) * tp))) for i in range(dp)]
+        dps = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+        out[(tp, dp)] = (tps[rank // tp], dps[rank % tp])
+    return out
+
+
+def reference(seed):
+    from fastpar.testing import SerialMLP
+    from fastpar.training.state import serial_optimizer_state
+
+    torch.manual_seed(seed)
+    ser = SerialMLP(HIDDEN, FFN)
+    opt = torch.optim.AdamW(ser.parameters(), lr=0.05, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(2):
+        x, y = torch.randn(4, 3, HIDDEN, generator=gen), torch.randn(4, 3, HIDDEN, generator=gen)
+        opt.zero_grad()
+        F.mse_loss(ser(x), y).backward()
+        opt.step()
+    weights = {k: v.detach().clone() for k, v in ser.state_dict().items()}
+    return weights, *serial_optimizer_state(ser, opt)
+
+
+def build(layout, grps, seed):
+    from fastpar import nn as pnn
+    from fastpar.optim import DistributedOptimizer, MasterWeights
+
+    name, tp, dp, stage, dtype = layout
+    tp_group, dp_group = grps[(tp, dp)]
+    par = pnn.ParallelMLP(HIDDEN, FFN, seed=seed + 7, group=tp_group)
+    kw = {"lr": 0.05, "weight_decay": 0.1}
+    low = dtype == "bfloat16"
+    if stage:
+        if low:
+            par.to(torch.bfloat16)
+        extra = {"module": par} if stage == 3 else {}
+        opt = DistributedOptimizer(par.parameters(), torch.optim.AdamW, stage=stage,
+                                   group=dp_group, **extra, **kw)
+    elif low:
+        opt = MasterWeights(par.parameters(), torch.optim.AdamW, **kw)
+        par.to(torch.bfloat16)
+    else:
+        opt = torch.optim.AdamW(par.parameters(), **kw)
+    return par, opt
+
+
+def serial_state(par, opt):
+    """(weights of record, optimizer tensors, scalars) in the serial layout."""
+    import fastpar
+    from fastpar.training.run_state import masters_in_place
+    from fastpar.training.state import serial_optimizer_state
+
+    gathered = opt.gathered() if hasattr(opt, "gathered") else torch.no_grad()
+    with gathered, masters_in_place(opt):
+        weights = {k: v.float() for k, v in fastpar.full_state_dict(par).items()}
+    return weights, *serial_optimizer_state(par, opt)
+
+
+def put(par, opt, ref):
+    """The reference state into a layout, through the serial path."""
+    import fastpar
+    from fastpar.training.run_state import masters_in_place
+    from fastpar.training.state import load_serial_optimizer_state
+
+    weights, tensors, scalars = ref
+    gathered = opt.gathered() if hasattr(opt, "gathered") else torch.no_grad()
+    with gathered, masters_in_place(opt):
+        fastpar.load_full_state_dict(par, weights)
+        load_serial_optimizer_state(par, opt, tensors, scalars)
+
+
+def same(a: dict, b: dict) -> list[str]:
+    return [k for k in sorted(set(a) | set(b))
+            if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+
+
+def body_matrix(root, seed=11):
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.checkpoint.sharded import ShardedCheckpointer
+
+    topo = fastpar.init(timeout=60)
+    world = topo.world_size
+    grps = groups(world)
+    ref = reference(seed)
+    ckpt = ShardedCheckpointer()
+    every = layouts(world)
+    for i, layout in enumerate(every):
+        par, opt = build(layout, grps, seed)
+        put(par, opt, ref)
+        ckpt.save(os.path.join(root, layout[0]), 1, par, opt, meta={"layout": layout[0]},
+                  async_save=i % 2 == 1)  # every other one in the background
+    ckpt.wait()
+    wrong = []
+    for saved in every:
+        for layout in every:
+            par, opt = build(layout, grps, seed + 100)  # other initial values
+            index = ckpt.load(os.path.join(root, saved[0]), par, opt)
+            assert index["meta"] == {"layout": saved[0]}
+            w, t, s = serial_state(par, opt)
+            bad = same(w, ref[0]) + same(t, ref[1]) + ([] if s == ref[2] else ["scalars"])
+            if bad:
+                wrong.append(f"{saved[0]} -> {layout[0]}: {bad}")
+    dist.barrier()
+    assert not wrong, wrong
+    files = sorted(os.listdir(os.path.join(root, "tp1dp%d.z3" % world, "step_00000001"))) \
+        if world > 1 else []
+    return {"pairs": len(every) ** 2, "files": files}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_layout_loads_every_checkpoint_bitwise(world, tmp_path):
+    root = str(tmp_path)
+    values = run_ranks(world, body_matrix, root=root, timeout=240).values()
+    n = len(layouts(world))
+    assert values[0]["pairs"] == n * n
+    if world > 1:  # ZeRO-3 over dp = world: every rank wrote its own file
+        assert values[0]["files"] == ["index.json"] + [f"rank_{r:05d}.safetensors"
+                                                       for r in range(world)]
+    # the index is plain JSON, and each file plain safetensors that safetensors itself opens
+    from safetensors import safe_open
+
+    step = os.path.join(root, "tp1dp%d" % world if world > 1 else "solo", "step_00000001")
+    with open(os.path.join(step, "index.json")) as f:
+        index = json.load(f)
+    weight = index["tensors"]["model"]["fc1.weight"]
+    assert weight["shape"] == [FFN, HIDDEN] and weight["dtype"] == "float32"
+    covered = 0
+    for piece in weight["pieces"]:
+        with safe_open(os.path.join(step, piece["file"]), "pt") as f:
+            covered += f.get_tensor(piece["key"]).numel()
+    assert covered == FFN * HIDDEN
+    if world == 4:  # no ZeRO, dp 4: the replicas split the writing (every rank has a file)
+        assert len(index["files"]) == 4, index["files"]
+
+
+def expect(call, kind, *parts):
+    """``call()`` raises ``kind`` with every one of ``parts`` in its message; returns it."""
+    try:
+        call()
+    except kind as exc:
+        text = str(exc)
+        assert all(p in text for p in parts), (parts, text)
+        return text
+    raise AssertionError(f"no {kind.__name__} raised (expected {parts})")
+
+
+def body_refusals(root, full_dir, ro_dir, seed=5):
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar import nn as pnn
+    from fastpar.checkpoint.sharded import CheckpointError, ShardedCheckpointer
+
+    topo = fastpar.init(timeout=60)
+    ckpt = ShardedCheckpointer()
+    world, rank = topo.world_size, topo.rank
+    grps = groups(world)
+    layout = ("tp1", 1, world, 1, "float32")  # ZeRO-1 over the world: a file per rank
+    par, opt = build(layout, grps, seed)
+    put(par, opt, reference(seed))
+    good = os.path.join(root, "good")
+    step = ckpt.save(good, 1, par, opt, meta={})
+    said = []
+
+    def damaged(name, change):
+        where = os.path.join(root, name)
+        if rank == 0:
+            shutil.copytree(good, where)
+            change(os.path.join(where, "step_00000001"))
+        dist.barrier()
+        fresh, fopt = build(layout, grps, seed + 1)
+        said.append(expect(lambda: ckpt.load(where, fresh, fopt), ValueError, *parts[name]))
+
+    def truncate(d):
+        with open(os.path.join(d, "rank_00001.safetensors" if world > 1 else
+                               "rank_00000.safetensors"), "r+b") as f:
+            f.truncate(100)
+
+    def flip(d):
+        fname = "rank_00000.safetensors"
+        size = os.path.getsize(os.path.join(d, fname))
+        with open(os.path.join(d, fname), "r+b") as f:
+            f.seek(size - 3)
+            b = f.read(1)
+            f.seek(size - 3)
+            f.write(bytes([b[0] ^ 0x40]))
+
+    last = "rank_%05d.safetensors" % (world - 1)
+    parts = {"truncated": ["incomplete or corrupt", "has 100 bytes, the index says"],
+             "flipped": ["corrupt (sha256 of its pieces)", "rank_00000.safetensors: piece",
+                         "the index says"],
+             "missing": ["incomplete or corrupt", f"{last} (rank {world - 1}'s part) is missing"]}
+    damaged("truncated", truncate)
+    damaged("flipped", flip)
+    damaged("missing", lambda d: os.unlink(os.path.join(d, last)))
+    # another model: the same names, other shapes
+    other = pnn.ParallelMLP(HIDDEN, 2 * FFN, seed=seed, group=grps[(1, world)][0])
+    oopt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    said.append(expect(lambda: ckpt.load(good, other, oopt), ValueError,
+                       "does not fit this model", "shape or dtype mismatches",
+                       f"model:fc1.weight (checkpoint ({FFN}, {HIDDEN}) float32, this run "
+                       f"({2 * FFN}, {HIDDEN}) float32)"))
+    # a full file system: a small checkpoint fits, a large one does not
+    big = pnn.ParallelMLP(64, 512, seed=seed, group=grps[(1, world)][0])
+    bopt = torch.optim.AdamW(big.parameters(), lr=0.1)
+    big(torch.randn(2, 64)).sum().backward()
+    bopt.step()
+    ckpt.save(full_dir, 1, par, opt, meta={})
+    said.append(expect(lambda: ckpt.save(full_dir, 2, big, bopt, meta={}), CheckpointError,
+                       "writing checkpoint", "step_00000002: (every rank)",
+                       "No space left on device"))
+    ckpt.save(full_dir, 3, big, bopt, meta={}, async_save=True)  # returns: written behind
+    said.append(expect(ckpt.wait, CheckpointError, "writing checkpoint", "step_00000003",
+                       "No space left on device"))
+    fresh, fopt = build(layout, grps, seed + 2)
+    assert ckpt.load(full_dir, fresh, fopt)["step"] == 1  # the last good one
+    left = sorted(os.listdir(full_dir))
+    # a read-only file system
+    said.append(expect(lambda: ckpt.save(ro_dir, 1, par, opt, meta={}), CheckpointError,
+                       "writing checkpoint", "step_00000001", "Read-only file system"))
+    dist.barrier()
+    return {"said": said, "left": left, "step": step}
+
+
+def _mount_tmpfs(path, options):
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"needs root to mount a small tmpfs (ENOSPC, EROFS): {done.stderr.strip()}")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_damaged_or_foreign_checkpoints_and_failed_writes_raise_on_every_rank(world, tmp_path):
+    full, ro = str(tmp_path / "full"), str(tmp_path / "ro")
+    _mount_tmpfs(full, "size=64k")
+    try:
+        _mount_tmpfs(ro, "ro,size=64k")
+        try:
+            values = run_ranks(world, body_refusals, root=str(tmp_path), full_dir=full,
+                               ro_dir=ro, timeout=120).values()
+        finally:
+            subprocess.run(["umount", ro], check=False)
+    finally:
+        subprocess.run(["umount", full], check=False)
+    assert all(v["said"] == values[0]["said"] for v in values)  # every rank, the same words
+    assert values[0]["left"] == ["latest", "step_00000001"], values[0]["left"]  # no .tmp-
+    assert len(values[0]["said"]) == 7
