@@ -1,12 +1,13 @@
-"""``python -m fastpar <command>``; commands: info."""
+"""``python -m fastpar <command>``; commands: info, checkpoint (inspect | export)."""
 
 import sys
 
 
 def main() -> int:
-    commands = {"info": "fastpar.info"}
+    commands = {"info": "fastpar.info", "checkpoint": "fastpar.checkpoint.__main__"}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print("usage: python -m fastpar info [--tp N --pp N] [--json]", file=sys.stderr)
+        print("usage: python -m fastpar info [--tp N --pp N] [--json]\n"
+              "       python -m fastpar checkpoint inspect|export ...", file=sys.stderr)
         return 2
     import importlib
 

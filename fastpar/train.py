@@ -97,6 +97,7 @@ class Trainer:
 
         self.memory = trainer_meter(self)  # peak bytes by category, and their prediction
         self.ckpt = None  # sharded checkpoints: their own gloo group (collective to create)
+        self.ckpt_said = None  # the last save the log has announced as committed
         if args.save or args.resume:
             from fastpar.checkpoint.sharded import ShardedCheckpointer
 

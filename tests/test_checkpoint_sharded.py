@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.multirank import run_ranks
+from tests.multirank import ROOT, run_ranks
 
 HIDDEN, FFN = 6, 12
 
@@ -189,6 +189,68 @@ def test_every_layout_loads_every_checkpoint_bitwise(world, tmp_path):
     assert covered == FFN * HIDDEN
     if world == 4:  # no ZeRO, dp 4: the replicas split the writing (every rank has a file)
         assert len(index["files"]) == 4, index["files"]
+    if world == 2:
+        check_cli(root, tmp_path)
+
+
+def cli(*args):
+    """``python -m fastpar.checkpoint ARGS`` in this process (its ``main``), as a
+    ``CompletedProcess``; ``check_cli`` runs the real command line once."""
+    import contextlib
+    import io
+
+    from fastpar.checkpoint.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def check_cli(root, tmp_path):
+    """``inspect`` and ``export`` without ranks: the export of a ZeRO-3 checkpoint (flat ranges,
+    two files) equals that of the serial one, bitwise; damage is found and refused."""
+    from safetensors.torch import load_file
+
+    got = cli("inspect", os.path.join(root, "tp1dp2.z3"), "--verify", "--tensors")
+    assert got.returncode == 0, got.stderr
+    for words in ("(fastpar-sharded-v1)", "step 1: written by 2 rank(s)", "2 files",
+                  "model: 4 tensors, 162 elements", "optimizer scalars: step 2",
+                  "fc1.weight", "(12, 6)", "verified: every piece's sha256 matches"):
+        assert words in got.stdout, (words, got.stdout)
+    outs = {}
+    for name in ("tp1dp2.z3", "solo", "tp2dp1"):
+        out = str(tmp_path / f"{name}.safetensors")
+        command = ("export", os.path.join(root, name), out, "--optimizer")
+        if name == "solo":  # the command line itself, through python -m fastpar
+            import sys
+
+            done = subprocess.run([sys.executable, "-m", "fastpar", "checkpoint", *command],
+                                  capture_output=True, text=True, timeout=120, cwd=ROOT)
+        else:
+            done = cli(*command)
+        assert done.returncode == 0 and "exported step 1" in done.stdout, done.stderr
+        outs[name] = load_file(out)
+    assert sorted(outs["solo"]) == ["fc1.bias", "fc1.bias:exp_avg", "fc1.bias:exp_avg_sq",
+                                    "fc1.weight", "fc1.weight:exp_avg",
+                                    "fc1.weight:exp_avg_sq", "fc2.bias", "fc2.bias:exp_avg",
+                                    "fc2.bias:exp_avg_sq", "fc2.weight", "fc2.weight:exp_avg",
+                                    "fc2.weight:exp_avg_sq"]
+    for name in outs:
+        assert not same(outs[name], outs["solo"]), name
+    again = cli("export", os.path.join(root, "solo"), str(tmp_path / "solo.safetensors"))
+    assert again.returncode == 1 and "exists; not overwritten" in again.stderr
+    step = os.path.join(root, "tp1dp2.z3", "step_00000001", "rank_00001.safetensors")
+    with open(step, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    bad = cli("inspect", os.path.join(root, "tp1dp2.z3"), "--verify")
+    assert bad.returncode == 1 and "DAMAGED: rank_00001.safetensors: piece" in bad.stdout
+    bad = cli("export", os.path.join(root, "tp1dp2.z3"), str(tmp_path / "no.safetensors"))
+    assert bad.returncode == 1 and "is damaged" in bad.stderr
+    assert not os.path.exists(tmp_path / "no.safetensors")
 
 
 def expect(call, kind, *parts):

@@ -49,15 +49,17 @@ def _bytes(t: torch.Tensor, start: int, stop: int) -> memoryview:
     return memoryview(part.numpy()).cast("B")
 
 
-def write(path: str, items: list[tuple[str, torch.Tensor, tuple[int, ...]]],
-          metadata: dict | None = None) -> dict:
-    """Write a safetensors file of ``items`` ``(key, data (n,), sizes)`` and fsync it; returns
-    ``{"bytes": size, "sha256": {key: digest}}``. The file must not exist."""
+def write(path: str, items: list[tuple], metadata: dict | None = None) -> dict:
+    """Write a safetensors file of ``items`` and fsync it; returns ``{"bytes": size,
+    "sha256": {key: digest}}``. The file must not exist. An item is ``(key, data (n,), sizes)``
+    or ``(key, dtype, sizes, make)`` with ``make()`` returning the data when its turn comes (an
+    export holds one serial tensor at a time)."""
     header, offset = {}, 0
-    for key, data, sizes in items:
-        assert data.dim() == 1 and data.is_contiguous() and data.numel() == _numel(sizes), key
-        n = data.numel() * data.element_size()
-        header[key] = {"dtype": DTYPES[data.dtype], "shape": list(sizes),
+    for item in items:
+        key, sizes = item[0], item[2]
+        dtype = item[1] if isinstance(item[1], torch.dtype) else item[1].dtype
+        n = _numel(sizes) * dtype.itemsize
+        header[key] = {"dtype": DTYPES[dtype], "shape": list(sizes),
                        "data_offsets": [offset, offset + n]}
         offset += n
     if metadata:
@@ -68,7 +70,11 @@ def write(path: str, items: list[tuple[str, torch.Tensor, tuple[int, ...]]],
     with open(path, "xb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for key, data, _ in items:
+        for item in items:
+            key, sizes = item[0], item[2]
+            data = item[3]() if len(item) > 3 else item[1]
+            assert data.dim() == 1 and data.is_contiguous() and data.numel() == _numel(sizes) \
+                and DTYPES[data.dtype] == header[key]["dtype"], key
             h = hashlib.sha256()
             n = data.numel() * data.element_size()
             for start in range(0, n, BLOCK):

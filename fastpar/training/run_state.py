@@ -39,6 +39,7 @@ def run_meta(t) -> dict:
 def save(t, step: int) -> None:
     """Collective: every rank writes its pieces of step ``step`` (``fastpar.checkpoint``); an
     async save returns once they are staged, and the previous one must have committed."""
+    finish_saves(t)  # the previous save, if any, committed (or its error raised)
     t0 = time.perf_counter()
     path = t.ckpt.save(t.args.save, step, t.pipe, t.opt, meta=run_meta(t),
                        async_save=not t.args.sync_save)
@@ -54,8 +55,9 @@ def save(t, step: int) -> None:
 def finish_saves(t) -> None:
     """Wait for the save in flight, if any (collective outcome: it raises on every rank)."""
     path = t.ckpt.wait()
-    if path is not None and t.topo.rank == 0 and not t.args.sync_save:
-        print(f"[fastpar.train] saved {path}", flush=True)
+    if path is not None and path != t.ckpt_said and t.topo.rank == 0 and not t.args.sync_save:
+        print(f"[fastpar.train] saved {path} (written in the background)", flush=True)
+    t.ckpt_said = path
 
 
 def check_save_dir(t) -> None:
