@@ -137,6 +137,8 @@ class Trainer:
             norm = self.opt.clip_grad_norm_(args.clip, model=self.pipe)
         else:
             norm = optim.clip_grad_norm_(self.pipe, args.clip)
+        if self.ckpt is not None:  # an async save may still read the weights and the state
+            run_state.finish_saves(self)
         self.opt.step()
         self.memory.sample()  # the optimizer state and the masters' gradients
         self.sched.step()

@@ -140,3 +140,24 @@ def test_benches_answer_bad_flags_in_one_line_from_one_rank():
     assert "unrecognized arguments: --no-such-flag" in rank0[0][1]
     assert "--repeat must be at least 1, got 0" in rank0[-2][1]
     assert "--engines: ['smh'] not among default" in rank0[-1][1]
+
+
+def test_checkpoint_bench_runs(tmp_path):
+    """bench/checkpoint.py at 2 ranks, the tiny model: both formats saved, loaded at the saved
+    layout and at another, async staged and held."""
+    import os
+
+    from tests.multirank import ROOT
+
+    out = tmp_path / "ck.json"
+    text = "".join(run_script(2, "bench/checkpoint.py", "--models", "tiny",
+                              "--save-layout=--tp 2", "--load-layout=--zero 1", "--dir",
+                              str(tmp_path / "d"), "--json", str(out), "--data",
+                              os.path.join(ROOT, "docs", "design.md"), "--disk-mib", "8",
+                              timeout=240))
+    row = json.loads(out.read_text())["rows"][0]
+    for key in ("gathered_save_s", "sharded_save_s", "staged_stall_s", "held_stall_s",
+                "gathered_load_s", "sharded_load_s", "load_other_gathered_s",
+                "load_other_sharded_s", "rank0_own_bytes", "staging_bytes", "write_cpu_s"):
+        assert row[key] > 0, (key, row)
+    assert "async held" in text and "sharded" in text

@@ -41,8 +41,11 @@ def save(t, step: int) -> None:
     async save returns once they are staged, and the previous one must have committed."""
     finish_saves(t)  # the previous save, if any, committed (or its error raised)
     t0 = time.perf_counter()
+    # async: on the CPU the writer reads the weights and optimizer state where they lie while
+    # the next step's forward and backward run (the trainer waits before its optimizer step);
+    # on a GPU they are first copied to a host staging buffer
     path = t.ckpt.save(t.args.save, step, t.pipe, t.opt, meta=run_meta(t),
-                       async_save=not t.args.sync_save)
+                       async_save=not t.args.sync_save, hold=t.topo.device.type == "cpu")
     if t.topo.rank == 0:
         took = time.perf_counter() - t0
         if path is not None:
