@@ -57,6 +57,28 @@ def body_runs(runs):
     return out
 
 
+def body_serial_format(root):
+    """A checkpoint in the serial format of earlier releases (written here the way they wrote
+    it) still resumes: 10 steps, saved serially, then resumed to 20."""
+    import fastpar
+    from fastpar.train import Trainer, parse_args
+    from fastpar.training import checkpoint
+    from fastpar.training.run_state import masters_in_place, run_meta
+    from fastpar.training.state import serial_optimizer_state
+
+    t = Trainer(parse_args(BASE + ["--steps", "20"]))
+    first = [t.train_step(step)[0] for step in range(10)]
+    with t.gathered(), masters_in_place(t.opt):
+        weights = fastpar.full_state_dict(t.model)
+    tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
+    checkpoint.save(root, 10, model=weights, optimizer=tensors,
+                    meta={**run_meta(t), "optimizer_scalars": scalars})
+    fastpar.shutdown()
+    resumed = Trainer(parse_args(BASE + ["--resume", root])).run()
+    fastpar.shutdown()
+    return {"first": first, "resumed": [[r["step"], r["loss"]] for r in resumed]}
+
+
 def body_notes(argv):
     """The notes (``[fastpar.train] note: ...``) one run prints, and its records' rates."""
     import contextlib
@@ -96,17 +118,22 @@ def assert_parity(name, got, ref, bound=PARITY):
 def four_ranks(tmp_path_factory):
     ck, ck16 = str(tmp_path_factory.mktemp("ckpt")), str(tmp_path_factory.mktemp("ckpt16"))
     ckz16 = str(tmp_path_factory.mktemp("ckptz16"))
+    ckz1, ckz3 = str(tmp_path_factory.mktemp("ckptz1")), str(tmp_path_factory.mktemp("ckptz3"))
     memory_metrics = str(tmp_path_factory.mktemp("metrics") / "m.jsonl")
     runs = [("tp2pp2", ["--tp", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
             ("tp2pp2.resume", ["--tp", "2", "--pp", "2", "--resume",
                                os.path.join(ck, "step_00000010")]),
             ("tp2dp2", ["--tp", "2"]),
-            ("pp2dp2.zero", ["--pp", "2", "--zero"]),
+            ("pp2dp2.zero", ["--pp", "2", "--zero", "--save", ckz1, "--save-every", "10"]),
             ("tp2dp2.zero2", ["--tp", "2", "--zero", "2"]),
             # saved at tp 2 x pp 2 without ZeRO, resumed at pp 2 x dp 2 under ZeRO-3
             ("pp2dp2.zero3.resume", ["--pp", "2", "--zero", "3", "--resume",
                                      os.path.join(ck, "step_00000010")]),
-            ("dp4.zero3.tied", ["--zero", "3", "--tie-embeddings"]),
+            ("dp4.zero3.tied", ["--zero", "3", "--tie-embeddings", "--save", ckz3,
+                                "--save-every", "10"]),
+            # saved at dp 4 under ZeRO-3 (flat ranges), resumed at tp 2 x pp 2 without ZeRO
+            ("tp2pp2.tied.resume.z3", ["--tp", "2", "--pp", "2", "--tie-embeddings", "--resume",
+                                       os.path.join(ckz3, "step_00000010")]),
             ("tp2pp2.interleaved.tied.sp", ["--tp", "2", "--pp", "2", "--virtual-stages", "2",
                                             "--schedule", "interleaved", "--tie-embeddings",
                                             "--sequence-parallel", "--overlap", "on"]),
@@ -127,11 +154,11 @@ def four_ranks(tmp_path_factory):
                                    "--steps", "2", "--metrics", memory_metrics])]
     values = run_ranks(4, body_runs, runs=runs, timeout=360).values()
     assert all(v == values[0] for v in values), "ranks disagree on the losses"
-    return values[0], ck, ck16, memory_metrics
+    return values[0], ck, ck16, memory_metrics, ckz1, ckz3
 
 
 def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
-    four, ck, ck16, _ = four_ranks
+    four, ck, ck16, _, ckz1, ckz3 = four_ranks
     step10 = os.path.join(ck, "step_00000010")
     step10b = os.path.join(ck16, "step_00000010")
     two = run_ranks(2, body_runs, runs=[
@@ -153,7 +180,11 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         ("other-model", ["--layers", "3", "--resume", step10]),
         ("other-seed", ["--seed", "1", "--resume", step10]),
         ("save-over", ["--save", ck]),
-        ("serial.bf16", BF16), ("serial.bf16.resume10", [*BF16, "--resume", step10b])],
+        ("serial.bf16", BF16), ("serial.bf16.resume10", [*BF16, "--resume", step10b]),
+        # from ZeRO-1 over pp 2 x dp 2 and ZeRO-3 over dp 4 to one rank
+        ("serial.resume.z1", ["--resume", os.path.join(ckz1, "step_00000010")]),
+        ("serial.tied.resume.z3", ["--tie-embeddings", "--resume",
+                                   os.path.join(ckz3, "step_00000010")])],
         timeout=240).values()[0]
     serial = one["serial"]
     assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
@@ -169,6 +200,9 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     assert sorted(resumed) == list(range(11, 21))
     assert all(resumed[s] == curve(four["tp2pp2"])[s] for s in resumed), resumed
     assert_parity("dp2.resume", two["dp2.resume"], serial)
+    assert_parity("serial.resume.z1", one["serial.resume.z1"], serial)
+    assert_parity("serial.tied.resume.z3", one["serial.tied.resume.z3"], one["serial.tied"])
+    assert_parity("tp2pp2.tied.resume.z3", four["tp2pp2.tied.resume.z3"], one["serial.tied"])
     assert_parity("serial.resume10", one["serial.resume10"], serial)
     assert one["serial.resume"] == [], one["serial.resume"]  # step 20 of 20: nothing to do
     check_bf16_layouts(four, two, one)
@@ -192,6 +226,11 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         one["save-over"], one["save-over"]
     # Another --steps replans the learning-rate schedule: the run says so, with the rates,
     # and runs at the new plan's rates from the resumed step on.
+    # The serial format of earlier releases resumes exactly (the same layout: bitwise).
+    old_format = run_ranks(1, body_serial_format, root=str(tmp_path / "v1")).values()[0]
+    assert [s for s, _ in old_format["resumed"]] == list(range(11, 21)), old_format
+    assert all(loss == curve(serial)[s] for s, loss in old_format["resumed"]), old_format
+    assert old_format["first"] == [curve(serial)[s] for s in range(1, 11)]
     notes, rates = run_ranks(1, body_notes, argv=["--steps", "30", "--resume", step10]).values()[0]
     old, new = cosine_rate(10, 20, 2), cosine_rate(10, 30, 3)
     assert notes == [f"[fastpar.train] note: the learning-rate schedule is replanned (steps "
@@ -233,9 +272,9 @@ def test_memory_is_measured_beside_its_prediction(four_ranks):
     gets exactly one contract record per rank."""
     from fastpar.training.metrics import read_records
 
-    four, _, _, metrics = four_ranks
+    four, _, _, metrics, _, _ = four_ranks
     names = sorted(n for n in four if n.endswith(":memory"))
-    assert len(names) == 15, names
+    assert len(names) == 16, names
     print("activations, worst relative error per run:",
           {name: check_memory_rows(name, four[name], 4) for name in names})
     records = [r for r in read_records(metrics) if "memory" in r]
@@ -390,10 +429,11 @@ def test_killed_rank_ends_the_job_named(tmp_path, mpich_cleanup):
     assert f"PID {pids[1]}" in out or "rank 1" in out, out[-2000:]
 
 
-def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path, mpich_cleanup):
-    """Ctrl-C (SIGINT to the job's process group, as a terminal sends it) while a checkpoint is
-    written in the background every step: the latest complete one loads, training resumes from
-    it, and its next save leaves no temporary files behind."""
+@pytest.mark.parametrize("how", ["sigint", "sigkill-rank1"])
+def test_interrupted_saving_leaves_a_loadable_checkpoint(tmp_path, mpich_cleanup, how):
+    """Ctrl-C (SIGINT to the job's process group, as a terminal sends it), or SIGKILL of one
+    rank, while a checkpoint is written in the background every step: the latest complete one
+    loads, training resumes from it, and its next save leaves no temporary files behind."""
     from fastpar.checkpoint import loading
 
     ck, metrics = str(tmp_path / "ck"), str(tmp_path / "m.jsonl")
@@ -401,7 +441,10 @@ def test_sigint_while_saving_leaves_a_loadable_checkpoint(tmp_path, mpich_cleanu
                           "--metrics", metrics])
     try:
         _wait_lines(metrics, 4, proc)
-        os.killpg(proc.pid, signal.SIGINT)
+        if how == "sigint":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(_rank_pids(metrics)[1], signal.SIGKILL)
         out = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:
