@@ -15,8 +15,9 @@ AdamW (``fastpar.train.Trainer``), takes a step so the optimizer has state, and 
                   a staging buffer first (the second such save, reusing the buffer, is shown),
                   "held" writes them where they lie and the step waits for the write before
                   its optimizer update (what fastpar.train does on the CPU)
-  load            both formats, at the saved layout and at ``--load-layout`` (default dp 4
-                  with ZeRO-1: a second trainer in the same processes, after the first ends)
+  load            both formats, at the saved layout; then a second trainer (the same
+                  processes) at ``--load-layout`` (default dp 4 with ZeRO-1) saves its own
+                  checkpoint and loads it ("load 2") and the first layout's ("resharded")
 Times are the slowest rank's. Rank 0's extra memory during a save is its resident set sampled
 every millisecond by a thread, peak minus the level before the save: the gathered format holds
 the whole model and optimizer state there (twice: tensors and serialised bytes), the sharded
@@ -26,7 +27,7 @@ into the same directory, measured first).
 
 Targets (issue 22): rank 0's peak during a save no more than its own shards + staging; the
 async stall at most 10% of a synchronous save; load at a new layout no slower than at the
-saved one.
+saved one (the same target layout loading its own checkpoint).
 """
 
 import json
@@ -161,6 +162,15 @@ def run_layout(args, model, mode, layout, base) -> dict:
                                       for f in fs)
         rec["gathered_bytes"] = sum(os.path.getsize(os.path.join(dp, f))
                                     for dp, _, fs in os.walk(gdir) for f in fs)
+    else:  # this layout's own checkpoints (the same layout), beside the first one's (resharded)
+        gown, sown = gdir + "-" + mode, sdir + "-" + mode
+        gathered_save(t, gown, 1)
+        t.ckpt.save(sown, 1, t.pipe, t.opt, meta=run_state.run_meta(t), keep=None)
+        rec["gathered_resharded_load_s"], _ = timed(lambda: run_state._resume_serial(
+            t, os.path.join(gdir, "step_00000001")))
+        rec["sharded_resharded_load_s"], _ = timed(lambda: t.ckpt.load(
+            os.path.join(sdir, "step_00000001"), t.pipe, t.opt))
+        gdir, sdir = gown, sown
     rec["gathered_load_s"], _ = timed(lambda: run_state._resume_serial(
         t, os.path.join(gdir, "step_00000001")))
     rec["sharded_load_s"], _ = timed(lambda: t.ckpt.load(
@@ -221,21 +231,26 @@ def main() -> None:
                       "world": len(saved), "rank0_own_bytes": r0["own_bytes"],
                       "load_other_gathered_s": loaded[0]["gathered_load_s"],
                       "load_other_sharded_s": loaded[0]["sharded_load_s"],
+                      "load_resharded_gathered_s": loaded[0]["gathered_resharded_load_s"],
+                      "load_resharded_sharded_s": loaded[0]["sharded_resharded_load_s"],
                       "load_layout": args.load_layout,
                       "disk_bytes_per_s": rate if lead else None})
     if not lead:
         return
     shutil.rmtree(base, ignore_errors=True)
+    print(f"save and load at {args.save_layout}; at {args.load_layout} (load 2): its own "
+          "checkpoint and, resharding, the first layout's")
     print(f"{'model':<6} {'params':>8} {'ckpt MiB':>8} {'format':<9} {'save s':>7} "
-          f"{'disk %':>6} {'rank0 +MiB':>10} {'load s (same)':>13} {'load s (new)':>12}")
+          f"{'disk %':>6} {'rank0 +MiB':>10} {'load s':>7} {'load 2 s':>8} "
+          f"{'resharded':>9}")
     for r in table:
         mb = r["checkpoint_bytes"] / MiB
         for fmt in ("gathered", "sharded"):
             save = r[f"{fmt}_save_s"]
             print(f"{r['model']:<6} {r['params'] / 1e6:>7.2f}M {mb:>8.1f} {fmt:<9} {save:>7.3f} "
                   f"{100 * r['checkpoint_bytes'] / save / r['disk_bytes_per_s']:>5.0f}% "
-                  f"{r[f'{fmt}_rank0_extra'] / MiB:>10.1f} {r[f'{fmt}_load_s']:>13.3f} "
-                  f"{r[f'load_other_{fmt}_s']:>12.3f}")
+                  f"{r[f'{fmt}_rank0_extra'] / MiB:>10.1f} {r[f'{fmt}_load_s']:>7.3f} "
+                  f"{r[f'load_other_{fmt}_s']:>8.3f} {r[f'load_resharded_{fmt}_s']:>9.3f}")
         for kind in ("staged", "held"):
             stall = r[f"{kind}_stall_s"] / r["sharded_save_s"]
             first = (f" (the first, allocating the buffer: {r['staged_first_stage_s']:.3f} s)"

@@ -158,6 +158,7 @@ def test_checkpoint_bench_runs(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     for key in ("gathered_save_s", "sharded_save_s", "staged_stall_s", "held_stall_s",
                 "gathered_load_s", "sharded_load_s", "load_other_gathered_s",
-                "load_other_sharded_s", "rank0_own_bytes", "staging_bytes", "write_cpu_s"):
+                "load_other_sharded_s", "load_resharded_sharded_s",
+                "load_resharded_gathered_s", "rank0_own_bytes", "staging_bytes", "write_cpu_s"):
         assert row[key] > 0, (key, row)
     assert "async held" in text and "sharded" in text

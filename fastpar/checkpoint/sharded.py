@@ -181,12 +181,8 @@ class ShardedCheckpointer:
         return staged
 
     def _background(self, *job) -> None:
-        try:
-            # the training's threads first: the writer (hashing, copies into the page cache)
-            # takes the CPU time they leave (best effort: nice 19 for this thread only)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass
+        # Not reniced: the trainer waits for this thread before its next optimizer step (or
+        # save), and a low-priority writer on a busy machine would then stall it longer.
         try:
             self._write(*job)
         except BaseException as exc:  # re-raised by the next save / wait on the main thread
