@@ -8,10 +8,13 @@ it through the serial path (``load_full_state_dict`` + ``load_serial_optimizer_s
 elsewhere), and saves it sharded. Then every layout loads every checkpoint and the serial state
 it then holds (gathered by the serial path) must equal the reference bitwise: weights (float32
 masters for bf16 layouts) and optimizer state. The sizes (hidden 6, ffn 12) cut ZeRO ranges
-across rows, so flat ranges become several boxes. Then, on the largest world: a truncated
-file, a flipped byte, a missing rank's file and another model's checkpoint are refused on every
-rank naming what is wrong; a save into a full file system (a 64 KiB tmpfs) and into a
-read-only one raise on every rank, synchronously and from an async save at ``wait()``.
+across rows, so flat ranges become several boxes; the tensors behind every async (staged) save
+are changed as soon as it returns. Then, at 2 ranks: a truncated file, a flipped byte, a
+missing rank's file, a file header whose dtype was edited, an index whose pieces were moved
+between tensors and another model's checkpoint are refused on every rank naming what is wrong;
+a held save whose tensors change before ``wait()`` fails; a save into a full file system (a 64
+KiB tmpfs) and into a read-only one raise on every rank, synchronously and from an async save
+at ``wait()``.
 """
 
 import json
@@ -130,6 +133,15 @@ def same(a: dict, b: dict) -> list[str]:
             if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
 
 
+def scramble(par, opt):
+    """Change every value a checkpoint of (par, opt) would hold."""
+    from fastpar.checkpoint.holdings import model_pieces, optimizer_pieces
+
+    with torch.no_grad():
+        for p in model_pieces(par, opt) + optimizer_pieces(par, opt)[0]:
+            p.data.add_(1.0)
+
+
 def body_matrix(root, seed=11):
     import torch.distributed as dist
 
@@ -146,7 +158,9 @@ def body_matrix(root, seed=11):
         par, opt = build(layout, grps, seed)
         put(par, opt, ref)
         ckpt.save(os.path.join(root, layout[0]), 1, par, opt, meta={"layout": layout[0]},
-                  async_save=i % 2 == 1)  # every other one in the background
+                  async_save=i % 2 == 1)  # every other one in the background, staged:
+        if i % 2 == 1:  # what it saves is what the tensors held when save() returned
+            scramble(par, opt)
     ckpt.wait()
     wrong = []
     for saved in every:
@@ -264,7 +278,7 @@ def expect(call, kind, *parts):
     raise AssertionError(f"no {kind.__name__} raised (expected {parts})")
 
 
-def body_refusals(root, full_dir, ro_dir, seed=5):
+def body_refusals(root, full_dir=None, ro_dir=None, seed=5):
     import torch.distributed as dist
 
     import fastpar
@@ -305,14 +319,51 @@ def body_refusals(root, full_dir, ro_dir, seed=5):
             f.seek(size - 3)
             f.write(bytes([b[0] ^ 0x40]))
 
+    def header_dtype(d):  # the same bytes read as another dtype of the same size
+        path = os.path.join(d, "rank_00000.safetensors")
+        with open(path, "r+b") as f:
+            raw = f.read()
+            f.seek(0)
+            f.write(raw.replace(b'"dtype":"F32"', b'"dtype":"I32"', 1))
+
+    def swap_pieces(d):  # the index moves exp_avg's pieces under exp_avg_sq and back
+        path = os.path.join(d, "index.json")
+        with open(path) as f:
+            index = json.load(f)
+        opt = index["tensors"]["optimizer"]
+        a, b = opt["fc1.weight:exp_avg"], opt["fc1.weight:exp_avg_sq"]
+        a["pieces"], b["pieces"] = b["pieces"], a["pieces"]
+        with open(path, "w") as f:
+            json.dump(index, f)
+
     last = "rank_%05d.safetensors" % (world - 1)
     parts = {"truncated": ["incomplete or corrupt", "has 100 bytes, the index says"],
              "flipped": ["corrupt (sha256 of its pieces)", "rank_00000.safetensors: piece",
                          "the index says"],
-             "missing": ["incomplete or corrupt", f"{last} (rank {world - 1}'s part) is missing"]}
+             "missing": ["incomplete or corrupt", f"{last} (rank {world - 1}'s part) is missing"],
+             "header": ["corrupt (sha256 of its pieces)", "is I32", "the index says float32"],
+             "swapped": ["incomplete or corrupt", "optimizer/fc1.weight:exp_avg_sq@",
+                         "is listed under optimizer tensor 'fc1.weight:exp_avg'"]}
     damaged("truncated", truncate)
     damaged("flipped", flip)
     damaged("missing", lambda d: os.unlink(os.path.join(d, last)))
+    damaged("header", header_dtype)
+    damaged("swapped", swap_pieces)
+    # a held save (no staging copy) whose tensors change while it writes fails, on every rank
+    from fastpar.checkpoint import files
+
+    real = files.write
+
+    def write_while_changing(*args, **kwargs):  # the change lands while the file is written
+        scramble(par, opt)
+        return real(*args, **kwargs)
+    files.write = write_while_changing
+    try:
+        ckpt.save(os.path.join(root, "held"), 1, par, opt, meta={}, async_save=True, hold=True)
+        said.append(expect(ckpt.wait, CheckpointError, "changed during a held save"))
+    finally:
+        files.write = real
+    assert not os.path.exists(os.path.join(root, "held", "step_00000001"))
     # another model: the same names, other shapes
     other = pnn.ParallelMLP(HIDDEN, 2 * FFN, seed=seed, group=grps[(1, world)][0])
     oopt = torch.optim.AdamW(other.parameters(), lr=0.1)
@@ -320,6 +371,8 @@ def body_refusals(root, full_dir, ro_dir, seed=5):
                        "does not fit this model", "shape or dtype mismatches",
                        f"model:fc1.weight (checkpoint ({FFN}, {HIDDEN}) float32, this run "
                        f"({2 * FFN}, {HIDDEN}) float32)"))
+    if full_dir is None:
+        return {"said": said}
     # a full file system: a small checkpoint fits, a large one does not
     big = pnn.ParallelMLP(64, 512, seed=seed, group=grps[(1, world)][0])
     bopt = torch.optim.AdamW(big.parameters(), lr=0.1)
@@ -342,27 +395,28 @@ def body_refusals(root, full_dir, ro_dir, seed=5):
     return {"said": said, "left": left, "step": step}
 
 
-def _mount_tmpfs(path, options):
+def _mount_tmpfs(path, options) -> bool:
     os.makedirs(path, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
                           capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"needs root to mount a small tmpfs (ENOSPC, EROFS): {done.stderr.strip()}")
+    return done.returncode == 0
 
 
 @pytest.mark.parametrize("world", [2])
 def test_damaged_or_foreign_checkpoints_and_failed_writes_raise_on_every_rank(world, tmp_path):
     full, ro = str(tmp_path / "full"), str(tmp_path / "ro")
-    _mount_tmpfs(full, "size=64k")
+    mounted = [d for d, options in ((full, "size=64k"), (ro, "ro,size=64k"))
+               if _mount_tmpfs(d, options)]
     try:
-        _mount_tmpfs(ro, "ro,size=64k")
-        try:
-            values = run_ranks(world, body_refusals, root=str(tmp_path), full_dir=full,
-                               ro_dir=ro, timeout=120).values()
-        finally:
-            subprocess.run(["umount", ro], check=False)
+        values = run_ranks(world, body_refusals, root=str(tmp_path),
+                           full_dir=full if len(mounted) == 2 else None,
+                           ro_dir=ro if len(mounted) == 2 else None, timeout=120).values()
     finally:
-        subprocess.run(["umount", full], check=False)
+        for d in mounted:
+            subprocess.run(["umount", d], check=False)
     assert all(v["said"] == values[0]["said"] for v in values)  # every rank, the same words
+    if len(mounted) < 2:  # what ran passed; the full and read-only disks need root
+        pytest.skip("ENOSPC and EROFS need root to mount a small tmpfs (the damaged and "
+                    "foreign checkpoints were checked)")
     assert values[0]["left"] == ["latest", "step_00000001"], values[0]["left"]  # no .tmp-
-    assert len(values[0]["said"]) == 7
+    assert len(values[0]["said"]) == 10

@@ -144,7 +144,7 @@ def test_truncated_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="model.safetensors has sha256"):
         checkpoint.load(path)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no checkpoint in .*empty.*: no latest file"):
+    with pytest.raises(ValueError, match="no checkpoint in .*empty.*: no step_"):
         checkpoint.load(tmp_path / "empty")
     with pytest.raises(ValueError, match="missing.* does not exist"):
         checkpoint.load(tmp_path / "missing")
@@ -174,7 +174,10 @@ def test_interrupted_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, 
     monkeypatch.undo()
     assert calls
     ck = checkpoint.load(tmp_path)
-    assert ck.step == 1 and ck.meta == {"good": True}
+    if where == "latest":  # step_00000002 is complete and in place: the newest checkpoint
+        assert ck.step == 2 and (tmp_path / "latest").read_text() == "step_00000001\n"
+    else:
+        assert ck.step == 1 and ck.meta == {"good": True}
     left = sorted(os.listdir(tmp_path))
     if where == "latest":
         assert left == [f".latest.tmp-{os.getpid()}", "latest", "step_00000001", "step_00000002"]

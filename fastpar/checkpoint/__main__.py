@@ -39,7 +39,7 @@ def _serial_record(directory: str) -> dict:
         with safe_open(os.path.join(directory, fname), "pt") as f:
             for key in f.keys():
                 sl = f.get_slice(key)
-                dtype = {v: k for k, v in files.DTYPES.items()}[sl.get_dtype()]
+                dtype = files.NAMES[sl.get_dtype()]
                 shape = list(sl.get_shape())
                 tensors[section][key] = {"shape": shape, "dtype": files.dtype_name(dtype),
                                          "pieces": [{"file": fname, "key": key,
@@ -131,6 +131,7 @@ def export(args) -> int:
         return 1
     sections = ("model", "optimizer") if args.optimizer else ("model",)
     items = []
+    reader = files.Reader(directory)  # each file opened once for every tensor
     for section in sections:
         for name, e in index["tensors"][section].items():
             dtype, shape = files.dtype_of(e["dtype"]), tuple(e["shape"])
@@ -139,18 +140,18 @@ def export(args) -> int:
                 whole = torch.empty(numel(shape), dtype=dtype)
                 piece = Piece(section, name, shape, ((0,) * len(shape), shape), 0,
                               numel(shape), whole)
-                loading.fill(directory, index, [piece])
+                loading.fill(directory, index, [piece], reader)
                 return whole
             items.append((name, dtype, shape, make))
     tmp = f"{args.out}.tmp-{os.getpid()}"
     try:
         out = files.write(tmp, items, {"format": "fastpar-serial-export",
                                        "step": index["step"], "source": directory})
-        os.replace(tmp, args.out)
-    except BaseException:
+        os.link(tmp, args.out)  # fails rather than replace a file that appeared meanwhile
+    finally:
+        reader.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
     print(f"exported step {index['step']} of {directory}: {len(items)} tensors, "
           f"{out['bytes'] / MiB:.2f} MiB -> {args.out}")
     return 0

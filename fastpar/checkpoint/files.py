@@ -22,6 +22,8 @@ import struct
 
 import torch
 
+from fastpar.checkpoint.boxes import numel
+
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -58,7 +60,7 @@ def write(path: str, items: list[tuple], metadata: dict | None = None) -> dict:
     for item in items:
         key, sizes = item[0], item[2]
         dtype = item[1] if isinstance(item[1], torch.dtype) else item[1].dtype
-        n = _numel(sizes) * dtype.itemsize
+        n = numel(sizes) * dtype.itemsize
         header[key] = {"dtype": DTYPES[dtype], "shape": list(sizes),
                        "data_offsets": [offset, offset + n]}
         offset += n
@@ -73,7 +75,7 @@ def write(path: str, items: list[tuple], metadata: dict | None = None) -> dict:
         for item in items:
             key, sizes = item[0], item[2]
             data = item[3]() if len(item) > 3 else item[1]
-            assert data.dim() == 1 and data.is_contiguous() and data.numel() == _numel(sizes) \
+            assert data.dim() == 1 and data.is_contiguous() and data.numel() == numel(sizes) \
                 and DTYPES[data.dtype] == header[key]["dtype"], key
             h = hashlib.sha256()
             n = data.numel() * data.element_size()
@@ -85,13 +87,6 @@ def write(path: str, items: list[tuple], metadata: dict | None = None) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": 8 + len(head) + offset, "sha256": digests}
-
-
-def _numel(sizes) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def header(path: str) -> tuple[int, dict]:
@@ -111,21 +106,30 @@ def header(path: str) -> tuple[int, dict]:
     return 8 + n, head
 
 
-def verify(path: str, pieces: list[tuple[str, str]]) -> list[str]:
-    """Re-hash ``pieces`` ``[(key, sha256)]`` of one file; returns what is wrong (empty: all
-    match). Reads each piece's bytes once, in blocks."""
+def verify(path: str, pieces: list[tuple[str, str, str, list]]) -> list[str]:
+    """Check ``pieces`` ``[(key, sha256, dtype name, sizes)]`` of one file against its header
+    (the dtype, shape and byte span the index says) and re-hash their bytes; returns what is
+    wrong (empty: all match). Reads each piece's bytes once, in blocks."""
+    name = os.path.basename(path)
     try:
         start, head = header(path)
     except (OSError, ValueError) as exc:
         return [str(exc)]
     problems = []
     with open(path, "rb") as f:
-        for key, want in pieces:
+        for key, want, dtype, sizes in pieces:
             entry = head.get(key)
             if entry is None:
-                problems.append(f"{os.path.basename(path)} has no piece {key}")
+                problems.append(f"{name} has no piece {key}")
                 continue
-            a, b = entry["data_offsets"]
+            a, b = entry.get("data_offsets", (0, -1))
+            expect = numel(sizes) * dtype_of(dtype).itemsize
+            if entry.get("dtype") != DTYPES[dtype_of(dtype)] or \
+                    list(entry.get("shape", ())) != list(sizes) or b - a != expect:
+                problems.append(f"{name}: piece {key} is {entry.get('dtype')} "
+                                f"{entry.get('shape')} ({b - a} bytes) in the file, the index "
+                                f"says {dtype} {list(sizes)}")
+                continue
             f.seek(start + a)
             h, left = hashlib.sha256(), b - a
             while left > 0:
@@ -134,11 +138,11 @@ def verify(path: str, pieces: list[tuple[str, str]]) -> list[str]:
                     break
                 h.update(chunk)
                 left -= len(chunk)
-            if left or h.hexdigest() != want:
-                problems.append(f"{os.path.basename(path)}: piece {key} has sha256 "
-                                f"{h.hexdigest()[:16]}..., the index says {want[:16]}..."
-                                if not left else f"{os.path.basename(path)}: piece {key} "
-                                f"is cut short ({left} bytes missing)")
+            if left:
+                problems.append(f"{name}: piece {key} is cut short ({left} bytes missing)")
+            elif h.hexdigest() != want:
+                problems.append(f"{name}: piece {key} has sha256 {h.hexdigest()[:16]}..., the "
+                                f"index says {want[:16]}...")
     return problems
 
 

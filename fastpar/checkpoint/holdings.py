@@ -48,10 +48,11 @@ class Piece:
 
 
 def _chunks(model) -> list[torch.nn.Module]:
+    while hasattr(model, "module") and not hasattr(model, "shard_dims") \
+            and not hasattr(model, "chunks"):
+        model = model.module  # fastpar.DataParallel and the like
     if hasattr(model, "chunks"):  # a Pipeline: this rank's stages
         return list(model.chunks)
-    while hasattr(model, "module") and not hasattr(model, "shard_dims"):
-        model = model.module  # fastpar.DataParallel and the like
     return [model]
 
 
@@ -77,11 +78,8 @@ def _zero_ranges(opt: DistributedOptimizer):
     out = {}
     for f in opt.flat:
         for i, p in enumerate(f.params):
-            run = f.run_of[i]
-            lo, hi = f._mine(run)
-            a, b = max(lo, f.offsets[i]), min(hi, f.offsets[i + 1])
-            mine = [(a - f.offsets[i], b - f.offsets[i], f, run.soff + a - lo)] if a < b else []
-            out[id(p)] = mine
+            mine = f.param_range(i)
+            out[id(p)] = [(mine[0], mine[1], f, mine[2])] if mine is not None else []
     return out
 
 
@@ -115,13 +113,24 @@ def optimizer_pieces(model, opt, kinds=None, scalars=None) -> tuple[list[Piece],
     creating = kinds is not None
     ranges = _zero_ranges(opt) if isinstance(opt, DistributedOptimizer) else {}
 
+    # fused / capturable Adam(W) keep their step on the parameters' device, others on the CPU
+    on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
+
     def st_for(holder: torch.Tensor, like: torch.Tensor) -> dict:
         st = state.get(holder)
         if creating:
             if not st:
                 st = state[holder] = {k: torch.zeros_like(like) for k in kinds}
-            st.update({k: torch.tensor(float(v), dtype=torch.float32)
-                       for k, v in scalars.items()})
+            have = _tensor_kinds(st, like.shape)
+            if have != sorted(kinds):
+                raise ValueError(f"the checkpoint's optimizer state is {sorted(kinds)}, this "
+                                 f"optimizer ({type(opt).__name__}) keeps {have}")
+            for k, v in scalars.items():
+                if isinstance(st.get(k), torch.Tensor):
+                    st[k].fill_(float(v))  # in place: its dtype and device stay
+                else:
+                    st[k] = torch.tensor(float(v), dtype=torch.float32,
+                                         device=like.device if on_device else "cpu")
         if not st:
             raise ValueError("optimizer state is missing for some parameters (save after the "
                              "first step)")

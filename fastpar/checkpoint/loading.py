@@ -11,6 +11,7 @@ Only ``json`` parses the index and only safetensors reads the files: nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -20,11 +21,23 @@ from fastpar.checkpoint.boxes import intersect, numel, range_boxes, shift, slice
 FORMAT = "fastpar-sharded-v1"
 
 
+def open_index(path) -> tuple[str, dict]:
+    """``read_index``, then the index's own consistency and the files' sizes; ValueError."""
+    directory, index = read_index(path)
+    raise_if(check_index(index) + check_files(directory, index))
+    return directory, index
+
+
+def raise_if(problems: list[str], what: str | None = None) -> None:
+    if problems:
+        raise ValueError((f"{what}: " if what else "") + "; ".join(problems))
+
+
 def read_index(path) -> tuple[str, dict]:
     directory = store.resolve(path)
     if store.record_of(directory) != "index.json":
-        raise ValueError(f"checkpoint {directory} is not sharded (it has meta.json): load it "
-                         "with fastpar.training.checkpoint.load")
+        raise ValueError(f"checkpoint {directory} is not sharded (no index.json): a serial "
+                         "one loads with fastpar.training.checkpoint.load")
     try:
         with open(os.path.join(directory, "index.json"), "rb") as f:
             index = json.loads(f.read())
@@ -33,6 +46,49 @@ def read_index(path) -> tuple[str, dict]:
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{directory}/index.json is not a {FORMAT} record")
     return directory, index
+
+
+def check_index(index: dict) -> list[str]:
+    """The index agrees with itself: each piece's key names its tensor and box, and a tensor's
+    boxes lie inside it, do not overlap and cover it (so no edit can move or drop a piece)."""
+    problems = []
+    for section in ("model", "optimizer"):
+        for name, e in index["tensors"][section].items():
+            shape, boxes = tuple(e["shape"]), []
+            for q in e["pieces"]:
+                offs, sizes = tuple(q["offsets"]), tuple(q["sizes"])
+                if q["key"] != f"{section}/{name}@{','.join(map(str, offs))}":
+                    problems.append(f"piece {q['key']} is listed under {section} tensor {name!r}")
+                if len(offs) != len(shape) or len(sizes) != len(shape) or any(
+                        o < 0 or o + n > d for o, n, d in zip(offs, sizes, shape)):
+                    problems.append(f"{section} tensor {name!r}: box {offs} {sizes} is outside "
+                                    f"its shape {shape}")
+                boxes.append((offs, sizes))
+            overlap = _overlap(boxes)
+            total = sum(numel(b[1]) for b in boxes)
+            if overlap is not None:
+                problems.append(f"{section} tensor {name!r}: pieces {overlap[0]} and "
+                                f"{overlap[1]} overlap")
+            elif total != numel(shape):
+                problems.append(f"{section} tensor {name!r}: its pieces hold {total} of its "
+                                f"{numel(shape)} elements")
+            if len(problems) >= 8:
+                return problems
+    return problems
+
+
+def _overlap(boxes):
+    """Two boxes that overlap, or None: a sweep along dim 0 compares each box only with those
+    whose rows it meets (row bands, the usual pieces, meet few)."""
+    active = []
+    for box in sorted(boxes, key=lambda b: b[0][:1]):
+        lo = box[0][0] if box[0] else 0
+        active = [a for a in active if not a[0] or a[0][0] + a[1][0] > lo]
+        hit = next((a for a in active if intersect(a, box) is not None), None)
+        if hit is not None:
+            return hit, box
+        active.append(box)
+    return None
 
 
 def check_files(directory: str, index: dict) -> list[str]:
@@ -63,14 +119,14 @@ def verify_share(directory: str, index: dict, rank: int, world: int) -> list[str
     sized = []
     for section, name, dtype, q in _pieces(index):
         nbytes = numel(q["sizes"]) * files.dtype_of(dtype).itemsize
-        sized.append((-nbytes, q["file"], q["key"], q["sha256"]))
+        sized.append((-nbytes, q["file"], q["key"], q["sha256"], dtype, q["sizes"]))
     sized.sort()
     load, mine = [0] * world, {}
-    for neg, fname, key, digest in sized:
+    for neg, fname, key, digest, dtype, sizes in sized:
         r = min(range(world), key=lambda j: (load[j], j))
         load[r] -= neg
         if r == rank:
-            mine.setdefault(fname, []).append((key, digest))
+            mine.setdefault(fname, []).append((key, digest, dtype, sizes))
     problems = []
     for fname, keys in sorted(mine.items()):
         problems += files.verify(os.path.join(directory, fname), keys)
@@ -99,10 +155,12 @@ def compare(expected: dict, index: dict, limit: int = 8) -> list[str]:
     return out
 
 
-def fill(directory: str, index: dict, pieces) -> None:
+def fill(directory: str, index: dict, pieces, reader: files.Reader | None = None) -> None:
     """Copy into each piece's ``data`` the saved values of its elements, reading only the
-    slices of saved pieces that intersect it; every element must come from exactly one."""
-    with files.Reader(directory) as reader:
+    slices of saved pieces that intersect it; every element must come from exactly one.
+    ``reader``: files already open (an export fills one tensor at a time)."""
+    with contextlib.nullcontext(reader) if reader is not None else \
+            files.Reader(directory) as reader:
         for p in pieces:
             entry = index["tensors"][p.section][p.name]
             saved = [((tuple(q["offsets"]), tuple(q["sizes"])), q) for q in entry["pieces"]]
@@ -122,3 +180,38 @@ def fill(directory: str, index: dict, pieces) -> None:
                     raise ValueError(f"checkpoint {directory}: {p.section} tensor {p.name!r} "
                                      f"box {serial} has {covered} of its {n} elements saved "
                                      "(pieces missing or overlapping)")
+
+
+def refresh_params(opt) -> None:
+    """The parameters from the masters a load just set (ZeRO: collective over dp)."""
+    if hasattr(opt, "refresh_params"):
+        opt.refresh_params()
+
+
+def replica_digest(model, opt) -> tuple[str, str]:
+    """``(the shards this rank holds, sha256 of every tensor it holds whole)``: ranks with the
+    same keys and boxes are replicas (dp ranks of one tp/pp shard, whatever the groups); a
+    released ZeRO-3 parameter is not held whole."""
+    import hashlib
+
+    from fastpar.checkpoint.holdings import keyed_tensors
+
+    released = getattr(opt, "sharded", None) is not None
+    h, shards = hashlib.sha256(), []
+    for key, t, _, box in keyed_tensors(model):
+        shards.append((key, box))
+        if released and t.requires_grad:
+            continue
+        h.update(key.encode())
+        h.update(files._bytes(t.detach().contiguous().reshape(-1), 0,
+                              t.numel() * t.element_size()))
+    return repr(sorted(shards)), h.hexdigest()
+
+
+def replicas_differ(seen: list[tuple[str, str]]) -> list[str]:
+    """Every rank's ``replica_digest``: the groups of replicas whose bytes differ."""
+    by_shard = {}
+    for rank, (shard, d) in enumerate(seen):
+        by_shard.setdefault(shard, {}).setdefault(d, []).append(rank)
+    return [" vs ".join(f"ranks {','.join(map(str, r))}" for r in groups.values())
+            for groups in by_shard.values() if len(groups) > 1][:3]

@@ -18,6 +18,7 @@ partly overlap, a tensor whose shape or dtype differs between ranks.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 from fastpar.checkpoint.boxes import intersect, numel
@@ -42,6 +43,11 @@ def check(held: list[list[tuple]]) -> None:
                 raise ValueError(f"checkpoint: {section} tensor {name!r} is {seen[0]} "
                                  f"{seen[1]} on rank {seen[2]} but {shape} {dtype} on rank "
                                  f"{rank}")
+            if any(o < 0 or o + n > d for o, n, d in zip(box[0], box[1], shape)) or \
+                    len(box[0]) != len(shape):
+                raise ValueError(f"checkpoint: {section} tensor {name!r} {shape} is held on "
+                                 f"rank {rank} as box {box}, outside it (a layer's shard_box "
+                                 "is wrong)")
             boxes[(section, name)].add(box)
     for (section, name), bs in boxes.items():
         bs = sorted(bs)
@@ -94,3 +100,36 @@ def assign(held: list[list[tuple]], rank: int) -> list[tuple[int, int, int]]:
         if r == rank:
             mine.append((i, a, b))
     return sorted(mine)
+
+
+def missing_files(tmp: str, records: list) -> list[str]:
+    """The ranks' files (as their records say) that are not in ``tmp`` with their size."""
+    out = []
+    for rank, rec in enumerate(records):
+        if rec is None:
+            continue
+        path = os.path.join(tmp, rec["file"])
+        if not os.path.isfile(path) or os.path.getsize(path) != rec["bytes"]:
+            out.append(f"rank {rank}'s {rec['file']} is not in {tmp}")
+    return out
+
+
+def index(fmt: str, step: int, world: int, meta: dict, scalars: dict, records: list) -> dict:
+    """The checkpoint's index from every rank's file record: each serial tensor's pieces."""
+    tensors = {"model": {}, "optimizer": {}}
+    file_info = {}
+    for rank, rec in enumerate(records):
+        if rec is None:
+            continue
+        file_info[rec["file"]] = {"bytes": rec["bytes"], "rank": rank}
+        for sec, name, shape, dtype, box, key, digest in rec["pieces"]:
+            entry = tensors[sec].setdefault(name, {"shape": list(shape), "dtype": dtype,
+                                                   "pieces": []})
+            entry["pieces"].append({"file": rec["file"], "key": key, "offsets": list(box[0]),
+                                    "sizes": list(box[1]), "sha256": digest})
+    for sec in tensors:
+        tensors[sec] = dict(sorted(tensors[sec].items()))
+        for entry in tensors[sec].values():
+            entry["pieces"].sort(key=lambda p: p["offsets"])
+    return {"format": fmt, "step": int(step), "world": world, "meta": meta,
+            "optimizer_scalars": scalars, "tensors": tensors, "files": file_info}

@@ -4,7 +4,8 @@ loads them by reading only its slices.
     ckpt = ShardedCheckpointer()                     # collective: its own gloo group
     ckpt.save("runs/a", step, pipe, opt, meta=meta)  # collective; async_save=True returns early
     ckpt.wait()                                      # the previous save committed (or raises)
-    step, meta = ckpt.load("runs/a", pipe, opt)      # any tp / pp / dp / ZeRO stage
+    index = ckpt.load("runs/a", pipe, opt)           # any tp / pp / dp / ZeRO stage
+    index["step"], index["meta"]
 
 On disk (``fastpar.checkpoint.store`` for the directory protocol)::
 
@@ -36,6 +37,7 @@ parameters are published from the masters and the dp replicas compare digests.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,24 +50,38 @@ import torch.distributed as dist
 
 from fastpar.checkpoint import files, loading, plan, store
 from fastpar.checkpoint.boxes import numel, range_boxes, shift
-from fastpar.checkpoint.holdings import keyed_tensors, model_pieces, optimizer_pieces
+from fastpar.checkpoint.holdings import model_pieces, optimizer_pieces
 from fastpar.checkpoint.loading import FORMAT
 
-KEEP = 3
+KEEP = store.KEEP
+ALIGN = 64  # bytes: each staged piece starts aligned for any dtype
 
 
 class CheckpointError(RuntimeError):
-    """A sharded save or load failed on some rank (raised on every rank)."""
+    """A sharded save failed on some rank (raised on every rank)."""
+
+
+def _said(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
 
 
 class ShardedCheckpointer:
-    """Saves and loads sharded checkpoints for one job; see the module docstring."""
+    """Saves and loads sharded checkpoints for one job; see the module docstring.
+
+    ``group``: the gloo group its collectives use; None creates one over the world (collective),
+    with the topology's timeout, so that the async writer never meets the training's
+    collectives."""
 
     def __init__(self, group=None):
         self.dist = dist.is_available() and dist.is_initialized()
         if self.dist:
-            # its own communicator: the async writer's collectives never meet the training's
-            self.group = group if group is not None else dist.new_group(backend="gloo")
+            if group is None:
+                from fastpar.runtime import is_initialized, topology
+                from fastpar.runtime.rendezvous import as_timedelta
+
+                timeout = as_timedelta(topology().timeout) if is_initialized() else None
+                group = dist.new_group(backend="gloo", timeout=timeout)
+            self.group = group
             self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         else:
             self.group, self.rank, self.world = None, 0, 1
@@ -76,7 +92,7 @@ class ShardedCheckpointer:
         self.nonce = nonce[0]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._plan = None  # (layout signature, this rank's ranges)
+        self._plan = None  # (every rank's digest of its pieces, this rank's ranges)
         self._staging: torch.Tensor | None = None
         self.last_path: str | None = None
         self.write_cpu_s = 0.0  # CPU time the last save's file took this rank (bench/)
@@ -107,6 +123,16 @@ class ShardedCheckpointer:
                              f"{','.join(map(str, rs))}: {e}" for e, rs in list(bad.items())[:4])
         raise (kind or CheckpointError)(f"{what}: {said}")
 
+    def _agree(self, what: str, fn, kind=None):
+        """``fn()`` on every rank; if it raises anywhere, raise on every rank (one exchange)."""
+        out, problem = None, None
+        try:
+            out = fn()
+        except Exception as exc:
+            problem = _said(exc)
+        self._raise_any(self._all(problem), what, kind)
+        return out
+
     # ---- save -------------------------------------------------------------------------------
 
     def save(self, root: str, step: int, model, opt, *, meta: dict, keep: int | None = KEEP,
@@ -116,35 +142,44 @@ class ShardedCheckpointer:
         pieces into a staging buffer first, unless ``hold``: then the writer reads them where
         they lie and the caller must not change the model's weights or the optimizer until
         ``wait()`` returns (``fastpar.train`` waits before its next optimizer step, so the
-        write overlaps that step's forward and backward, with no copy and no extra memory)."""
+        write overlaps that step's forward and backward, with no copy and no extra memory);
+        a held piece changed meanwhile fails the save."""
         self.wait()
         root = os.fspath(root)
-        problem = None
-        if self.rank == 0:
-            try:
+        if int(step) < 0 or (keep is not None and int(keep) < 1):
+            raise ValueError(f"save needs step >= 0 and keep >= 1 (or None), got step {step}, "
+                             f"keep {keep}")
+        problem, digest, scalars, pieces = None, None, {}, []
+        try:
+            if self.rank == 0:
                 os.makedirs(root, exist_ok=True)
                 store.clean(root)  # leftovers of interrupted saves: nobody writes there now
                 store.check_new(root, step)
                 json.dumps(meta)
-            except (OSError, ValueError, TypeError) as exc:
-                problem = str(exc)
-        pieces = model_pieces(model, opt)
-        opt_pieces, scalars = optimizer_pieces(model, opt)
-        pieces += opt_pieces
-        held = plan.describe(pieces)
-        digest = hashlib.sha256(repr(held).encode()).hexdigest()
+            pieces = model_pieces(model, opt)
+            opt_pieces, scalars = optimizer_pieces(model, opt)
+            pieces += opt_pieces
+            held = plan.describe(pieces)
+            digest = hashlib.sha256(repr(held).encode()).hexdigest()
+        except (OSError, ValueError, TypeError, RuntimeError) as exc:
+            problem = _said(exc)
         everyone = self._all((problem, digest, scalars))
         self._raise_any([e[0] for e in everyone], f"saving step {step}")
         digests = [e[1] for e in everyone]
         if self._plan is None or self._plan[0] != digests:  # the layout is new: plan it
             layout = self._all(held)
-            plan.check(layout)
-            self._plan = (digests, plan.assign(layout, self.rank))
+            self._plan = (digests, self._agree(f"planning step {step}", lambda: (
+                plan.check(layout), plan.assign(layout, self.rank))[1]))
         items = self._items(pieces, self._plan[1])
+        problem = None
         if async_save and not hold:
-            items = self._stage(items)
+            try:
+                items = self._stage(items)
+            except (RuntimeError, ValueError) as exc:  # reported in the write's exchange
+                problem = _said(exc)
         scalars = next((s for _, _, s in everyone if s), {})
-        job = (root, step, items, meta, scalars, keep)
+        versions = [d._version for *_, d in items] if hold else None
+        job = (root, step, items, meta, scalars, keep, problem, versions)
         if not async_save:
             return self._write(*job)
         self._error = None
@@ -166,18 +201,27 @@ class ShardedCheckpointer:
         return items
 
     def _stage(self, items) -> list[tuple]:
-        """Copies of the items' data in one host buffer, reused by the next save of the same
-        size (an async save's training may change the originals at once)."""
+        """Copies of the items' data in one host buffer (each piece ``ALIGN``-aligned), reused
+        by the next save of the same size. From a GPU: pinned memory, copies queued on a side
+        stream; the writer waits for them (``_write``) while training goes on."""
         sizes = [d.numel() * d.element_size() for *_, d in items]
-        total = sum(sizes)
-        if self._staging is None or self._staging.numel() != total:
-            self._staging = torch.empty(total, dtype=torch.uint8)
-        staged, at = [], 0
-        for (section, name, shape, box, d), n in zip(items, sizes):
-            view = self._staging[at:at + n]
-            view.copy_(d.detach().reshape(-1).view(torch.uint8))
-            staged.append((section, name, shape, box, view.view(d.dtype)))
-            at += n
+        starts, at = [], 0
+        for n in sizes:
+            starts.append(at)
+            at += -(-n // ALIGN) * ALIGN
+        cuda = any(d.is_cuda for *_, d in items)
+        if self._staging is None or self._staging.numel() != at:
+            self._staging = torch.empty(at, dtype=torch.uint8, pin_memory=cuda)
+        stream = torch.cuda.Stream() if cuda else None
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream())
+        staged = []
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            for (section, name, shape, box, d), n, a in zip(items, sizes, starts):
+                view = self._staging[a:a + n]
+                view.copy_(d.detach().reshape(-1).view(torch.uint8), non_blocking=cuda)
+                staged.append((section, name, shape, box, view.view(d.dtype)))
+        self._copied = stream.record_event() if cuda else None
         return staged
 
     def _background(self, *job) -> None:
@@ -188,24 +232,24 @@ class ShardedCheckpointer:
         except BaseException as exc:  # re-raised by the next save / wait on the main thread
             self._error = exc
 
-    def _write(self, root, step, items, meta, scalars, keep) -> str:
+    def _write(self, root, step, items, meta, scalars, keep, problem=None, versions=None):
         tmp = os.path.join(root, f".tmp-{store.step_name(step)}-{self.nonce}")
         fname = f"rank_{self.rank:05d}.safetensors"
-        record, problem = None, None
+        record = None
         cpu = time.thread_time()
         try:
-            os.makedirs(tmp, exist_ok=True)
-            if items:
-                keys = [f"{sec}/{name}@{','.join(map(str, box[0]))}"
-                        for sec, name, _, box, _ in items]
-                out = files.write(os.path.join(tmp, fname),
-                                  [(k, d, box[1]) for k, (_, _, _, box, d) in zip(keys, items)],
-                                  {"format": FORMAT, "rank": self.rank})
-                record = {"file": fname, "bytes": out["bytes"], "pieces": [
-                    (sec, name, shape, str(d.dtype).removeprefix("torch."), box, k,
-                     out["sha256"][k]) for k, (sec, name, shape, box, d) in zip(keys, items)]}
+            if problem is None:
+                if getattr(self, "_copied", None) is not None:
+                    self._copied.synchronize()  # the staging copies from the GPU have landed
+                    self._copied = None
+                os.makedirs(tmp, exist_ok=True)
+                if items:
+                    record = self._write_file(os.path.join(tmp, fname), items)
+                if versions is not None and versions != [d._version for *_, d in items]:
+                    problem = ("the model or optimizer changed during a held save (hold=True: "
+                               "wait() before changing them)")
         except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
+            problem = _said(exc)
         self.write_cpu_s = time.thread_time() - cpu  # this rank's file: hashing and copies
         everyone = self._all((problem, record))
         path, problem = None, None
@@ -214,12 +258,17 @@ class ShardedCheckpointer:
                 if any(e[0] for e in everyone):
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
-                    index = self._index(step, meta, scalars, [e[1] for e in everyone])
+                    records = [e[1] for e in everyone]
+                    missing = plan.missing_files(tmp, records)
+                    if missing:
+                        raise OSError(f"{missing}: is {root} on a file system every rank "
+                                      "shares?")
+                    index = plan.index(FORMAT, step, self.world, meta, scalars, records)
                     store.write_file(os.path.join(tmp, "index.json"),
-                                     json.dumps(index, indent=1).encode())
+                                     json.dumps(index, separators=(",", ":")).encode())
                     path = store.publish(root, tmp, step, keep)
             except Exception as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+                problem = _said(exc)
                 shutil.rmtree(tmp, ignore_errors=True)
         outcome = self._all((problem, path))
         final = os.path.join(root, store.step_name(step))
@@ -229,25 +278,13 @@ class ShardedCheckpointer:
         self.last_path = outcome[0][1]
         return self.last_path
 
-    def _index(self, step, meta, scalars, records) -> dict:
-        tensors = {"model": {}, "optimizer": {}}
-        file_info = {}
-        for rank, rec in enumerate(records):
-            if rec is None:
-                continue
-            file_info[rec["file"]] = {"bytes": rec["bytes"], "rank": rank}
-            for sec, name, shape, dtype, box, key, digest in rec["pieces"]:
-                entry = tensors[sec].setdefault(name, {"shape": list(shape), "dtype": dtype,
-                                                       "pieces": []})
-                entry["pieces"].append({"file": rec["file"], "key": key,
-                                        "offsets": list(box[0]), "sizes": list(box[1]),
-                                        "sha256": digest})
-        for sec in tensors:
-            tensors[sec] = dict(sorted(tensors[sec].items()))
-            for entry in tensors[sec].values():
-                entry["pieces"].sort(key=lambda p: p["offsets"])
-        return {"format": FORMAT, "step": int(step), "world": self.world, "meta": meta,
-                "optimizer_scalars": scalars, "tensors": tensors, "files": file_info}
+    def _write_file(self, path: str, items) -> dict:
+        keys = [f"{sec}/{name}@{','.join(map(str, box[0]))}" for sec, name, _, box, _ in items]
+        out = files.write(path, [(k, d, box[1]) for k, (_, _, _, box, d) in zip(keys, items)],
+                          {"format": FORMAT, "rank": self.rank})
+        return {"file": os.path.basename(path), "bytes": out["bytes"], "pieces": [
+            (sec, name, shape, files.dtype_name(d.dtype), box, k, out["sha256"][k])
+            for k, (sec, name, shape, box, d) in zip(keys, items)]}
 
     def wait(self) -> str | None:
         """Block until the async save in flight (if any) has committed; re-raise its error."""
@@ -259,90 +296,49 @@ class ShardedCheckpointer:
             raise err
         return self.last_path
 
-    close = wait
+    def close(self) -> str | None:
+        """``wait()``, then free the staging buffer."""
+        try:
+            return self.wait()
+        finally:
+            self._staging = None
 
     # ---- load -------------------------------------------------------------------------------
 
     def load(self, path, model, opt) -> dict:
         """Fill ``model``'s weights and ``opt``'s state from a sharded checkpoint saved under
-        any layout (collective); returns its index (``step``, ``meta``, ...). Raises on every
-        rank, naming what is wrong, for a damaged checkpoint or one of another model."""
+        any layout (collective); returns its index (``step``, ``meta``, ...). Raises
+        ValueError on every rank, naming what is wrong, for a damaged checkpoint or one of
+        another model. A model-only checkpoint leaves the optimizer as it is."""
         self.wait()
-        directory = index = problem = None
-        try:
-            directory, index = loading.read_index(path)
-            problem = "; ".join(loading.check_files(directory, index)) or None
-        except (OSError, ValueError) as exc:
-            problem = str(exc)
-        self._raise_any(self._all(problem), f"checkpoint {directory or path} is incomplete or "
-                        "corrupt", ValueError)
-        found = loading.verify_share(directory, index, self.rank, self.world)
-        self._raise_any(self._all("; ".join(found) or None), f"checkpoint {directory} is "
-                        "corrupt (sha256 of its pieces)", ValueError)
-        kinds = sorted({n.rsplit(":", 1)[1] for n in index["tensors"]["optimizer"]})
-        pieces = model_pieces(model, opt)
-        opt_pieces, _ = optimizer_pieces(model, opt, kinds=kinds,
-                                         scalars=index.get("optimizer_scalars", {}))
-        pieces += opt_pieces
+        path = os.fspath(path)
+        directory, index = self._agree(f"checkpoint {path} is incomplete or corrupt",
+                                       lambda: loading.open_index(path), ValueError)
+        self._agree(f"checkpoint {directory} is corrupt (sha256 of its pieces)", lambda: (
+            loading.raise_if(loading.verify_share(directory, index, self.rank, self.world))),
+            ValueError)
+
+        def targets():
+            pieces = model_pieces(model, opt)
+            kinds = sorted({n.rsplit(":", 1)[1] for n in index["tensors"]["optimizer"]})
+            if kinds:
+                pieces += optimizer_pieces(model, opt, kinds=kinds,
+                                           scalars=index.get("optimizer_scalars", {}))[0]
+            return pieces
+        pieces = self._agree(f"checkpoint {directory} does not fit this optimizer", targets,
+                             ValueError)
         expected = {}
         for held in self._all(sorted({(p.section, p.name, tuple(p.shape),
                                        files.dtype_name(p.dtype)) for p in pieces})):
             expected.update({(s, n): (shape, d) for s, n, shape, d in held})
         differ = loading.compare(expected, index)
-        if differ:
+        if differ:  # the same on every rank: no exchange needed
             raise ValueError(f"checkpoint {directory} does not fit this model: "
                              + "; ".join(differ))
-        problem = None
-        try:
-            with torch.no_grad():
-                loading.fill(directory, index, pieces)
-        except (OSError, ValueError, RuntimeError) as exc:
-            problem = str(exc)
-        self._raise_any(self._all(problem), f"reading {directory}", ValueError)
-        publish(opt)
-        self._check_replicas(model, opt, directory)
+        self._agree(f"reading {directory}", lambda: loading.fill(directory, index, pieces),
+                    ValueError)
+        loading.refresh_params(opt)
+        digests = self._all(loading.replica_digest(model, opt))
+        loading.raise_if(loading.replicas_differ(digests), f"after loading {directory} the "
+                         "replicas of one shard differ")
         return index
-
-    def _check_replicas(self, model, opt, directory) -> None:
-        """Ranks that hold the same shards (the same keys and boxes: dp replicas of a tp/pp
-        shard, whatever the groups) hold the same bytes after a load."""
-        if not self.dist:
-            return
-        shards = repr(sorted((key, box) for key, _, _, box in keyed_tensors(model)))
-        seen = self._all((shards, replica_digest(model, opt)))
-        by_shard = {}
-        for rank, (shard, d) in enumerate(seen):
-            by_shard.setdefault(shard, {}).setdefault(d, []).append(rank)
-        split = [list(groups.values()) for groups in by_shard.values() if len(groups) > 1]
-        if split:
-            raise CheckpointError(f"after loading {directory} the replicas of one shard differ: "
-                                  + "; ".join(" vs ".join(f"ranks {r}" for r in groups)
-                                              for groups in split[:3]))
-
-
-def publish(opt) -> None:
-    """The parameters from the masters just loaded (ZeRO: collective over dp)."""
-    from fastpar.optim import DistributedOptimizer, MasterWeights
-
-    if isinstance(opt, DistributedOptimizer):
-        opt._publish()
-        opt._reduced = False
-    elif isinstance(opt, MasterWeights):
-        opt._copy_back()
-
-
-def replica_digest(model, opt) -> str:
-    """sha256 of every tensor this rank holds whole (a released ZeRO-3 parameter is not)."""
-    import hashlib
-
-    from fastpar.optim import DistributedOptimizer
-
-    released = isinstance(opt, DistributedOptimizer) and opt.sharded is not None
-    h = hashlib.sha256()
-    for key, t, _, _ in keyed_tensors(model):
-        if released and t.requires_grad:
-            continue
-        h.update(key.encode())
-        h.update(files._bytes(t.detach().contiguous().reshape(-1), 0,
-                              t.numel() * t.element_size()))
-    return h.hexdigest()

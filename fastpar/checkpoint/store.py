@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 
 RECORDS = ("meta.json", "index.json")  # serial format, sharded format
+KEEP = 3  # step directories a save keeps by default (the newest)
 STEP_DIR = re.compile(r"step_(\d{8,})")
 
 
@@ -96,29 +98,32 @@ def publish(root: str, tmp: str, step: int, keep: int | None) -> str:
     write_file(latest_tmp, f"{step_name(step)}\n".encode())
     os.replace(latest_tmp, os.path.join(root, "latest"))
     fsync_dir(root)
-    if keep is not None:
+    if keep is not None:  # the checkpoint is in place: a failure here only leaves more of them
         old = sorted(s for s in step_dirs(root) if s != step)
         for s in old[:max(0, len(old) - (int(keep) - 1))]:
-            remove(os.path.join(root, step_name(s)))
+            try:
+                remove(os.path.join(root, step_name(s)))
+            except OSError as exc:
+                warnings.warn(f"could not remove the old checkpoint {step_name(s)}: {exc}",
+                              stacklevel=2)
     return final
 
 
 def resolve(path) -> str:
-    """A step directory, or a parent directory's ``latest`` (else its highest step)."""
+    """A step directory, or a parent directory's highest complete step. Every ``step_*``
+    directory with its record is complete by construction (renamed into place whole), so the
+    highest one is the newest checkpoint even when a crash came between the rename and the
+    replacement of ``latest`` (which then names the one before: it is for people and tools)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path!r} does not exist or is not a directory")
     if record_of(path):
         return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            name = f.read().strip()
-        if not STEP_DIR.fullmatch(name):
-            raise ValueError(f"checkpoint {latest} names {name!r}, not a step directory")
-        return os.path.join(path, name)
     steps = step_dirs(path)
     if not steps:
-        raise ValueError(f"no checkpoint in {path!r}: no latest file, no step_* directory with "
-                         f"a {' or '.join(RECORDS)}")
+        latest = os.path.join(path, "latest")
+        named = open(latest).read().strip() if os.path.isfile(latest) else None
+        raise ValueError(f"no checkpoint in {path!r}: no step_* directory with a "
+                         f"{' or '.join(RECORDS)}"
+                         + (f" (latest names {named!r})" if named is not None else ""))
     return steps[max(steps)]

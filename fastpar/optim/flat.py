@@ -124,15 +124,26 @@ class FlatGroup:
         """``run``'s padded block ``(dp * piece,)`` of a padded flat buffer."""
         return buf[run.poff:run.poff + run.piece * self.dp_size]
 
+    def param_range(self, i: int) -> tuple[int, int, int] | None:
+        """This rank's part of parameter ``i``: ``(lo, hi, start)`` with elements ``[lo, hi)``
+        of the parameter's flattening at ``shard[start:start + hi - lo]``; None if another dp
+        rank holds all of it."""
+        run = self.run_of[i]
+        mine_lo, mine_hi = self._mine(run)
+        lo, hi = max(self.offsets[i], mine_lo), min(self.offsets[i + 1], mine_hi)
+        if hi <= lo:
+            return None
+        return lo - self.offsets[i], hi - self.offsets[i], run.soff + lo - mine_lo
+
     def shard_mask(self, keep) -> torch.Tensor:
         """``(shard,)`` float64 on the group's device: 0 on this rank's elements of every
         parameter ``p`` with ``keep(p)`` false, 1 elsewhere (padding included)."""
         mask = torch.ones(self.shard, dtype=torch.float64, device=self.device)
-        for p, a, b, run in zip(self.params, self.offsets, self.offsets[1:], self.run_of):
-            mine_lo, mine_hi = self._mine(run)
-            lo, hi = max(a, mine_lo), min(b, mine_hi)
-            if hi > lo and not keep(p):
-                mask[run.soff + lo - mine_lo:run.soff + hi - mine_lo] = 0
+        for i, p in enumerate(self.params):
+            mine = self.param_range(i)
+            if mine is not None and not keep(p):
+                lo, hi, start = mine
+                mask[start:start + hi - lo] = 0
         return mask
 
     def describe(self) -> str:

@@ -107,6 +107,11 @@ class MasterWeights(InnerOptimizerView, torch.optim.Optimizer):
         self._copy_back()
         return loss
 
+    def refresh_params(self) -> None:
+        """The parameters from the masters (rounded), after the masters were set from outside
+        (a checkpoint load)."""
+        self._copy_back()
+
     @torch.no_grad()
     def _copy_back(self) -> None:
         for p, m in zip(self.params, self.masters):

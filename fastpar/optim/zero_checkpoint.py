@@ -112,5 +112,10 @@ class CheckpointMixin:
         for f, m in zip(self.flat, masters):
             m = m.to(device=f.master.device, dtype=f.master.dtype)
             f.master.copy_(m if sharded else f.local(m))
+        self.refresh_params()
+
+    def refresh_params(self) -> None:
+        """The parameters from the masters, after the masters were set from outside (a
+        checkpoint load): collective over the dp group."""
         self._publish()
         self._reduced = False

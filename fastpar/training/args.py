@@ -58,8 +58,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--save", default=None, help="checkpoint directory")
     a("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     a("--sync-save", action="store_true",
-      help="training waits for each checkpoint to be written (default: the pieces are copied "
-           "to a staging buffer and written in the background while training goes on)")
+      help="training waits for each checkpoint to be written (default: written in the "
+           "background while training goes on; on the CPU the next step waits for it before "
+           "its optimizer update, on a GPU the pieces are first copied to host memory)")
     a("--resume", default=None, help="checkpoint directory (or one step_* in it) to continue")
     a("--log-every", type=int, default=10)
     a("--val-every", type=int, default=None, help="steps between validations (default: 5 logs)")

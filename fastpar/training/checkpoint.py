@@ -36,7 +36,7 @@ import torch
 from fastpar.checkpoint import store
 
 FORMAT = "fastpar-checkpoint-v1"
-KEEP = 3
+KEEP = store.KEEP
 FILES = ("model.safetensors", "optimizer.safetensors")
 
 

@@ -51,7 +51,7 @@ def save(t, step: int) -> None:
         if path is not None:
             print(f"[fastpar.train] saved step {step} to {path} ({took:.2f} s)", flush=True)
         else:
-            print(f"[fastpar.train] saving step {step} in the background (staged in "
+            print(f"[fastpar.train] saving step {step} in the background (set up in "
                   f"{took:.2f} s)", flush=True)
 
 
@@ -69,8 +69,9 @@ def check_save_dir(t) -> None:
     save = t.args.save
     if not save or not os.path.isdir(save):
         return
-    later = sorted(d for d in os.listdir(save) if d.startswith("step_")
-                   and d[5:].isdigit() and int(d[5:]) > t.start)
+    from fastpar.checkpoint import store
+
+    later = [store.step_name(s) for s in sorted(store.step_dirs(save)) if s > t.start]
     if later:
         raise ValueError(f"--save {save} already holds checkpoints past step {t.start} "
                          f"({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}): "
