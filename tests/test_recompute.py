@@ -204,3 +204,31 @@ def test_trainer_recompute_keeps_the_loss_curve():
     assert len(curves["none"]) == 8, curves
     for mode in ("selective", "full"):  # the same kernels on the same values: bitwise
         assert [r[1] for r in curves[mode]] == [r[1] for r in curves["none"]], (mode, curves)
+
+
+def test_a_stream_first_made_inside_recompute_draws_the_same_masks():
+    """The "tp" stream made lazily by the first fork, inside a recompute region: the
+    recompute starts without it and makes it again from the same seed, so its dropout masks
+    equal the forward's (it used to find the forward's advanced stream)."""
+    import fastpar
+    from fastpar import nn as pnn
+    from fastpar.nn import random as tp_random
+
+    def block(x):
+        with tp_random.fork():
+            return torch.nn.functional.dropout(x, 0.5, training=True) * 3.0
+
+    fastpar.init()
+    try:
+        grads = []
+        for wrap in (False, True):
+            tp_random.tracker().states.clear()  # no stream yet: the first fork makes it
+            torch.manual_seed(7)
+            x = torch.randn(64, 32, requires_grad=True)
+            y = pnn.recompute(block, x) if wrap else block(x)
+            y.sum().backward()
+            grads.append(x.grad)
+        assert torch.equal(grads[0], grads[1])
+        assert 0 < int((grads[0] == 0).sum()) < grads[0].numel()  # it did drop
+    finally:
+        fastpar.shutdown()

@@ -175,7 +175,8 @@ def _restored(state: dict):
     torch.set_rng_state(state["cpu"])
     for d, s in state["cuda"].items():
         torch.cuda.set_rng_state(s, d)
-    if t is not None:
+    if t is not None:  # exactly the streams of then: one made since is made again, alike
+        t.states.clear()
         t.states.update(state["streams"])
     try:
         with contextlib.ExitStack() as stack:
