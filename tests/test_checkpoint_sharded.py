@@ -11,8 +11,8 @@ masters for bf16 layouts) and optimizer state. The sizes (hidden 6, ffn 12) cut 
 across rows, so flat ranges become several boxes; the tensors behind every async (staged) save
 are changed as soon as it returns. Then, at 2 ranks: a truncated file, a flipped byte, a
 missing rank's file, a file header whose dtype was edited, an index whose pieces were moved
-between tensors and another model's checkpoint are refused on every rank naming what is wrong;
-a held save whose tensors change before ``wait()`` fails; a save into a full file system (a 64
+between tensors and another model's checkpoint are refused on every rank naming what is wrong,
+and so are dp replicas that differ after a load; a held save whose tensors change before ``wait()`` fails; a save into a full file system (a 64
 KiB tmpfs) and into a read-only one raise on every rank, synchronously and from an async save
 at ``wait()``.
 """
@@ -349,6 +349,24 @@ def body_refusals(root, full_dir=None, ro_dir=None, seed=5):
     damaged("missing", lambda d: os.unlink(os.path.join(d, last)))
     damaged("header", header_dtype)
     damaged("swapped", swap_pieces)
+    # replicas that disagree after a load (here rank 1's copy of a weight drifts as the
+    # parameters are refreshed from the masters) are named
+    from fastpar.checkpoint import loading
+
+    fresh, fopt = build(("dp", 1, world, 0, "float32"), grps, seed + 3)  # dp replicas
+    real_refresh = loading.refresh_params
+
+    def drift(o):
+        real_refresh(o)
+        if rank == 1:
+            with torch.no_grad():
+                fresh.fc2.bias.add_(1e-3)
+    loading.refresh_params = drift
+    try:
+        said.append(expect(lambda: ckpt.load(good, fresh, fopt), ValueError,
+                           "the replicas of one shard differ: ranks 0 vs ranks 1"))
+    finally:
+        loading.refresh_params = real_refresh
     # a held save (no staging copy) whose tensors change while it writes fails, on every rank
     from fastpar.checkpoint import files
 
@@ -419,4 +437,4 @@ def test_damaged_or_foreign_checkpoints_and_failed_writes_raise_on_every_rank(wo
         pytest.skip("ENOSPC and EROFS need root to mount a small tmpfs (the damaged and "
                     "foreign checkpoints were checked)")
     assert values[0]["left"] == ["latest", "step_00000001"], values[0]["left"]  # no .tmp-
-    assert len(values[0]["said"]) == 10
+    assert len(values[0]["said"]) == 11
