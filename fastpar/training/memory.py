@@ -6,6 +6,7 @@ job: the end-of-run table and one ``--metrics`` record per rank.
     rows = meter.gather()           # collective: every rank's record, on every rank
     print(format_table(rows))       # rank 0
     rows = report(trainer_meter(trainer), metrics, lead)   # what fastpar.train does
+    storage_bytes(owned(params, opt))   # the same count for any loop (bench/memory.py)
 
 Measured on the CPU (and, the same way, on a GPU) from the tensors the runtime owns, each
 storage counted once, in the first category that holds it, in this order::
@@ -27,6 +28,7 @@ table adds the allocator's peak (``torch.cuda.max_memory_allocated``).
 from __future__ import annotations
 
 import resource
+import sys
 
 import torch
 import torch.distributed as dist
@@ -38,8 +40,53 @@ MiB = 2**20
 
 
 def _key(t: torch.Tensor):
+    # A DTensor (FSDP2's parameters, gradients, state) counts its local shard. No import:
+    # where torch.distributed.tensor is not loaded, no DTensor exists.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        t = t.to_local()
     s = t.untyped_storage()
     return (t.device, s.data_ptr()), s.nbytes()
+
+
+def owned(params, opt, reducer=None) -> dict[str, list]:
+    """The tensors of each category now (some may be None): ``params`` and their ``.grad``; a
+    ``DistributedOptimizer``'s or ``MasterWeights``' masters, their gradients and the flat
+    gradient buffer; the optimizer state (``opt.inner``'s when it wraps one); a
+    ``DataParallel`` ``reducer``'s buckets."""
+    inner = getattr(opt, "inner", opt)
+    params = list(params)
+    grads = [p.grad for p in params]
+    optim, buffers = [], []
+    if isinstance(opt, DistributedOptimizer):
+        grads += [f.master.grad for f in opt.flat]
+        optim += [f.master for f in opt.flat]
+        buffers += [f.grad_buf for f in opt.flat]
+    elif isinstance(opt, MasterWeights):
+        grads += [m.grad for m in opt.masters]
+        optim += list(opt.masters)
+    optim += [t for st in inner.state.values() for t in st.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if reducer is not None:
+        buffers += [b.data for b in reducer.buckets]
+    return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
+
+
+def storage_bytes(tensors: dict[str, list]) -> dict[str, int]:
+    """Bytes per category of ``{category: tensors}`` (``owned``'s), each storage counted once,
+    in the first category that holds it; None entries are skipped."""
+    seen, out = set(), {}
+    for category, ts in tensors.items():
+        total = 0
+        for t in ts:
+            if t is None:
+                continue
+            key, nbytes = _key(t)
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+        out[category] = total
+    return out
 
 
 class MemoryMeter:
@@ -53,38 +100,11 @@ class MemoryMeter:
 
     def owned(self) -> dict[str, list]:
         """The tensors of each category now (some may be None)."""
-        opt, inner = self.opt, getattr(self.opt, "inner", self.opt)
-        params = list(self.pipe.parameters())
-        grads = [p.grad for p in params]
-        optim, buffers = [], []
-        if isinstance(opt, DistributedOptimizer):
-            grads += [f.master.grad for f in opt.flat]
-            optim += [f.master for f in opt.flat]
-            buffers += [f.grad_buf for f in opt.flat]
-        elif isinstance(opt, MasterWeights):
-            grads += [m.grad for m in opt.masters]
-            optim += list(opt.masters)
-        optim += [t for st in inner.state.values() for t in st.values()
-                  if isinstance(t, torch.Tensor) and t.dim() > 0]
-        reducer = getattr(self.model, "reducer", None)
-        if reducer is not None:
-            buffers += [b.data for b in reducer.buckets]
-        return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
+        return owned(self.pipe.parameters(), self.opt, getattr(self.model, "reducer", None))
 
     def current(self) -> dict[str, int]:
         """Bytes per category now, each storage once (in its first category)."""
-        seen, out = set(), {}
-        for category, tensors in self.owned().items():
-            total = 0
-            for t in tensors:
-                if t is None:
-                    continue
-                key, nbytes = _key(t)
-                if key not in seen:
-                    seen.add(key)
-                    total += nbytes
-            out[category] = total
-        return out
+        return storage_bytes(self.owned())
 
     def sample(self) -> None:
         self.samples += 1
