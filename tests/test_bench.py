@@ -3,7 +3,9 @@ they belong to bench/, not to tests)."""
 
 import json
 import math
-from tests.multirank import run_ranks, run_script
+import sys
+
+from tests.multirank import launch, run_ranks, run_script
 
 RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
                "algbw_gbps", "busbw_gbps", "wrong", "symmetric"}
@@ -96,7 +98,39 @@ def test_overlap_bench_runs(tmp_path):
         assert math.isclose(r["speedup"], r["sequential_ms"] / r["overlapped_ms"])
 
 
-BENCHES = ["bootstrap", "collectives", "data_parallel", "gemm", "overlap", "pipeline",
+def test_memory_bench_counts_model_state_and_activations(tmp_path):
+    # Four jobs of two tiny ranks each (the bench launches every row as its own job).
+    out = tmp_path / "m.json"
+    proc = launch([sys.executable, "bench/memory.py", "--tiny", "--quick", "--variants",
+                   "dp,zero3", "--json", str(out)], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cfg, rows = result["config"], result["rows"]
+    assert [(r["variant"], r["recompute"]) for r in rows] == [
+        ("dp", "none"), ("dp", "full"), ("zero3", "none"), ("zero3", "full")]
+    h, blocks, n = cfg["hidden"], cfg["blocks"], cfg["batch"] * cfg["seq"]
+    P = 4 * blocks * (8 * h * h + 5 * h)  # float32 bytes of the parameters (no padding here)
+    for r in rows:
+        assert r["n_params"] * 4 == P and r["dp"] == 2 and r["tp"] == 1, r
+        # autograd's saved bytes, counted as the pipeline counts them, are exact: per block
+        # fc1's input and tanh's output (fc2's input), or under full recompute the input only
+        width = h if r["recompute"] == "full" else 5 * h
+        assert r["activations"] == r["act_pred"] == blocks * n * width * 4, r
+        assert r["step_ms"] > 0 and r["peak_rss_mib"] > 0 and r["peak_pss_mib"] > 0, r
+        if r["variant"] == "dp":  # P, gradients in P of buckets, AdamW's two moments
+            assert (r["params"], r["grads"], r["optimizer"], r["buffers"]) == (P, P, 2 * P, 0)
+            assert r["state"] == 4 * P and r["step_vs_base"] > 0, r
+        else:  # the master shard + AdamW's moments of it; each run (block) padded to even
+            assert r["optimizer"] == 3 * P // 2 and r["two_units"] == P, r
+            assert P // 2 <= r["state"] < 4 * P, r
+    assert "same losses mlp dp2: 4 rows" in result["agreement"][0], result["agreement"]
+    met = {(t["target"], t["where"]): t["met"] for t in result["targets"]}
+    assert met[("ZeRO-3 model state <= ZeRO-0's / dp + two layers + buffers", "mlp dp2")], met
+    assert all(met[k] for k in met if k[0].startswith("activations")), met
+    assert result["failed"] == []
+
+
+BENCHES = ["bootstrap", "collectives", "data_parallel", "gemm", "memory", "overlap", "pipeline",
            "tp_layers", "train_throughput"]
 
 
@@ -129,6 +163,7 @@ def body_bad_flags(cases):
 def test_benches_answer_bad_flags_in_one_line_from_one_rank():
     cases = [(f"bench/{name}.py", ["--no-such-flag"]) for name in BENCHES]
     cases += [("bench/bootstrap.py", ["--repeat", "0"]),
+              ("bench/memory.py", ["--layouts", "dp2,tp2dp2"]),
               ("bench/train_throughput.py", ["--engines", "default,smh"])]
     rank0, rank1 = run_ranks(2, body_bad_flags, cases=cases).values()
     for (script, args), (code, text), (code1, text1) in zip(cases, rank0, rank1):
@@ -138,7 +173,8 @@ def test_benches_answer_bad_flags_in_one_line_from_one_rank():
             text.count("\n") == 1, text
         assert text1 == "", text1
     assert "unrecognized arguments: --no-such-flag" in rank0[0][1]
-    assert "--repeat must be at least 1, got 0" in rank0[-2][1]
+    assert "--repeat must be at least 1, got 0" in rank0[-3][1]
+    assert "--layouts: ['tp2dp2'] not among dpN, tpAxdpB" in rank0[-2][1]
     assert "--engines: ['smh'] not among default" in rank0[-1][1]
 
 
