@@ -43,9 +43,10 @@ backward, and after forward, backward and the optimizer step:
         h), gpt memory_plan's layer_activations + stage_input_bytes (none with dropout)
   RSS PSS   peak RSS (getrusage) and peak PSS (/proc/self/smaps_rollup at the samples)
 The table shows the largest rank's bytes (MiB) and the median over ranks of each rank's
-median step time; ``x base`` is the step time over the ``dp`` row without recompute of the
-same model and layout (a shared machine: read ratios). Below it: whether every row trained the
-same (rank 0's losses), then issue 21's targets wherever the rows they compare were measured.
+median step time (``--repeat``: of the fastest round); ``x base`` is the step time over the
+``dp`` row without recompute of the same model and layout (a shared machine: read ratios).
+Below it: whether every row trained the same (rank 0's losses), then issue 21's targets
+wherever the rows they compare were measured.
 """
 
 import dataclasses
@@ -498,6 +499,8 @@ def main() -> None:
     p.add_argument("--layouts", default=None, help=f"filter, e.g. {','.join(LAYOUTS)}")
     p.add_argument("--variants", default=None, help=f"filter, of {','.join(VARIANTS)}")
     p.add_argument("--recompute", default=None, help=f"filter, of {','.join(RECOMPUTE)}")
+    p.add_argument("--repeat", type=int, default=1, help="rounds over the plan (every other "
+                   "one in reverse order); a row is its fastest round's")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help="internal: run one job on this rank")
@@ -509,23 +512,32 @@ def main() -> None:
         return
     if args.quick:
         args.plan = "quick"
+    p.check(args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
     jobs = plan(args, p)
-    rows, failed = [], []
+    done, failed = {}, []
     start = time.perf_counter()
-    for job in jobs:
-        result = run_job(job, size_name)
-        if isinstance(result, str):
-            print(f"{'/'.join(job)}: {result}", flush=True)
-            if not result.startswith("skipped"):
-                failed.append(("/".join(job), result))
-            continue
-        rows.append(result)
+    for rep in range(args.repeat):  # every other round in reverse: drift hits both ends alike
+        for job in jobs if rep % 2 == 0 else jobs[::-1]:
+            result = run_job(job, size_name)
+            if isinstance(result, str):
+                if rep == 0 or not result.startswith("skipped"):
+                    print(f"{'/'.join(job)}: {result}", flush=True)
+                if not result.startswith("skipped"):
+                    failed.append(("/".join(job), result))
+                continue
+            done.setdefault(job, []).append(result)
+    rows = []
+    for job in jobs:  # the fastest round's row: interference only adds time
+        if job in done:
+            runs = done[job]
+            rows.append(min(runs, key=lambda r: r["step_ms"]))
+            rows[-1]["step_ms_rounds"] = [r["step_ms"] for r in runs]
     with_ratios(rows)
     print(f"mlp: {size['blocks']} blocks h {size['hidden']}, rows {size['batch']} x "
           f"{size['seq']} per rank; gpt: {size['gpt'].layers} layers h {size['gpt'].hidden}, "
           f"{size['gpt_batch']} x {size['gpt'].seq_len} tokens per rank (gpt-dropout: "
           f"{DROPOUT}); AdamW, float32; "
-          f"MiB per rank (largest rank), {len(jobs)} jobs in "
+          f"MiB per rank (largest rank), {len(jobs)} jobs x {args.repeat} rounds in "
           f"{time.perf_counter() - start:.0f} s")
     print(table(rows))
     same = agreement(rows)
@@ -538,8 +550,9 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         cfg = {k: (dataclasses.asdict(v) if k == "gpt" else v) for k, v in size.items()}
         with open(args.json, "w") as fh:
-            json.dump({"config": {**cfg, "plan": args.plan}, "rows": rows, "targets": checks,
-                       "agreement": same, "failed": [j for j, _ in failed]}, fh, indent=1)
+            json.dump({"config": {**cfg, "plan": args.plan, "repeat": args.repeat},
+                       "rows": rows, "targets": checks, "agreement": same,
+                       "failed": [j for j, _ in failed]}, fh, indent=1)
     if any(line.startswith("LOSSES") for line in same):
         failed.append(("losses", "a row trained differently"))
     if failed:
