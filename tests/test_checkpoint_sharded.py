@@ -32,16 +32,22 @@ HIDDEN, FFN = 6, 12
 
 
 def layouts(world):
-    """``(name, tp, dp, stage, dtype)``: every rank alone, then whole-world layouts."""
-    out = [("solo", 1, 1, 0, "float32"), ("solo.bf16", 1, 1, 0, "bfloat16")]
+    """``(name, tp, dp, stage, dtype)``: every rank alone, then whole-world layouts: at world
+    2 every ZeRO stage at each tp; at world 4 (81 pairs rather than 169) ZeRO-2 at tp 2 only
+    and bf16 masters through ZeRO-1 at dp 4 (the other combinations ran at world 2)."""
+    out = [("solo", 1, 1, 0, "float32")]
+    if world < 4:
+        out.append(("solo.bf16", 1, 1, 0, "bfloat16"))
     for tp in (1, 2, 4):
         if tp > world:
             continue
         dp = world // tp
         out.append((f"tp{tp}dp{dp}", tp, dp, 0, "float32"))
         if dp > 1:
-            out += [(f"tp{tp}dp{dp}.z{s}", tp, dp, s, "float32") for s in (1, 2, 3)]
-            out.append((f"tp{tp}dp{dp}.z1.bf16", tp, dp, 1, "bfloat16"))
+            stages = (1, 2, 3) if world < 4 else ((1, 3) if tp == 1 else (2, 3))
+            out += [(f"tp{tp}dp{dp}.z{s}", tp, dp, s, "float32") for s in stages]
+            if world < 4 or tp == 1:
+                out.append((f"tp{tp}dp{dp}.z1.bf16", tp, dp, 1, "bfloat16"))
     return out
 
 
