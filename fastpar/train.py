@@ -138,7 +138,7 @@ class Trainer:
         else:
             norm = optim.clip_grad_norm_(self.pipe, args.clip)
         if self.ckpt is not None:  # an async save may still read the weights and the state
-            run_state.finish_saves(self)
+            self.ckpt.wait_for_reads()  # (its commit goes on; the next save or the end waits)
         self.opt.step()
         self.memory.sample()  # the optimizer state and the masters' gradients
         self.sched.step()

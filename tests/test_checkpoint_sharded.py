@@ -12,9 +12,9 @@ across rows, so flat ranges become several boxes; the tensors behind every async
 are changed as soon as it returns. Then, at 2 ranks: a truncated file, a flipped byte, a
 missing rank's file, a file header whose dtype was edited, an index whose pieces were moved
 between tensors and another model's checkpoint are refused on every rank naming what is wrong,
-and so are dp replicas that differ after a load; a held save whose tensors change before ``wait()`` fails; a save into a full file system (a 64
-KiB tmpfs) and into a read-only one raise on every rank, synchronously and from an async save
-at ``wait()``.
+and so are dp replicas that differ after a load; a held save whose tensors change while it
+writes fails; a save into a full file system (a 64 KiB tmpfs) and into a read-only one raise
+on every rank, synchronously and from an async save at ``wait()``.
 """
 
 import json

@@ -25,7 +25,8 @@ rank. ``async_save=True`` copies the pieces into a staging buffer (kept between 
 the rest on a background thread, over this object's own gloo group so that it never meets the
 training's collectives; the next ``save``, ``wait`` or ``close`` re-raises its error. With
 ``hold=True`` there is no staging copy: the writer reads the live tensors, and the caller holds
-off changing them until ``wait()`` (the trainer: until its next optimizer step).
+off changing them until ``wait_for_reads()`` (the trainer: until its next optimizer step; the
+commit goes on behind it).
 
 Load, on every rank: the index is read (JSON: nothing is unpickled); the file sizes are checked
 and every piece's sha256 verified, each by one rank (the bytes spread over the ranks), the
@@ -91,6 +92,8 @@ class ShardedCheckpointer:
                                        group=self.group)
         self.nonce = nonce[0]
         self._thread: threading.Thread | None = None
+        self._read = threading.Event()  # the save in flight reads the live tensors no more
+        self._read.set()
         self._error: BaseException | None = None
         self._plan = None  # (every rank's digest of its pieces, this rank's ranges)
         self._staging: torch.Tensor | None = None
@@ -141,9 +144,9 @@ class ShardedCheckpointer:
         when ``async_save`` (``wait()`` returns it once committed). An async save copies the
         pieces into a staging buffer first, unless ``hold``: then the writer reads them where
         they lie and the caller must not change the model's weights or the optimizer until
-        ``wait()`` returns (``fastpar.train`` waits before its next optimizer step, so the
-        write overlaps that step's forward and backward, with no copy and no extra memory);
-        a held piece changed meanwhile fails the save."""
+        ``wait_for_reads()`` returns (``fastpar.train`` waits before its next optimizer step,
+        so the write overlaps that step's forward and backward, with no copy and no extra
+        memory); a held piece changed meanwhile fails the save."""
         self.wait()
         root = os.fspath(root)
         if int(step) < 0 or (keep is not None and int(keep) < 1):
@@ -183,6 +186,7 @@ class ShardedCheckpointer:
         if not async_save:
             return self._write(*job)
         self._error = None
+        self._read.clear()
         self._thread = threading.Thread(target=self._background, args=job, daemon=True,
                                         name=f"fastpar-checkpoint-{step}")
         self._thread.start()
@@ -247,9 +251,10 @@ class ShardedCheckpointer:
                     record = self._write_file(os.path.join(tmp, fname), items)
                 if versions is not None and versions != [d._version for *_, d in items]:
                     problem = ("the model or optimizer changed during a held save (hold=True: "
-                               "wait() before changing them)")
+                               "wait_for_reads() before changing them)")
         except Exception as exc:
             problem = _said(exc)
+        self._read.set()  # the rest (the exchanges, rank 0's index and rename) reads nothing
         self.write_cpu_s = time.thread_time() - cpu  # this rank's file: hashing and copies
         everyone = self._all((problem, record))
         path, problem = None, None
@@ -285,6 +290,13 @@ class ShardedCheckpointer:
         return {"file": os.path.basename(path), "bytes": out["bytes"], "pieces": [
             (sec, name, shape, files.dtype_name(d.dtype), box, k, out["sha256"][k])
             for k, (sec, name, shape, box, d) in zip(keys, items)]}
+
+    def wait_for_reads(self) -> None:
+        """Block until the save in flight no longer reads the model and optimizer (its file is
+        written); its commit may still be going on, and its errors come from ``wait()``. What
+        a held save's caller waits for before changing them (``fastpar.train``: before its
+        optimizer step)."""
+        self._read.wait()
 
     def wait(self) -> str | None:
         """Block until the async save in flight (if any) has committed; re-raise its error."""
