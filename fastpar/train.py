@@ -228,6 +228,7 @@ class Trainer:
             bar.close()
         if args.save:
             run_state.finish_saves(self)  # the last save committed, or its error raised
+            self.ckpt.close()  # and its staging buffer (async saves from a GPU) freed
         self.memory_rows = report(self.memory, metrics, lead)  # collective
         metrics.close()
         if lead and args.plot and self.records:
