@@ -12,7 +12,6 @@ Only ``json`` parses the index and only safetensors reads the files: nothing is 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 from fastpar.checkpoint import files, store
@@ -34,18 +33,8 @@ def raise_if(problems: list[str], what: str | None = None) -> None:
 
 
 def read_index(path) -> tuple[str, dict]:
-    directory = store.resolve(path)
-    if store.record_of(directory) != "index.json":
-        raise ValueError(f"checkpoint {directory} is not sharded (no index.json): a serial "
-                         "one loads with fastpar.training.checkpoint.load")
-    try:
-        with open(os.path.join(directory, "index.json"), "rb") as f:
-            index = json.loads(f.read())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"index.json: {exc}") from exc
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ValueError(f"{directory}/index.json is not a {FORMAT} record")
-    return directory, index
+    return store.read_record(path, "index.json", FORMAT, "a serial checkpoint loads with "
+                             "fastpar.training.checkpoint.load")
 
 
 def check_index(index: dict) -> list[str]:

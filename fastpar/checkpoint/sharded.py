@@ -97,6 +97,7 @@ class ShardedCheckpointer:
         self._error: BaseException | None = None
         self._plan = None  # (every rank's digest of its pieces, this rank's ranges)
         self._staging: torch.Tensor | None = None
+        self._copied = None  # a GPU staging copy's event, until the writer has waited on it
         self.last_path: str | None = None
         self.write_cpu_s = 0.0  # CPU time the last save's file took this rank (bench/)
 
@@ -243,7 +244,7 @@ class ShardedCheckpointer:
         cpu = time.thread_time()
         try:
             if problem is None:
-                if getattr(self, "_copied", None) is not None:
+                if self._copied is not None:
                     self._copied.synchronize()  # the staging copies from the GPU have landed
                     self._copied = None
                 os.makedirs(tmp, exist_ok=True)

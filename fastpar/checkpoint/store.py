@@ -13,6 +13,7 @@ interrupted saves before the next one.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -127,3 +128,21 @@ def resolve(path) -> str:
                          f"{' or '.join(RECORDS)}"
                          + (f" (latest names {named!r})" if named is not None else ""))
     return steps[max(steps)]
+
+
+def read_record(path, record: str, fmt: str, other: str) -> tuple[str, dict]:
+    """``(step directory, its record parsed)``: ``path`` resolved, the directory's record
+    ``record`` ("meta.json" or "index.json") read as JSON and its ``format`` checked; ValueError
+    naming ``other`` (how to load the other format) when the directory holds the other one."""
+    directory = resolve(path)
+    if record_of(directory) != record:
+        raise ValueError(f"checkpoint {directory} has no {record}: {other}")
+    try:
+        with open(os.path.join(directory, record), "rb") as f:
+            parsed = json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"checkpoint {directory} is incomplete or corrupt: {record}: "
+                         f"{exc}") from exc
+    if not isinstance(parsed, dict) or parsed.get("format") != fmt:
+        raise ValueError(f"{directory}/{record} is not a {fmt} record")
+    return directory, parsed

@@ -145,17 +145,8 @@ def load(path):
     `path` is a step directory or a directory save() wrote into. Each file's size and sha256
     are checked against meta.json; nothing is unpickled (safetensors + JSON).
     """
-    path = store.resolve(path)
-    if store.record_of(path) != "meta.json":
-        raise ValueError(f"checkpoint {path} is sharded (index.json): load it with "
-                         "fastpar.checkpoint (fastpar.train --resume does)")
-    try:
-        with open(os.path.join(path, "meta.json"), "rb") as f:
-            record = json.loads(f.read())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"checkpoint {path} is incomplete or corrupt: meta.json: {exc}") from exc
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise ValueError(f"{path}/meta.json is not a {FORMAT} record")
+    path, record = store.read_record(path, "meta.json", FORMAT, "it is sharded: load it with "
+                                     "fastpar.checkpoint (fastpar.train --resume does)")
     tensors = {}
     for fname in FILES:
         data = _read_verified(path, fname, record.get("files", {}).get(fname))
