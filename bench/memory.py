@@ -32,10 +32,11 @@ backward, and after forward, backward and the optimizer step:
   params grads optim bufs   each category's peak: the tensors the runtime owns, each storage
         once, in its first category (fastpar.training.memory's count, as fastpar.train
         reports it). bufs: communication storage that is neither params nor grads: fastpar's
-        DataParallel buckets, ZeRO-2/3's reduced pieces held until the step (each run's
-        (dp x piece) staging is freed once its reduce-scatter is issued, inside backward's
-        hook: not sampled; GradReducer.peak_staging, which fastpar.train reports, counts them
-        all as held), DDP's buckets (sizes from its logging data); FSDP2's all-gather and
+        DataParallel buckets, ZeRO-2/3's reduce-scatter staging (one run's (dp x piece)
+        tensor, GradReducer.peak_staging, as fastpar.train reports it; it lives only while its
+        run is in flight, but is counted in every sample: an upper bound; the pieces are
+        reduced straight into the master gradient), DDP's buckets (sizes from its logging
+        data); FSDP2's all-gather and
         reduce-scatter buffers are not visible from Python ("-"), its gathered parameters are
   state  model state: the largest sum of the four at one sample
   act    what autograd saved in the forward, each storage once, the input once, parameters as
@@ -201,13 +202,8 @@ def wrap(variant: str, module, blocks, topo):
     opt = fastpar.optim.DistributedOptimizer(module.parameters(), torch.optim.AdamW,
                                              stage=stage, module=module if stage == 3 else None,
                                              **kw)
-
-    def tensors():
-        now = owned(module.parameters(), opt)
-        if opt.grads is not None:  # ZeRO-2/3: the reduced pieces held until the step
-            now["buffers"] += [h.result for _, _, h in opt.grads.handles]
-        return now
-    return module, opt, tensors, lambda: 0, True
+    staging = (lambda: opt.grads.peak_staging) if opt.grads is not None else (lambda: 0)
+    return module, opt, lambda: owned(module.parameters(), opt), staging, True
 
 
 class Meter:

@@ -123,8 +123,16 @@ def gather_and_scatter_cases(me, n, digests):
                 x.copy_(whole)
                 ref = comm.reduce_scatter(whole, op=op)
                 got = comm.reduce_scatter(x, op=op)
+                # out=: a view in the middle of a larger tensor, from symmetric and plain input
+                host = torch.full((count + 2,), -1.0).to(dtype)
+                into = comm.reduce_scatter(x, op=op, out=host[1:count + 1])
+                plain = comm.reduce_scatter(whole, op=op, out=torch.empty(count, dtype=dtype))
                 cases += 1
-                if not torch.equal(got.view(torch.uint8), ref.view(torch.uint8)):
+                if not (torch.equal(got.view(torch.uint8), ref.view(torch.uint8)) and
+                        into.data_ptr() == host[1:].data_ptr() and
+                        torch.equal(into.view(torch.uint8), ref.view(torch.uint8)) and
+                        torch.equal(plain.view(torch.uint8), ref.view(torch.uint8)) and
+                        host[0].item() == host[-1].item() == -1):
                     bad.append(f"reduce_scatter {dtype} {op} {count}")
     # A symmetric out of the wrong shape: ValueError before any communication.
     try:
@@ -132,6 +140,11 @@ def gather_and_scatter_cases(me, n, digests):
         bad.append("all_gather accepted a wrong out")
     except ValueError as exc:
         assert f"shape ({3 * n},)" in str(exc), exc
+    try:
+        comm.reduce_scatter(torch.ones(2 * n), out=torch.ones(3))
+        bad.append("reduce_scatter accepted a wrong out")
+    except ValueError as exc:
+        assert "shape (2,)" in str(exc) and "got torch.float32 (3,)" in str(exc), exc
     # all_gather takes the symmetric kernel from SYMMETRIC_GATHER_MIN bytes per rank (below it
     # the copying kernel's single round is faster), ...
     # reduce_scatter from SYMMETRIC_SCATTER_MIN bytes of input.
@@ -142,9 +155,9 @@ def gather_and_scatter_cases(me, n, digests):
                    for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
                    for count in COUNTS)
     want = {"all_gather_symmetric": over(SYMMETRIC_GATHER_MIN, 1),
-            "reduce_scatter_symmetric": 2 * over(SYMMETRIC_SCATTER_MIN, n)}
+            "reduce_scatter_symmetric": 4 * over(SYMMETRIC_SCATTER_MIN, n)}  # got, into
     if calls != want or not 0 < want["all_gather_symmetric"] < 4 * len(COUNTS) or \
-            not 0 < want["reduce_scatter_symmetric"] < cases:
+            not 0 < want["reduce_scatter_symmetric"] < 2 * cases:
         bad.append(f"symmetric paths taken {calls}, expected {want} of {cases}")
     return bad
 

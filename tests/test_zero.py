@@ -382,7 +382,7 @@ def test_zero(world, tp):
     assert len(values[0]["checked"]) > (10 if tp > 1 else 50), values[0]["checked"]
 
 
-STAGE_LAYOUTS = [(2, 1), (4, 1), (4, 2)]  # (world, tp)
+STAGE_LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, tp)
 
 
 @pytest.mark.parametrize("world,tp", STAGE_LAYOUTS, ids=[f"w{w}tp{t}" for w, t in STAGE_LAYOUTS])

@@ -231,11 +231,13 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
 
 
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
-                   async_op: bool = False):
+                   async_op: bool = False, *, out: torch.Tensor | None = None):
     """This rank's shard along ``dim`` of ``op`` over the group of ``t``.
 
     On the shm engine a whole ``symmetric_empty`` tensor of this group (``dim=0``) is reduced
-    where it lies: no copy in."""
+    where it lies: no copy in. ``out`` (``dim=0`` only): a contiguous ``(t.shape[0] / n, ...)``
+    tensor of ``t``'s dtype and device to write the shard into, returned (a view of a larger
+    buffer is fine: ZeRO-2/3 reduce straight into their gradient shard)."""
     _check_tensor("reduce_scatter", t)  # arguments are checked before any communication
     if t.dim() == 0:
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
@@ -243,15 +245,24 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     dim = _check_dim("reduce_scatter", t, dim)
     route = _route("reduce_scatter", t, group, op)
     engine, op = route.engine, route.op
-    if engine == "local":
-        return _done(t, async_op)
     n = len(route.ranks)
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by "
                          f"the group size {n}")
+    want = (t.shape[dim] // n, *t.movedim(dim, 0).shape[1:])
+    if out is not None and (dim != 0 or tuple(out.shape) != want or out.dtype != t.dtype or
+                            out.device != t.device or not out.is_contiguous()):
+        raise ValueError(
+            f"reduce_scatter: out must be a contiguous {t.dtype} tensor of shape {want} on "
+            f"{t.device} and dim 0 (this rank's shard of {tuple(t.shape)} over {n} ranks); got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous={out.is_contiguous()}, "
+            f"dim {dim}")
+    if engine == "local":
+        return _done(t if out is None else out.copy_(t), async_op)
     # Move dim to the front so that each rank's shard is one contiguous block.
     inp = t.movedim(dim, 0).contiguous()
-    out = torch.empty((inp.shape[0] // n, *inp.shape[1:]), dtype=t.dtype, device=t.device)
+    if out is None:
+        out = torch.empty(want, dtype=t.dtype, device=t.device)
     work = adapter(engine).reduce_scatter(route, inp, out, op, async_op)
     result = out.movedim(0, dim)  # a view: filled when out is
     return Handle(result, work) if async_op else result

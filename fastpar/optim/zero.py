@@ -260,9 +260,7 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         Stage 1 of a float32 model keeps its gradients as zeroed views of the flat buffer even
         with ``set_to_none`` (the buffer is their storage: backward accumulates into it)."""
         if self.grads is not None:
-            for _, _, handle in self.grads.handles:  # launched everywhere: complete them
-                handle.wait()
-            self.grads.reset()
+            self.grads.abandon()
         for f in self.flat:
             if f.grad_views is not None:
                 f.grad_buf.zero_()

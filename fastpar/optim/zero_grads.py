@@ -9,8 +9,15 @@ One cycle per optimizer step (``DistributedOptimizer.reduce`` ends it):
     order backward fills them); a run ready early waits for its predecessors. Every dp rank
     derives the same runs from the same parameters, so all issue the same collectives in the
     same order, whatever order their autograd engines run in.
-  - ``reduce()`` launches what is left (runs whose parameters got no gradient count as zero),
-    waits for every handle and writes ``piece / dp`` into ``master.grad[soff:soff + piece]``.
+  - each run is reduced straight into its slice of the master gradient,
+    ``master.grad[soff:soff + piece]`` (allocated at the cycle's first launch), and divided by
+    dp there once it is complete. One run is in flight at a time: launching run k first
+    completes run k - 1, which had all of run k's backward to finish in; so the reduce-scatter
+    keeps one staging tensor alive (``peak_staging``: the largest run's ``dp * piece``, in the
+    master dtype), not one per run, and no reduced piece waits for the step beside the master
+    gradient it belongs in.
+  - ``reduce()`` launches what is left (runs whose parameters got no gradient count as zero)
+    and completes the last.
   - inside ``no_sync()`` (every microbatch but the last, or around a whole pipeline step) the
     hooks only let autograd accumulate in ``.grad``: one reduce-scatter per run per step.
 """
@@ -45,8 +52,9 @@ class GradReducer:
         self.pending = [run.last - run.first for _, run in self.order]
         self.fired: set[int] = set()
         self.next = 0
-        self.handles: list = []  # (f, run, Handle)
-        self.staged = 0  # the handles held the staging tensors
+        self.handles: list = []  # in flight (at most one): (f, run, Handle)
+        self.started = False  # a run of this cycle was launched (the master grads exist)
+        self.staged = 0  # bytes of the in-flight run's staging tensor
 
     def _hook(self, k: int):
         def on_grad(p: torch.Tensor) -> None:
@@ -70,8 +78,15 @@ class GradReducer:
 
     @torch.no_grad()
     def _launch(self, f, run) -> None:
-        """Copy ``run``'s gradients into one padded flat tensor, drop them, reduce-scatter it
-        (async: the collective overlaps the backward of the runs before it)."""
+        """Complete the run in flight; copy ``run``'s gradients into one padded flat tensor,
+        drop them, reduce-scatter it into the master gradient (async: the collective overlaps
+        the backward of the runs before it)."""
+        self._complete()
+        if not self.started:  # every run writes its slice: no need to zero
+            self.started = True
+            for g in self.flat:
+                if g.master.grad is None:
+                    g.master.grad = torch.empty_like(g.master)
         buf = torch.zeros(run.piece * self.dp_size, dtype=master_dtype(f.dtype),
                           device=f.device)
         for i in range(run.first, run.last):
@@ -80,28 +95,37 @@ class GradReducer:
                 a = f.offsets[i] - run.lo
                 buf[a:a + f.numels[i]].copy_(p.grad.reshape(-1))
                 p.grad = None
-        self.handles.append((f, run, comm.reduce_scatter(buf, group=self.group,
-                                                         async_op=True)))
-        self.staged += buf.numel() * buf.element_size()  # held until finish() waits
+        self.staged = buf.numel() * buf.element_size()
         self.peak_staging = max(self.peak_staging, self.staged)
+        dst = f.master.grad[run.soff:run.soff + run.piece]
+        self.handles.append((f, run, comm.reduce_scatter(buf, group=self.group, async_op=True,
+                                                         out=dst)))
         for callback in self.on_launch:
             callback(f, run)
 
     @torch.no_grad()
-    def finish(self) -> None:
-        """Launch every run not launched yet, wait for all, write the averaged pieces into the
-        masters' gradients; a new cycle starts."""
-        for k in range(self.next, len(self.order)):
-            self._launch(*self.order[k])
-        for f in self.flat:
-            f.master.grad = torch.empty_like(f.master)
+    def _complete(self) -> None:
+        """Wait for the runs in flight and average their pieces over dp, in place."""
         for f, run, handle in self.handles:
             piece = handle.wait()
-            dst = f.master.grad[run.soff:run.soff + run.piece]
             if self.dp_size > 1:
-                torch.div(piece, self.dp_size, out=dst)  # once, after the sum
-            else:
-                dst.copy_(piece)
+                piece.div_(self.dp_size)  # once, after the sum
+        self.handles = []
+        self.staged = 0
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch every run not launched yet and complete them: the masters' gradients hold the
+        dp average; a new cycle starts."""
+        for k in range(self.next, len(self.order)):
+            self._launch(*self.order[k])
+        self._complete()
+        self.reset()
+
+    def abandon(self) -> None:
+        """Complete what is in flight (every rank launched it) without using it; a new cycle."""
+        for _, _, handle in self.handles:
+            handle.wait()
         self.reset()
 
     def close(self) -> None:

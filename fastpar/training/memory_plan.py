@@ -16,11 +16,12 @@ the flat order: ZeRO-1 one, ZeRO-2 one per 25 MiB, ZeRO-3 one per layer, its gat
     bf16            2P       2P + 4P (master grads)      12P (masters+m,v)  4 sum pad16(n_i)
     ZeRO-1 fp32     4ds      4ds (flat) + 4s             8s (master: view)  0
     ZeRO-1 bf16     2ds      2P + 4s                     12s                4ds (fp32 flat)
-    ZeRO-2/3        e ds     max(eP, 4s)                 12s                4ds (staging)
+    ZeRO-2/3        e ds     max(eP, 4s)                 12s                4d max ceil(r/d)
 
 ZeRO-2/3 in the trainer: a pipeline step accumulates full gradients (``no_sync``) and ZeRO-3
 keeps the stage's parameters gathered across its microbatches, so their peaks are the full ones;
-the fp32 staging of the reduce-scatter is live once per step. ZeRO-2's runs are cut as
+the reduce-scatter stages one run at a time in float32 (``fastpar.optim.zero_grads``), so its
+buffer is the largest run's, ``r`` ranging over the runs. ZeRO-2's runs are cut as
 ``DistributedOptimizer`` cuts them (``zero2_runs``: 25 MiB of float32, its ``bucket_mb``).
 Adam's ``step`` counters (0-dim) are not counted.
 
@@ -188,7 +189,7 @@ def predict(layout: Layout) -> dict[str, int]:
                    "optimizer": (12 if bf16 else 8) * s, "buffers": flat if bf16 else 0}
         else:
             out = {"params": e * d * s, "grads": max(e * P, 4 * s), "optimizer": 12 * s,
-                   "buffers": flat}
+                   "buffers": 4 * d * max(-(-r // d) for r in runs)}
     rows = layout.rows // layout.microbatches
     per_chunk = []
     for c in chunks:
