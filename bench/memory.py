@@ -42,6 +42,10 @@ backward, and after forward, backward and the optimizer step:
   act    what autograd saved in the forward, each storage once, the input once, parameters as
         gathered at the time left out; ``pred``: mlp 4 rows (h + 4h/tp) per block (full: 4 rows
         h), gpt memory_plan's layer_activations + stage_input_bytes (none with dropout)
+  heap   malloc's bytes in use (glibc mallinfo2, every arena and mmap'd chunk) at the samples,
+        its peak less what it was before the model was built: everything the training holds
+        at those points, visible to Python or not (FSDP2's and gloo's buffers too), so the
+        engines compare at the same memory here; transients between samples are not seen
   RSS PSS   peak RSS (getrusage) and peak PSS (/proc/self/smaps_rollup at the samples)
 The table shows the largest rank's bytes (MiB); the median over ranks of each rank's median
 step time (``step ms``) and of its fastest step (``best ms``: other jobs on a shared machine
@@ -52,6 +56,8 @@ whether every row trained the same (rank 0's losses), then issue 21's targets wh
 rows they compare were measured.
 """
 
+import ctypes
+import ctypes.util
 import dataclasses
 import json
 import os
@@ -74,7 +80,7 @@ SIZES = {  # per rank; "full" is the default, "tiny" (--tiny) the smoke run's
     "full": {"hidden": 512, "blocks": 4, "batch": 4, "seq": 128, "gpt_batch": 4,
              "gpt": GPTConfig(seq_len=256, layers=4, hidden=256, heads=8), "warmup": 2,
              "steps": 5},
-    "tiny": {"hidden": 32, "blocks": 2, "batch": 2, "seq": 8, "gpt_batch": 2,
+    "tiny": {"hidden": 32, "blocks": 4, "batch": 2, "seq": 8, "gpt_batch": 2,
              "gpt": GPTConfig(seq_len=16, layers=2, hidden=32, heads=4), "warmup": 2,
              "steps": 1},
 }
@@ -97,6 +103,23 @@ def parse_layout(name: str):
     """``"dp4"`` -> (1, 4), ``"tp2xdp2"`` -> (2, 2); None if malformed."""
     m = re.fullmatch(r"(?:tp(\d+)x)?dp(\d+)", name)
     return (int(m.group(1) or 1), int(m.group(2))) if m else None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
+def heap_bytes() -> int:
+    """Bytes malloc has handed out and not taken back, every arena and every mmap'd chunk
+    (glibc's mallinfo2): torch's CPU tensors and whatever C++ allocates (gloo's buffers too)."""
+    m = _LIBC.mallinfo2()
+    return m.uordblks + m.hblkhd
 
 
 def pss_bytes() -> int:
@@ -214,8 +237,10 @@ class Meter:
 
         self.count, self.tensors, self.extra = storage_bytes, tensors, extra
         self.peak, self.total, self.pss = dict.fromkeys(CATS, 0), 0, 0
+        self.heap_base, self.heap = heap_bytes(), 0  # the worker sets the base before its build
 
     def sample(self, *_) -> None:
+        self.heap = max(self.heap, heap_bytes() - self.heap_base)  # first: nothing made yet
         now = self.count(self.tensors())
         now["buffers"] += self.extra()
         for k in CATS:
@@ -272,12 +297,20 @@ def worker(job: str, size: dict) -> None:
     model_name, layout, variant, recompute = job.split(",")
     tp, dp = parse_layout(layout)
     topo = fastpar.init(tp=tp)
+    heap_base = heap_bytes()
     module, blocks, batch, loss_fn, pred = build(model_name, tp, recompute, size)
     units = sorted((sum(p.numel() * p.element_size() for p in ps)
                     for _, ps in module_units(module)), reverse=True)
     n_params = sum(p.numel() for p in module.parameters())
     model, opt, tensors, extra, visible = wrap(variant, module, blocks, topo)
     meter = Meter(tensors, extra)
+    meter.heap_base = heap_base
+    state_pred = None
+    if variant == "zero3":  # float32: master shard, Adam's m and v, master gradient (16 s),
+        # the two largest gather units (one in use, one prefetched), one run's staging, and
+        # the one float32 NaN every released parameter shows
+        state_pred = 16 * sum(f.shard for f in opt.flat) + sum(units[:2]) + 4 * dp * max(
+            run.piece for f in opt.flat for run in f.runs) + 4
     gen = torch.Generator().manual_seed(1 + topo.dp_rank)
     # dropout: every row draws the same masks. Seeding the "tp" stream here matters: one first
     # made inside a recompute region is not restored for its recompute (other masks in backward)
@@ -314,7 +347,8 @@ def worker(job: str, size: dict) -> None:
     rec = {"rank": topo.rank, "tp": tp, "dp": dp, "n_params": n_params,
            "two_units": sum(units[:2]), **{k: meter.peak[k] for k in CATS},
            "buffers_visible": visible, "state": meter.total, "activations": act,
-           "act_pred": pred, "losses": losses, "peak_pss_mib": meter.pss / MiB,
+           "act_pred": pred, "state_pred": state_pred, "heap": meter.heap,
+           "losses": losses, "peak_pss_mib": meter.pss / MiB,
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "step_ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times)}
     rows = [None] * topo.world_size
@@ -375,8 +409,9 @@ def run_job(job, size_name: str) -> dict | str:
     ranks = json.loads(line[7:])
     row = {"model": model, "layout": layout, "variant": variant, "recompute": recompute,
            "tp": tp, "dp": dp, "n_params": ranks[0]["n_params"],
-           **{k: ranks[0][k] for k in ("two_units", "buffers_visible", "act_pred")}}
-    for k in (*CATS, "state", "activations", "peak_rss_mib", "peak_pss_mib"):
+           **{k: ranks[0][k] for k in ("two_units", "buffers_visible", "act_pred",
+                                       "state_pred")}}
+    for k in (*CATS, "state", "activations", "heap", "peak_rss_mib", "peak_pss_mib"):
         row[k] = max(r[k] for r in ranks)
     row["step_ms"] = statistics.median(r["step_ms"] for r in ranks)
     row["best_ms"] = statistics.median(r["best_ms"] for r in ranks)
@@ -424,7 +459,8 @@ def agreement(rows) -> list[str]:
 
 def table(rows) -> str:
     head = (f"{'model':<11} {'layout':<8} {'variant':<15} {'params':>7} {'grads':>6} "
-            f"{'optim':>6} {'bufs':>6} {'state':>7} {'act':>6} {'pred':>6} {'RSS':>6} "
+            f"{'optim':>6} {'bufs':>6} {'state':>7} {'act':>6} {'pred':>6} {'heap':>6} "
+            f"{'RSS':>6} "
             f"{'PSS':>6} {'step ms':>8} {'best ms':>8} {'x base':>6} {'load':>5}")
     lines = [head]
     for r in rows:
@@ -435,7 +471,8 @@ def table(rows) -> str:
             f"{r['model']:<11} {r['layout']:<8} {name(r):<15} {r['params'] / MiB:>7.1f} "
             f"{r['grads'] / MiB:>6.1f} {r['optimizer'] / MiB:>6.1f} {bufs} "
             f"{r['state'] / MiB:>7.1f} {r['activations'] / MiB:>6.1f} "
-            f"{pred} {r['peak_rss_mib']:>6.0f} {r['peak_pss_mib']:>6.0f} "
+            f"{pred} {r['heap'] / MiB:>6.1f} {r['peak_rss_mib']:>6.0f} "
+            f"{r['peak_pss_mib']:>6.0f} "
             f"{r['step_ms']:>8.1f} {r['best_ms']:>8.1f} {ratio} {r['load']:>5.1f}")
     return "\n".join(lines)
 
@@ -461,18 +498,30 @@ def targets(rows) -> list[dict]:
             z0, z1, f2 = (find.get((model, layout, v, rc)) for v in ("dp", "zero1", "fsdp2"))
             if z0:
                 zero0 = sum(z0[k] for k in ("params", "grads", "optimizer"))
-                bound = zero0 / row["dp"] + row["two_units"] + row["buffers"]
+                # each gather unit is padded to a multiple of dp elements (16 bytes each: the
+                # parameter, Adam's m and v, the gradient); released parameters show one NaN
+                pad = row["state_pred"] - 16 * row["n_params"] // row["dp"] - \
+                    row["two_units"] - row["buffers"]
+                bound = zero0 / row["dp"] + row["two_units"] + row["buffers"] + pad
                 check("ZeRO-3 model state <= ZeRO-0's / dp + two layers + buffers", where,
                       row["state"], bound,
                       f"{row['state'] / MiB:.1f} MiB vs {zero0 / MiB:.1f} / {row['dp']} + "
-                      f"{row['two_units'] / MiB:.1f} + {row['buffers'] / MiB:.1f} = "
-                      f"{bound / MiB:.1f} MiB")
+                      f"{row['two_units'] / MiB:.1f} + {row['buffers'] / MiB:.1f} "
+                      f"+ {pad} B (padding, the NaN) = {bound / MiB:.1f} MiB")
+            if row["state_pred"]:
+                err = abs(row["state"] / row["state_pred"] - 1)
+                check("ZeRO-3 model state within 5% of the prediction", where, err, 0.05,
+                      f"{row['state'] / MiB:.2f} MiB measured, {row['state_pred'] / MiB:.2f} "
+                      f"predicted ({100 * err:.1f}% off)")
             if z1:
                 ratio("ZeRO-3 step <= 1.3 x ZeRO-1's", where, row, z1, 1.3)
             if f2:
                 ratio("ZeRO-3 step <= FSDP2's", where, row, f2, 1.0,
-                      f"; model state {row['state'] / MiB:.1f} vs {f2['state'] / MiB:.1f} MiB"
-                      " (FSDP2's buffers not counted)")
+                      f"; heap {row['heap'] / MiB:.1f} vs {f2['heap'] / MiB:.1f} MiB")
+                check("ZeRO-3 heap <= FSDP2's (the same memory)", where,
+                      row["heap"] / f2["heap"], 1.0,
+                      f"{row['heap'] / MiB:.1f} vs {f2['heap'] / MiB:.1f} MiB = "
+                      f"{row['heap'] / f2['heap']:.2f}")
         if rc != "none" and (model, layout, variant, "none") in find:
             plain = find[(model, layout, variant, "none")]
             ratio(f"{rc} recompute step <= {1.4 if rc == 'full' else 1.1} x none",
