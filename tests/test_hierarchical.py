@@ -102,9 +102,94 @@ def body_hier(hosts, tp=1, forced=None, expect=None, dtypes=DTYPES, sizes=SIZES)
         x = torch.full((1 << 17,), float(rank))
         comm.all_reduce(x, group=topo.dp_group)
         assert torch.equal(x, torch.full_like(x, float(sum(topo.ranks("dp")))))
+    if forced in (None, "hier") and tp == 1:
+        digests.update(quantized_cases(topo))
     comm.use_backend(None)
     return {"digests": digests, "engines": {k: (c.engine, c.reason) for k, c in chosen.items()},
             "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+
+
+def quantized_cases(topo):
+    """quant="int8" on the hierarchical engine: full precision within a host, int8 across
+    (``HierCommunicator.quantized_*``). Bounds: each host's sum s_h (its ranks' inputs,
+    summed in the dtype's precision within the host) crosses quantized, so the error is
+    ``sum_h b(s_h)`` plus the float32 sum and, for all_reduce, b of the summed chunk, plus
+    the host sums' and the output's rounding (test_quantized's terms). Error feedback: after
+    three all_reduces, what arrived plus what is carried is the exact sum."""
+    import hashlib
+
+    import torch
+
+    from fastpar import comm
+    from fastpar.comm import quant
+    from tests.test_quantized import U, piecewise_bound, ratio, reduce_bound
+
+    n, rank = topo.world_size, topo.rank
+    hosts = sorted(set(topo.hosts))
+    members = [[r for r in range(n) if topo.hosts[r] == h] for h in hosts]
+    spec = comm.Quant("int8", block=64)
+    out = {}
+    def crossing(parts, all_reduce=False):
+        """What crosses quantized: each host's sum (hierarchical), or each rank's part (a size
+        the policy sends to a flat engine); the rounding before it; and the lengths of the
+        pieces quantized on their own (an all_reduce's chunks: of its host piece, hier)."""
+        engine = comm.engine_for("all_gather", parts[0].reshape(-1).view(torch.uint8))[0]
+        size = parts[0].numel()
+
+        def cut(total, k):
+            step = -(-total // k)
+            return [min(step, total - a) for a in range(0, total, step)]
+        if engine != "hier":
+            return parts, 0, cut(size, n) if all_reduce else None
+        dt = parts[0].dtype
+        rounding = 2 * (U if dt == torch.float32 else 2.0**-8) * sum(p.double().abs()
+                                                                       for p in parts)
+        local = len(members[0])
+        pieces = [c for p in cut(size, local) for c in cut(-(-size // local), len(members))]
+        pieces = [c for c in pieces if c > 0]
+        while sum(pieces) > size:  # the last host piece is shorter: trim its chunks
+            pieces[-1] -= min(pieces[-1], sum(pieces) - size)
+            pieces = [c for c in pieces if c > 0]
+        return [sum(parts[r].double() for r in m).to(dt) for m in members], rounding, \
+            pieces if all_reduce else None
+
+    for dtype in ("float32", "bfloat16"):
+        ud = U if dtype == "float32" else 2.0**-8
+        for size in (33, 4099):
+            xs = [_input(r, size, dtype, "q") for r in range(n)]
+            want = sum(x.double() for x in xs)
+            sums, intra, pieces = crossing(xs, all_reduce=True)
+            t = xs[rank].clone()
+            comm.all_reduce(t, quant=spec)
+            b1 = reduce_bound(sums, 64, pieces) + intra
+            b = b1 + piecewise_bound(want.abs() + b1, 64, pieces)
+            assert ratio(t, want, b * (1 + ud) + ud * want.abs()) <= 1, (dtype, size)
+            out[f"q-ar/{dtype}/{size}"] = hashlib.sha1(t.double().numpy().tobytes()).hexdigest()
+            got = comm.all_gather(xs[rank], quant=spec)
+            cat = torch.cat([x.double() for x in xs])
+            b = torch.cat([quant.bound(x, 64) for x in xs])
+            assert ratio(got, cat, b * (1 + ud) + ud * cat.abs()) <= 1, (dtype, size)
+            out[f"q-ag/{dtype}/{size}"] = hashlib.sha1(got.double().numpy().tobytes()).hexdigest()
+            big = [_input(r, n * size, dtype, "qrs") for r in range(n)]
+            got = comm.reduce_scatter(big[rank], quant=spec)
+            chunk = slice(rank * size, (rank + 1) * size)
+            want = sum(x.double() for x in big)[chunk]
+            sums, intra, _ = crossing([x[chunk] for x in big])
+            b = reduce_bound(sums, 64) + intra
+            assert ratio(got, want, b * (1 + ud) + ud * want.abs()) <= 1, (dtype, size)
+    residual = torch.zeros(4099)
+    total_in = torch.zeros(4099, dtype=torch.float64)
+    total_out = torch.zeros(4099, dtype=torch.float64)
+    for call in range(3):
+        x = _input(10 * rank + call, 4099, "float32", "qfb")
+        total_in += x.double()
+        t = x.clone()
+        comm.all_reduce(t, quant=spec, residual=residual)
+        total_out += t.double()
+    left = comm.all_reduce(residual.clone()).double()
+    everyone = comm.all_reduce(total_in.float()).double()
+    assert (total_out + left - everyone).abs().max() <= 64 * U * everyone.abs().max()
+    return out
 
 
 def _same_everywhere(launch):

@@ -4,6 +4,7 @@
     comm.all_reduce(t, group=topo.tp_group)          # in place, returns t
     out = comm.all_gather(t, group=g, dim=-1)         # concatenation along dim
     h = comm.all_reduce(t, async_op=True); ...; h.wait()
+    comm.reduce_scatter(g, group=dp, quant="int8", residual=r)   # block-scaled int8 on the wire
     x = comm.symmetric_empty(n, group=g)              # every rank maps it: all_reduce(x) in place
     comm.all_gather(x[r*k:(r+1)*k], group=g, out=x)   # x symmetric: gathered where it lies
 
@@ -21,9 +22,10 @@ from fastpar.comm.autograd import (all_gather_sequence, copy_to_tp, gather_from_
                                    scatter_sequence, scatter_to_tp)
 from fastpar.comm.collectives import (Handle, all_gather, all_reduce, broadcast, engine_for,
                                       reduce_scatter, use_backend)
+from fastpar.comm.quant import Quant
 from fastpar.comm.symmetric import symmetric_available, symmetric_empty
 
-__all__ = ["Handle", "all_gather", "all_gather_sequence", "all_reduce", "broadcast",
+__all__ = ["Handle", "Quant", "all_gather", "all_gather_sequence", "all_reduce", "broadcast",
            "copy_to_tp", "engine_for", "gather_from_tp", "gather_sequence", "reduce_from_tp",
            "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp",
            "symmetric_available", "symmetric_empty", "use_backend"]

@@ -10,6 +10,13 @@ into the input's layout in ``wait()``).
 torch.distributed. (The layers of ``fastpar.nn`` take ``group=None`` to mean the topology's tp
 group; the autograd collectives take no ``None`` at all.) ``op``: "sum", "max", "min", "prod" or
 the ``torch.distributed.ReduceOp`` of the same name.
+
+``quant="int8"`` (all_reduce, all_gather, reduce_scatter; or a ``comm.Quant`` for another block)
+sends block-scaled int8 instead of the tensor's own bytes: float32 and bfloat16 tensors, sums
+only, float32 accumulation (``fastpar.comm.quant`` defines the codec, ``fastpar.comm.quantized``
+and ``hierarchical`` where each engine quantizes). ``residual=`` (all_reduce, reduce_scatter): a
+float32 tensor of the input's shape carrying the rounding error from call to call (error
+feedback). A group of one rank sends nothing and quantizes nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import logging
 
 import torch
 
-from fastpar.comm import policy
+from fastpar.comm import policy, quantized
+from fastpar.comm import quant as quant_codec
 from fastpar.comm.engines import adapter
 from fastpar.comm.flat import TORCH_OPS as _TORCH_OPS
 from fastpar.comm.state import current
@@ -144,6 +152,49 @@ def _check_dim(name: str, t: torch.Tensor, dim: int) -> int:
     return dim % t.dim()
 
 
+def _quant(name: str, t: torch.Tensor, op, quant, residual=None):
+    """The ``Quant`` of a call (None: full precision), its arguments checked."""
+    spec = quant_codec.spec(quant)
+    if spec is None:
+        if residual is not None:
+            raise ValueError(f"{name}: residual= (error feedback) needs quant=")
+        return None
+    if t.dtype not in quant_codec.DTYPES:
+        raise ValueError(f"{name}: quant={spec.kind!r} takes float32 or bfloat16 tensors, got "
+                         f"{t.dtype}")
+    if op is not None and _op_name(op) != "sum":
+        raise ValueError(f"{name}: quant={spec.kind!r} reduces by sum only, got op={op!r}")
+    if residual is not None and (
+            not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or
+            residual.shape != t.shape or residual.device != t.device or
+            not residual.is_contiguous()):
+        got = (f"{residual.dtype} {tuple(residual.shape)} on {residual.device}"
+               if isinstance(residual, torch.Tensor) else type(residual).__name__)
+        raise ValueError(f"{name}: residual must be a contiguous float32 tensor of the input's "
+                         f"shape {tuple(t.shape)} on {t.device}; got {got}")
+    return spec
+
+
+def _quant_route(t: torch.Tensor, group) -> Route:
+    """The route of a quantized call: its engine moves bytes (an all-gather or all-to-all of
+    int8 pieces), so it is chosen as for an all_gather of t's bytes (MPI carries them for a
+    bfloat16 tensor too; a group across hosts takes the hierarchical engine)."""
+    flat = t.reshape(-1)
+    return _route("all_gather", flat.view(torch.uint8) if flat.is_contiguous() else
+                  torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8,
+                              device=t.device), group)
+
+
+def _quant_handle(result, pending, async_op):
+    """The result of a quantized call whose bytes may still be in flight (``pending``)."""
+    if pending is None:
+        return _done(result, async_op)
+    if async_op:
+        return Handle(result, pending)
+    pending.wait()
+    return result
+
+
 def _done(result, async_op):
     return Handle(result) if async_op else result
 
@@ -159,14 +210,27 @@ def _through_contiguous(t: torch.Tensor, call, async_op: bool):
     return _done(t, async_op)
 
 
-def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
+def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *, quant=None,
+               residual: torch.Tensor | None = None):
     """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``).
 
     On the shm and CUDA IPC engines a whole ``symmetric_empty`` tensor of this group is reduced
-    where it lies (no copy in or out; bitwise the copying path's result)."""
-    route = _route("all_reduce", t, group, op)
+    where it lies (no copy in or out; bitwise the copying path's result). ``quant``,
+    ``residual``: see the module docstring (quantized calls complete before they return)."""
+    spec = _quant("all_reduce", t, op, quant, residual) if quant is not None or \
+        residual is not None else None
+    route = _route("all_reduce", t, group, op) if spec is None else _quant_route(t, group)
     engine, op = route.engine, route.op
     if engine == "local":
+        return _done(t, async_op)
+    if spec is not None:
+        c = t.contiguous()
+        if engine == "hier":
+            route.comm.quantized_all_reduce(c, spec, residual)
+        else:
+            quantized.all_reduce(route, c, spec, residual)
+        if c is not t:
+            t.copy_(c)
         return _done(t, async_op)
     if not t.is_contiguous():  # every engine wants contiguous memory (NCCL, ours); gloo copies
         return _through_contiguous(t, lambda c: all_reduce(c, group, op, True), async_op)
@@ -175,24 +239,35 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False):
 
 
 def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False, *,
-               out: torch.Tensor | None = None):
+               out: torch.Tensor | None = None, quant=None):
     """The concatenation along ``dim`` of ``t`` from every rank of the group, in group order.
 
     A 0-dim tensor is gathered into shape ``(n,)`` for a group of ``n`` ranks (``(1,)`` alone,
     a view). ``out`` (``dim=0`` only): a contiguous ``(n * t.shape[0], ...)`` tensor to gather
     into, returned; ``t`` may already be this rank's block of it (then nothing is copied in).
     When ``out`` is a whole ``symmetric_empty`` tensor of this group on the shm engine, every
-    rank copies its peers' blocks straight from their buffers (no staging copy)."""
+    rank copies its peers' blocks straight from their buffers (no staging copy). ``quant``: see
+    the module docstring; every rank's block, this rank's too, is what its int8 says."""
     _check_tensor("all_gather", t)  # arguments are checked before any communication
     if t.dim() == 0:
         t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
     dim = _check_dim("all_gather", t, dim)
-    route = _route("all_gather", t, group)
+    spec = _quant("all_gather", t, None, quant) if quant is not None else None
+    route = _route("all_gather", t, group) if spec is None else _quant_route(t, group)
     if out is not None:
-        return _all_gather_into(t, out, dim, route, async_op)
+        return _all_gather_into(t, out, dim, route, async_op, spec)
     engine = route.engine
     if engine == "local":
         return _done(t, async_op)
+    if spec is not None:
+        n = len(route.ranks)
+        stacked = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        pending = _quantized_gather(route, t.contiguous(), stacked, spec, async_op)
+        if dim == 0:
+            return _quant_handle(stacked, pending, async_op)
+        if pending is not None:
+            pending.wait()
+        return _done(torch.cat(stacked.chunk(n, dim=0), dim=dim), async_op)
     n = len(route.ranks)
     inp = t.contiguous()
     stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]), dtype=t.dtype, device=t.device)
@@ -210,7 +285,15 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
 
 
 
-def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_op: bool):
+def _quantized_gather(route, t: torch.Tensor, out: torch.Tensor, spec, async_op: bool):
+    if route.engine == "hier":
+        route.comm.quantized_all_gather(t, out, spec)
+        return None
+    return quantized.all_gather(route, t, out, spec, async_op)
+
+
+def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_op: bool,
+                     spec=None):
     """``all_gather(t, out=out)``: this rank's block of ``out`` holds ``t``, then the others."""
     n = len(route.ranks)
     want = (n * t.shape[0], *t.shape[1:])
@@ -221,6 +304,9 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
             f"{t.device} and dim 0 (the concatenation of {n} ranks' {tuple(t.shape)}); got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous={out.is_contiguous()}, "
             f"dim {dim}")
+    if spec is not None and route.engine != "local":  # t is read before out is written
+        return _quant_handle(out, _quantized_gather(route, t.contiguous(), out, spec,
+                                                    async_op), async_op)
     me = route.ranks.index(current().topo.rank)
     block = out.narrow(0, me * t.shape[0], t.shape[0])
     if block.data_ptr() != t.data_ptr() or block.stride() != t.stride():
@@ -231,19 +317,23 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
 
 
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
-                   async_op: bool = False, *, out: torch.Tensor | None = None):
+                   async_op: bool = False, *, out: torch.Tensor | None = None, quant=None,
+                   residual: torch.Tensor | None = None):
     """This rank's shard along ``dim`` of ``op`` over the group of ``t``.
 
     On the shm engine a whole ``symmetric_empty`` tensor of this group (``dim=0``) is reduced
     where it lies: no copy in. ``out`` (``dim=0`` only): a contiguous ``(t.shape[0] / n, ...)``
     tensor of ``t``'s dtype and device to write the shard into, returned (a view of a larger
-    buffer is fine: ZeRO-2/3 reduce straight into their gradient shard)."""
+    buffer is fine: ZeRO-2/3 reduce straight into their gradient shard). ``quant``,
+    ``residual``: see the module docstring."""
     _check_tensor("reduce_scatter", t)  # arguments are checked before any communication
     if t.dim() == 0:
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
                          "0-dim tensor")
     dim = _check_dim("reduce_scatter", t, dim)
-    route = _route("reduce_scatter", t, group, op)
+    spec = _quant("reduce_scatter", t, op, quant, residual) if quant is not None or \
+        residual is not None else None
+    route = _route("reduce_scatter", t, group, op) if spec is None else _quant_route(t, group)
     engine, op = route.engine, route.op
     n = len(route.ranks)
     if t.shape[dim] % n:
@@ -263,6 +353,21 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     inp = t.movedim(dim, 0).contiguous()
     if out is None:
         out = torch.empty(want, dtype=t.dtype, device=t.device)
+    if spec is not None:
+        res = residual
+        if res is not None and dim != 0:
+            res = residual.movedim(dim, 0).contiguous()
+        if engine == "hier":
+            route.comm.quantized_reduce_scatter(inp, out, spec, res)
+            pending = None
+        else:
+            pending = quantized.reduce_scatter(route, inp, out, spec, res, async_op)
+        if res is not residual:  # dim != 0: the carried error back in the input's layout
+            if pending is not None:
+                pending.wait()
+                pending = None
+            residual.copy_(res.movedim(0, dim))
+        return _quant_handle(out.movedim(0, dim), pending, async_op)
     work = adapter(engine).reduce_scatter(route, inp, out, op, async_op)
     result = out.movedim(0, dim)  # a view: filled when out is
     return Handle(result, work) if async_op else result

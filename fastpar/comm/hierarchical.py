@@ -134,3 +134,91 @@ class HierCommunicator:
         arranged = torch.empty_like(blocks)
         self.intra.all_gather(pieces, arranged.view(-1))
         blocks.index_copy_(0, self._order, arranged)
+
+    # ---- quantized (quant=): full precision within a host, int8 across ----------------------
+    # The shm stages stay full precision: within a host the bytes move through memory at
+    # memory speed, so int8 there would save little and cost a quantization pass; across hosts
+    # the link is the bottleneck and only int8 crosses it (``fastpar.comm.quantized`` on the
+    # cross group). Error feedback: the cross stage's rounding goes into ``residual`` at the
+    # elements of the piece this rank carried across, which only this rank of the host
+    # carries, so the next call's intra-host sum brings it back once.
+
+    def _cross_route(self, dtype: torch.dtype, nbytes: int):
+        engine, leg = self._leg(dtype, nbytes)
+        return _CrossRoute(leg.group, leg.ranks, "mpi" if engine is Mpi else "gloo", leg.comm)
+
+    def quantized_all_reduce(self, t: torch.Tensor, spec, residual) -> None:
+        from fastpar.comm import quantized
+
+        flat = t.view(-1)
+        n = flat.numel()
+        if n == 0:
+            return
+        per = -(-n // self.local)
+        work = torch.zeros(per * self.local, dtype=t.dtype)
+        work[:n] = flat
+        if residual is not None:  # the carried error joins the host's sum (float32 -> dtype)
+            work[:n] += residual.view(-1).to(t.dtype)
+        piece = torch.empty(per, dtype=t.dtype)
+        self.intra.reduce_scatter(work, piece, "sum")
+        carried = torch.zeros(per, dtype=torch.float32) if residual is not None else None
+        quantized.all_reduce(self._cross_route(t.dtype, piece.nbytes), piece, spec, carried)
+        if residual is not None:
+            i = self.intra.group_rank
+            residual.view(-1).zero_()
+            lo, hi = i * per, min((i + 1) * per, n)
+            if hi > lo:
+                residual.view(-1)[lo:hi] = carried[:hi - lo]
+        self.intra.all_gather(piece, work)
+        flat.copy_(work[:n])
+
+    def quantized_reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, spec,
+                                 residual) -> None:
+        from fastpar.comm import quantized
+
+        groups = self.hosts * self.local
+        src = inp
+        if residual is not None:
+            src = inp + residual.to(inp.dtype)
+        blocks = src.view(groups, -1)
+        if self._order is not None:
+            blocks = blocks.index_select(0, self._order)
+        pieces = torch.empty((self.hosts, blocks.shape[1]), dtype=inp.dtype)
+        self.intra.reduce_scatter(blocks.reshape(-1), pieces.view(-1), "sum")
+        carried = torch.zeros(pieces.shape, dtype=torch.float32) if residual is not None \
+            else None
+        route = self._cross_route(inp.dtype, pieces.nbytes)
+        quantized.reduce_scatter(route, pieces.view(-1), out.view(-1), spec, carried, False)
+        if residual is not None:  # rows of pieces: the blocks [i][h] of local index i
+            residual.zero_()
+            i = self.intra.group_rank
+            rows = torch.arange(i * self.hosts, (i + 1) * self.hosts)
+            if self._order is not None:
+                rows = self._order[rows]
+            residual.view(groups, -1).index_copy_(0, rows, carried)
+
+    def quantized_all_gather(self, inp: torch.Tensor, stacked: torch.Tensor, spec) -> None:
+        from fastpar.comm import quantized
+
+        flat = inp.reshape(-1).contiguous()
+        pieces = torch.empty(self.hosts * flat.numel(), dtype=inp.dtype)
+        route = self._cross_route(inp.dtype, stacked.nbytes)
+        pending = quantized.all_gather(route, flat, pieces, spec, False)
+        assert pending is None
+        blocks = stacked.view(self.hosts * self.local, -1)
+        if self._order is None:
+            self.intra.all_gather(pieces, blocks.view(-1))
+            return
+        arranged = torch.empty_like(blocks)
+        self.intra.all_gather(pieces, arranged.view(-1))
+        blocks.index_copy_(0, self._order, arranged)
+
+
+class _CrossRoute:
+    """What ``fastpar.comm.quantized`` reads of a route, for the cross-host stage."""
+
+    __slots__ = ("group", "ranks", "engine", "comm")
+
+    def __init__(self, group, ranks, engine, comm):
+        self.group, self.ranks, self.engine, self.comm = group, ranks, engine, comm
+

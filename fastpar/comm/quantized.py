@@ -1,0 +1,187 @@
+"""Quantized collectives (``quant="int8"``) on the engines that move bytes: torch's backends
+(gloo, NCCL), MPI, and the shm kernels' byte moves; the hierarchical engine uses these for its
+cross-host stage. The codec is ``fastpar.comm.quant``'s; every engine computes the same bytes.
+
+With n ranks, B the block (``Quant.block``), sizes in elements:
+
+    all_gather(x)        each rank packs its x (m elements) once; the packed pieces are
+                         all-gathered (n x packed_bytes(m)); every rank dequantizes all n,
+                         its own too, so all ranks hold bitwise the same result
+    reduce_scatter(x)    x is n chunks of m; each rank packs each chunk (blocks restart at a
+                         chunk); an all-to-all sends chunk j to rank j; rank j dequantizes the n
+                         pieces it got and sums them in float32 in group-rank order, starting
+                         from rank 0's, then rounds once to x's dtype
+    all_reduce(t)        reduce_scatter of t cut in n chunks of ceil(N / n) (zeros after the
+                         end), each rank's summed chunk quantized again and all-gathered as
+                         above: two quantizations, both in float32; all ranks bitwise equal
+
+What crosses per rank: all_gather (n - 1) packed pieces in, reduce_scatter (n - 1) out and in,
+all_reduce both: a quarter of float32's bytes, half of bf16's (plus 4 / B for the scales).
+
+Error feedback (``residual``, float32, the input's shape, updated in place): the call quantizes
+``x + residual`` and leaves in ``residual`` what the receivers will not see of it, so the next
+call sends it. all_reduce also adds, on the rank that summed a chunk, the rounding of that sum's
+second quantization (counted once over the ranks). Without it a gradient component below a
+block's resolution is lost every step; with it, it arrives a few steps late.
+
+Bounds (``tests/test_quantized.py`` checks them per element against float64): all_gather
+|y - x| <= b(x), b the codec's (scale / 2 + 4 u amax per block); reduce_scatter sum over ranks of
+b(x_r) plus float32 summation (n u sum |y_r|); all_reduce that plus b of the summed chunk;
+a bfloat16 output adds its own rounding (2^-8 |y|).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastpar.comm import quant as q
+from fastpar.comm.state import current
+
+
+def me_of(route) -> int:
+    return route.ranks.index(current().topo.rank)
+
+
+# ---- byte moves per engine --------------------------------------------------------------------
+
+def _all_gather_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: bool):
+    """recv (n * len(send), uint8) = every rank's send, in group order."""
+    from fastpar.comm.engines import adapter
+
+    return adapter(_byte_engine(route.engine)).all_gather(route, send, recv, async_op)
+
+
+def _all_to_all_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: bool):
+    """Equal splits: block j of send (n blocks) goes to rank j; block r of recv comes from
+    rank r."""
+    engine = _byte_engine(route.engine)
+    n = len(route.ranks)
+    if engine == "mpi":
+        from fastpar.comm.flat import _np
+
+        route.comm.Alltoall(_np(send), _np(recv))
+        return None
+    if engine in ("shm",):
+        # no byte all-to-all kernel: every rank gathers everything and keeps its column
+        per = send.numel() // n
+        everything = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
+        _all_gather_bytes(route, send, everything, False)
+        me = me_of(route)
+        recv.copy_(everything.view(n, n, per)[:, me].reshape(-1))
+        return None
+    return dist.all_to_all_single(recv, send, group=route.group, async_op=async_op)
+
+
+def _byte_engine(engine: str) -> str:
+    """The engine that moves a quantized call's bytes: the engines that have no byte
+    collectives (CUDA IPC, NCCL through MPI) hand them to torch's backend of the group."""
+    return "gloo" if engine in ("cuda_ipc", "nccl_mpi") else engine
+
+
+class Pending:
+    """A torch work in flight and what turns its bytes into the result."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _done_or_pending(work, finish):
+    if work is None:
+        finish()
+        return None
+    return Pending(work, finish)
+
+
+# ---- the collectives -------------------------------------------------------------------------
+
+def _with_residual(x: torch.Tensor, residual) -> torch.Tensor:
+    """float32 of x, plus the carried error if any (a new tensor: x is not changed)."""
+    src = x.to(torch.float32, copy=True)
+    if residual is not None:
+        src += residual.view(src.shape)
+    return src
+
+
+def all_gather(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, async_op: bool):
+    """out (n * m elements, x's dtype, contiguous) = every rank's x, dequantized. Returns the
+    work still in flight (call ``wait()``), or None when done."""
+    n, m, B = len(route.ranks), x.numel(), spec.block
+    per = q.packed_bytes(m, B)
+    send = torch.empty(1, per, dtype=torch.uint8, device=x.device)
+    q.pack_rows(x.reshape(1, m), B, send)
+    recv = torch.empty(n * per, dtype=torch.uint8, device=x.device)
+    work = _all_gather_bytes(route, send.view(-1), recv, async_op)
+
+    def finish():
+        out.view(n, m).copy_(q.unpack_rows(recv.view(n, per), m, B))
+    return _done_or_pending(work, finish)
+
+
+def reduce_scatter(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, residual,
+                   async_op: bool):
+    """out (m = numel / n elements, x's dtype) = this rank's chunk of the sum over ranks,
+    dequantized and summed in float32. ``residual``: error feedback (see the module)."""
+    n, B = len(route.ranks), spec.block
+    m = x.numel() // n
+    src = _with_residual(x.reshape(n, m), residual)
+    per = q.packed_bytes(m, B)
+    send = torch.empty(n, per, dtype=torch.uint8, device=x.device)
+    q.pack_rows(src, B, send)
+    if residual is not None:
+        residual.view(n, m).copy_(src - q.unpack_rows(send, m, B))
+    recv = torch.empty(n * per, dtype=torch.uint8, device=x.device)
+    work = _all_to_all_bytes(route, send.view(-1), recv, async_op)
+
+    def finish():
+        out.view(m).copy_(_sum_rows(q.unpack_rows(recv.view(n, per), m, B)))
+    return _done_or_pending(work, finish)
+
+
+def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Sum over rows in float32, in row order from row 0's value (the order every engine
+    uses: a float32 sum depends on it)."""
+    acc = rows[0].clone()
+    for r in range(1, rows.shape[0]):
+        acc += rows[r]
+    return acc
+
+
+def all_reduce(route, t: torch.Tensor, spec: q.Quant, residual) -> None:
+    """t (in place) = the sum over ranks, through two quantizations (see the module)."""
+    n, B = len(route.ranks), spec.block
+    N = t.numel()
+    m = -(-N // n)
+    src = torch.zeros(n * m, dtype=torch.float32, device=t.device)
+    src[:N].copy_(t.reshape(-1))
+    if residual is not None:
+        src[:N] += residual.reshape(-1)
+    per = q.packed_bytes(m, B)
+    send = torch.empty(n, per, dtype=torch.uint8, device=t.device)
+    q.pack_rows(src.view(n, m), B, send)
+    if residual is not None:
+        residual.view(-1).copy_((src - q.unpack_rows(send, m, B).view(-1))[:N])
+    recv = torch.empty(n * per, dtype=torch.uint8, device=t.device)
+    _all_to_all_bytes(route, send.view(-1), recv, False)
+    mine = _sum_rows(q.unpack_rows(recv.view(n, per), m, B))
+    piece = torch.empty(1, per, dtype=torch.uint8, device=t.device)
+    q.pack_rows(mine.view(1, m), B, piece)
+    me = me_of(route)
+    if residual is not None:  # the owner carries its sum's rounding, once over the ranks
+        lo, hi = me * m, min((me + 1) * m, N)
+        if hi > lo:
+            residual.view(-1)[lo:hi] += (mine - q.unpack_rows(piece, m, B).view(-1))[:hi - lo]
+    gathered = torch.empty(n * per, dtype=torch.uint8, device=t.device)
+    _all_gather_bytes(route, piece.view(-1), gathered, False)
+    t.view(-1).copy_(q.unpack_rows(gathered.view(n, per), m, B).view(-1)[:N])

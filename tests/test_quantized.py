@@ -1,0 +1,262 @@
+"""Quantized collectives (``quant="int8"``): the codec's definition and bound, then every op x
+dtype x engine on real ranks against float64, within the bound the block scales imply.
+
+Bounds, per element (``fastpar.comm.quant`` / ``quantized`` derive them): b(x) = scale / 2 +
+4 u amax of the element's block (u = 2^-24); all_gather |y - x_r| <= b(x_r); reduce_scatter
+|y - sum x_r| <= sum_r b(x_r) + n u sum_r |x_r| (float32 summation) ; all_reduce adds b of the
+summed chunk; a bfloat16 output adds 2^-8 |y|. Sizes not divisible by the block or by the ranks,
+zero blocks (exact zeros back), non-finite blocks (NaN back, the whole block), world 1 to 4 and
+a subgroup; every engine computes bitwise the same result; error feedback carries what a call
+could not send into the next.
+"""
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from fastpar.comm import quant
+from tests.multirank import run_ranks
+
+U = 2.0**-24
+SIZES = [1, 33, 1000, 4099, 70001]  # around and off the blocks (64 and 256 below)
+ENGINES = ["shm", "gloo", "mpi"]
+
+
+def _x(rank, n, salt, scale=1.0):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{n}/{salt}".encode()))
+    x = torch.randn(n, generator=g, dtype=torch.float64) * scale
+    if n >= 1000:  # blocks of very different magnitude, and a zero block
+        x[:64] *= 1e-3
+        x[128:192] = 0
+    return x
+
+
+# ---- the codec, one process --------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [16, 64, 256])
+def test_codec_within_its_bound(dtype, block):
+    for n in SIZES:
+        x = _x(0, n, "codec", 100.0).to(dtype)
+        y = quant.roundtrip(x, block)
+        err = (x.double() - y.double()).abs()
+        b = quant.bound(x, block)
+        assert (err <= b).all(), (n, (err - b).max())
+        # the bound is not loose: some element comes within 10% of it in a big enough input
+        if n >= 4 * block:
+            assert (err / b.clamp_min(1e-300))[b > 0].max() > 0.5
+
+
+def test_codec_special_values_and_definition():
+    block = 16
+    x = torch.randn(5 * block + 3)
+    x[block:2 * block] = 0  # a zero block: zeros back, never 0 * inf
+    x[2 * block + 3] = float("inf")
+    x[3 * block + 1] = float("nan")
+    x[4 * block + 2] = -float("inf")
+    q, scales = quant.quantize(x, block)
+    y = quant.dequantize(q, scales, block)
+    assert torch.equal(y[block:2 * block], torch.zeros(block))
+    for b in (2, 3, 4):  # each non-finite block is NaN throughout, the others finite
+        assert y[b * block:(b + 1) * block].isnan().all()
+        assert scales[b].isnan() and (q[b * block:(b + 1) * block] == 0).all()
+    assert y[:block].isfinite().all() and y[5 * block:].isfinite().all()
+    # the definition, written out for one block
+    xb = x[:block]
+    amax = xb.abs().max()
+    inv = torch.tensor(127.0, dtype=torch.float32) / amax
+    want = torch.clamp(torch.round(xb * inv), -127, 127).to(torch.int8)
+    assert torch.equal(q[:block], want) and scales[0] == amax / 127
+    assert q.abs().max() <= 127 and (q[:block].abs() == 127).any()
+    # wire format: scales, int8, zeros to 4 bytes
+    buf = torch.empty(2, quant.packed_bytes(x.numel(), block), dtype=torch.uint8)
+    quant.pack_rows(torch.stack([x, -x]), block, buf)
+    assert buf.shape[1] == 4 * 6 + 84 and (buf[:, 4 * 6 + 83:] == 0).all()
+    back = quant.unpack_rows(buf, x.numel(), block)
+    assert torch.equal(back[0].nan_to_num(7.0), y.nan_to_num(7.0))
+    assert torch.equal(back[1].nan_to_num(7.0), (-y).nan_to_num(7.0))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="'int4'"):
+        quant.spec("int4")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant.Quant("int8", block=100)
+    with pytest.raises(TypeError, match="comm.Quant"):
+        quant.spec(8)
+
+
+# ---- on ranks --------------------------------------------------------------------------------
+
+def body_ops(sizes, engines, blocks):
+    """Every op x dtype x engine x size; returns per-case (worst error / bound, digest)."""
+    import hashlib
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm import quant
+    from tests.test_quantized import _x, ratio, reduce_bound
+
+    topo = fastpar.init(timeout=120)
+    n, me = topo.world_size, topo.rank
+    out = {}
+
+    def digest(t):
+        return hashlib.sha1(t.double().numpy().tobytes()).hexdigest()[:12]
+
+    for engine in engines:
+        comm.use_backend(engine)
+        for dtype in (torch.float32, torch.bfloat16):
+            for block in blocks:
+                spec = comm.Quant("int8", block=block)
+                out_u = 2.0**-8 if dtype == torch.bfloat16 else U
+
+                def output(b, want):  # the result's own rounding to dtype, once
+                    return b * (1 + out_u) + out_u * want.abs()
+
+                for size in sizes:
+                    key = f"{engine}/{str(dtype)[6:]}/{block}/{size}"
+                    xs = [_x(r, size, key.split("/", 1)[1]).to(dtype) for r in range(n)]
+                    # all_gather: every rank's block within its codec bound
+                    got = comm.all_gather(xs[me], quant=spec)
+                    want = torch.cat([x.double() for x in xs])
+                    b = torch.cat([quant.bound(x, block) for x in xs])
+                    out[f"ag/{key}"] = (ratio(got, want, output(b, want)), digest(got))
+                    # reduce_scatter of n chunks of `size`
+                    big = [_x(r, n * size, "rs" + key.split("/", 1)[1]).to(dtype)
+                           for r in range(n)]
+                    got = comm.reduce_scatter(big[me], quant=spec)
+                    chunk = slice(me * size, (me + 1) * size)
+                    want = sum(x.double() for x in big)[chunk]
+                    b = reduce_bound([x[chunk] for x in big], block)
+                    out[f"rs/{key}"] = (ratio(got, want, output(b, want)), digest(got))
+                    # all_reduce: chunks of ceil(size / n), the sums quantized again
+                    t = xs[me].clone()
+                    comm.all_reduce(t, quant=spec)
+                    want = sum(x.double() for x in xs)
+                    m = -(-size // n)
+                    parts = []
+                    for i in range(0, size, m):
+                        b1 = reduce_bound([x[i:i + m] for x in xs], block)
+                        # the summed chunk is within b1 of want: its blocks' amax at most that
+                        parts.append(b1 + quant.bound(want[i:i + m].abs() + b1, block))
+                    b = torch.cat(parts)
+                    out[f"ar/{key}"] = (ratio(t, want, output(b, want)), digest(t))
+    comm.use_backend(None)
+    fastpar.shutdown()
+    return out
+
+
+def reduce_bound(xs, block, pieces=None):
+    """sum_r b(x_r) + n u sum_r |y_r|, |y_r| <= |x_r| + b(x_r): the codec on each rank's
+    piece, then the float32 sum of the dequantized pieces (n - 1 additions). ``pieces``: the
+    lengths of the consecutive pieces quantized on their own (blocks restart at each)."""
+    n = len(xs)
+    bs = [piecewise_bound(x, block, pieces) for x in xs]
+    return sum(bs) + n * U * sum(x.double().abs() + b for x, b in zip(xs, bs))
+
+
+def piecewise_bound(x, block, pieces=None):
+    """The codec's bound of x quantized in consecutive pieces of the given lengths."""
+    if pieces is None:
+        return quant.bound(x, block)
+    return torch.cat([quant.bound(p, block) for p in x.split(pieces)])
+
+
+def ratio(got, want, bound):
+    """The worst |got - want| / bound (<= 1 within the bound); NaN fails."""
+    err = (got.double() - want).abs()
+    if err.isnan().any():
+        return math.nan
+    return (err / bound.clamp_min(1e-300)).max().item() if err.numel() else 0.0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_op_dtype_engine_within_its_bound(world):
+    engines = ENGINES if world > 1 else ["shm"]
+    sizes = SIZES if world in (2, 4) else [33, 4099]  # 3: chunks of uneven ends
+    values = run_ranks(world, body_ops, sizes=sizes, engines=engines,
+                       blocks=[64, 256] if world != 3 else [64], timeout=300).values()
+    for case, (worst, _) in values[0].items():
+        assert worst <= 1.0, (case, worst)
+    for case in values[0]:  # every rank, every engine: bitwise the same result
+        if not case.startswith("rs/"):  # (a reduce_scatter's chunk differs per rank)
+            assert len({v[case][1] for v in values}) == 1, case
+        same = {v[case.replace(case.split("/")[1], e, 1)][1] for v in values[:1]
+                for e in engines}
+        assert len(same) == 1, (case, same)
+    if world == 1:  # one rank sends nothing: nothing is quantized
+        assert all(worst == 0.0 for worst, _ in values[0].values())
+
+
+def body_feedback_and_subgroup():
+    """Error feedback on the dp group of a tp 2 grid (a group smaller than the world): what a
+    call could not send arrives with the next; non-finite blocks come back NaN."""
+    import fastpar
+    from fastpar import comm
+    from tests.test_quantized import _x
+
+    topo = fastpar.init(tp=2, timeout=120)
+    dp, me, n = topo.dp_group, topo.dp_rank, topo.dp_size
+    spec = comm.Quant("int8", block=64)
+    size = 1000
+    out = {}
+    # reduce_scatter, three calls with a residual: sent + what is left = the exact sum
+    residual = torch.zeros(n * size)
+    total_in = torch.zeros(n * size, dtype=torch.float64)
+    total_out = torch.zeros(size, dtype=torch.float64)
+    for call in range(3):
+        x = _x(100 * topo.rank + call, n * size, "fb") * 1e-2
+        total_in += x
+        total_out += comm.reduce_scatter(x.float(), group=dp, quant=spec,
+                                         residual=residual).double()
+    left = comm.all_reduce(residual.clone(), group=dp)  # full precision: exact enough
+    everyone = comm.all_reduce(total_in.float(), group=dp).double()
+    chunk = slice(me * size, (me + 1) * size)
+    err_fb = (total_out + left[chunk].double() - everyone[chunk]).abs().max().item()
+    out["rs_feedback_err"] = err_fb
+    out["rs_scale"] = everyone[chunk].abs().max().item()
+    # the same with all_reduce (both quantizations fed back)
+    residual = torch.zeros(size)
+    total_in, total_out = torch.zeros(size, dtype=torch.float64), None
+    for call in range(3):
+        x = _x(100 * topo.rank + call, size, "fb-ar") * 1e-2
+        total_in += x
+        t = x.float()
+        comm.all_reduce(t, group=dp, quant=spec, residual=residual)
+        total_out = t.double() if total_out is None else total_out + t.double()
+    left = comm.all_reduce(residual.clone(), group=dp).double()
+    everyone = comm.all_reduce(total_in.float(), group=dp).double()
+    out["ar_feedback_err"] = (total_out + left - everyone).abs().max().item()
+    out["ar_scale"] = everyone.abs().max().item()
+    # non-finite: rank 0 of the dp group puts an inf in block 1 of chunk 0
+    x = torch.ones(n * 256)
+    if me == 0:
+        x[70] = float("inf")
+    got = comm.reduce_scatter(x, group=dp, quant=spec)
+    t = torch.ones(n * 256)
+    if me == 0:
+        t[70] = float("nan")
+    comm.all_reduce(t, group=dp, quant=spec)
+    out["nan_rs"] = [got[:64].isnan().all().item(), got[64:128].isnan().all().item(),
+                     got[128:].isfinite().all().item()]
+    out["nan_ar"] = [t[64:128].isnan().all().item(), t[:64].isfinite().all().item(),
+                     t[128:].isfinite().all().item()]
+    out["dp_rank"] = me
+    fastpar.shutdown()
+    return out
+
+
+def test_error_feedback_and_non_finite_on_a_subgroup():
+    values = run_ranks(4, body_feedback_and_subgroup, timeout=120).values()
+    for rank, v in enumerate(values):
+        # after three calls, what arrived plus what is still carried is the exact sum, to
+        # float32 roundoff of the values involved (not the int8 step, 2^-8 of them)
+        assert v["rs_feedback_err"] <= 64 * U * v["rs_scale"], (rank, v)
+        assert v["ar_feedback_err"] <= 64 * U * v["ar_scale"], (rank, v)
+        # the inf's block (64..127 of chunk 0, dp rank 0's) is NaN throughout, nothing else
+        assert v["nan_rs"] == ([False, True, True] if v["dp_rank"] == 0 else
+                               [False, False, True]), (rank, v)
+        assert v["nan_ar"] == [True, True, True], (rank, v)
