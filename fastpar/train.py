@@ -75,12 +75,14 @@ class Trainer:
             self.model = self.pipe.to(dtype)  # the same Parameter objects, now bf16
             self.opt = fastpar.optim.DistributedOptimizer(
                 self.pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=self.pipe,
-                **adamw)
+                quant_weights=args.quantize_weights, quant_grads=args.quantize_grads,
+                error_feedback=args.error_feedback, **adamw)
             if initial is not None:  # the float32 masters start from the float32 initial weights
                 self.opt.load_master_weights(initial)
                 del initial
         elif dtype == torch.float32:
-            self.model = fastpar.DataParallel(self.pipe)
+            self.model = fastpar.DataParallel(self.pipe, quant=args.quantize_grads,
+                                              error_feedback=args.error_feedback)
             self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
         else:
             # Masters from the float32 initial weights, then the model computes in bf16;
@@ -88,7 +90,9 @@ class Trainer:
             # fastpar.nn, sum_tied_grads) and AdamW steps the float32 masters.
             self.opt = fastpar.optim.MasterWeights(self.pipe.parameters(), torch.optim.AdamW,
                                                    **adamw)
-            self.model = fastpar.DataParallel(self.pipe.to(dtype), reduce_dtype=torch.float32)
+            self.model = fastpar.DataParallel(self.pipe.to(dtype), reduce_dtype=torch.float32,
+                                              quant=args.quantize_grads,
+                                              error_feedback=args.error_feedback)
         # ZeRO-3: what needs the full parameters (a pipeline step, validation, checkpoints)
         self.gathered = self.opt.gathered if args.zero else contextlib.nullcontext
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))

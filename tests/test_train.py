@@ -149,6 +149,10 @@ def four_ranks(tmp_path_factory):
                                   "--save-every", "10"]),
             ("pp2dp2.zero.bf16.resume", ["--pp", "2", "--zero", *BF16, "--resume",
                                          os.path.join(ckz16, "step_00000010")]),
+            # int8 reductions (with error feedback) and ZeRO-3's int8 weight gathers
+            ("dp4.quant", ["--quantize-grads", "int8", "--error-feedback"]),
+            ("dp4.zero3.quant", ["--zero", "3", "--quantize-weights", "int8",
+                                 "--quantize-grads", "int8", "--error-feedback"]),
             # memory only (test_memory_is_measured_beside_its_prediction): 2 steps
             ("pp2dp2.zero2.full", ["--pp", "2", "--zero", "2", "--recompute", "full",
                                    "--steps", "2", "--metrics", memory_metrics])]
@@ -191,6 +195,13 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     for name in ("tp2pp2", "tp2dp2", "pp2dp2.zero", "tp2dp2.zero2"):
         assert_parity(name, four[name], serial)
     assert_parity("pp2dp2.zero3.resume", four["pp2dp2.zero3.resume"], serial)
+    # int8 reductions: the reductions' own bounds are tests/test_quantized.py's; over 20 steps
+    # the loss stays within 1e-3 relative of serial (measured: ~1e-4), a broken reduction
+    # would not (bench/quantized.py compares 300 steps against the seeds' spread)
+    for name in ("dp4.quant", "dp4.zero3.quant"):
+        assert_parity(name, four[name], serial, bound=1e-3)
+        assert not all(a == b for a, b in zip(curve(four[name]).values(),
+                                               curve(four["tp2dp2"]).values()))
     assert_parity("dp4.zero3.tied", four["dp4.zero3.tied"], one["serial.tied"])
     assert_parity("interleaved.tied.sp", four["tp2pp2.interleaved.tied.sp"], one["serial.tied"])
     for name in ("pp2", "tp2", "dp2"):
@@ -274,7 +285,7 @@ def test_memory_is_measured_beside_its_prediction(four_ranks):
 
     four, _, _, metrics, _, _ = four_ranks
     names = sorted(n for n in four if n.endswith(":memory"))
-    assert len(names) == 16, names
+    assert len(names) == 18, names
     print("activations, worst relative error per run:",
           {name: check_memory_rows(name, four[name], 4) for name in names})
     records = [r for r in read_records(metrics) if "memory" in r]
@@ -479,6 +490,11 @@ BAD_FLAGS = [  # (argv, the one line each must print)
      "global batch 10 is not divisible by dp 2 x microbatches 4 (world 2 = tp 1 x pp 1 x dp 2)"),
     (["--tp", "2", "--heads", "3"], "heads 3 is not divisible by tp 2"),
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--quantize-weights", "int8", "--zero", "2"],
+     "--quantize-weights int8 quantizes ZeRO-3's parameter all-gather; add --zero 3 (this "
+     "run: --zero 2)"),
+    (["--error-feedback"], "--error-feedback carries the rounding of --quantize-grads"),
+    (["--quantize-grads", "int4"], "argument --quantize-grads: invalid choice: 'int4'"),
 ]
 
 

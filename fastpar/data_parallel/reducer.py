@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from fastpar import comm
+from fastpar.comm import quant as quant_codec
 from fastpar.data_parallel.buckets import Bucket, ParamSpec, plan_buckets
 
 
@@ -32,8 +33,13 @@ class Reducer:
     state of the current reduction cycle over ``group`` (``dp_size`` ranks)."""
 
     def __init__(self, params, names, *, group, dp_size: int, bucket_mb: float, overlap: bool,
-                 find_unused_parameters: bool, reduce_dtype):
+                 find_unused_parameters: bool, reduce_dtype, quant=None,
+                 error_feedback: bool = False):
         self._params, self._names = list(params), list(names)
+        # quant: float32 and bfloat16 buckets are all-reduced as block-scaled int8 (others in
+        # full precision); error feedback keeps a float32 residual per such bucket
+        self.quant, self.error_feedback = quant, error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
         self.group, self.dp_size, self.overlap = group, dp_size, overlap
         self.find_unused_parameters, self.reduce_dtype = find_unused_parameters, reduce_dtype
         self._build_buckets(bucket_mb)
@@ -137,8 +143,21 @@ class Reducer:
         gradients (truly in the background on gloo/NCCL; shm completes inside the call)."""
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
-            self._handles.append((b, comm.all_reduce(b.data, group=self.group, async_op=True)))
+            self._handles.append((b, self._all_reduce(b)))
             self._next += 1
+
+    def _all_reduce(self, b):
+        if self.quant is None or b.data.dtype not in quant_codec.DTYPES:
+            return comm.all_reduce(b.data, group=self.group, async_op=True)
+        residual = None
+        if self.error_feedback and self.dp_size > 1:  # one rank sends nothing: no error
+            residual = self.residuals.get(b.index)
+            if residual is None:
+                residual = self.residuals[b.index] = torch.zeros(
+                    b.data.shape, dtype=torch.float32, device=b.data.device)
+        # completes before it returns (both of its stages): no overlap with backward
+        return comm.all_reduce(b.data, group=self.group, async_op=True, quant=self.quant,
+                               residual=residual)
 
     def _finish(self) -> None:
         """Every parameter is ready: launch the rest, wait for all, average, reset the cycle."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar import comm
+from fastpar.comm import quant as quant_codec
 from fastpar.data_parallel.reducer import Reducer
 from fastpar.runtime import group_size, topology
 from fastpar.state_dict import full_state_dict, load_full_state_dict
@@ -44,7 +45,12 @@ class DataParallel(nn.Module):
     ``group``: the dp group (None: ``fastpar.topology().dp_group``, so under TP/PP each
     tensor/pipeline coordinate averages over its own replicas). ``find_unused_parameters``: allow
     trainable parameters that get no gradient. ``reduce_dtype``: the dtype the buckets reduce in
-    (e.g. ``torch.float32`` for a bfloat16 model); default: each parameter's own.
+    (e.g. ``torch.float32`` for a bfloat16 model); default: each parameter's own. ``quant``
+    ("int8" or a ``comm.Quant``): float32 and bfloat16 buckets are all-reduced as block-scaled
+    int8 (``fastpar.comm.quant``; float32 sums, both stages of the all-reduce quantized), which
+    completes inside the bucket's launch (no overlap with the rest of backward);
+    ``error_feedback``: each rank carries what the int8 could not send into its next step
+    (a float32 residual per bucket).
 
     The state dict has the wrapped module's keys (no ``module.`` prefix); ``fastpar.
     full_state_dict`` sees through the wrapper. A dp group of one rank communicates nothing.
@@ -52,8 +58,12 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, *, bucket_mb: float = 25.0, overlap: bool = True,
                  group=None, find_unused_parameters: bool = False,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, quant=None,
+                 error_feedback: bool = False):
         super().__init__()
+        quant = quant_codec.spec(quant)  # a bad name or block raises here, before anything
+        if error_feedback and quant is None:
+            raise ValueError("DataParallel: error_feedback=True needs quant (e.g. 'int8')")
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
         if not bucket_mb > 0:
@@ -77,7 +87,8 @@ class DataParallel(nn.Module):
                                dp_size=self.dp_size, bucket_mb=self.bucket_mb,
                                overlap=self.overlap,
                                find_unused_parameters=self.find_unused_parameters,
-                               reduce_dtype=reduce_dtype)
+                               reduce_dtype=reduce_dtype, quant=quant,
+                               error_feedback=bool(error_feedback))
         self.reducer.attach()
         self._no_sync = False
         self.register_state_dict_post_hook(_strip_prefix)

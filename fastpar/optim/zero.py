@@ -49,6 +49,7 @@ import math
 import torch
 
 from fastpar import comm
+from fastpar.comm import quant as quant_codec
 from fastpar.optim.clip import check_max_norm, clip_by_global_norm_, counted
 from fastpar.optim.flat import FlatGroup, master_dtype
 from fastpar.optim.inner import InnerOptimizerView
@@ -68,12 +69,18 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
     ``optimizer_cls(masters, **kwargs)`` builds the inner optimizer over one flat master shard
     per (dtype, device). ``stage``: 1, 2 or 3. ``module``: the model holding ``params``
     (stage 3 needs it: its modules are the gather units). ``bucket_mb``: stage 2's run size.
+    ``quant_weights="int8"`` (stage 3): the parameters are all-gathered as block-scaled int8
+    (like ZeRO++'s qwZ; the masters stay full precision, each gather quantizes them afresh);
+    ``quant_grads="int8"``: the gradients are reduce-scattered as int8 (float32 sums), with
+    ``error_feedback=True`` carrying each rank's rounding into its next step (one float32 copy
+    of the padded gradient per rank, counted as a buffer). See ``fastpar.comm.quant``.
     ``param_groups`` and ``state`` are the inner optimizer's, so ``torch.optim.lr_scheduler``
     drives it. Masters are ``float32`` (or ``float64`` for ``float64`` parameters).
     """
 
     def __init__(self, params, optimizer_cls, *, group=None, stage: int = 1, module=None,
-                 bucket_mb: float = 25.0, **kwargs):
+                 bucket_mb: float = 25.0, quant_weights=None, quant_grads=None,
+                 error_feedback: bool = False, **kwargs):
         # torch.optim.Optimizer.__init__ is not called: it would build param_groups of the
         # full parameters; this class delegates them to the inner optimizer instead.
         params = list(params)
@@ -90,6 +97,16 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                              f"{type(module).__name__}")
         if not bucket_mb > 0:
             raise ValueError(f"DistributedOptimizer: bucket_mb must be positive, got {bucket_mb}")
+        self.quant_weights = quant_codec.spec(quant_weights)
+        self.quant_grads = quant_codec.spec(quant_grads)
+        if self.quant_weights is not None and stage != 3:
+            raise ValueError(f"DistributedOptimizer: quant_weights={quant_weights!r} quantizes the "
+                             f"parameters' all-gather of stage 3; stage {stage} gathers no "
+                             "parameters before use (its all-gather after the step sends the "
+                             "weights of record)")
+        if error_feedback and self.quant_grads is None:
+            raise ValueError("DistributedOptimizer: error_feedback=True needs quant_grads")
+        self.error_feedback = bool(error_feedback)
         seen, trainable = set(), []
         for p in params:
             if p.requires_grad and id(p) not in seen:
@@ -116,9 +133,12 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
             for f in self.flat:
                 self._build_buffers(f)
         else:
-            self.sharded = ShardedParams(self.flat, self.group, self.dp_rank, module, units)
+            self.sharded = ShardedParams(self.flat, self.group, self.dp_rank, module, units,
+                                         quant=self.quant_weights)
         if stage >= 2:
-            self.grads = GradReducer(self.flat, self.group, self.dp_size)
+            self.grads = GradReducer(self.flat, self.group, self.dp_size,
+                                     quant=self.quant_grads, error_feedback=self.error_feedback)
+        self.residuals = {}  # stage 1's error feedback: a float32 flat buffer per group
         self.optimizer_cls, self.kwargs = optimizer_cls, dict(kwargs)
         self.inner = optimizer_cls([f.master for f in self.flat], **kwargs)
         self._reduced = False  # master grads hold this backward's reduced gradient
@@ -216,7 +236,15 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                     view.copy_(g) if g is not None else view.zero_()
                     if f.grad_views is not None:
                         p.grad = view
-                g = comm.reduce_scatter(buf, group=self.group)  # (shard,): the dp sum
+                residual = None
+                if self.error_feedback and self.dp_size > 1:
+                    residual = self.residuals.get(id(f))
+                    if residual is None:
+                        residual = self.residuals[id(f)] = torch.zeros(
+                            buf.shape, dtype=torch.float32, device=buf.device)
+                # (shard,): the dp sum
+                g = comm.reduce_scatter(buf, group=self.group, quant=self.quant_grads,
+                                        residual=residual)
                 f.master.grad = g.div_(self.dp_size) if self.dp_size > 1 else g.clone()
         if self.sharded is not None and not self.sharded.pinned:
             self.sharded.free_all()  # units whose parameters got no gradient stayed gathered

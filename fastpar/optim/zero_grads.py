@@ -33,8 +33,10 @@ from fastpar.optim.flat import master_dtype
 class GradReducer:
     """The reduce-scatter cycle of a ``DistributedOptimizer``'s flat groups over ``group``."""
 
-    def __init__(self, flat, group, dp_size: int):
+    def __init__(self, flat, group, dp_size: int, quant=None, error_feedback: bool = False):
         self.flat, self.group, self.dp_size = flat, group, dp_size
+        self.quant, self.error_feedback = quant, error_feedback
+        self.residuals = {}  # (id(f), run.index) -> float32 (dp * piece): error feedback
         # launch order: the last run of the last group first
         self.order = [(f, run) for f in flat for run in f.runs][::-1]
         slot = {(id(f), run.index): k for k, (f, run) in enumerate(self.order)}
@@ -98,8 +100,14 @@ class GradReducer:
         self.staged = buf.numel() * buf.element_size()
         self.peak_staging = max(self.peak_staging, self.staged)
         dst = f.master.grad[run.soff:run.soff + run.piece]
-        self.handles.append((f, run, comm.reduce_scatter(buf, group=self.group, async_op=True,
-                                                         out=dst)))
+        residual = None
+        if self.error_feedback and self.dp_size > 1:  # one rank sends nothing: no error
+            residual = self.residuals.get((id(f), run.index))
+            if residual is None:
+                residual = self.residuals[(id(f), run.index)] = torch.zeros_like(buf)
+        self.handles.append((f, run, comm.reduce_scatter(
+            buf, group=self.group, async_op=True, out=dst, quant=self.quant,
+            residual=residual)))
         for callback in self.on_launch:
             callback(f, run)
 

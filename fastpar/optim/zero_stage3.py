@@ -78,8 +78,8 @@ def unit_cuts(flat_params: list, units) -> list[int]:
 class ShardedParams:
     """Owns the gather buffers of every run and the module hooks of ZeRO-3."""
 
-    def __init__(self, flat, group, dp_rank: int, root: nn.Module, units):
-        self.group, self.dp_rank = group, dp_rank
+    def __init__(self, flat, group, dp_rank: int, root: nn.Module, units, quant=None):
+        self.group, self.dp_rank, self.quant = group, dp_rank, quant
         self.runs = {}  # (id(f), run.index) -> [f, run, buffer, handle or None, gathered]
         self._nan = {}  # (dtype, device) -> one NaN element: what a released parameter shows
         with torch.no_grad():
@@ -120,7 +120,8 @@ class ShardedParams:
         mine = buf[self.dp_rank * run.piece:(self.dp_rank + 1) * run.piece]
         with torch.no_grad():
             mine.copy_(f.master.detach()[run.soff:run.soff + run.piece])  # cast if bf16
-        entry[3] = comm.all_gather(mine, group=self.group, async_op=True, out=buf)
+        entry[3] = comm.all_gather(mine, group=self.group, async_op=True, out=buf,
+                                   quant=self.quant)
 
     def _wait(self, key) -> None:
         entry = self.runs[key]

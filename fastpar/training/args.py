@@ -55,6 +55,14 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--zero", type=int, nargs="?", const=1, default=0, choices=[1, 2, 3],
       help="ZeRO stage (alone: 1): 1 shards the optimizer state over dp, 2 also the "
            "gradients, 3 also the parameters")
+    a("--quantize-weights", default=None, choices=["int8"],
+      help="ZeRO-3's parameter all-gather as block-scaled int8 (the float32 masters and the "
+           "optimizer stay full precision)")
+    a("--quantize-grads", default=None, choices=["int8"],
+      help="the gradients' dp reduction as block-scaled int8 (DataParallel's all-reduce, ZeRO's "
+           "reduce-scatter), summed in float32")
+    a("--error-feedback", action="store_true",
+      help="with --quantize-grads: each rank carries its int8 rounding into its next step")
     a("--save", default=None, help="checkpoint directory")
     a("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     a("--sync-save", action="store_true",
@@ -92,6 +100,12 @@ def check_args(p, args) -> None:
         p.check(math.isfinite(value) and value >= 0,
                 f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
     p.check(math.isfinite(args.lr) and args.lr > 0, f"--lr must be a number > 0, got {args.lr}")
+    p.check(args.quantize_weights is None or args.zero == 3,
+            f"--quantize-weights {args.quantize_weights} quantizes ZeRO-3's parameter "
+            f"all-gather; add --zero 3 (this run: --zero {args.zero})")
+    p.check(not args.error_feedback or args.quantize_grads is not None,
+            "--error-feedback carries the rounding of --quantize-grads; add --quantize-grads "
+            "int8")
     p.check(0 <= args.min_lr_ratio <= 1,
             f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
     p.check(args.timeout > 0, f"--timeout must be > 0 seconds (inf: no limit), got "

@@ -15,7 +15,8 @@ storage counted once, in the first category that holds it, in this order::
     grads       every .grad, DistributedOptimizer's and MasterWeights' master gradients
     optimizer   masters and optimizer state (tensors of one or more dims; not the 0-dim step)
     buffers     communication storage that is neither: DataParallel's buckets, ZeRO's flat
-                gradient buffer, ZeRO-2/3's reduce-scatter staging (its peak in the step)
+                gradient buffer, ZeRO-2/3's reduce-scatter staging (its peak in the step),
+                the error-feedback residuals of quantized gradients
     activations Pipeline.stats["peak_activation_bytes"]: what autograd saved for the
                 microbatches in flight, largest over the steps
 
@@ -62,6 +63,9 @@ def owned(params, opt, reducer=None) -> dict[str, list]:
         grads += [f.master.grad for f in opt.flat]
         optim += [f.master for f in opt.flat]
         buffers += [f.grad_buf for f in opt.flat]
+        buffers += list(opt.residuals.values())  # error feedback (quant_grads)
+        if opt.grads is not None:
+            buffers += list(opt.grads.residuals.values())
     elif isinstance(opt, MasterWeights):
         grads += [m.grad for m in opt.masters]
         optim += list(opt.masters)
@@ -69,6 +73,7 @@ def owned(params, opt, reducer=None) -> dict[str, list]:
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     if reducer is not None:
         buffers += [b.data for b in reducer.buckets]
+        buffers += list(reducer.residuals.values())  # error feedback (quant)
     return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
 
 
@@ -108,13 +113,14 @@ class MemoryMeter:
 
     def sample(self) -> None:
         self.samples += 1
-        for category, nbytes in self.current().items():
+        now = self.current()
+        for category, nbytes in now.items():
             self.peak[category] = max(self.peak[category], nbytes)
         self.peak["activations"] = max(self.peak["activations"],
                                        int(self.pipe.stats.get("peak_activation_bytes", 0)))
-        grads = getattr(self.opt, "grads", None)  # ZeRO-2/3: the reduce-scatter's staging
-        if grads is not None:
-            self.peak["buffers"] = max(self.peak["buffers"], grads.peak_staging)
+        grads = getattr(self.opt, "grads", None)  # ZeRO-2/3: the reduce-scatter's staging,
+        if grads is not None:  # beside what the buffers hold for good (error feedback)
+            self.peak["buffers"] = max(self.peak["buffers"], now["buffers"] + grads.peak_staging)
 
     def record(self) -> dict:
         """``{"memory": {"rank", "measured", "predicted", "peak_rss"}}`` (the contract)."""
@@ -165,7 +171,7 @@ def trainer_meter(trainer) -> MemoryMeter:
                     schedule=args.schedule, microbatches=trainer.microbatches,
                     rows=trainer.rows, zero=args.zero,
                     dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
-                    virtual_stages=args.virtual_stages)
+                    virtual_stages=args.virtual_stages, error_feedback=args.error_feedback)
     return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, layout)
 
 

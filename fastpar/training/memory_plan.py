@@ -62,6 +62,7 @@ class Layout:
     zero: int = 0
     dtype: torch.dtype = torch.float32
     virtual_stages: int = 1
+    error_feedback: bool = False  # quantized gradients' residuals (float32, one per bucket/run)
 
     def stage_layers(self, chunk: int) -> range:
         s = chunk * self.pp + self.pp_rank
@@ -190,6 +191,8 @@ def predict(layout: Layout) -> dict[str, int]:
         else:
             out = {"params": e * d * s, "grads": max(e * P, 4 * s), "optimizer": 12 * s,
                    "buffers": 4 * d * max(-(-r // d) for r in runs)}
+    if layout.error_feedback and d > 1:  # a float32 copy of what the reduction sends
+        out["buffers"] += buckets if layout.zero == 0 else flat
     rows = layout.rows // layout.microbatches
     per_chunk = []
     for c in chunks:
