@@ -270,7 +270,6 @@ def body_training(tp):
     float64 mean of every rank's own gradients. Bound per element, from the amax over all of a
     rank's gradients (an upper bound of each block's): the dp mean of sum_r amax_r / 254 + the
     sum's amax / 254 (all_reduce's second stage), plus float32 roundoff."""
-    import copy
 
     from torch import nn
 
