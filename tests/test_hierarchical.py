@@ -264,3 +264,20 @@ def test_one_host_and_tp_inside_hosts():
     assert engines["all_reduce"] == ["shm", "CPU tensors on one host"]
     run_ranks(4, body_hier, hosts=["a", "a", "b", "b"], tp=2, expect=HIER, dtypes=["float32"],
               sizes=[5], timeout=300)
+
+
+def test_buffers_passed_to_mpi_stay_releasable():
+    """MPI gets numpy views made from the tensor's address: ``tensor.numpy()`` would mark the
+    storage not resizable for good, and ZeRO-3 releases its gather buffers by resizing them
+    (it crashed under MPI, across hosts, at the end of the first step)."""
+    import torch
+
+    from fastpar.comm.flat import numpy_view
+
+    t = torch.arange(6, dtype=torch.float32)
+    view = numpy_view(t)
+    view[2] = 7.0
+    assert t[2].item() == 7.0 and view.shape == (6,)
+    t.untyped_storage().resize_(0)  # raises if the view had pinned it
+    assert numpy_view(torch.empty(0, dtype=torch.uint8)).shape == (0,)
+

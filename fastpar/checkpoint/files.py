@@ -23,6 +23,7 @@ import struct
 import torch
 
 from fastpar.checkpoint.boxes import numel
+from fastpar.comm.flat import numpy_view
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -46,9 +47,11 @@ def _bytes(t: torch.Tensor, start: int, stop: int) -> memoryview:
     """Bytes ``[start, stop)`` of a contiguous 1-D tensor, on the host."""
     raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
     part = raw[start:stop]
-    if part.device.type != "cpu":
-        part = part.cpu()
-    return memoryview(part.numpy()).cast("B")
+    if part.device.type != "cpu":  # a copy of its own: the view keeps it alive
+        return memoryview(part.cpu().numpy()).cast("B")
+    # not .numpy(), which would pin a ZeRO-3 gather buffer's storage (see numpy_view); the
+    # caller's tensor outlives the view
+    return memoryview(numpy_view(part)).cast("B")
 
 
 def write(path: str, items: list[tuple], metadata: dict | None = None) -> dict:

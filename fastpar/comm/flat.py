@@ -6,6 +6,8 @@ fastpar's own: the hierarchical engine runs its cross-host stage on these too.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -18,8 +20,22 @@ TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Red
              "prod": dist.ReduceOp.PRODUCT}
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array over a contiguous CPU tensor's memory, made from its address: unlike
+    ``t.numpy()``, which marks the storage not resizable for good (torch 2.13), so that a
+    buffer once passed to MPI could no longer be released (ZeRO-3 resizes its gather buffers
+    to nothing between uses). Valid while ``t`` is alive."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"numpy_view needs a contiguous CPU tensor, got {t.device} "
+                         f"contiguous={t.is_contiguous()}")
+    dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), dtype=dtype)
+    raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(raw, dtype=dtype).reshape(tuple(t.shape))
+
+
+_np = numpy_view
 
 
 class Torch:
