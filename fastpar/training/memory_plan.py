@@ -17,6 +17,7 @@ the flat order: ZeRO-1 one, ZeRO-2 one per 25 MiB, ZeRO-3 one per layer, its gat
     ZeRO-1 fp32     4ds      4ds (flat) + 4s             8s (master: view)  0
     ZeRO-1 bf16     2ds      2P + 4s                     12s                4ds (fp32 flat)
     ZeRO-2/3        e ds     max(eP, 4s)                 12s                4d max ceil(r/d)
+    error feedback (dp > 1): buffers + 4 sum pad16(n_i) (no ZeRO) or + 4ds (ZeRO)
 
 ZeRO-2/3 in the trainer: a pipeline step accumulates full gradients (``no_sync``) and ZeRO-3
 keeps the stage's parameters gathered across its microbatches, so their peaks are the full ones;
