@@ -79,6 +79,21 @@ def test_codec_special_values_and_definition():
     assert torch.equal(back[1].nan_to_num(7.0), (-y).nan_to_num(7.0))
 
 
+def test_codec_divides_as_ieee_and_survives_a_tiny_amax():
+    # amax a = 0.52928156 and x = 0.11460821: 127 / a rounded once gives x * inv = 27.5000..,
+    # q = 28; reciprocal(a) * 127 (what torch makes of `127.0 / t`) is an ulp lower, q = 27
+    a, x = torch.tensor([1057455871, 1038792629], dtype=torch.int32).view(torch.float32)
+    q, scales = quant.quantize(torch.stack([a, x]), 16)
+    assert q.tolist() == [127, 28] and scales[0] == a / torch.tensor(127.0)
+    # an amax below 127 / FLT_MAX: inv is inf, and the zeros of the block stay zeros
+    x = torch.zeros(32)
+    x[3], x[17] = -1e-38, 2e-45
+    q, scales = quant.quantize(x, 16)
+    assert q[3] == -127 and q[17] == 127 and (q.count_nonzero() == 2)
+    assert scales.tolist() == [(torch.tensor(1e-38) / 127).item(),
+                               (torch.tensor(2e-45) / 127).item()]
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="'int4'"):
         quant.spec("int4")

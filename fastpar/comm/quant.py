@@ -10,6 +10,7 @@ may be shorter). Per block, in float32 arithmetic (a bf16 input is widened first
     amax  = max |x_i|
     amax finite and > 0:  scale = amax / 127      inv = 127 / amax      (IEEE divisions)
                           q_i   = clamp(rint(x_i * inv), -127, 127)     (ties to even)
+    amax < 127 / FLT_MAX: inv = inf, and a zero x_i gives q_i = 0       (not 0 * inf)
     amax == 0:            scale = 0, q_i = 0                            (zeros stay zeros)
     amax inf or NaN:      scale = NaN, q_i = 0                          (see below)
     dequantized:          y_i = float(q_i) * scale                      (one rounding)
@@ -131,11 +132,17 @@ def quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     finite = torch.isfinite(amax)
     live = finite & (amax > 0)
     safe = torch.where(live, amax, torch.ones_like(amax))
-    inv = torch.where(live, 127.0 / safe, torch.zeros_like(amax))
-    q = torch.clamp(torch.round(xb * inv[..., None]), -127, 127)
-    q = torch.where(finite[..., None], q, torch.zeros_like(q)).to(torch.int8)
-    scales = torch.where(live, safe / 127.0, torch.where(finite, torch.zeros_like(amax),
-                                                         torch.full_like(amax, float("nan"))))
+    # Both divisions tensor by tensor: torch computes `127.0 / t` as reciprocal(t) * 127 (two
+    # roundings), and on CUDA `t / 127.0` as t * (1 / 127); neither is an IEEE division.
+    c127 = torch.full_like(amax, 127.0)
+    inv = torch.where(live, c127 / safe, torch.zeros_like(amax))
+    prod = xb * inv[..., None]
+    q = torch.clamp(torch.round(prod), -127, 127)
+    # prod is NaN in a non-finite block, and for a zero of a block whose inv overflowed to inf
+    keep = finite[..., None] & ~prod.isnan()
+    q = torch.where(keep, q, torch.zeros_like(q)).to(torch.int8)
+    scales = torch.where(live, safe / c127, torch.where(finite, torch.zeros_like(amax),
+                                                        torch.full_like(amax, float("nan"))))
     return q.reshape(rows, nb * block)[:, :m], scales
 
 
