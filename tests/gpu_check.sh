@@ -10,7 +10,9 @@
 # side streams, views, symmetric tensors, two groups, a setup failure on one rank, re-init;
 # expandable segments; a skipped call under a short timeout; nccl_mpi in one process); the
 # Triton GEMM compiled (tests/test_kernels.py) and benchmarked against cuBLAS with the cost of
-# cutting a GEMM into 2 and 4 pieces (bench/gemm.py); a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
+# cutting a GEMM into 2 and 4 pieces (bench/gemm.py); the quantized collectives' int8 Triton
+# kernels compiled and compared bit for bit with fastpar.comm.quant on the CPU
+# (tests/test_quant_kernels.py: blocks 16 to 65536, a million elements); a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
 # (cuda_ipc beside gloo, the engine it falls back to on a shared GPU; nccl and nccl_mpi say why
 # they cannot run when the ranks share one GPU: NCCL wants one GPU per rank).
 set -uo pipefail
@@ -47,10 +49,14 @@ step build 240 env FASTPAR_CUDA=1 $PY setup.py build_ext --inplace
 step info 60 env FASTPAR_SHARED_GPU=1 $PY -m fastpar info
 step gpu-tests-cuda-ipc 300 $PY -m pytest -q -rs -m gpu tests/test_cuda_ipc.py \
     && no_skips gpu-tests-cuda-ipc
+# the int8 codec's kernels: some 50 small compiles (dtypes, tiles, specialisations), bitwise
+step gpu-tests-quant 150 $PY -m pytest -q -rs -m gpu tests/test_quant_kernels.py \
+    && no_skips gpu-tests-quant
 # the Triton kernels compiled (one tile: every shape and epilogue would compile every autotune
 # candidate), the GPU tests of the other files
 step gpu-tests-other 240 env FASTPAR_TRITON_AUTOTUNE=0 $PY -m pytest -q -rs -m gpu tests \
-    --ignore=tests/test_cuda_ipc.py && no_skips gpu-tests-other
+    --ignore=tests/test_cuda_ipc.py --ignore=tests/test_quant_kernels.py \
+    && no_skips gpu-tests-other
 step bench-gemm 120 $PY bench/gemm.py --json "$OUT/gemm.json"
 step train-gpu-bf16 120 $PY -m fastpar.train --preset tiny --steps 30 --dtype bfloat16 \
     --no-progress --plot "$OUT/train_loss.png" --metrics "$OUT/train.jsonl"
