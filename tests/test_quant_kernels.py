@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -162,6 +163,29 @@ class TestInterpreter:  # (inf * 0, 0 * inf) and infinite inv the kernels comput
         kernels.pack_rows(torch.empty(2, 0), 16, out)
         assert kernels.unpack_rows(out, 0, 16).shape == (2, 0)
 
+    def test_the_collectives_codec_steps_through_the_kernels(self, kernels, monkeypatch):
+        """comm.quantized's three steps, made to take the kernel path for CPU tensors (as for
+        CUDA ones), against their torch path: the residual of a padded all_reduce is cut."""
+        from fastpar.comm import quantized
+
+        n, m, block = 2, 45, 16
+        x = _x(n, m, block, torch.float32)
+        per = quant.packed_bytes(m, block)
+        results = {}
+        for path in ("torch", "kernels"):
+            monkeypatch.setattr(quantized, "_kernels_for",
+                                lambda t, path=path: kernels if path == "kernels" else None)
+            buf = torch.empty(n, per, dtype=torch.uint8)
+            res = torch.empty(n * m - 7)
+            quantized._pack_rows(x, block, buf, res)
+            gathered = torch.empty(n, m, dtype=torch.bfloat16)
+            quantized._unpack_rows(buf, m, block, gathered)
+            total = quantized._sum_packed_rows(buf, m, block, torch.empty(m))
+            results[path] = (buf, res, gathered, quantized._unpack_rows(buf, m, block), total)
+        assert torch.equal(results["torch"][0], results["kernels"][0])
+        for want, got in zip(results["torch"][1:], results["kernels"][1:]):
+            same(got, want)
+
     @pytest.mark.parametrize("call, match", [
         (lambda k: k.pack_rows(torch.ones(2, 40), 100, torch.empty(2, 0, dtype=torch.uint8)),
          "block must be a multiple of 16 from 16 to 65536, got 100"),
@@ -194,6 +218,15 @@ class TestParent:
         assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
         assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
+    def test_collectives_take_the_kernels_for_cuda_tensors_only(self, monkeypatch):
+        from fastpar.comm import quantized
+
+        codec = object()  # what the kernels would be (not imported here)
+        monkeypatch.setattr(quantized, "_triton_codec", lambda: codec)
+        for device, want in (("cpu", None), ("cuda", codec), ("meta", None)):
+            tensor = types.SimpleNamespace(device=torch.device(device))
+            assert quantized._kernels_for(tensor) is want, device
+
 
 @pytest.mark.gpu
 @needs_triton
@@ -216,3 +249,22 @@ class TestCompiledOnCuda:
         for n, m, block, max_tile in [(1, 37, 16, 4096), (4, 300, 256, 4096), (3, 171, 80, 32),
                                       (4, 1_000_003, 256, 4096), (3, 200_000, 65536, 4096)]:
             check_sum(kernels, n, m, block, max_tile, torch.float32, "cuda")
+
+    def test_the_collectives_take_the_kernels(self, kernels):
+        """comm.quantized's steps on CUDA tensors: the kernel path, equal to the CPU's."""
+        from fastpar.comm import quantized
+
+        assert quantized._kernels_for(torch.ones(1, device="cuda")) is kernels
+        n, m, block = 4, 10_001, 256
+        x = _x(n, m, block, torch.float32)
+        per = quant.packed_bytes(m, block)
+        outs = {}
+        for device in ("cpu", "cuda"):
+            buf = torch.empty(n, per, dtype=torch.uint8, device=device)
+            res = torch.empty(n * m - 5, device=device)
+            quantized._pack_rows(x.to(device), block, buf, res)
+            total = quantized._sum_packed_rows(buf, m, block, torch.empty(m, device=device))
+            outs[device] = (buf, res, quantized._unpack_rows(buf, m, block), total)
+        assert torch.equal(outs["cuda"][0].cpu(), outs["cpu"][0])
+        for got, want in zip(outs["cuda"][1:], outs["cpu"][1:]):
+            same(got, want)

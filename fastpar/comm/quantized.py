@@ -1,6 +1,8 @@
 """Quantized collectives (``quant="int8"``) on the engines that move bytes: torch's backends
 (gloo, NCCL), MPI, and the shm kernels' byte moves; the hierarchical engine uses these for its
 cross-host stage. The codec is ``fastpar.comm.quant``'s; every engine computes the same bytes.
+CPU tensors are packed, unpacked and summed by its torch ops, CUDA tensors by the Triton kernels
+of ``fastpar.kernels.quant`` (the same bytes, a pass each).
 
 With n ranks, B the block (``Quant.block``), sizes in elements:
 
@@ -32,11 +34,17 @@ a bfloat16 output adds its own rounding (2^-8 |y|).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+
 import torch
 import torch.distributed as dist
 
 from fastpar.comm import quant as q
 from fastpar.comm.state import current
+
+log = logging.getLogger("fastpar.comm")
 
 
 def me_of(route) -> int:
@@ -104,6 +112,57 @@ def _done_or_pending(work, finish):
     return Pending(work, finish)
 
 
+# ---- the codec on the data's device ----------------------------------------------------------
+# CPU tensors: comm.quant's torch ops (the definition). CUDA tensors: fastpar.kernels' Triton
+# kernels, which compute the same bytes in one pass each (tests/test_quant_kernels.py).
+
+@functools.cache
+def _triton_codec():
+    """fastpar.kernels, or None (logged once) when Triton is not installed: CUDA tensors then
+    take the torch ops, the same bytes in more passes."""
+    if importlib.util.find_spec("triton") is None:
+        log.debug("quantized collectives: Triton is not installed, so CUDA tensors are "
+                  "quantized by torch ops")
+        return None
+    from fastpar import kernels
+    return kernels
+
+
+def _kernels_for(t: torch.Tensor):
+    return _triton_codec() if t.device.type == "cuda" else None
+
+
+def _pack_rows(x: torch.Tensor, B: int, out: torch.Tensor, residual=None) -> None:
+    """q.pack_rows on x's device; ``residual`` (float32, at most x.numel()): x minus what its
+    receivers decode, flat and cut to its length (all_reduce's is shorter than its padded x)."""
+    kernels = _kernels_for(x)
+    if kernels is not None:
+        kernels.pack_rows(x, B, out, residual=residual)
+        return
+    q.pack_rows(x, B, out)
+    if residual is not None:
+        sent = q.unpack_rows(out, x.shape[1], B)
+        residual.view(-1).copy_((x - sent).view(-1)[:residual.numel()])
+
+
+def _unpack_rows(buf: torch.Tensor, m: int, B: int, out=None) -> torch.Tensor:
+    """q.unpack_rows on buf's device (float32 (rows, m)), or into ``out`` (rows, m)."""
+    kernels = _kernels_for(buf)
+    if kernels is not None:
+        return kernels.unpack_rows(buf, m, B, out)
+    y = q.unpack_rows(buf, m, B)
+    return y if out is None else out.copy_(y)
+
+
+def _sum_packed_rows(buf: torch.Tensor, m: int, B: int, out: torch.Tensor) -> torch.Tensor:
+    """out (m,) = the sum of the packed rows' values (as ``_sum_rows``), rounded once to out's
+    dtype."""
+    kernels = _kernels_for(buf)
+    if kernels is not None:
+        return kernels.sum_packed_rows(buf, m, B, out)
+    return out.copy_(_sum_rows(q.unpack_rows(buf, m, B)))
+
+
 # ---- the collectives -------------------------------------------------------------------------
 
 def _with_residual(x: torch.Tensor, residual) -> torch.Tensor:
@@ -120,12 +179,12 @@ def all_gather(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, async_o
     n, m, B = len(route.ranks), x.numel(), spec.block
     per = q.packed_bytes(m, B)
     send = torch.empty(1, per, dtype=torch.uint8, device=x.device)
-    q.pack_rows(x.reshape(1, m), B, send)
+    _pack_rows(x.reshape(1, m), B, send)
     recv = torch.empty(n * per, dtype=torch.uint8, device=x.device)
     work = _all_gather_bytes(route, send.view(-1), recv, async_op)
 
     def finish():
-        out.view(n, m).copy_(q.unpack_rows(recv.view(n, per), m, B))
+        _unpack_rows(recv.view(n, per), m, B, out.view(n, m))
     return _done_or_pending(work, finish)
 
 
@@ -138,14 +197,12 @@ def reduce_scatter(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, res
     src = _with_residual(x.reshape(n, m), residual)
     per = q.packed_bytes(m, B)
     send = torch.empty(n, per, dtype=torch.uint8, device=x.device)
-    q.pack_rows(src, B, send)
-    if residual is not None:
-        residual.view(n, m).copy_(src - q.unpack_rows(send, m, B))
+    _pack_rows(src, B, send, residual)
     recv = torch.empty(n * per, dtype=torch.uint8, device=x.device)
     work = _all_to_all_bytes(route, send.view(-1), recv, async_op)
 
     def finish():
-        out.view(m).copy_(_sum_rows(q.unpack_rows(recv.view(n, per), m, B)))
+        _sum_packed_rows(recv.view(n, per), m, B, out.view(m))
     return _done_or_pending(work, finish)
 
 
@@ -169,19 +226,18 @@ def all_reduce(route, t: torch.Tensor, spec: q.Quant, residual) -> None:
         src[:N] += residual.reshape(-1)
     per = q.packed_bytes(m, B)
     send = torch.empty(n, per, dtype=torch.uint8, device=t.device)
-    q.pack_rows(src.view(n, m), B, send)
-    if residual is not None:
-        residual.view(-1).copy_((src - q.unpack_rows(send, m, B).view(-1))[:N])
+    _pack_rows(src.view(n, m), B, send, residual)
     recv = torch.empty(n * per, dtype=torch.uint8, device=t.device)
     _all_to_all_bytes(route, send.view(-1), recv, False)
-    mine = _sum_rows(q.unpack_rows(recv.view(n, per), m, B))
+    mine = _sum_packed_rows(recv.view(n, per), m, B,
+                            torch.empty(m, dtype=torch.float32, device=t.device))
     piece = torch.empty(1, per, dtype=torch.uint8, device=t.device)
-    q.pack_rows(mine.view(1, m), B, piece)
+    _pack_rows(mine.view(1, m), B, piece)
     me = me_of(route)
     if residual is not None:  # the owner carries its sum's rounding, once over the ranks
         lo, hi = me * m, min((me + 1) * m, N)
         if hi > lo:
-            residual.view(-1)[lo:hi] += (mine - q.unpack_rows(piece, m, B).view(-1))[:hi - lo]
+            residual.view(-1)[lo:hi] += (mine - _unpack_rows(piece, m, B).view(-1))[:hi - lo]
     gathered = torch.empty(n * per, dtype=torch.uint8, device=t.device)
     _all_gather_bytes(route, piece.view(-1), gathered, False)
-    t.view(-1).copy_(q.unpack_rows(gathered.view(n, per), m, B).view(-1)[:N])
+    t.view(-1).copy_(_unpack_rows(gathered.view(n, per), m, B).view(-1)[:N])
