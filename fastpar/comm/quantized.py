@@ -42,22 +42,27 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm import quant as q
-from fastpar.comm.state import current
+from fastpar.comm.flat import flat_adapter, numpy_view
 
 log = logging.getLogger("fastpar.comm")
 
 
 def me_of(route) -> int:
-    return route.ranks.index(current().topo.rank)
+    """This rank's index in the route's group (its ranks are global ranks)."""
+    return route.ranks.index(dist.get_rank())
 
 
 # ---- byte moves per engine --------------------------------------------------------------------
 
 def _all_gather_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: bool):
-    """recv (n * len(send), uint8) = every rank's send, in group order."""
-    from fastpar.comm.engines import adapter
-
-    return adapter(_byte_engine(route.engine)).all_gather(route, send, recv, async_op)
+    """recv (n * len(send), uint8) = every rank's send, in group order. (The engines are
+    called here directly, not through ``engines.adapter``: the hierarchical engine, which
+    ``comm.state`` builds, calls this module, and engines imports state.)"""
+    engine = _byte_engine(route.engine)
+    if engine == "shm":
+        route.comm.all_gather(send, recv)  # the byte-moving kernel: carries any dtype
+        return None
+    return flat_adapter(engine).all_gather(route, send, recv, async_op)
 
 
 def _all_to_all_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: bool):
@@ -66,9 +71,7 @@ def _all_to_all_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: b
     engine = _byte_engine(route.engine)
     n = len(route.ranks)
     if engine == "mpi":
-        from fastpar.comm.flat import _np
-
-        route.comm.Alltoall(_np(send), _np(recv))
+        route.comm.Alltoall(numpy_view(send), numpy_view(recv))
         return None
     if engine in ("shm",):
         # no byte all-to-all kernel: every rank gathers everything and keeps its column
