@@ -13,6 +13,7 @@ could not send into the next.
 import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,6 +93,23 @@ def test_codec_divides_as_ieee_and_survives_a_tiny_amax():
     assert q[3] == -127 and q[17] == 127 and (q.count_nonzero() == 2)
     assert scales.tolist() == [(torch.tensor(1e-38) / 127).item(),
                                (torch.tensor(2e-45) / 127).item()]
+
+
+def test_codec_divides_as_defined():
+    """inv = 127 / amax is one IEEE division: torch's ``127.0 / t`` is reciprocal(t) * 127 (two
+    roundings), which differs in a quarter of amaxes and moves elements near a rounding tie of
+    x * inv to the next integer. A numpy float32 reference of the definition, on such elements."""
+    rng = np.random.default_rng(0)
+    amax = (rng.random(256) + 0.5).astype(np.float32)
+    inv = np.float32(127) / amax
+    k = np.arange(1, 16, dtype=np.float64) * 8
+    x = np.empty((256, 16), dtype=np.float32)
+    x[:, 0] = amax
+    x[:, 1:] = ((k + 0.5) / inv[:, None].astype(np.float64)).astype(np.float32)  # near ties
+    q, scales = quant.quantize(torch.from_numpy(x).reshape(-1), 16)
+    want = np.clip(np.rint(x * inv[:, None]), -127, 127).astype(np.int8)
+    assert np.array_equal(q.numpy().reshape(256, 16), want)
+    assert np.array_equal(scales.numpy(), amax / np.float32(127))
 
 
 def test_bad_arguments_are_named():
