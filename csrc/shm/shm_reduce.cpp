@@ -3,12 +3,11 @@
 // Plain loops the compiler vectorises for the baseline ISA, plus AVX2/F16C versions chosen
 // at run time (no -march=native in a shipped build).
 #include "shm_reduce.h"
+#include "shm_convert.h"
 #include "x86_simd.h"
 
 #include <algorithm>
 #include <cstring>
-
-#define FASTPAR_INLINE inline __attribute__((always_inline))
 
 namespace fastpar {
 namespace shm {
@@ -16,25 +15,6 @@ namespace shm {
 // ---- dtype conversions: portable bit manipulation, F16C as a run-time fast path -------
 
 namespace {
-
-FASTPAR_INLINE uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-FASTPAR_INLINE float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-FASTPAR_INLINE uint16_t bf16_round(float f) {
-  uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return uint16_t(u >> 16);
-}
-FASTPAR_INLINE float bf16_widen(uint16_t h) { return float_of(uint32_t(h) << 16); }
 
 inline float f16_widen(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16, em = h & 0x7fffu;
