@@ -44,7 +44,10 @@ def extension():
     cpp = [p for p in cpp if not p.endswith("_selftest.cpp")]
     macros = [("FASTPAR_VERSION_STRING", f'"{VERSION}"')]
     # torch >= 2.10 headers use C++20 (bit-field initialisers); gcc >= 10 and nvcc 12+ take it.
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    # -ffp-contract=off: a multiply and an add stay two roundings (GCC would fuse them, even
+    # intrinsics, in the AVX-512 functions, which bring FMA), so the shm kernels' int8 loops give
+    # bitwise fastpar.comm.quant's results on every path.
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-ffp-contract=off"]
     if want_cuda():
         macros.append(("FASTPAR_WITH_CUDA", "1"))
         nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr",

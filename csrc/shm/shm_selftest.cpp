@@ -1,6 +1,6 @@
 // Standalone multi-process test + timing for the shm collectives kernel (no torch).
 //
-//   g++ -O3 -std=c++17 -pthread csrc/shm/*.cpp -o /tmp/shm_selftest   # from the repo root
+//   g++ -O3 -std=c++17 -ffp-contract=off -pthread csrc/shm/*.cpp -o /tmp/shm_selftest  # repo root
 //   /tmp/shm_selftest                          # conversions, worlds 1,2,3,4, then timing
 //   /tmp/shm_selftest --bench-only [--sweep]   # world-2 timing only
 //   /tmp/shm_selftest --no-bench               # correctness only (tests/test_shm_kernel.py)
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "shm_collectives.h"
+#include "shm_quant.h"
 
 using namespace fastpar::shm;
 
@@ -150,6 +151,158 @@ void check_reduced(DType dt, Op op, bool integer, const void* out, size_t n, int
     CHECK(std::fabs(got - ref) <= tol, "%s %s n=%zu i=%zu: got %.9g want %.9g", what,
           dtype_name(dt), n, i, got, ref);
   }
+}
+
+// ---- int8: the codec's loops (one process) and the quantized collectives -----------------
+
+const QuantPath kPaths[] = {QuantPath::Scalar, QuantPath::Avx2, QuantPath::Avx512};
+
+bool same_bytes(const void* a, const void* b, size_t n) { return std::memcmp(a, b, n) == 0; }
+
+// The codec's definition written out (shm_quant.h), apart from the kernel's loops.
+void ref_quantize(const float* x, size_t n, size_t block, float* scales, int8_t* q) {
+  for (size_t b = 0; b < n; b += block) {
+    const size_t len = std::min(block, n - b);
+    float amax = 0;
+    bool finite = true;
+    for (size_t i = 0; i < len; ++i) {
+      finite = finite && std::isfinite(x[b + i]);
+      amax = std::max(amax, std::fabs(x[b + i]));
+    }
+    float scale = 0, inv = 0;
+    if (!finite) {
+      scale = NAN;
+    } else if (amax > 0) {
+      scale = amax / 127.0f;
+      inv = 127.0f / amax;
+    }
+    scales[b / block] = scale;
+    for (size_t i = 0; i < len; ++i) {
+      const float p = x[b + i] * inv;  // NaN: 0 * inf where 127 / amax overflowed
+      q[b + i] = !finite || p != p ? 0 : int8_t(std::nearbyint(std::fmin(127.f, std::fmax(-127.f, p))));
+    }
+  }
+}
+
+// Blocks of every kind: random magnitudes, elements at the rounding ties of x * inv, a zero
+// block, +inf, -inf, NaN, a block whose 127 / amax overflows, subnormals.
+std::vector<float> codec_input(size_t n, size_t block, uint64_t salt) {
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t h = mix(i * 7919 + salt);
+    x[i] = float(gen(DType::F32, false, 0, i, salt) * std::ldexp(1.0, int(h % 40) - 20));
+  }
+  for (size_t b = 0, kind = 0; b < n; b += block, ++kind) {
+    const size_t len = std::min(block, n - b);
+    float* blk = x.data() + b;
+    switch (kind % 8) {
+      case 1: std::fill(blk, blk + len, 0.0f); break;
+      case 2: blk[len / 2] = INFINITY; break;
+      case 3: blk[len - 1] = -INFINITY; break;
+      case 4: blk[0] = NAN; break;
+      case 5:  // 127 / amax overflows: q is +-127 by sign, 0 for zeros
+        for (size_t i = 0; i < len; ++i) blk[i] = i % 3 == 0 ? 0.0f : (i % 2 ? 1e-38f : -2e-39f);
+        break;
+      case 6: {  // ties: amax 1, elements at (k + 0.5) / inv and their neighbours
+        const float inv = 127.0f / 1.0f;
+        blk[0] = 1.0f;
+        for (size_t i = 1; i < len; ++i) {
+          const float t = float((double(i % 127) + 0.5) / inv);
+          blk[i] = i % 3 == 0 ? t : std::nextafter(t, i % 3 == 1 ? 0.0f : 2.0f);
+        }
+        break;
+      }
+      case 7: blk[1] = 1e-42f; break;  // a subnormal among normals
+    }
+  }
+  return x;
+}
+
+// Every path's encode, decode, accumulate and narrow against the scalar path, bitwise, and
+// the scalar path's q and scales against the definition; f32 and bf16, each feedback mode, a
+// piece padded past its data, odd lengths (vector tails), pointers off alignment.
+bool test_codec() {
+  bool ok = true;
+  auto expect = [&](bool cond, const char* what, QuantPath path, DType dt, size_t block) {
+    if (!cond) std::printf("codec %s: %s path, %s, block %zu\n", what, quant_path_name(path),
+                           dtype_name(dt), block);
+    ok = ok && cond;
+  };
+  for (size_t block : {16, 48, 256}) {
+    const size_t n = 19 * block + 5, nb = quant_blocks(n, block), nx = n - block - 3;
+    const std::vector<float> x32 = codec_input(n, block, block);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const size_t es = dtype_size(dt);
+      std::vector<uint8_t> xs((n + 1) * es);
+      const void* x = xs.data() + es;  // off alignment
+      std::vector<float> padded(n, 0.0f);  // what the codec sees: x in dt, widened, zeros past nx
+      for (size_t i = 0; i < n; ++i) {
+        store(dt, xs.data(), i + 1, x32[i]);
+        if (i < nx) padded[i] = float(load(dt, x, i));
+      }
+      std::vector<float> ref_s(nb), res0(n);
+      std::vector<int8_t> ref_q(n);
+      ref_quantize(padded.data(), n, block, ref_s.data(), ref_q.data());
+      for (size_t i = 0; i < n; ++i) res0[i] = float(gen(DType::F32, false, 5, i, block)) * 1e-3f;
+      struct Out { std::vector<float> s, res, acc, f32; std::vector<int8_t> q; std::vector<uint16_t> b16; };
+      Out want[3];
+      for (QuantPath path : kPaths) {
+        if (!set_quant_path(path)) continue;
+        Out o[3];
+        for (int f = 0; f < 3; ++f) {
+          o[f].s.assign(nb, 0);
+          o[f].q.assign(n, 1);
+          o[f].res = res0;
+          // Add: the residual covers less than the data, as an all_reduce owner's last chunk
+          const size_t nres = f == 2 ? nx - 7 : nx;
+          quant_encode(path, x, dt, nx, f ? o[f].res.data() : nullptr, f ? nres : 0, Feedback(f),
+                       n, block, o[f].s.data(), o[f].q.data());
+          o[f].acc.assign(n, 3.0f);
+          quant_accumulate(path, o[f].s.data(), o[f].q.data(), n, block, o[f].acc.data(), f == 0);
+          o[f].f32.assign(n + 1, 0);
+          o[f].b16.assign(n + 1, 0);
+          quant_decode(path, o[f].s.data(), o[f].q.data(), n, block, o[f].f32.data() + 1, DType::F32);
+          quant_decode(path, o[f].s.data(), o[f].q.data(), n, block, o[f].b16.data() + 1, DType::BF16);
+          quant_narrow(path, o[f].acc.data(), n, o[f].b16.data(), DType::BF16);
+        }
+        if (path == QuantPath::Scalar) {
+          std::copy(o, o + 3, want);
+          expect(same_bytes(o[0].s.data(), ref_s.data(), nb * 4) &&
+                 same_bytes(o[0].q.data(), ref_q.data(), n), "definition", path, dt, block);
+          // with Replace the codec quantizes x + res: the definition on that sum
+          std::vector<float> sum(n, 0.0f), s2(nb);
+          std::vector<int8_t> q2(n);
+          for (size_t i = 0; i < nx; ++i) sum[i] = padded[i] + res0[i];
+          ref_quantize(sum.data(), n, block, s2.data(), q2.data());
+          expect(same_bytes(o[1].s.data(), s2.data(), nb * 4) &&
+                 same_bytes(o[1].q.data(), q2.data(), n), "definition (x + res)", path, dt, block);
+          continue;
+        }
+        for (int f = 0; f < 3; ++f)
+          expect(same_bytes(o[f].s.data(), want[f].s.data(), nb * 4) &&
+                 same_bytes(o[f].q.data(), want[f].q.data(), n) &&
+                 same_bytes(o[f].res.data(), want[f].res.data(), n * 4) &&
+                 same_bytes(o[f].acc.data(), want[f].acc.data(), n * 4) &&
+                 same_bytes(o[f].f32.data(), want[f].f32.data(), (n + 1) * 4) &&
+                 same_bytes(o[f].b16.data(), want[f].b16.data(), (n + 1) * 2),
+                 f == 0 ? "vs scalar" : f == 1 ? "vs scalar (replace)" : "vs scalar (add)",
+                 path, dt, block);
+      }
+      // the special blocks, as defined: zeros, NaN scale, +-127 where inv overflowed
+      const std::vector<float>& s = want[0].s;
+      const std::vector<int8_t>& q = want[0].q;
+      expect(s[1] == 0 && q[block] == 0 && std::isnan(s[2]) && std::isnan(s[3]) &&
+             std::isnan(s[4]) && q[2 * block] == 0 && std::isnan(want[0].f32[2 * block + 1]) &&
+             q[5 * block] == 0 && q[5 * block + 1] == 127 && q[5 * block + 2] == -127 &&
+             want[0].f32[block + 1] == 0.0f, "special blocks", QuantPath::Scalar, dt, block);
+      for (size_t i = nx; i < n; ++i) expect(q[i] == 0, "padding", QuantPath::Scalar, dt, block);
+    }
+  }
+  std::printf("int8 codec: %s (paths:", ok ? "PASS" : "FAIL");
+  for (QuantPath path : kPaths)  // the last that runs stays chosen: the fastest
+    if (set_quant_path(path)) std::printf(" %s", quant_path_name(path));
+  std::printf(")\n");
+  return ok;
 }
 
 // ---- correctness per world ---------------------------------------------------------
@@ -412,6 +565,7 @@ int main(int argc, char** argv) {
   bool ok = true;
   if (!bench_only) {
     ok = test_conversions() && ok;
+    ok = test_codec() && ok;
     for (int world : {1, 2, 3, 4}) ok = run_world(world) && ok;
   }
   if (!no_bench) {
