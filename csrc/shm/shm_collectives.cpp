@@ -34,6 +34,9 @@ const char* kind_name(Kind k) {
     case Kind::AllReduceSymmetric: return "all_reduce (symmetric)";
     case Kind::AllGatherSymmetric: return "all_gather (symmetric)";
     case Kind::ReduceScatterSymmetric: return "reduce_scatter (symmetric)";
+    case Kind::QuantAllReduce: return "all_reduce (int8)";
+    case Kind::QuantAllGather: return "all_gather (int8)";
+    case Kind::QuantReduceScatter: return "reduce_scatter (int8)";
   }
   return "?";
 }
@@ -123,18 +126,21 @@ void signal_and_wait(Comm& c, Kind k) {
 std::string describe(const Desc& d, bool full) {
   Kind k = Kind(d.kind);
   bool elems = k == Kind::AllReduce || k == Kind::ReduceScatter ||
-               k == Kind::AllReduceSymmetric || k == Kind::ReduceScatterSymmetric;
+               k == Kind::AllReduceSymmetric || k == Kind::ReduceScatterSymmetric ||
+               quantized(k);
   std::string what = std::to_string(d.count) +
                      (elems ? std::string(" ") + dtype_name(DType(d.dtype)) + " elements"
                             : std::string(" bytes"));
-  if (d.sig != 0) {
+  if (quantized(k)) {
+    what += " in blocks of " + std::to_string(d.sig);
+  } else if (d.sig != 0) {
     char sig[32];
     std::snprintf(sig, sizeof(sig), " [sig 0x%016llx]", static_cast<unsigned long long>(d.sig));
     what += sig;
   }
   if (!full) return what;
   std::string s = std::string(kind_name(k)) + " of " + what;
-  if (elems) s += d.op == uint32_t(Op::Sum) ? " (sum)" : " (max)";
+  if (elems && !quantized(k)) s += d.op == uint32_t(Op::Sum) ? " (sum)" : " (max)";
   if (k == Kind::Broadcast) s += " from root " + std::to_string(d.root);
   return s;
 }

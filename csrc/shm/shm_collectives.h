@@ -141,6 +141,36 @@ void reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt, 
 // `sig` as for all_gather.
 void broadcast(Comm& c, void* data, size_t bytes, int root, uint64_t sig = 0);
 
+// ---- int8 (fastpar/comm/quant.py's codec, bit for bit; shm_quantized.cpp) -----------------
+// float32 or bfloat16 data, blocks of `block` elements (a multiple of 16, 16..65536) from the
+// start of each rank's piece. A rank quantizes its input while it copies it into its slot, its
+// peers dequantize while they copy it out: a quarter of float32's bytes cross the slots, and no
+// pass over memory is added. Sums dequantize every rank's piece and add them in float32 in rank
+// order 0..world-1 (acc = y_0; acc += y_1; ...), then round once to the dtype. Every rank's
+// result is bitwise the same as fastpar/comm/quantized.py's. `residual` (float32, the input's
+// element count, or null): error feedback, updated in place; the call quantizes x + residual
+// and leaves in it what the receivers will not see. A block whose round does not fit half a
+// slot (world pieces of it, for the sums) fails on every rank, as does any mismatch of kind,
+// dtype, count or block.
+
+// out[r*count : (r+1)*count] = rank r's `in`, quantized and dequantized (this rank's too).
+// `in` may alias out + rank*count.
+void quantized_all_gather(Comm& c, const void* in, void* out, size_t count, DType dt,
+                          size_t block);
+
+// in holds world*count elements; out[0:count] = the float32 sum over ranks p, in rank order, of
+// rank p's in[rank*count : +count] quantized (blocks restart at each rank's chunk), rounded
+// once to dt. residual: world*count. `out` must not overlap `in`.
+void quantized_reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt,
+                              size_t block, float* residual);
+
+// In place: data[0:count] = the sum over ranks, through two quantizations. The data is cut in
+// world chunks of m = ceil(count / world) (zeros past the end); rank r sums chunk r as
+// reduce_scatter does, quantizes that float32 sum again, and every rank dequantizes every sum.
+// residual: count; rank r also adds the rounding of its sum's quantization at chunk r.
+void quantized_all_reduce(Comm& c, void* data, size_t count, DType dt, size_t block,
+                          float* residual);
+
 // --- exposed for tests -------------------------------------------------------
 uint16_t f32_to_bf16(float f);
 float bf16_to_f32(uint16_t h);

@@ -26,16 +26,22 @@ using detail::Ident;
 
 enum class Kind : uint32_t {
   AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4, AllReduceSymmetric = 5,
-  AllGatherSymmetric = 6, ReduceScatterSymmetric = 7
+  AllGatherSymmetric = 6, ReduceScatterSymmetric = 7, QuantAllReduce = 8, QuantAllGather = 9,
+  QuantReduceScatter = 10
 };
+
+inline bool quantized(Kind k) {
+  return k == Kind::QuantAllReduce || k == Kind::QuantAllGather || k == Kind::QuantReduceScatter;
+}
 
 // What a rank passed to a call; compared across ranks in the call's first round.
 struct Desc {
   uint32_t kind, dtype, op;
   int32_t root;
-  uint64_t count;  // elements (reductions) or bytes (all_gather, broadcast)
+  uint64_t count;  // elements (reductions, quantized calls) or bytes (all_gather, broadcast)
   uint64_t call;
-  uint64_t sig;  // the caller's description of the bytes (dtype, shape); 0: none
+  uint64_t sig;  // the caller's description of the bytes (dtype, shape); 0: none. Quantized
+                 // calls: the block, which is what their bytes are
 };
 
 struct alignas(128) Header {

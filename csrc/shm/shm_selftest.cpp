@@ -387,6 +387,106 @@ void test_two_segments(Comm& a, Comm* b) {
   }
 }
 
+// A piece of n elements quantized by the scalar path, whole (no rounds): the reference.
+struct RefPiece {
+  std::vector<float> s;
+  std::vector<int8_t> q;
+};
+RefPiece ref_piece(const void* x, DType dt, size_t nx, float* res, size_t nres, Feedback fb,
+                   size_t n, size_t block) {
+  RefPiece p{std::vector<float>(quant_blocks(n, block)), std::vector<int8_t>(n)};
+  quant_encode(QuantPath::Scalar, x, dt, nx, res, nres, fb, n, block, p.s.data(), p.q.data());
+  return p;
+}
+
+// The int8 collectives against the codec applied by hand to every rank's input: every path,
+// float32 and bfloat16, with and without a residual, bitwise. On a segment with a 16 KiB slot
+// every call takes many rounds.
+void test_quantized(Comm& c, std::initializer_list<size_t> sizes) {
+  const int w = c.world, me = c.rank;
+  for (DType dt : {DType::F32, DType::BF16})
+    for (size_t block : {16, 256})
+      for (size_t n : sizes) {
+        const size_t es = dtype_size(dt), total = w * n, m = (n + w - 1) / w;
+        const uint64_t salt = n * 131 + block + uint64_t(dt);
+        std::vector<std::vector<uint8_t>> xs(w);  // rank r's input: w*n elements, a zero block
+        std::vector<std::vector<float>> rs(w);    // and its residual
+        for (int r = 0; r < w; ++r) {
+          xs[r].resize(total * es);
+          rs[r].resize(total);
+          for (size_t i = 0; i < total; ++i) {
+            store(dt, xs[r].data(), i, (i / block) % 5 == 1 ? 0.0 : gen(dt, false, r, i, salt) * (r + 1));
+            rs[r][i] = float(gen(DType::F32, false, r + 7, i, salt)) * 1e-2f;
+          }
+        }
+        auto x_at = [&](int r, size_t i) { return xs[r].data() + i * es; };
+        // all_gather of each rank's first n elements
+        std::vector<uint8_t> want(total * es), out(total * es);
+        for (int r = 0; r < w; ++r) {
+          const RefPiece p = ref_piece(x_at(r, 0), dt, n, nullptr, 0, Feedback::None, n, block);
+          quant_decode(QuantPath::Scalar, p.s.data(), p.q.data(), n, block, want.data() + r * n * es, dt);
+        }
+        for (QuantPath path : kPaths) {
+          if (!set_quant_path(path)) continue;
+          quantized_all_gather(c, x_at(me, 0), out.data(), n, dt, block);
+          CHECK(same_bytes(out.data(), want.data(), out.size()), "int8 all_gather %s %s block %zu n=%zu",
+                quant_path_name(path), dtype_name(dt), block, n);
+        }
+        for (bool feedback : {false, true}) {
+          const Feedback fb = feedback ? Feedback::Replace : Feedback::None;
+          // reduce_scatter: this rank's chunk of every rank, summed in rank order
+          std::vector<float> acc(std::max(n, m)), want_res = rs[me];
+          std::vector<uint8_t> want_rs(n * es), got(n * es);
+          for (int p = 0; p < w; ++p) {
+            std::vector<float> res = rs[p];
+            const RefPiece pc = ref_piece(x_at(p, me * n), dt, n, feedback ? res.data() + me * n : nullptr,
+                                          n, fb, n, block);
+            quant_accumulate(QuantPath::Scalar, pc.s.data(), pc.q.data(), n, block, acc.data(), p == 0);
+          }
+          quant_narrow(QuantPath::Scalar, acc.data(), n, want_rs.data(), dt);
+          for (int j = 0; feedback && j < w; ++j)
+            ref_piece(x_at(me, j * n), dt, n, want_res.data() + j * n, n, fb, n, block);
+          for (QuantPath path : kPaths) {
+            if (!set_quant_path(path)) continue;
+            std::vector<float> res = rs[me];
+            quantized_reduce_scatter(c, x_at(me, 0), got.data(), n, dt, block, feedback ? res.data() : nullptr);
+            CHECK(same_bytes(got.data(), want_rs.data(), got.size()) &&
+                  (!feedback || same_bytes(res.data(), want_res.data(), res.size() * 4)),
+                  "int8 reduce_scatter %s %s block %zu n=%zu feedback %d", quant_path_name(path),
+                  dtype_name(dt), block, n, feedback);
+          }
+          // all_reduce of each rank's first n elements: chunks of m, zeros past n, each
+          // chunk's float32 sum quantized again (its owner's rounding into its residual)
+          std::vector<uint8_t> want_ar(n * es), data(n * es);
+          want_res.assign(rs[me].begin(), rs[me].begin() + n);
+          for (int j = 0; j < w; ++j) {
+            const size_t at = j * m, held = at < n ? std::min(m, n - at) : 0;
+            for (int p = 0; p < w; ++p) {
+              std::vector<float> res = rs[p];
+              const RefPiece pc = ref_piece(held ? x_at(p, at) : nullptr, dt, held,
+                                            feedback && held ? res.data() + at : nullptr, held, fb, m, block);
+              if (p == me && feedback) std::copy(res.begin() + at, res.begin() + at + held, want_res.begin() + at);
+              quant_accumulate(QuantPath::Scalar, pc.s.data(), pc.q.data(), m, block, acc.data(), p == 0);
+            }
+            const bool mine = feedback && j == me && held;
+            const RefPiece sum = ref_piece(acc.data(), DType::F32, m, mine ? want_res.data() + at : nullptr,
+                                           mine ? held : 0, mine ? Feedback::Add : Feedback::None, m, block);
+            quant_decode(QuantPath::Scalar, sum.s.data(), sum.q.data(), held, block, want_ar.data() + at * es, dt);
+          }
+          for (QuantPath path : kPaths) {
+            if (!set_quant_path(path)) continue;
+            std::vector<float> res(rs[me].begin(), rs[me].begin() + n);
+            std::memcpy(data.data(), x_at(me, 0), n * es);
+            quantized_all_reduce(c, data.data(), n, dt, block, feedback ? res.data() : nullptr);
+            CHECK(same_bytes(data.data(), want_ar.data(), data.size()) &&
+                  (!feedback || same_bytes(res.data(), want_res.data(), n * 4)),
+                  "int8 all_reduce %s %s block %zu n=%zu feedback %d", quant_path_name(path),
+                  dtype_name(dt), block, n, feedback);
+          }
+        }
+      }
+}
+
 void expect_throw(const std::function<void()>& f, std::vector<std::string> needles,
                   const char* what) {
   try {
@@ -408,6 +508,9 @@ bool run_world(int world) {
   void* sub = map_segment(sub_world, tiny_slot, 2048, 4096);
   void* mm[3] = {map_segment(world, slot), map_segment(world, slot), map_segment(world, slot)};
   void* tmo = map_segment(world, slot);
+  void* qtiny = map_segment(world, tiny_slot, 2048, 4096);
+  void* qmm[5];
+  for (void*& q : qmm) q = map_segment(world, tiny_slot, 2048, 4096);
   auto t0 = std::chrono::steady_clock::now();
   bool ok = run_ranks(world, [&](int rank) {
     Comm c = attach(seg, rank, world, slot);
@@ -417,6 +520,9 @@ bool run_world(int world) {
     Comm sc;
     if (rank % 2 == 0) sc = attach(sub, rank / 2, sub_world, tiny_slot);
     test_two_segments(c, rank % 2 == 0 ? &sc : nullptr);
+    test_quantized(c, {1, 33, 4099});
+    Comm qc = attach(qtiny, rank, world, tiny_slot);
+    test_quantized(qc, {1000, 20011});  // many rounds per call
     if (world < 2) return;
     // Mismatches: every rank must throw the same message, then fail fast.
     struct Case { size_t n1; DType dt1; const char* want1; const char* want0; };
@@ -435,6 +541,32 @@ bool run_world(int world) {
                     cases[k].want0}, "mismatch");
       expect_throw([&] { all_reduce(m, buf.data(), 4, DType::F32, Op::Sum); }, {"poisoned"},
                    "after mismatch");
+    }
+    // int8 mismatches (block, dtype, kind, count) and a block too large for the slot: every
+    // rank throws the same message, then fails fast.
+    std::vector<float> qbuf(size_t(world) * 4096), qout(qbuf.size());
+    const bool odd = rank == 1;
+    const std::function<void(Comm&)> qcases[5] = {
+        [&](Comm& m) { quantized_all_reduce(m, qbuf.data(), 1000, DType::F32, odd ? 64 : 256, nullptr); },
+        [&](Comm& m) { quantized_all_reduce(m, qbuf.data(), 1000, odd ? DType::BF16 : DType::F32, 256, nullptr); },
+        [&](Comm& m) {
+          if (odd) return all_reduce(m, qbuf.data(), 1000, DType::F32, Op::Sum);
+          quantized_all_reduce(m, qbuf.data(), 1000, DType::F32, 256, nullptr);
+        },
+        [&](Comm& m) { quantized_reduce_scatter(m, qbuf.data(), qout.data(), odd ? 999 : 1000, DType::F32, 64, nullptr); },
+        [&](Comm& m) { quantized_all_gather(m, qbuf.data(), qout.data(), 64, DType::F32, 8192); }};
+    const std::vector<std::string> qwant[5] = {
+        {"all_reduce (int8)", "rank 1 passed 1000 float32 elements in blocks of 64", "rank 0 passed 1000 float32 elements in blocks of 256"},
+        {"all_reduce (int8)", "rank 1 passed 1000 bfloat16", "rank 0 passed 1000 float32"},
+        {"rank 1 passed all_reduce of 1000 float32 elements (sum)", "rank 0 passed all_reduce (int8) of 1000 float32 elements in blocks of 256"},
+        {"reduce_scatter (int8)", "rank 1 passed 999 float32", "rank 0 passed 1000 float32"},
+        {"all_gather (int8)", "1 piece(s) of at least one block of 8192 elements (1 x 8196 bytes), more than half a slot (8192 bytes)"}};
+    for (int k = 0; k < 5; ++k) {
+      Comm m = attach(qmm[k], rank, world, tiny_slot);
+      m.timeout_s = 20;
+      expect_throw([&] { qcases[k](m); }, qwant[k], "int8 mismatch");
+      expect_throw([&] { quantized_all_gather(m, qbuf.data(), qout.data(), 4, DType::F32, 16); },
+                   {"poisoned"}, "after int8 mismatch");
     }
     // A peer that never arrives: the others time out naming it; it then fails fast.
     Comm t = attach(tmo, rank, world, slot);
@@ -547,6 +679,25 @@ void bench(bool sweep) {
     report("all_reduce f32", 4096, time_ar(4096, DType::F32, 20000));
     report("all_reduce f32", 16 << 20, time_ar(16 << 20, DType::F32, 30));
     report("all_reduce bf16", 16 << 20, time_ar(16 << 20, DType::BF16, 30));
+    // int8, blocks of 256 (the Python default), 16 MiB of float32 (all_gather: its output)
+    auto time_q = [&](const std::function<void()>& call, int reps) {
+      std::vector<double> t;
+      for (int i = 0; i < reps + 3; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        call();
+        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      t.erase(t.begin(), t.begin() + 3);
+      return median(t);
+    };
+    const size_t n = (16 << 20) / 4;
+    std::vector<float> x(n, 1.0f), y(n, 0.0f);
+    report("all_reduce int8 f32", 16 << 20, time_q([&] {
+      quantized_all_reduce(c, x.data(), n, DType::F32, 256, nullptr); }, 30));
+    report("all_gather int8 f32", 16 << 20, time_q([&] {
+      quantized_all_gather(c, x.data(), y.data(), n / world, DType::F32, 256); }, 30));
+    report("reduce_scatter int8 f32", 16 << 20, time_q([&] {
+      quantized_reduce_scatter(c, x.data(), y.data(), n / world, DType::F32, 256, nullptr); }, 30));
     if (sweep)
       for (size_t b = 1024; b <= (size_t(64) << 20); b *= 2)
         report("sweep all_reduce f32", b, time_ar(b, DType::F32, b < (1 << 20) ? 2000 : 20));
