@@ -40,6 +40,13 @@ TORCH_LIBRARY(fastpar, m) {
         &fastpar::shm_reduce_scatter);
   m.def("shm_broadcast(int comm, Tensor(a!) t, int root, int sig) -> ()",
         &fastpar::shm_broadcast);
+  // int8 (quant="int8"): the codec in the kernels' copy loops; residual: error feedback.
+  m.def("shm_quantized_all_gather(int comm, Tensor inp, Tensor(a!) out, int block) -> ()",
+        &fastpar::shm_quantized_all_gather);
+  m.def("shm_quantized_reduce_scatter(int comm, Tensor inp, Tensor(a!) out, int block, "
+        "Tensor(b!)? residual) -> ()", &fastpar::shm_quantized_reduce_scatter);
+  m.def("shm_quantized_all_reduce(int comm, Tensor(a!) t, int block, Tensor(b!)? residual) -> ()",
+        &fastpar::shm_quantized_all_reduce);
 
   // Shared-memory point-to-point channels (CPU). Pair segments owned by fastpar/comm/shm_p2p.py.
   m.def("shm_p2p_segment_bytes(int tags, int ring_bytes) -> int", &fastpar::shm_p2p_segment_bytes);

@@ -212,6 +212,66 @@ void shm_reduce_scatter(int64_t handle, const at::Tensor& in, at::Tensor& out,
   run([&] { shm::reduce_scatter(c, in.data_ptr(), out.data_ptr(), out.numel(), dt, o); });
 }
 
+namespace {
+
+shm::DType quant_dtype_of(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
+              "fastpar shm ", what, " (int8) quantizes float32 and bfloat16, not ",
+              t.scalar_type());
+  return dtype_of(t);
+}
+
+// The residual's float32 pointer (null without one), checked against the input's elements.
+float* residual_of(const std::optional<at::Tensor>& residual, int64_t numel, const char* what) {
+  if (!residual.has_value()) return nullptr;
+  const at::Tensor& r = *residual;
+  check_cpu(r, "residual");
+  TORCH_CHECK(r.scalar_type() == at::kFloat && r.numel() == numel, "fastpar shm ", what,
+              " (int8): the residual must be float32 of ", numel, " elements, got ",
+              r.scalar_type(), " of ", r.numel());
+  return r.data_ptr<float>();
+}
+
+}  // namespace
+
+void shm_quantized_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out,
+                              int64_t block) {
+  check_cpu(in, "input");
+  check_cpu(out, "output");
+  auto& c = get(handle);
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "fastpar shm all_gather (int8): input is ",
+              in.scalar_type(), " but output is ", out.scalar_type());
+  TORCH_CHECK(out.numel() == in.numel() * c.world, "fastpar shm all_gather (int8): output holds ",
+              out.numel(), " elements, expected ", c.world, " x ", in.numel());
+  auto dt = quant_dtype_of(in, "all_gather");
+  run([&] { shm::quantized_all_gather(c, in.data_ptr(), out.data_ptr(), in.numel(), dt, block); });
+}
+
+void shm_quantized_reduce_scatter(int64_t handle, const at::Tensor& in, at::Tensor& out,
+                                  int64_t block, const std::optional<at::Tensor>& residual) {
+  check_cpu(in, "input");
+  check_cpu(out, "output");
+  auto& c = get(handle);
+  TORCH_CHECK(in.scalar_type() == out.scalar_type(), "fastpar shm reduce_scatter (int8): input "
+              "is ", in.scalar_type(), " but output is ", out.scalar_type());
+  TORCH_CHECK(in.numel() == out.numel() * c.world, "fastpar shm reduce_scatter (int8): input "
+              "holds ", in.numel(), " elements, expected ", c.world, " x ", out.numel());
+  auto dt = quant_dtype_of(in, "reduce_scatter");
+  float* res = residual_of(residual, in.numel(), "reduce_scatter");
+  run([&] {
+    shm::quantized_reduce_scatter(c, in.data_ptr(), out.data_ptr(), out.numel(), dt, block, res);
+  });
+}
+
+void shm_quantized_all_reduce(int64_t handle, at::Tensor& t, int64_t block,
+                              const std::optional<at::Tensor>& residual) {
+  check_cpu(t, "tensor");
+  auto& c = get(handle);
+  auto dt = quant_dtype_of(t, "all_reduce");
+  float* res = residual_of(residual, t.numel(), "all_reduce");
+  run([&] { shm::quantized_all_reduce(c, t.data_ptr(), t.numel(), dt, block, res); });
+}
+
 void shm_broadcast(int64_t handle, at::Tensor& t, int64_t root, int64_t sig) {
   check_cpu(t, "tensor");
   auto& c = get(handle);

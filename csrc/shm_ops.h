@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <exception>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -31,6 +32,13 @@ void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t
 void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,
                         const std::string& op);
 void shm_broadcast(int64_t comm, at::Tensor& t, int64_t root, int64_t sig);
+// int8 (fastpar/comm/quant.py's codec, blocks of `block`): float32 or bfloat16 tensors;
+// residual: float32 of the input's element count, updated in place (error feedback).
+void shm_quantized_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t block);
+void shm_quantized_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,
+                                  int64_t block, const std::optional<at::Tensor>& residual);
+void shm_quantized_all_reduce(int64_t comm, at::Tensor& t, int64_t block,
+                              const std::optional<at::Tensor>& residual);
 
 // Error kinds (csrc/shm/shm_errors.h), so that Python tells a timeout from an interrupt by a
 // code, not by the message's text. Each op's kernel call records what it threw (or nothing)

@@ -123,18 +123,25 @@ def test_bad_arguments_are_named():
 
 # ---- on ranks --------------------------------------------------------------------------------
 
+NATIVE = ("quantized_all_gather", "quantized_reduce_scatter", "quantized_all_reduce")
+
+
 def body_ops(sizes, engines, blocks):
-    """Every op x dtype x engine x size; returns per-case (worst error / bound, digest)."""
+    """Every op x dtype x engine x size; returns per-case (worst error / bound, digest), and
+    how often the shm engine ran its native int8 kernels (``native``)."""
     import hashlib
 
     import fastpar
     from fastpar import comm
     from fastpar.comm import quant
-    from tests.test_quantized import _x, ratio, reduce_bound
+    from fastpar.comm.shm import ShmCommunicator
+    from tests.multirank import count_calls
+    from tests.test_quantized import NATIVE, _x, ratio, reduce_bound
 
     topo = fastpar.init(timeout=120)
     n, me = topo.world_size, topo.rank
     out = {}
+    calls = count_calls(ShmCommunicator, *NATIVE)
 
     def digest(t):
         return hashlib.sha1(t.double().numpy().tobytes()).hexdigest()[:12]
@@ -177,8 +184,17 @@ def body_ops(sizes, engines, blocks):
                         parts.append(b1 + quant.bound(want[i:i + m].abs() + b1, block))
                     b = torch.cat(parts)
                     out[f"ar/{key}"] = (ratio(t, want, output(b, want)), digest(t))
+                    # error feedback: the result and the carried error, bitwise on every engine
+                    res = _x(me + 50, n * size, "res" + key.split("/", 1)[1]).float() * 1e-2
+                    got = comm.reduce_scatter(big[me], quant=spec, residual=res)
+                    out[f"rsf/{key}"] = (0.0, digest(got) + digest(res))
+                    res = res[:size].clone()
+                    t = xs[me].clone()
+                    comm.all_reduce(t, quant=spec, residual=res)
+                    out[f"arf/{key}"] = (0.0, digest(t) + digest(res))
     comm.use_backend(None)
     fastpar.shutdown()
+    out["native"] = dict(calls)
     return out
 
 
@@ -210,18 +226,112 @@ def ratio(got, want, bound):
 def test_every_op_dtype_engine_within_its_bound(world):
     engines = ENGINES if world > 1 else ["shm"]
     sizes = SIZES if world in (2, 4) else [33, 4099]  # 3: chunks of uneven ends
-    values = run_ranks(world, body_ops, sizes=sizes, engines=engines,
-                       blocks=[64, 256] if world != 3 else [64], timeout=300).values()
+    blocks = [64, 256] if world != 3 else [64]
+    values = run_ranks(world, body_ops, sizes=sizes, engines=engines, blocks=blocks,
+                       timeout=300).values()
+    native = [v.pop("native") for v in values]
     for case, (worst, _) in values[0].items():
         assert worst <= 1.0, (case, worst)
     for case in values[0]:  # every rank, every engine: bitwise the same result
-        if not case.startswith("rs/"):  # (a reduce_scatter's chunk differs per rank)
+        if case.split("/")[0] in ("ar", "ag"):  # (reduce_scatter's chunk, residuals: per rank)
             assert len({v[case][1] for v in values}) == 1, case
-        same = {v[case.replace(case.split("/")[1], e, 1)][1] for v in values[:1]
-                for e in engines}
-        assert len(same) == 1, (case, same)
+        for rank, v in enumerate(values):  # each rank's result (and carried error): per engine
+            same = {v[case.replace(case.split("/")[1], e, 1)][1] for e in engines}
+            assert len(same) == 1, (case, rank, same)
+    # the shm cases ran the native kernels (a group of one rank runs none: nothing to send)
+    cases = 2 * len(blocks) * len(sizes)  # dtypes x blocks x sizes
+    want = dict.fromkeys(NATIVE, 0) if world == 1 else {
+        "quantized_all_gather": cases, "quantized_reduce_scatter": 2 * cases,
+        "quantized_all_reduce": 2 * cases}
+    assert all(calls == want for calls in native), (native, want)
     if world == 1:  # one rank sends nothing: nothing is quantized
         assert all(worst == 0.0 for worst, _ in values[0].values())
+
+
+def body_large(per_rank):
+    """float32 calls of ``per_rank`` elements per rank (all_gather's input, reduce_scatter's
+    output, all_reduce's chunk) on shm and gloo with error feedback: digests of every result and
+    residual, and the native kernel calls."""
+    import hashlib
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm.shm import ShmCommunicator
+    from tests.multirank import count_calls
+    from tests.test_quantized import NATIVE, _x
+
+    topo = fastpar.init(timeout=120)
+    n, me = topo.world_size, topo.rank
+    calls = count_calls(ShmCommunicator, *NATIVE)
+    spec = comm.Quant("int8", block=256)
+    x = _x(me, n * per_rank, "large").float()
+    out = {}
+
+    def digest(*ts):
+        return "".join(hashlib.sha1(t.numpy().tobytes()).hexdigest()[:12] for t in ts)
+
+    for engine in ("shm", "gloo"):
+        comm.use_backend(engine)
+        got = comm.all_gather(x[:per_rank], quant=spec)
+        res = torch.full_like(x, 1e-3)
+        rs = comm.reduce_scatter(x, quant=spec, residual=res)
+        t, res2 = x.clone(), torch.full_like(x, -1e-3)
+        comm.all_reduce(t, quant=spec, residual=res2)
+        out[engine] = digest(got, rs, res, t, res2)
+    comm.use_backend(None)
+    fastpar.shutdown()
+    out["native"] = dict(calls)
+    return out
+
+
+def test_large_calls_chunk_through_the_slot():
+    """10 MiB of float32 per rank: every int8 kernel takes several rounds of the 4 MiB slot (a
+    round moves at most 1 MiB of pieces per rank, 2 MiB for reduce_scatter: about 1M elements
+    per piece; all_reduce's world pieces share it), bitwise gloo's, error feedback included."""
+    values = run_ranks(2, body_large, per_rank=(10 << 20) // 4, timeout=120).values()
+    for v in values:
+        assert v["shm"] == v["gloo"], v
+        assert v["native"] == dict.fromkeys(NATIVE, 1), v["native"]
+
+
+def body_quantized_mismatch():
+    """Ranks that disagree on a block, a dtype or a count: every rank raises the kernel's
+    mismatch (each call on a fresh group: a mismatch poisons the group's segment)."""
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm.native_errors import Kind
+
+    topo = fastpar.init(timeout=30)
+    r = topo.rank
+    calls = [
+        lambda g: comm.all_reduce(torch.ones(1000), group=g,
+                                  quant=comm.Quant("int8", block=64 if r else 256)),
+        lambda g: comm.all_gather(torch.ones(8, dtype=torch.bfloat16 if r else torch.float32),
+                                  group=g, quant="int8"),
+        lambda g: comm.reduce_scatter(torch.ones(2 * (100 + r)), group=g, quant="int8")]
+    messages = []
+    for call in calls:
+        try:
+            call(dist.new_group([0, 1]))
+        except RuntimeError as exc:
+            assert (exc.kind, exc.cause) == (Kind.MISMATCH, Kind.MISMATCH), (exc.kind, exc)
+            messages.append(str(exc))
+            continue
+        raise AssertionError("a mismatch was not detected")
+    fastpar.shutdown()
+    return messages
+
+
+def test_quantized_mismatches_raise_on_every_rank():
+    for msgs in run_ranks(2, body_quantized_mismatch,
+                          env={"FASTPAR_COMM_BACKEND": "shm"}).values():
+        assert msgs[0].startswith("fastpar shm all_reduce (int8): rank 1 passed 1000 float32 "
+                                  "elements in blocks of 64 but rank 0 passed 1000 float32 "
+                                  "elements in blocks of 256"), msgs[0]
+        assert "rank 1 passed 8 bfloat16 elements" in msgs[1], msgs[1]
+        assert "rank 1 passed 101 float32 elements" in msgs[2], msgs[2]
 
 
 def body_feedback_and_subgroup():

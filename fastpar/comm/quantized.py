@@ -1,8 +1,10 @@
 """Quantized collectives (``quant="int8"``) on the engines that move bytes: torch's backends
-(gloo, NCCL), MPI, and the shm kernels' byte moves; the hierarchical engine uses these for its
-cross-host stage. The codec is ``fastpar.comm.quant``'s; every engine computes the same bytes.
-CPU tensors are packed, unpacked and summed by its torch ops, CUDA tensors by the Triton kernels
-of ``fastpar.kernels.quant`` (the same bytes, a pass each).
+(gloo, NCCL) and MPI; the hierarchical engine uses these for its cross-host stage. The shm
+engine has them natively (``ShmCommunicator.quantized_*``, csrc/shm/shm_quantized.cpp): its
+kernels quantize while copying into their slots and dequantize while copying out, with none of
+the passes below. The codec is ``fastpar.comm.quant``'s; every engine computes the same bytes.
+CPU tensors are packed, unpacked and summed here by its torch ops, CUDA tensors by the Triton
+kernels of ``fastpar.kernels.quant`` (the same bytes, a pass each).
 
 With n ranks, B the block (``Quant.block``), sizes in elements:
 
@@ -73,8 +75,9 @@ def _all_to_all_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: b
     if engine == "mpi":
         route.comm.Alltoall(numpy_view(send), numpy_view(recv))
         return None
-    if engine in ("shm",):
-        # no byte all-to-all kernel: every rank gathers everything and keeps its column
+    if engine == "shm":
+        # no byte all-to-all kernel (only when the native sums do not fit the slot, _native):
+        # every rank gathers everything and keeps its column
         per = send.numel() // n
         everything = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
         _all_gather_bytes(route, send, everything, False)
@@ -166,6 +169,20 @@ def _sum_packed_rows(buf: torch.Tensor, m: int, B: int, out: torch.Tensor) -> to
     return out.copy_(_sum_rows(q.unpack_rows(buf, m, B)))
 
 
+def _native(route, spec: q.Quant) -> bool:
+    """Whether the shm kernels run the call themselves: on the shm engine, unless a round of
+    one block per rank does not fit their slot (blocks of 64K elements among 32 ranks or more);
+    then the bytes move through the shm byte all-gather below, to the same result."""
+    if route.engine != "shm":
+        return False
+    if route.comm.quantizes(spec.block):
+        return True
+    log.debug("int8 on the shm engine of global ranks %s: one block of %d elements per rank "
+              "does not fit a round of the kernels' slot; moving packed bytes instead",
+              route.ranks, spec.block)
+    return False
+
+
 # ---- the collectives -------------------------------------------------------------------------
 
 def _with_residual(x: torch.Tensor, residual) -> torch.Tensor:
@@ -179,6 +196,9 @@ def _with_residual(x: torch.Tensor, residual) -> torch.Tensor:
 def all_gather(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, async_op: bool):
     """out (n * m elements, x's dtype, contiguous) = every rank's x, dequantized. Returns the
     work still in flight (call ``wait()``), or None when done."""
+    if _native(route, spec):
+        route.comm.quantized_all_gather(x.reshape(-1), out.view(-1), spec)
+        return None
     n, m, B = len(route.ranks), x.numel(), spec.block
     per = q.packed_bytes(m, B)
     send = torch.empty(1, per, dtype=torch.uint8, device=x.device)
@@ -195,6 +215,11 @@ def reduce_scatter(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, res
                    async_op: bool):
     """out (m = numel / n elements, x's dtype) = this rank's chunk of the sum over ranks,
     dequantized and summed in float32. ``residual``: error feedback (see the module)."""
+    if _native(route, spec):
+        route.comm.quantized_reduce_scatter(
+            x.reshape(-1), out.view(-1), spec,
+            None if residual is None else residual.view(-1))
+        return None
     n, B = len(route.ranks), spec.block
     m = x.numel() // n
     src = _with_residual(x.reshape(n, m), residual)
@@ -220,6 +245,10 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def all_reduce(route, t: torch.Tensor, spec: q.Quant, residual) -> None:
     """t (in place) = the sum over ranks, through two quantizations (see the module)."""
+    if _native(route, spec):
+        route.comm.quantized_all_reduce(t.view(-1), spec,
+                                        None if residual is None else residual.view(-1))
+        return
     n, B = len(route.ranks), spec.block
     N = t.numel()
     m = -(-N // n)

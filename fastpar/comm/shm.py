@@ -108,6 +108,9 @@ class ShmCommunicator:
         self._reduce_scatter_symmetric = self._ops.shm_reduce_scatter_symmetric.default
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
+        self._quantized_all_gather = self._ops.shm_quantized_all_gather.default
+        self._quantized_reduce_scatter = self._ops.shm_quantized_reduce_scatter.default
+        self._quantized_all_reduce = self._ops.shm_quantized_all_reduce.default
 
     def _failed(self, exc: RuntimeError, t: torch.Tensor | None = None) -> ShmError:
         """The kernel numbers ranks within the group; name the global ranks where they differ,
@@ -167,6 +170,27 @@ class ShmCommunicator:
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         self._call("broadcast", self._broadcast, t, root, signature(t), t=t)
+
+    # ---- int8 (quant=): fastpar.comm.quant's codec inside the kernels' copy loops -----------
+    # A rank quantizes its input while copying it into its slot and its peers dequantize while
+    # copying out, summing in float32 in rank order; bitwise fastpar.comm.quantized's results.
+
+    def quantizes(self, block: int) -> bool:
+        """Whether a round of the int8 sums, one block per rank, fits half a slot (a block of
+        64K elements at 32 ranks and more does not: fastpar.comm.quantized then moves bytes)."""
+        return self.world * (4 + block) + 64 * self.world <= self.slot_bytes // 2
+
+    def quantized_all_gather(self, inp: torch.Tensor, out: torch.Tensor, spec) -> None:
+        """out (world x inp's elements, contiguous) = every rank's inp through the codec."""
+        self._call("all_gather (int8)", self._quantized_all_gather, inp, out, spec.block)
+
+    def quantized_reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, spec,
+                                 residual: torch.Tensor | None) -> None:
+        self._call("reduce_scatter (int8)", self._quantized_reduce_scatter, inp, out,
+                   spec.block, residual)
+
+    def quantized_all_reduce(self, t: torch.Tensor, spec, residual: torch.Tensor | None) -> None:
+        self._call("all_reduce (int8)", self._quantized_all_reduce, t, spec.block, residual)
 
     def close(self) -> None:
         if self._comm is None:
