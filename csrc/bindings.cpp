@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "build_info.h"
+#include "shm_alltoall_ops.h"
 #include "shm_ops.h"
 #include "shm_p2p_ops.h"
 #include "watchdog.h"
@@ -47,6 +48,8 @@ TORCH_LIBRARY(fastpar, m) {
         "Tensor(b!)? residual) -> ()", &fastpar::shm_quantized_reduce_scatter);
   m.def("shm_quantized_all_reduce(int comm, Tensor(a!) t, int block, Tensor(b!)? residual) -> ()",
         &fastpar::shm_quantized_all_reduce);
+  m.def("shm_all_to_all(int comm, Tensor inp, int[] send_counts, int[]? recv_counts, int sig, "
+        "Tensor(a!)? out=None) -> (Tensor, int[])", &fastpar::shm_all_to_all);
 
   // Shared-memory point-to-point channels (CPU). Pair segments owned by fastpar/comm/shm_p2p.py.
   m.def("shm_p2p_segment_bytes(int tags, int ring_bytes) -> int", &fastpar::shm_p2p_segment_bytes);

@@ -122,6 +122,8 @@ int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes
   return next_comm++;
 }
 
+shm::Comm& shm_comm(int64_t handle) { return get(handle); }
+
 void shm_detach(int64_t handle) {
   std::lock_guard<std::mutex> lock(comms_mu);
   comms.erase(handle);

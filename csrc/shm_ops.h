@@ -10,6 +10,9 @@
 #include <tuple>
 
 namespace fastpar {
+namespace shm {
+struct Comm;
+}
 
 int64_t shm_segment_bytes(int64_t world, int64_t slot_bytes);
 void shm_init_segment(int64_t base, int64_t world, int64_t slot_bytes);
@@ -39,6 +42,8 @@ void shm_quantized_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor
                                   int64_t block, const std::optional<at::Tensor>& residual);
 void shm_quantized_all_reduce(int64_t comm, at::Tensor& t, int64_t block,
                               const std::optional<at::Tensor>& residual);
+// The communicator behind a handle, for glue in other files (shm_alltoall_ops.cpp).
+shm::Comm& shm_comm(int64_t comm);
 
 // Error kinds (csrc/shm/shm_errors.h), so that Python tells a timeout from an interrupt by a
 // code, not by the message's text. Each op's kernel call records what it threw (or nothing)

@@ -37,6 +37,7 @@ const char* kind_name(Kind k) {
     case Kind::QuantAllReduce: return "all_reduce (int8)";
     case Kind::QuantAllGather: return "all_gather (int8)";
     case Kind::QuantReduceScatter: return "reduce_scatter (int8)";
+    case Kind::AllToAll: return "all_to_all";
   }
   return "?";
 }
