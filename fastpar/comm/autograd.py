@@ -5,8 +5,9 @@ Megatron's paper names the two basic operators of a TP region ``f`` and ``g``::
     copy_to_tp      (f)   forward: y = x                    backward: dx = all_reduce(dy)
     reduce_from_tp  (g)   forward: y = all_reduce(x)        backward: dx = dy
 
-plus the moves along the last dim (a column-parallel output or a row-parallel input) and, for
-sequence parallelism, the moves along a sequence dim that replace ``f``/``g`` at the region edges.
+plus the moves along the last dim (a column-parallel output or a row-parallel input), for
+sequence parallelism the moves along a sequence dim that replace ``f``/``g`` at the region edges,
+and for expert parallelism the all-to-all of rows (``all_to_all_rows``).
 Every wrapper takes an explicit ``group`` (``None`` is an error, not the world: these run inside a
 TP region, whose group the caller holds) and is the identity, without a copy, on a group of one
 rank. Collectives go through ``fastpar.comm`` so the engine policy applies.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from fastpar.comm.alltoall import _exchange, all_to_all_v
 from fastpar.comm.collectives import all_gather, all_reduce, reduce_scatter
 from fastpar.runtime import group_rank, group_size
 
@@ -120,6 +122,22 @@ class Gather(torch.autograd.Function):
         return _split(dy, ctx.group, ctx.dim), None, None
 
 
+class AllToAllRows(torch.autograd.Function):
+    """All-to-all of rows forward; the transposed all-to-all backward (the rows rank i got from
+    rank j go back from i to j: send and receive counts swap)."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_counts, recv_counts):
+        y, send, recv = _exchange("all_to_all_rows", x, send_counts, recv_counts, group, False)
+        ctx.group, ctx.counts = group, (recv, send)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        recv, send = ctx.counts
+        return all_to_all_v(dy, recv, send, ctx.group), None, None, None
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a TP region (Megatron's f). forward: ``y = x``; backward: ``dx = all_reduce(dy)``."""
     if group_size(group, "copy_to_tp") == 1:
@@ -185,3 +203,14 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     if group_size(group, "gather_sequence") == 1:
         return x
     return Gather.apply(x, group, dim)
+
+
+def all_to_all_rows(x: torch.Tensor, group, send_counts=None, recv_counts=None) -> torch.Tensor:
+    """Expert-parallel dispatch and combine: rows of ``x`` (dim 0) to the ranks of ``group``.
+
+    forward: ``y = all_to_all_v(x, send_counts, recv_counts)`` (``send_counts=None``: equal
+    splits, ``all_to_all``); backward: ``dx = all_to_all_v(dy, recv_counts, send_counts)``, the
+    transposed exchange (``recv_counts`` as exchanged in the forward when not given)."""
+    if group_size(group, "all_to_all_rows") == 1:
+        return x
+    return AllToAllRows.apply(x, group, send_counts, recv_counts)

@@ -1,4 +1,4 @@
-"""How each engine runs each collective: one adapter class per engine, the same five methods.
+"""How each engine runs each collective: one adapter class per engine, the same methods.
 
 The raw collectives (``collectives.py``) check arguments, route the call (``Route``: group,
 ranks, engine, communicator) and shape the result; what is left is the transfer itself, which
@@ -9,6 +9,12 @@ is what differs between engines:
     all_gather_into(route, block, out, async_op)        # block is this rank's block of out
     reduce_scatter(route, inp, out, op, async_op)       # out = this rank's block of op(inp)
     broadcast(route, t, src, async_op)                  # src: a global rank of route.ranks
+    all_to_all(route, inp, send, recv, out, async_op)   # -> (out, recv, work); see below
+
+``all_to_all``: ``send[p]`` rows of ``inp`` (dim 0) go to group rank p; ``recv`` (rows from each
+rank) may be None, and the engine learns it (shm from its segment, the others by a small
+all-to-all of the counts first); ``out`` (``sum(recv)`` rows) may be None, and the engine makes it.
+It returns the output and ``recv`` with the work.
 
 Each returns the torch.distributed work of a call still in flight (``async_op`` on gloo or
 NCCL), else ``None``: our engines (shm, CUDA IPC, MPI, NCCL through MPI) complete for the host
@@ -54,6 +60,11 @@ class Native:
     @staticmethod
     def broadcast(route, t, src, async_op):
         route.comm.broadcast(t, route.ranks.index(src))
+
+    @staticmethod
+    def all_to_all(route, inp, send, recv, out, async_op):
+        out, recv = route.comm.all_to_all(inp, send, recv, out)
+        return out, recv, None
 
 
 class NcclMpi(Native):

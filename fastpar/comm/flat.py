@@ -1,12 +1,14 @@
 """The flat engines' adapters: torch.distributed (gloo, NCCL) and MPI through mpi4py.
 
-The five methods every adapter has (``engines.py``), for the engines that need nothing of
-fastpar's own: the hierarchical engine runs its cross-host stage on these too.
+The methods every adapter has (``engines.py``), for the engines that need nothing of
+fastpar's own: the hierarchical engine runs its cross-host stage on these too, and the
+quantized collectives their all-to-all.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import torch
@@ -62,6 +64,31 @@ class Torch:
     def broadcast(route, t, src, async_op):
         return dist.broadcast(t, src=src, group=route.group, async_op=async_op)
 
+    @staticmethod
+    def all_to_all(route, inp, send, recv, out, async_op):
+        if recv is None:  # the counts first: a small all-to-all of its own, waited for
+            mine = torch.tensor(send, dtype=torch.int64, device=inp.device)
+            theirs = torch.empty_like(mine)
+            dist.all_to_all_single(theirs, mine, group=route.group)
+            recv = theirs.tolist()
+        if out is None:
+            out = inp.new_empty((sum(recv), *inp.shape[1:]))
+        # As bytes: gloo does not carry every dtype (bool, bfloat16), and bytes are bytes.
+        row = _rowbyte_view(inp)
+        work = dist.all_to_all_single(byte_view(out), byte_view(inp), [r * row for r in recv],
+                                      [s * row for s in send], group=route.group,
+                                      async_op=async_op)
+        return out, recv, work
+
+
+def _rowbyte_view(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (any dtype, bool included)."""
+    return t.reshape(-1).view(torch.uint8)
+
 
 class Mpi:
     """The MPI library's own collectives through mpi4py (numpy views of CPU tensors)."""
@@ -95,6 +122,29 @@ class Mpi:
     @staticmethod
     def broadcast(route, t, src, async_op):
         route.comm.Bcast(_np(t), root=route.ranks.index(src))
+
+    @staticmethod
+    def all_to_all(route, inp, send, recv, out, async_op):
+        from mpi4py import MPI
+
+        if recv is None:  # the counts first (MPI's small all-to-all of Python ints)
+            recv = route.comm.alltoall(list(send))
+        if out is None:
+            out = inp.new_empty((sum(recv), *inp.shape[1:]))
+        row = _rowbyte_view(inp)
+        # Bytes, so that any dtype goes (MPI's counts are C ints: under 2 GiB per peer).
+        scounts, rcounts = [s * row for s in send], [r * row for r in recv]
+        route.comm.Alltoallv([_np(byte_view(inp)), (scounts, _offsets(scounts)), MPI.BYTE],
+                             [_np(byte_view(out)), (rcounts, _offsets(rcounts)), MPI.BYTE])
+        return out, recv, None
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    offsets, at = [], 0
+    for c in counts:
+        offsets.append(at)
+        at += c
+    return offsets
 
 
 def flat_adapter(engine: str):

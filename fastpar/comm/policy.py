@@ -26,8 +26,9 @@ import dataclasses
 import torch
 
 ENGINES = ("shm", "cuda_ipc", "nccl", "gloo", "mpi", "nccl_mpi", "hier")
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 REDUCE_OPS = ("all_reduce", "reduce_scatter")
+BYTE_OPS_MPI = ("all_to_all",)  # the mpi engine moves these as bytes: any dtype
 SHM_REDUCE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 IPC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MPI_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.int8)
@@ -101,8 +102,11 @@ def ipc_limit(capability: tuple[int, int], world: int, link: str) -> tuple[int, 
 def _across_hosts(op: str, layout: Layout, nbytes: int, dtype: torch.dtype,
                   reduce_op: str) -> Choice:
     """CPU tensors of a group that spans hosts: hierarchical from ``HIER_MIN_BYTES``, else (or
-    where it cannot serve) one flat call on the cross-host engine."""
+    where it cannot serve) one flat call on the cross-host engine. all_to_all is always flat:
+    MPI where the job was MPI-launched (it carries any dtype as bytes), else torch's."""
     flat = cross_engine(layout, dtype)
+    if op == "all_to_all":
+        flat = "mpi" if layout.mpi else layout.pg_backend
     why = _hier_refusal(op, "cpu", layout, dtype, reduce_op)
     if why is None and nbytes >= HIER_MIN_BYTES:
         hosts, per = len(layout.per_host), layout.per_host[0]
@@ -174,6 +178,9 @@ def _hier_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
         return "the group is on one host"
     if op == "broadcast":
         return "broadcast is flat (it sends every byte across hosts once either way)"
+    if op == "all_to_all":
+        return ("all_to_all is flat (each byte bound for another host crosses once either way; "
+                "a flat call skips the host-local stages)")
     why = _kernel_refusal(op, layout, dtype, reduce_op)
     if why is not None:
         return why
@@ -237,6 +244,8 @@ def _refusal(engine: str, op: str, device: str, layout: Layout, nbytes: int,
     if engine == "nccl_mpi":
         if device != "cuda":
             return f"nccl_mpi needs CUDA tensors, got {device}"
+        if op == "all_to_all":
+            return "nccl_mpi has no all_to_all"
         if layout.nccl_mpi:
             return layout.nccl_mpi
         if dtype not in NCCL_MPI_DTYPES:
@@ -245,7 +254,7 @@ def _refusal(engine: str, op: str, device: str, layout: Layout, nbytes: int,
     if engine == "mpi":
         if device != "cpu":
             return f"mpi serves CPU tensors, got {device}"
-        if dtype not in MPI_DTYPES:
+        if dtype not in MPI_DTYPES and op not in BYTE_OPS_MPI:
             return f"mpi (through numpy) cannot carry {dtype}"
         return None
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")

@@ -111,6 +111,7 @@ class ShmCommunicator:
         self._quantized_all_gather = self._ops.shm_quantized_all_gather.default
         self._quantized_reduce_scatter = self._ops.shm_quantized_reduce_scatter.default
         self._quantized_all_reduce = self._ops.shm_quantized_all_reduce.default
+        self._all_to_all = self._ops.shm_all_to_all.default
 
     def _failed(self, exc: RuntimeError, t: torch.Tensor | None = None) -> ShmError:
         """The kernel numbers ranks within the group; name the global ranks where they differ,
@@ -191,6 +192,20 @@ class ShmCommunicator:
 
     def quantized_all_reduce(self, t: torch.Tensor, spec, residual: torch.Tensor | None) -> None:
         self._call("all_reduce (int8)", self._quantized_all_reduce, t, spec.block, residual)
+
+    def all_to_all(self, inp: torch.Tensor, send: list[int], recv: list[int] | None,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Rows of ``inp`` (dim 0), ``send[p]`` for rank p, to every rank; returns what every
+        rank sent this one, in rank order, and the rows from each. ``recv`` (the rows expected
+        from each rank) may be None: the kernel reads what each rank sends from the segment.
+        ``out``: where the result goes (needs ``recv``)."""
+        rows = inp.new_empty((0, *inp.shape[1:]))  # the signature: dtype and row shape
+        result = []
+
+        def kernel(comm, *args):
+            result.extend(self._all_to_all(comm, *args))
+        self._call("all_to_all", kernel, inp, send, recv, signature(rows), out, t=rows)
+        return result[0], result[1]
 
     def close(self) -> None:
         if self._comm is None:
