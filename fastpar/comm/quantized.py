@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm import quant as q
-from fastpar.comm.flat import flat_adapter, numpy_view
+from fastpar.comm.flat import flat_adapter
 
 log = logging.getLogger("fastpar.comm")
 
@@ -69,22 +69,13 @@ def _all_gather_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: b
 
 def _all_to_all_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: bool):
     """Equal splits: block j of send (n blocks) goes to rank j; block r of recv comes from
-    rank r."""
+    rank r. The engines' all_to_all, called directly as ``_all_gather_bytes`` does."""
     engine = _byte_engine(route.engine)
-    n = len(route.ranks)
-    if engine == "mpi":
-        route.comm.Alltoall(numpy_view(send), numpy_view(recv))
-        return None
+    counts = [send.numel() // len(route.ranks)] * len(route.ranks)
     if engine == "shm":
-        # no byte all-to-all kernel (only when the native sums do not fit the slot, _native):
-        # every rank gathers everything and keeps its column
-        per = send.numel() // n
-        everything = torch.empty(n * send.numel(), dtype=torch.uint8, device=send.device)
-        _all_gather_bytes(route, send, everything, False)
-        me = me_of(route)
-        recv.copy_(everything.view(n, n, per)[:, me].reshape(-1))
+        route.comm.all_to_all(send, counts, counts, recv)
         return None
-    return dist.all_to_all_single(recv, send, group=route.group, async_op=async_op)
+    return flat_adapter(engine).all_to_all(route, send, counts, counts, recv, async_op)[2]
 
 
 def _byte_engine(engine: str) -> str:
