@@ -60,6 +60,14 @@ TABLE = [
     ("all_reduce", "cpu", NO_SPLIT, 1 << 20, F32, "mpi", "no host sub-groups"),
     ("all_reduce", "cuda", Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=True,
                                   pg_backend="nccl"), 1 << 20, F32, "nccl", "spans nodes"),
+    # all_to_all moves bytes: shm for every dtype on one host, one flat call across hosts
+    ("all_to_all", "cpu", CPU1, 4096, F32, "local", "one rank"),
+    ("all_to_all", "cpu", CPU, 4096, torch.bool, "shm", "one host"),
+    ("all_to_all", "cpu", CPU, 64 << 20, I64, "shm", "one host"),
+    ("all_to_all", "cpu", CPU_NONATIVE, 4096, F32, "gloo", "fastpar._C"),
+    ("all_to_all", "cpu", HIER, 1 << 20, BF16, "mpi", "all_to_all is flat"),
+    ("all_to_all", "cpu", HIER_TORCHRUN, 1 << 20, F32, "gloo", "all_to_all is flat"),
+    ("all_to_all", "cuda", GPU_IPC, 4096, F32, "nccl", "all_reduce only"),
 ]
 
 
@@ -104,3 +112,20 @@ def test_unknown_names():
         choose("all_reduce", "cpu", CPU, 8, F32, forced="smh")
     with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
         choose("allreduce", "cpu", CPU, 8, F32)
+
+
+@pytest.mark.parametrize("forced, device, layout, dtype, why", [
+    ("shm", "cpu", CPU, torch.bool, None),
+    ("mpi", "cpu", CPU, BF16, None),  # bytes: any dtype
+    ("gloo", "cpu", CPU, torch.int8, None),
+    ("hier", "cpu", HIER, F32, "all_to_all is flat"),
+    ("cuda_ipc", "cuda", GPU_IPC, F32, "all_reduce only"),
+    ("nccl_mpi", "cuda", Layout(size=4, same_host=True, pg_backend="nccl", nccl_mpi=""), F32,
+     "nccl_mpi has no all_to_all"),
+])
+def test_forced_all_to_all(forced, device, layout, dtype, why):
+    if why is None:
+        assert choose("all_to_all", device, layout, 4096, dtype, forced=forced).engine == forced
+    else:
+        with pytest.raises(ValueError, match=why):
+            choose("all_to_all", device, layout, 4096, dtype, forced=forced)
