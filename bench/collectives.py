@@ -8,10 +8,11 @@ output for all_gather, of the input for reduce_scatter. Each point: ``-w`` warm-
 ``-n`` timed calls (from 8 MiB up: a fifth of them, at least 5, and 5 for memcpy); the time is
 the slowest rank's median over its calls (``p99``: the slowest rank's 99th percentile, the
 spread a job sees from call to call). busbw applies the nccl-tests factors (all_reduce
-2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and sendrecv 1). The ``memcpy``
-line is this machine's copy of the same bytes on every rank at once; for all_reduce, the
-summary's ``bound`` is that copy time as a fraction of the fastest engine's time (a rank must
-at least read its input and write its result: one copy). ``--symmetric`` adds a line
+2(n-1)/n, all_gather, reduce_scatter and all_to_all (n-1)/n, broadcast and sendrecv 1; sizes
+of all_to_all: each rank's buffer, equal splits). The ``memcpy`` line is this machine's copy of
+the same bytes on every rank at once; for all_reduce and all_to_all, the summary's ``bound`` is
+that copy time as a fraction of the fastest engine's time (a rank must at least read its input
+and write its result: one copy; for all_to_all every byte crossing once). ``--symmetric`` adds a line
 "shm (symmetric)" for all_reduce and reduce_scatter of a ``comm.symmetric_empty`` input and
 all_gather into a symmetric output (no staging copies; its JSON records carry
 ``"symmetric": true``).
@@ -43,11 +44,11 @@ import fastpar
 from fastpar.runtime.cli import Parser
 from fastpar import comm
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv", "all_to_all")
 BACKENDS = ("shm", "gloo", "mpi", "nccl", "cuda_ipc", "nccl_mpi", "hier", "auto")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
-              "sendrecv": lambda n: 1.0}
+              "sendrecv": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n}
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
@@ -106,6 +107,8 @@ def make_call(op, backend, count, dtype, topo, fill, symmetric=False):
         return lambda: comm.all_gather(x)
     if op == "reduce_scatter":
         return lambda: comm.reduce_scatter(x)
+    if op == "all_to_all":  # equal splits of the rank's buffer
+        return lambda: comm.all_to_all(x)
     return lambda: comm.broadcast(x, src=0)
 
 
@@ -165,6 +168,8 @@ def reference(op, count, dtype, topo, fill):
         return torch.stack(inputs).sum(0)
     if op == "all_gather":
         return torch.cat(inputs)
+    if op == "all_to_all":
+        return torch.cat([x.chunk(n)[rank] for x in inputs])
     return torch.stack(inputs).sum(0).chunk(n)[rank]
 
 
@@ -209,7 +214,8 @@ def must_cross(op: str, nbytes: int, hosts: int) -> float:
         return 0.0
     share = (hosts - 1) / hosts
     return {"all_reduce": 2 * share * nbytes, "all_gather": share * nbytes,
-            "reduce_scatter": share * nbytes, "broadcast": nbytes}.get(op, 0.0)
+            "reduce_scatter": share * nbytes, "broadcast": nbytes,
+            "all_to_all": share * nbytes}.get(op, 0.0)
 
 
 def supported(op, backend, topo, dtype) -> str | None:
@@ -257,7 +263,7 @@ def supported(op, backend, topo, dtype) -> str | None:
         return "shm send/recv needs 2 ranks"
     if backend == "mpi" and topo.mpi_comm is None:
         return "mpi needs an mpirun launch"
-    if backend == "mpi" and dtype not in (torch.float32, torch.float64):
+    if backend == "mpi" and dtype not in (torch.float32, torch.float64) and op != "all_to_all":
         return f"mpi through numpy cannot carry {dtype}"
     return None
 
@@ -292,7 +298,7 @@ def run(args, topo) -> list[dict]:
                       + (f" {'link%':>6}" if args.link_gbit else ""))
             for nbytes in args.sizes:
                 count = max(nbytes // esize, 1)
-                count -= count % n if op in ("all_gather", "reduce_scatter") else 0
+                count -= count % n if op in ("all_gather", "reduce_scatter", "all_to_all") else 0
                 if count == 0:
                     continue
                 call = make_call(op, backend, count, dtype, topo, fill, symmetric)
@@ -364,7 +370,7 @@ def summary(records: list[dict]) -> None:
                             ("cuda_ipc", "gloo")):
             if mine in by and other in by:
                 parts.append(f"{mine}/{other} {by[other] / by[mine]:.2f}x")
-        if op == "all_reduce" and nbytes in copy:
+        if op in ("all_reduce", "all_to_all") and nbytes in copy:
             best = min(by, key=by.get)
             parts.append(f"bound: {best} at {copy[nbytes] / by[best]:.0%} of memcpy")
             if "shm (symmetric)" in by and best != "shm (symmetric)":
