@@ -79,9 +79,13 @@ def body_all_to_all(engines, big):
         assert torch.equal(comm.all_to_all(flat), want), (engine, comm.all_to_all(flat))
         empty_rows = torch.empty(3 * n, 0)
         assert comm.all_to_all_v(empty_rows, [3] * n).shape == (3 * n, 0)
-        # Over the shm slot (a half of 2 MiB holds ~2 MiB / n per pair): several rounds, uneven
+        # Over the shm slot (a half of 2 MiB holds ~2 MiB / n per pair): several rounds, uneven;
+        # the first large call probes process_vm_readv, the next ones copy once (shm)
         counts = [[big * ((i + j) % 3) for j in range(n)] for i in range(n)]
-        _case(comm, counts, rank, n, "float32", width=1, salt="big")
+        for salt in ("big", "again", "third"):
+            _case(comm, counts, rank, n, "float32", width=1, salt=salt)
+        _case(comm, [[(i * n + j) % 5 * 9000 for j in range(n)] for i in range(n)], rank, n,
+              "int8", width=8, salt="mid")
         # async: a Handle that unpacks as (tensor, handle)
         x = torch.cat([_rows(rank, j, 1 + j, "float32") for j in range(n)])
         want = torch.cat([_rows(i, rank, 1 + rank, "float32") for i in range(n)])

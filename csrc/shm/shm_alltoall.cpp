@@ -9,7 +9,10 @@
 #include "shm_alltoall.h"
 #include "shm_protocol.h"
 
+#include <sys/uio.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -23,8 +26,49 @@ namespace {
 
 constexpr uint64_t kAny = ~uint64_t(0);  // recv_rows not given: anything is expected
 
-// Head at the start of the first round's half: send rows then expected rows, world each.
-size_t head_bytes(int world) { return (size_t(world) * 16 + 63) / 64 * 64; }
+// Single copy from this many bytes between two ranks (the longest such slice of the call).
+// Below, the copying rounds' one signal beats the single-copy path's two signals and syscalls.
+constexpr uint64_t kSingleCopyMin = 64 << 10;
+
+// Head at the start of the first round's half: send rows then expected rows, world each, then
+// what single copy needs: the input's address in its owner, the head's own address there (a
+// peer's probe reads it with process_vm_readv and compares it with its mapping of the same
+// bytes), and whether the owner can read its peers (Comm::peers_readable).
+struct Tail {
+  uint64_t in_addr, head_addr, readable;
+};
+size_t head_bytes(int world) { return (size_t(world) * 16 + sizeof(Tail) + 63) / 64 * 64; }
+Tail* tail_of(char* head, int world) { return reinterpret_cast<Tail*>(head + world * 16); }
+
+// Whether this process can read rank p's memory: the first 8 bytes of p's head, read at the
+// address p published, equal what this process's mapping of that head holds.
+bool can_read(const Comm& c, int p, const char* head) {
+  uint64_t got = 0, want;
+  std::memcpy(&want, head, sizeof(want));
+  iovec local{&got, sizeof(got)};
+  iovec remote{reinterpret_cast<void*>(tail_of(const_cast<char*>(head), c.world)->head_addr),
+               sizeof(got)};
+  return ::process_vm_readv(pid_t(ctrl(c, p)->ident.pid), &local, 1, &remote, 1, 0) ==
+             ssize_t(sizeof(got)) && got == want;
+}
+
+// Copies `bytes` at address `from` in rank p's process into `to`.
+void read_peer(Comm& c, int p, uint64_t from, char* to, uint64_t bytes) {
+  const int pid = ctrl(c, p)->ident.pid;
+  for (uint64_t done = 0; done < bytes;) {
+    iovec local{to + done, size_t(bytes - done)};
+    iovec remote{reinterpret_cast<void*>(from + done), size_t(bytes - done)};
+    const ssize_t got = ::process_vm_readv(pid_t(pid), &local, 1, &remote, 1, 0);
+    if (got <= 0) {
+      const int err = got < 0 ? errno : EFAULT;
+      fail(c, err == ESRCH ? ErrorKind::PeerDead : ErrorKind::Other,
+           "fastpar shm all_to_all: rank " + std::to_string(c.rank) + " could not read " +
+               std::to_string(bytes) + " bytes from rank " + std::to_string(p) + " (pid " +
+               std::to_string(pid) + "; process_vm_readv: " + std::strerror(err) + ")");
+    }
+    done += uint64_t(got);
+  }
+}
 
 // Bytes of each peer's region in a half: what remains after the head, split in world, rounded
 // down to cache lines (to 8 bytes in the smallest slots, where a region is under a line).
@@ -69,6 +113,8 @@ void all_to_all(Comm& c, const void* in, const uint64_t* send_rows, const uint64
     h[p] = send_rows[p];
     h[W + p] = recv_rows != nullptr ? recv_rows[p] : kAny;
   }
+  *tail_of(mine, W) = Tail{reinterpret_cast<uint64_t>(in), reinterpret_cast<uint64_t>(mine),
+                           uint64_t(c.peers_readable)};
   for (int p = 0; p < W; ++p)
     if (p != me)
       std::memcpy(mine + head + p * cap, src + soff[p], piece(send_rows[p] * row_bytes, cap, 0));
@@ -76,10 +122,15 @@ void all_to_all(Comm& c, const void* in, const uint64_t* send_rows, const uint64
 
   // The count matrix, read from every head (the half is reused two rounds from now).
   std::vector<uint64_t> sends(size_t(W) * W), expects(size_t(W) * W);  // [r * W + p]
+  Tail tails[kMaxWorld];
+  bool all_readable = true;
   for (int r = 0; r < W; ++r) {
-    const uint64_t* hr = reinterpret_cast<const uint64_t*>(half(c, r, c.rounds));
+    char* head = half(c, r, c.rounds);
+    const uint64_t* hr = reinterpret_cast<const uint64_t*>(head);
     std::copy(hr, hr + W, &sends[size_t(r) * W]);
     std::copy(hr + W, hr + 2 * W, &expects[size_t(r) * W]);
+    tails[r] = *tail_of(head, W);
+    all_readable = all_readable && tails[r].readable == 1;
   }
   // Every rank checks the whole matrix in the same order: the same message everywhere.
   for (int p = 0; p < W; ++p)
@@ -108,6 +159,28 @@ void all_to_all(Comm& c, const void* in, const uint64_t* send_rows, const uint64
                                   std::to_string(total) + " bytes: " + e.what());
   }
   if (got_rows[me] != 0) std::memcpy(out + roff[me], src + soff[me], got_rows[me] * row_bytes);
+
+  if (longest >= kSingleCopyMin && all_readable) {
+    // Single copy: every rank reads its slices straight out of its peers' inputs (their
+    // offsets from the matrix), then an exit signal: nobody reads my input any more.
+    ++c.rounds;  // the first round's half stays untouched until the next call's second round
+    for (int r = 0; r < W; ++r) {
+      if (r == me || got_rows[r] == 0) continue;
+      uint64_t at = 0;  // where rank r's slice for me starts in its input
+      for (int p = 0; p < me; ++p) at += sends[size_t(r) * W + p] * row_bytes;
+      read_peer(c, r, tails[r].in_addr + at, out + roff[r], got_rows[r] * row_bytes);
+    }
+    signal_and_wait(c, Kind::AllToAll);
+    return;
+  }
+  if (longest >= kSingleCopyMin && c.peers_readable == 0) {
+    // The first large call probes every peer once and publishes the verdict in its next
+    // heads; single copy starts when every rank's head says yes, so all ranks decide alike.
+    bool ok = true;
+    for (int r = 0; r < W && ok; ++r)
+      ok = r == me || can_read(c, r, half(c, r, c.rounds));
+    c.peers_readable = ok ? 1 : 2;
+  }
 
   // Every rank computes the same number of rounds from the same matrix.
   const uint64_t rounds = std::max<uint64_t>(1, (longest + cap - 1) / cap);

@@ -82,6 +82,9 @@ struct Comm {
   // call with that message (and poisons the segment, as any error). The torch glue uses it to
   // let Ctrl-C through; the kernel itself stays free of Python.
   const char* (*poll)() = nullptr;
+  // Whether this rank can read its peers' memory (process_vm_readv), probed by the first large
+  // all_to_all (shm_alltoall.cpp): 0 not yet, 1 yes, 2 no.
+  int peers_readable = 0;
 };
 
 // Validates the header (magic, version, world, slot size) and returns a fresh Comm.
