@@ -27,8 +27,22 @@ each host must send (and receive) ``(H-1)/H`` of an all_gather's output or a red
 input, and twice that of an all_reduce's buffer (S for 2 hosts), and a broadcast's whole buffer
 reaches the other hosts once.
 
-    scripts/cluster.sh --hosts 2 --rate 1gbit -- mpirun -hosts h0,h1 -ppn 2 \
+    scripts/cluster.sh --hosts 2 --rate 1gbit -- mpirun -hosts h0,h1 -ppn 2 \\
         python bench/collectives.py --backends hier,mpi,gloo,auto --link-gbit 1 -b 4K -e 64M -f 4
+    scripts/cluster.sh --hosts 2 --rate 1gbit -- mpirun -hosts h0,h1 -ppn 2 \\
+        python bench/collectives.py --ops all_gather,reduce_scatter,all_reduce \\
+        --backends hier,auto --quant int8 --link-gbit 1 -b 64K -e 64M -f 4
+
+``--quant int8`` (``--quant-block B``, default ``FASTPAR_QUANT_BLOCK`` or 256) measures each
+all_reduce / all_gather / reduce_scatter point twice, side by side: full precision, then
+``quant=comm.Quant("int8", B)`` on the same tensor (float32 or bfloat16 ``--dtype``). Those
+records carry ``wire_bytes``: the bytes each rank sends per call, from the wire format (pieces of
+ceil(count / n) elements, as the dtype's elements or as ``quant.packed_bytes``: scales, int8,
+padding), to the other hosts where the group spans hosts (the cross-host stage: one piece to
+each other host, twice for all_reduce), else to the other ranks; ``--check`` holds an int8
+result to the codec's bound (``int8_bound``), not to the dtype's rounding; ``link%`` of an int8
+row counts its packed bytes. The summary adds a table of full precision against int8 per op
+and size (time ratio, wire bytes, link%).
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import torch
 import fastpar
 from fastpar.runtime.cli import Parser
 from fastpar import comm
+from fastpar.comm import quant as codec
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv", "all_to_all")
 BACKENDS = ("shm", "gloo", "mpi", "nccl", "cuda_ipc", "nccl_mpi", "hier", "auto")
@@ -50,6 +65,7 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (
               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
               "sendrecv": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n}
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+QUANT_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def parse_size(text: str) -> int:
@@ -84,10 +100,10 @@ def slowest(value: float, topo) -> float:
 SYMMETRIC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def make_call(op, backend, count, dtype, topo, fill, symmetric=False):
+def make_call(op, backend, count, dtype, topo, fill, symmetric=False, quant=None):
     """A closure running one collective of ``count`` elements per rank's buffer (see sizes);
     ``symmetric``: the all_reduce / reduce_scatter input, or the all_gather output, comes from
-    ``comm.symmetric_empty``."""
+    ``comm.symmetric_empty``; ``quant``: a ``comm.Quant`` (int8 on the wire) or None."""
     n, rank, device = topo.world_size, topo.rank, topo.device
     if op == "sendrecv":
         return make_sendrecv(backend, count, dtype, topo, fill)
@@ -102,11 +118,11 @@ def make_call(op, backend, count, dtype, topo, fill, symmetric=False):
     if op == "all_reduce":
         # In place, as nccl-tests: timed calls keep reducing the same buffer (no reset copy);
         # --check uses a fresh closure.
-        return lambda: comm.all_reduce(x)
+        return lambda: comm.all_reduce(x, quant=quant)
     if op == "all_gather":
-        return lambda: comm.all_gather(x)
+        return lambda: comm.all_gather(x, quant=quant)
     if op == "reduce_scatter":
-        return lambda: comm.reduce_scatter(x)
+        return lambda: comm.reduce_scatter(x, quant=quant)
     if op == "all_to_all":  # equal splits of the rank's buffer
         return lambda: comm.all_to_all(x)
     return lambda: comm.broadcast(x, src=0)
@@ -173,12 +189,60 @@ def reference(op, count, dtype, topo, fill):
     return torch.stack(inputs).sum(0).chunk(n)[rank]
 
 
-def count_wrong(got, want, dtype) -> int:
+def count_wrong(got, want, dtype, bound=None) -> int:
+    """Elements of ``got`` farther from the float64 ``want`` than ``bound`` (per element;
+    default: the dtype's rounding, relative to max(|want|, 1))."""
     got = got.detach().to("cpu").double()
     if got.shape != want.shape:
         return want.numel()
-    bound = TOL[dtype] * want.abs().clamp_min(1.0)
+    if bound is None:
+        bound = TOL[dtype] * want.abs().clamp_min(1.0)
     return int(((got - want).abs() > bound).sum().item())
+
+
+def int8_bound(op, count, dtype, topo, fill, local: int) -> torch.Tensor:
+    """Per element, how far a quantized result may be from the float64 reference.
+
+    The codec's bound ``fastpar.comm.quant.bound`` is c amax per block (c = 1/254 + 4u: half
+    a step plus four float32 roundings, u = 2^-24); every block's amax is taken as its whole
+    input's max A, which holds however an engine cuts the pieces. What is quantized: each
+    rank's input (flat engines, ``local`` = 1) or each host's sum of ``local`` ranks' inputs
+    in the dtype (the hierarchical engine: |host sum| <= the sum of its ranks' |x|, and its
+    rounding adds at most local ud sum |x|, ud the dtype's unit roundoff). Then (the terms of
+    ``fastpar.comm.quantized``'s docstring): all_gather c A_r; reduce_scatter b1 = c sum_r A_r
+    (1 + local ud) + the host sums' rounding + the float32 sum of the dequantized pieces
+    (n u sum |y_r|); all_reduce b1 + c (max |sum| + max b1) (the summed chunk quantized
+    again); the output's own rounding to the dtype last (ud (|want| + b))."""
+    n, rank = topo.world_size, topo.rank
+    u = 2.0**-24
+    ud = u if dtype == torch.float32 else 2.0**-8
+    c = 1 / 254 + 4 * u
+    per_rank = count // n if op == "all_gather" else count
+    xs = [fill(per_rank, r).double() for r in range(n)]
+    if op == "all_gather":
+        want = torch.cat(xs)
+        b = torch.cat([torch.full_like(x, c * x.abs().max().item()) for x in xs])
+    else:
+        want, absum = sum(xs), sum(x.abs() for x in xs)
+        intra = local * ud * absum if local > 1 else torch.zeros_like(absum)
+        quantized = c * (1 + local * ud) * sum(x.abs().max().item() for x in xs)
+        b = quantized + intra + n * u * (absum + quantized + intra)
+        if op == "all_reduce":
+            b = b + c * (want.abs().max() + b.max())
+        else:
+            b, want = b.chunk(n)[rank], want.chunk(n)[rank]
+    return b * (1 + ud) + ud * want.abs()
+
+
+def wire_bytes(op, count, esize, n, hosts, block=None) -> int:
+    """Bytes each rank sends per call (see the module docstring): pieces of ceil(count / n)
+    elements, as ``esize``-byte elements or, with a ``block``, in the int8 wire format;
+    one to each other host where the group spans hosts, else one to each other rank, twice
+    for all_reduce (a reduce-scatter, then an all-gather)."""
+    m = -(-count // n)
+    piece = codec.packed_bytes(m, block) if block else m * esize
+    peers = hosts - 1 if hosts > 1 else n - 1
+    return piece * peers * (2 if op == "all_reduce" else 1)
 
 
 def time_calls(call, warmup, iters, topo):
@@ -289,46 +353,83 @@ def run(args, topo) -> list[dict]:
                 if topo.rank == 0:
                     print(f"# {op} on {label}: skipped, {why}")
                 continue
+            # --quant: int8 right after full precision at each size (the same tensors; the
+            # machine's load drifts less between the two than over a whole sweep)
+            quants = [None] + ([args.quant] if args.quant and op in QUANT_OPS and
+                               not symmetric else [])
             comm.use_backend(None if backend == "auto" else backend)
             if topo.rank == 0:
                 print(f"\n# {op}  backend {label}  ranks {n} on {hosts_of(topo)} host(s)  "
                       f"dtype {args.dtype}")
-                print(f"{'size':>12} {'count':>12} {'type':>9} {'time(us)':>11} "
-                      f"{'p99(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}"
+                print(f"{'size':>12} {'count':>12} {'type':>9}"
+                      + (f" {'quant':>5}" if args.quant else "")
+                      + f" {'time(us)':>11} {'p99(us)':>10} {'algbw(GB/s)':>12} "
+                      f"{'busbw(GB/s)':>12} {'#wrong':>7}"
+                      + (f" {'wire(B)':>10}" if len(quants) > 1 else "")
                       + (f" {'link%':>6}" if args.link_gbit else ""))
             for nbytes in args.sizes:
                 count = max(nbytes // esize, 1)
                 count -= count % n if op in ("all_gather", "reduce_scatter", "all_to_all") else 0
                 if count == 0:
                     continue
-                call = make_call(op, backend, count, dtype, topo, fill, symmetric)
-                iters = args.iters if nbytes < (8 << 20) else max(5, args.iters // 5)
-                t, p99 = time_calls(call, args.warmup, iters, topo)
-                wrong = -1
-                if args.check:
-                    got = make_call(op, backend, count, dtype, topo, fill, symmetric)()
-                    wrong = count_wrong(got, reference(op, count, dtype, topo, fill), dtype)
-                    wrong = int(slowest(float(wrong), topo))
-                size = count * esize
-                algbw = size / t / 1e9
-                rec = {"op": op, "backend": backend, "bytes": size, "count": count,
-                       "dtype": args.dtype, "world_size": n, "time_us": t * 1e6,
-                       "p99_us": p99 * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * BUS_FACTOR[op](n),
-                       "wrong": wrong, "symmetric": symmetric}
-                if args.link_gbit:  # the link's time for the bytes that must cross / ours
-                    bound = must_cross(op, size, hosts_of(topo)) * 8 / (args.link_gbit * 1e9)
-                    rec["link_bound_us"], rec["link_fraction"] = bound * 1e6, bound / t
-                if backend == "auto":
-                    rec["engine"] = comm.engine_for(op, call_input(op, count, dtype, n))[0]
-                records.append(rec)
-                if topo.rank == 0:
-                    print(f"{size:>12} {count:>12} {args.dtype:>9} {t * 1e6:>11.1f} "
-                          f"{p99 * 1e6:>10.1f} {algbw:>12.3f} {rec['busbw_gbps']:>12.3f} "
-                          f"{wrong if wrong >= 0 else 'N/A':>7}"
-                          + (f" {rec['link_fraction']:>6.0%}" if args.link_gbit else "")
-                          + (f"  ({rec['engine']})" if backend == "auto" else ""), flush=True)
+                for quant in quants:
+                    rec = measure(args, topo, op, backend, nbytes, count, dtype, fill,
+                                  symmetric, quant)
+                    records.append(rec)
+                    if topo.rank == 0:
+                        print(f"{rec['bytes']:>12} {count:>12} {args.dtype:>9}"
+                              + (f" {quant.kind if quant else '-':>5}" if args.quant else "")
+                              + f" {rec['time_us']:>11.1f} {rec['p99_us']:>10.1f} "
+                              f"{rec['algbw_gbps']:>12.3f} {rec['busbw_gbps']:>12.3f} "
+                              f"{rec['wrong'] if rec['wrong'] >= 0 else 'N/A':>7}"
+                              + (f" {rec['wire_bytes']:>10}" if len(quants) > 1 else "")
+                              + (f" {rec['link_fraction']:>6.0%}" if args.link_gbit else "")
+                              + (f"  ({rec['engine']})" if backend == "auto" else ""),
+                              flush=True)
             comm.use_backend(None)
     return records
+
+
+def measure(args, topo, op, backend, nbytes, count, dtype, fill, symmetric, quant) -> dict:
+    """One point of the sweep (``nbytes`` asked, ``count`` elements): its record."""
+    n, hosts = topo.world_size, hosts_of(topo)
+    esize = torch.empty((), dtype=dtype).element_size()
+    call = make_call(op, backend, count, dtype, topo, fill, symmetric, quant)
+    iters = args.iters if nbytes < (8 << 20) else max(5, args.iters // 5)
+    t, p99 = time_calls(call, args.warmup, iters, topo)
+    engine = backend
+    if backend == "auto":  # a quantized call's route is an all_gather of the input's bytes
+        inp = call_input(op, count, dtype, n)
+        engine = comm.engine_for("all_gather", inp.view(torch.uint8))[0] if quant else \
+            comm.engine_for(op, inp)[0]
+    wrong = -1
+    if args.check:
+        got = make_call(op, backend, count, dtype, topo, fill, symmetric, quant)()
+        bound = None
+        if quant:  # the hierarchical engine quantizes each host's sum
+            local = n // hosts if engine == "hier" else 1
+            bound = int8_bound(op, count, dtype, topo, fill, local)
+        wrong = count_wrong(got, reference(op, count, dtype, topo, fill), dtype, bound)
+        wrong = int(slowest(float(wrong), topo))
+    size = count * esize
+    algbw = size / t / 1e9
+    rec = {"op": op, "backend": backend, "bytes": size, "count": count, "dtype": args.dtype,
+           "world_size": n, "time_us": t * 1e6, "p99_us": p99 * 1e6, "algbw_gbps": algbw,
+           "busbw_gbps": algbw * BUS_FACTOR[op](n), "wrong": wrong, "symmetric": symmetric,
+           "quant": quant.kind if quant else None}
+    if args.quant and op in QUANT_OPS and not symmetric:
+        rec["wire_bytes"] = wire_bytes(op, count, esize, n, hosts, quant and quant.block)
+        if quant:
+            rec["block"] = quant.block
+    if args.link_gbit:  # the link's time for the bytes that must cross / ours
+        crossing = must_cross(op, size, hosts)
+        if quant:  # the same pieces, packed
+            crossing *= rec["wire_bytes"] / wire_bytes(op, count, esize, n, hosts)
+        bound = crossing * 8 / (args.link_gbit * 1e9)
+        rec["link_bound_us"], rec["link_fraction"] = bound * 1e6, bound / t
+    if backend == "auto":
+        rec["engine"] = engine
+    return rec
 
 
 def memcpy_reference(args, topo) -> list[dict]:
@@ -342,7 +443,7 @@ def memcpy_reference(args, topo) -> list[dict]:
                     "dtype": "uint8", "world_size": topo.world_size, "time_us": t * 1e6,
                     "p99_us": p99 * 1e6,
                     "algbw_gbps": nbytes / t / 1e9, "busbw_gbps": nbytes / t / 1e9,
-                    "wrong": 0, "symmetric": False})
+                    "wrong": 0, "symmetric": False, "quant": None})
         if topo.rank == 0:
             print(f"{nbytes:>12} {t * 1e6:>11.1f} {nbytes / t / 1e9:>8.2f}")
     return out
@@ -353,7 +454,7 @@ def summary(records: list[dict]) -> None:
     copy = {r["bytes"]: r["time_us"] for r in records if r["op"] == "memcpy"}
     table = {}
     for r in records:
-        if r["op"] != "memcpy":
+        if r["op"] != "memcpy" and not r["quant"]:  # int8: quant_summary
             name = r["backend"] + (" (symmetric)" if r.get("symmetric") else "")
             table.setdefault((r["op"], r["bytes"]), {})[name] = r["time_us"]
     print("\n# summary: time ratios (>1: the first is faster)")
@@ -376,12 +477,37 @@ def summary(records: list[dict]) -> None:
             if "shm (symmetric)" in by and best != "shm (symmetric)":
                 parts.append(f"shm (symmetric) at {copy[nbytes] / by['shm (symmetric)']:.0%}")
         link = {r["backend"]: r["link_fraction"] for r in records if r["op"] == op and
-                r["bytes"] == nbytes and "link_fraction" in r}
+                r["bytes"] == nbytes and "link_fraction" in r and not r["quant"]}
         if link:
             best = max(link, key=link.get)
             parts.append(f"link: {best} at {link[best]:.0%} of the link bound")
         if parts:
             print(f"{op:>15} {nbytes:>10} B  " + "  ".join(parts))
+
+
+def quant_summary(records: list[dict]) -> None:
+    """--quant: each op, engine and size, full precision against int8 (measured one after the
+    other): time ratio, bytes each rank sends, and link% where the link rate is given."""
+    pairs = {}
+    for r in records:
+        if "wire_bytes" in r:
+            pairs.setdefault((r["op"], r["backend"], r["bytes"]), {})[r["quant"]] = r
+    if not pairs:
+        return
+    dtype = records[0]["dtype"]
+    link = any("link_fraction" in r for r in records)
+    print(f"\n# {dtype} against int8 (>1: int8 faster; wire: bytes each rank sends per call)")
+    print(f"{'op':>15} {'backend':>8} {'size':>10} {dtype + '(us)':>14} {'int8(us)':>11} "
+          f"{'ratio':>6} {'wire ' + dtype:>14} {'wire int8':>11}"
+          + (f" {'link% fp':>8} {'link% int8':>10}" if link else ""))
+    for (op, backend, nbytes), by in pairs.items():
+        full, q = by.get(None), by.get("int8")
+        if full is None or q is None:
+            continue
+        print(f"{op:>15} {backend:>8} {nbytes:>10} {full['time_us']:>14.1f} "
+              f"{q['time_us']:>11.1f} {full['time_us'] / q['time_us']:>5.2f}x "
+              f"{full['wire_bytes']:>14} {q['wire_bytes']:>11}"
+              + (f" {full['link_fraction']:>8.0%} {q['link_fraction']:>10.0%}" if link else ""))
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -396,7 +522,8 @@ def plot(records: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
         def name(r):
-            return r["backend"] + (" (symmetric)" if r.get("symmetric") else "")
+            return r["backend"] + (" (symmetric)" if r.get("symmetric") else "") + \
+                (f" {r['quant']}" if r.get("quant") else "")
 
         for backend in sorted({name(r) for r in records if r["op"] in (op, "memcpy")}):
             rows = [r for r in records if name(r) == backend and r["op"] in (op, "memcpy")]
@@ -426,6 +553,12 @@ def main() -> int:
     p.add_argument("--symmetric", action="store_true",
                    help="add all_reduce / all_gather / reduce_scatter on comm.symmetric_empty "
                    "buffers (with shm in --backends)")
+    p.add_argument("--quant", choices=codec.KINDS,
+                   help="also measure all_reduce / all_gather / reduce_scatter with this "
+                   "quantization on the wire, beside full precision (float32, bfloat16)")
+    p.add_argument("--quant-block", type=int,
+                   help="elements per int8 scale (default FASTPAR_QUANT_BLOCK or "
+                   f"{codec.DEFAULT_BLOCK})")
     p.add_argument("--link-gbit", type=float, default=0.0,
                    help="each host's link rate in Gbit/s per direction: adds the link%% column "
                    "(the bytes that must cross hosts at that rate, over the measured time)")
@@ -438,6 +571,17 @@ def main() -> int:
             p.error(f"unknown {name}(s) {bad}; choose from {', '.join(allowed)}")
     if args.link_gbit < 0:
         p.error(f"--link-gbit must be >= 0, got {args.link_gbit}")
+    if args.quant_block is not None and not args.quant:
+        p.error("--quant-block needs --quant")
+    if args.quant:
+        if getattr(torch, args.dtype) not in codec.DTYPES:
+            p.error(f"--quant {args.quant} takes float32 or bfloat16, got --dtype {args.dtype}")
+        try:
+            args.quant = codec.Quant(args.quant, args.quant_block) if args.quant_block \
+                is not None else codec.spec(args.quant)
+        except ValueError as exc:  # a bad block, given or from FASTPAR_QUANT_BLOCK
+            p.error(str(exc) if args.quant_block is None else
+                    f"--quant-block {args.quant_block}: {exc}")
     if args.stepfactor < 2:
         p.error(f"-f must be at least 2, got {args.stepfactor}")
     args.sizes = sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
@@ -448,6 +592,7 @@ def main() -> int:
     records = run(args, topo) + memcpy_reference(args, topo)
     if topo.rank == 0:
         summary(records)
+        quant_summary(records)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(records, f, indent=1)

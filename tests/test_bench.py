@@ -8,7 +8,8 @@ import sys
 from tests.multirank import launch, run_ranks, run_script
 
 RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
-               "algbw_gbps", "busbw_gbps", "wrong", "symmetric"}
+               "algbw_gbps", "busbw_gbps", "wrong", "symmetric", "quant"}
+QUANT_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def test_collectives_bench_checks_every_result(tmp_path):
@@ -16,15 +17,29 @@ def test_collectives_bench_checks_every_result(tmp_path):
     text = "".join(run_script(2, "bench/collectives.py", "--ops",
                               "all_reduce,all_gather,reduce_scatter,broadcast,sendrecv",
                               "--backends", "shm,gloo,mpi,nccl", "-b", "1K", "-e", "4K", "-f",
-                              "4", "-w", "1", "-n", "3", "--check", "--json", str(out)))
+                              "4", "-w", "1", "-n", "3", "--check", "--quant", "int8",
+                              "--quant-block", "64", "--json", str(out)))
     assert "sendrecv on shm: skipped" not in text and "nccl needs CUDA" in text
+    assert "float32 against int8" in text
     records = json.loads(out.read_text())
     measured = [r for r in records if r["op"] != "memcpy"]
-    assert len(measured) == 5 * 3 * 2  # shm, gloo, mpi x 5 ops x 2 sizes; nccl skipped on CPU
+    int8 = [r for r in measured if r["quant"] == "int8"]
+    # shm, gloo, mpi x 5 ops x 2 sizes (nccl skipped on CPU); int8 beside 3 of the ops
+    assert len(measured) - len(int8) == 5 * 3 * 2 and len(int8) == 3 * 3 * 2
     for r in records:
-        assert set(r) == RECORD_KEYS, r
+        extra = set()
+        if r["op"] in QUANT_OPS:
+            extra = {"wire_bytes", "block"} if r["quant"] else {"wire_bytes"}
+        assert set(r) == RECORD_KEYS | extra, r
         assert r["p99_us"] >= r["time_us"] > 0, r
+    # every result right: int8 ones within the codec's bound
     assert all(r["wrong"] == 0 for r in measured), [r for r in measured if r["wrong"]]
+    # the wire format: all_reduce of 1024 float32 sends one piece of 512 elements each way,
+    # as 8 scales and 512 int8 (full precision: 2048 bytes each way)
+    wire = {(r["op"], r["bytes"], r["quant"]): r["wire_bytes"] for r in measured
+            if r["backend"] == "shm" and r["op"] in QUANT_OPS}
+    assert wire[("all_reduce", 4096, "int8")] == 2 * (4 * 8 + 512)
+    assert wire[("all_reduce", 4096, None)] == 2 * 2048
     assert {r["busbw_gbps"] / r["algbw_gbps"] for r in measured if r["op"] == "all_reduce"} \
         == {1.0}  # 2(n-1)/n at n = 2
 
