@@ -191,13 +191,26 @@ def reference(op, count, dtype, topo, fill):
 
 def count_wrong(got, want, dtype, bound=None) -> int:
     """Elements of ``got`` farther from the float64 ``want`` than ``bound`` (per element;
-    default: the dtype's rounding, relative to max(|want|, 1))."""
+    default: the dtype's rounding, relative to max(|want|, 1): for the ops that copy)."""
     got = got.detach().to("cpu").double()
     if got.shape != want.shape:
         return want.numel()
     if bound is None:
         bound = TOL[dtype] * want.abs().clamp_min(1.0)
     return int(((got - want).abs() > bound).sum().item())
+
+
+def sum_bound(op, count, dtype, topo, fill) -> torch.Tensor:
+    """Per element, how far a full-precision all_reduce or reduce_scatter may be from the
+    float64 sum: n eps sum_r |x_r| (eps = 2u of the dtype), what n - 1 additions in any order
+    and a rounding of each partial sum to the dtype can make. (Relative to |sum| alone it is
+    not a bound: the hierarchical engine rounds each host's sum to the dtype, and under
+    cancellation those roundings are large against the total; bfloat16 showed it.)"""
+    n, rank = topo.world_size, topo.rank
+    eps = torch.finfo(dtype).eps
+    absum = sum(fill(count, r).double().abs() for r in range(n))
+    bound = n * eps * absum
+    return bound.chunk(n)[rank] if op == "reduce_scatter" else bound
 
 
 def int8_bound(op, count, dtype, topo, fill, local: int) -> torch.Tensor:
@@ -409,6 +422,8 @@ def measure(args, topo, op, backend, nbytes, count, dtype, fill, symmetric, quan
         if quant:  # the hierarchical engine quantizes each host's sum
             local = n // hosts if engine == "hier" else 1
             bound = int8_bound(op, count, dtype, topo, fill, local)
+        elif op in ("all_reduce", "reduce_scatter"):
+            bound = sum_bound(op, count, dtype, topo, fill)
         wrong = count_wrong(got, reference(op, count, dtype, topo, fill), dtype, bound)
         wrong = int(slowest(float(wrong), topo))
     size = count * esize
