@@ -129,3 +129,15 @@ def test_forced_all_to_all(forced, device, layout, dtype, why):
     else:
         with pytest.raises(ValueError, match=why):
             choose("all_to_all", device, layout, 4096, dtype, forced=forced)
+
+
+def test_quantizes_across_links_always_and_within_a_host_from_its_threshold():
+    from fastpar.comm.policy import QUANT_SHM_MIN_BYTES, quantizes
+
+    assert quantizes("local", 1 << 30, None) == (False, "group of one rank: nothing crosses")
+    for engine in ("hier", "mpi", "gloo", "nccl"):
+        assert quantizes(engine, 16, None)[0]
+    assert quantizes("shm", QUANT_SHM_MIN_BYTES, None)[0]
+    yes, why = quantizes("shm", QUANT_SHM_MIN_BYTES - 1, None)
+    assert not yes and "within a host below 1 MiB" in why
+    assert quantizes("shm", 16, "shm")[0]  # a forced engine runs what it is asked

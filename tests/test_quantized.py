@@ -344,8 +344,14 @@ def body_feedback_and_subgroup():
     topo = fastpar.init(tp=2, timeout=120)
     dp, me, n = topo.dp_group, topo.dp_rank, topo.dp_size
     spec = comm.Quant("int8", block=64)
-    size = 1000
     out = {}
+    # unforced, a small call within a host stays full precision (policy.quantizes): exact
+    x = _x(topo.rank, 1000, "policy")
+    t = x.float()
+    comm.all_reduce(t, group=dp, quant=spec)
+    out["policy_exact"] = torch.equal(t, comm.all_reduce(x.float(), group=dp))
+    comm.use_backend("shm")  # forced: every call below is int8 (within the host)
+    size = 1000
     # reduce_scatter, three calls with a residual: sent + what is left = the exact sum
     residual = torch.zeros(n * size)
     total_in = torch.zeros(n * size, dtype=torch.float64)
@@ -388,6 +394,7 @@ def body_feedback_and_subgroup():
     out["nan_ar"] = [t[64:128].isnan().all().item(), t[:64].isfinite().all().item(),
                      t[128:].isfinite().all().item()]
     out["dp_rank"] = me
+    comm.use_backend(None)
     fastpar.shutdown()
     return out
 
@@ -403,6 +410,7 @@ def test_error_feedback_and_non_finite_on_a_subgroup():
         assert v["nan_rs"] == ([False, True, True] if v["dp_rank"] == 0 else
                                [False, False, True]), (rank, v)
         assert v["nan_ar"] == [True, True, True], (rank, v)
+        assert v["policy_exact"], (rank, v)
 
 
 # ---- where training uses it ------------------------------------------------------------------
@@ -421,6 +429,7 @@ def body_training(tp):
 
     topo = fastpar.init(tp=tp, timeout=120)
     dp, me = topo.dp_size, topo.dp_rank
+    comm.use_backend("shm")  # small buckets within a host: int8 only when forced (policy)
 
     def make():
         torch.manual_seed(5)

@@ -195,13 +195,11 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     for name in ("tp2pp2", "tp2dp2", "pp2dp2.zero", "tp2dp2.zero2"):
         assert_parity(name, four[name], serial)
     assert_parity("pp2dp2.zero3.resume", four["pp2dp2.zero3.resume"], serial)
-    # int8 reductions: the reductions' own bounds are tests/test_quantized.py's; over 20 steps
-    # the loss stays within 1e-3 relative of serial (measured: ~1e-4), a broken reduction
-    # would not (bench/quantized.py compares 300 steps against the seeds' spread)
+    # --quantize-*: on one host the tiny model's calls are under policy.QUANT_SHM_MIN_BYTES,
+    # so they stay full precision (the flags' wiring and memory are what runs here; int8
+    # across hosts trains in test_cluster_jobs, the reductions' bounds are test_quantized's)
     for name in ("dp4.quant", "dp4.zero3.quant"):
         assert_parity(name, four[name], serial, bound=1e-3)
-        assert not all(a == b for a, b in zip(curve(four[name]).values(),
-                                               curve(four["tp2dp2"]).values()))
     assert_parity("dp4.zero3.tied", four["dp4.zero3.tied"], one["serial.tied"])
     assert_parity("interleaved.tied.sp", four["tp2pp2.interleaved.tied.sp"], one["serial.tied"])
     for name in ("pp2", "tp2", "dp2"):

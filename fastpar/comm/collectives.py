@@ -175,14 +175,21 @@ def _quant(name: str, t: torch.Tensor, op, quant, residual=None):
     return spec
 
 
-def _quant_route(t: torch.Tensor, group) -> Route:
-    """The route of a quantized call: its engine moves bytes (an all-gather or all-to-all of
-    int8 pieces), so it is chosen as for an all_gather of t's bytes (MPI carries them for a
-    bfloat16 tensor too; a group across hosts takes the hierarchical engine)."""
+def _quant_route(name: str, t: torch.Tensor, group, op, spec):
+    """``(route, spec)`` of a quantized call: its engine moves bytes (an all-gather or all-to-all
+    of int8 pieces), so it is chosen as for an all_gather of t's bytes (MPI carries them for a
+    bfloat16 tensor too; a group across hosts takes the hierarchical engine). Where the policy
+    says int8 does not pay (``policy.quantizes``: small calls within a host), the call's own
+    full-precision route and spec None."""
     flat = t.reshape(-1)
-    return _route("all_gather", flat.view(torch.uint8) if flat.is_contiguous() else
-                  torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8,
-                              device=t.device), group)
+    route = _route("all_gather", flat.view(torch.uint8) if flat.is_contiguous() else
+                   torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8,
+                               device=t.device), group)
+    yes, why = policy.quantizes(route.engine, t.numel() * t.element_size(), current().forced)
+    if yes:
+        return route, spec
+    log.debug("%s quant=%r on global ranks %s: %s", name, spec.kind, route.ranks, why)
+    return (_route(name, t, group, op) if name != "all_gather" else _route(name, t, group)), None
 
 
 def _quant_handle(result, pending, async_op):
@@ -219,7 +226,12 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *,
     ``residual``: see the module docstring (quantized calls complete before they return)."""
     spec = _quant("all_reduce", t, op, quant, residual) if quant is not None or \
         residual is not None else None
-    route = _route("all_reduce", t, group, op) if spec is None else _quant_route(t, group)
+    route = _route("all_reduce", t, group, op) if spec is None else None
+    if route is None:
+        route, spec = _quant_route("all_reduce", t, group, op, spec)
+        if spec is None and residual is not None:  # full precision: what was carried goes now
+            t.add_(residual.to(t.dtype))
+            residual.zero_()
     engine, op = route.engine, route.op
     if engine == "local":
         return _done(t, async_op)
@@ -253,7 +265,9 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
         t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
     dim = _check_dim("all_gather", t, dim)
     spec = _quant("all_gather", t, None, quant) if quant is not None else None
-    route = _route("all_gather", t, group) if spec is None else _quant_route(t, group)
+    route = _route("all_gather", t, group) if spec is None else None
+    if route is None:
+        route, spec = _quant_route("all_gather", t, group, None, spec)
     if out is not None:
         return _all_gather_into(t, out, dim, route, async_op, spec)
     engine = route.engine
@@ -333,7 +347,12 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     dim = _check_dim("reduce_scatter", t, dim)
     spec = _quant("reduce_scatter", t, op, quant, residual) if quant is not None or \
         residual is not None else None
-    route = _route("reduce_scatter", t, group, op) if spec is None else _quant_route(t, group)
+    route = _route("reduce_scatter", t, group, op) if spec is None else None
+    if route is None:
+        route, spec = _quant_route("reduce_scatter", t, group, op, spec)
+        if spec is None and residual is not None:  # full precision: what was carried goes now
+            t = t + residual.to(t.dtype)
+            residual.zero_()
     engine, op = route.engine, route.op
     n = len(route.ranks)
     if t.shape[dim] % n:

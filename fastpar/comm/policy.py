@@ -266,6 +266,27 @@ def forcing(engine: str, by: str) -> str:
     return f"{by}={engine}" if by == "FASTPAR_COMM_BACKEND" else f"{by}({engine!r})"
 
 
+# quant="int8" within one host (the shm engine) from this many bytes of the tensor passed: below
+# it the codec's fixed costs take about what the quarter-size copies save. Measured, float32 vs
+# int8 through the native kernels (bench/collectives.py --quant int8, 2 and 4 ranks on the
+# 2-core machine while it was shared, load 17-21, so noisy): from 4 MiB int8 was faster in every
+# op (1.2-2.1x; 1.6-2.2x at 16 MiB), below 1 MiB it went either way (0.07-1.9x).
+QUANT_SHM_MIN_BYTES = 1 * MiB
+
+
+def quantizes(engine: str, nbytes: int, forced: str | None) -> tuple[bool, str]:
+    """``(yes, reason)``: whether a ``quant=`` call on ``engine`` of ``nbytes`` (the tensor's
+    full-precision bytes) is quantized. Across a link (every engine but shm and local) always:
+    the link is the bottleneck int8 shrinks. Within a host (shm) from QUANT_SHM_MIN_BYTES, or
+    at any size when an engine is forced (a forced engine runs what it is asked)."""
+    if engine == "local":
+        return False, "group of one rank: nothing crosses"
+    if engine != "shm" or forced or nbytes >= QUANT_SHM_MIN_BYTES:
+        return True, "int8 on the wire"
+    return False, (f"within a host below {QUANT_SHM_MIN_BYTES // MiB} MiB int8 costs about what "
+                   f"it saves: full precision")
+
+
 def choose(op: str, device: str, layout: Layout, nbytes: int, dtype: torch.dtype, *,
            reduce_op: str = "sum", forced: str | None = None,
            forced_by: str = "FASTPAR_COMM_BACKEND") -> Choice:
