@@ -15,7 +15,8 @@ per run, the same data and seed: ``base`` (full precision) and each quantized op
     dp-ef        DataParallel (no ZeRO) with --quantize-grads int8 --error-feedback, beside
                  ``dp`` (DataParallel in full precision)
 
-and ``base`` again with seeds 1 .. S-1 (``--seeds S``): how far two full-precision runs that
+(one host: the shm engine forced, so that every call is int8 whatever its size) and ``base``
+again with seeds 1 .. S-1 (``--seeds S``): how far two full-precision runs that
 differ only in their seed end apart is the noise the quantized runs are measured against. For
 each run: the mean train loss over the last 10% of the steps and the final validation loss, and
 their distance from the full-precision run of the same seed; a run *converges like full
@@ -74,7 +75,10 @@ def run_local(args, name, flags, seed) -> dict:
         proc = subprocess.run([mpirun, "-np", str(args.np), *train_argv(args, flags, seed,
                                                                          metrics)],
                               capture_output=True, text=True, cwd=ROOT, timeout=args.timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              env={**os.environ, "OMP_NUM_THREADS": "1",
+                                   # forced: every call int8 whatever its size (unforced, one
+                                   # host's calls under 1 MiB stay full precision: the policy)
+                                   "FASTPAR_COMM_BACKEND": "shm"},
                               stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise RuntimeError(f"run {name} (seed {seed}) failed ({proc.returncode}):\n"
