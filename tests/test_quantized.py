@@ -226,7 +226,7 @@ def ratio(got, want, bound):
 def test_every_op_dtype_engine_within_its_bound(world):
     engines = ENGINES if world > 1 else ["shm"]
     sizes = SIZES if world in (2, 4) else [33, 4099]  # 3: chunks of uneven ends
-    blocks = [64, 256] if world != 3 else [64]
+    blocks = [64, 256] if world == 2 else [64]  # (the suite is at its time limit)
     values = run_ranks(world, body_ops, sizes=sizes, engines=engines, blocks=blocks,
                        timeout=300).values()
     native = [v.pop("native") for v in values]
