@@ -192,6 +192,21 @@ def _quant_route(name: str, t: torch.Tensor, group, op, spec):
     return (_route(name, t, group, op) if name != "all_gather" else _route(name, t, group)), None
 
 
+def _routed(name: str, t: torch.Tensor, group, op, quant, residual):
+    """``(route, spec, t)`` of an all_reduce or reduce_scatter: full precision (spec None) when
+    no ``quant`` is asked or the policy skips it; in the latter case what error feedback
+    carried is sent now, added to t (in place for all_reduce, whose t is its result; a new
+    tensor otherwise) and the residual cleared."""
+    if quant is None and residual is None:
+        return _route(name, t, group, op), None, t
+    route, spec = _quant_route(name, t, group, op, _quant(name, t, op, quant, residual))
+    if spec is None and residual is not None:
+        extra = residual.to(t.dtype)
+        t = t.add_(extra) if name == "all_reduce" else t + extra
+        residual.zero_()
+    return route, spec, t
+
+
 def _quant_handle(result, pending, async_op):
     """The result of a quantized call whose bytes may still be in flight (``pending``)."""
     if pending is None:
@@ -224,14 +239,7 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *,
     On the shm and CUDA IPC engines a whole ``symmetric_empty`` tensor of this group is reduced
     where it lies (no copy in or out; bitwise the copying path's result). ``quant``,
     ``residual``: see the module docstring (quantized calls complete before they return)."""
-    spec = _quant("all_reduce", t, op, quant, residual) if quant is not None or \
-        residual is not None else None
-    route = _route("all_reduce", t, group, op) if spec is None else None
-    if route is None:
-        route, spec = _quant_route("all_reduce", t, group, op, spec)
-        if spec is None and residual is not None:  # full precision: what was carried goes now
-            t.add_(residual.to(t.dtype))
-            residual.zero_()
+    route, spec, _ = _routed("all_reduce", t, group, op, quant, residual)
     engine, op = route.engine, route.op
     if engine == "local":
         return _done(t, async_op)
@@ -345,14 +353,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
                          "0-dim tensor")
     dim = _check_dim("reduce_scatter", t, dim)
-    spec = _quant("reduce_scatter", t, op, quant, residual) if quant is not None or \
-        residual is not None else None
-    route = _route("reduce_scatter", t, group, op) if spec is None else None
-    if route is None:
-        route, spec = _quant_route("reduce_scatter", t, group, op, spec)
-        if spec is None and residual is not None:  # full precision: what was carried goes now
-            t = t + residual.to(t.dtype)
-            residual.zero_()
+    route, spec, t = _routed("reduce_scatter", t, group, op, quant, residual)
     engine, op = route.engine, route.op
     n = len(route.ranks)
     if t.shape[dim] % n:

@@ -127,13 +127,7 @@ class HierCommunicator:
         pieces = torch.empty(self.hosts * flat.numel(), dtype=inp.dtype)
         engine, leg = self._leg(inp.dtype, stacked.nbytes)
         engine.all_gather(leg, flat, pieces, False)  # local index i's blocks of every host
-        blocks = stacked.view(self.hosts * self.local, -1)
-        if self._order is None:
-            self.intra.all_gather(pieces, blocks.view(-1))
-            return
-        arranged = torch.empty_like(blocks)
-        self.intra.all_gather(pieces, arranged.view(-1))
-        blocks.index_copy_(0, self._order, arranged)
+        self._gather_within(pieces, stacked)
 
     # ---- quantized (quant=): full precision within a host, int8 across ----------------------
     # The shm stages stay full precision: within a host the bytes move through memory at
@@ -197,6 +191,17 @@ class HierCommunicator:
                 rows = self._order[rows]
             residual.view(groups, -1).index_copy_(0, rows, carried)
 
+    def _gather_within(self, pieces: torch.Tensor, stacked: torch.Tensor) -> None:
+        """all_gather's host-local stage: every host's blocks of each local index (``pieces``)
+        gathered over the host into ``stacked``, in group order."""
+        blocks = stacked.view(self.hosts * self.local, -1)
+        if self._order is None:
+            self.intra.all_gather(pieces, blocks.view(-1))
+            return
+        arranged = torch.empty_like(blocks)
+        self.intra.all_gather(pieces, arranged.view(-1))
+        blocks.index_copy_(0, self._order, arranged)
+
     def quantized_all_gather(self, inp: torch.Tensor, stacked: torch.Tensor, spec) -> None:
         from fastpar.comm import quantized
 
@@ -205,13 +210,7 @@ class HierCommunicator:
         route = self._cross_route(inp.dtype, stacked.nbytes)
         pending = quantized.all_gather(route, flat, pieces, spec, False)
         assert pending is None
-        blocks = stacked.view(self.hosts * self.local, -1)
-        if self._order is None:
-            self.intra.all_gather(pieces, blocks.view(-1))
-            return
-        arranged = torch.empty_like(blocks)
-        self.intra.all_gather(pieces, arranged.view(-1))
-        blocks.index_copy_(0, self._order, arranged)
+        self._gather_within(pieces, stacked)
 
 
 class _CrossRoute:
