@@ -14,9 +14,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """Start the background jobs (tests.background) of every selected module."""
+    from tests import background
+
+    for module in {id(item.module): item.module for item in session.items
+                   if getattr(item, "module", None) is not None}.values():
+        background.start_module(module)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """End the rank pools (tests.rank_pool) the session started."""
+    """End the rank pools (tests.rank_pool) and background jobs the session started."""
     import sys
+
+    from tests import background
 
     if "tests.rank_pool" in sys.modules:
         sys.modules["tests.rank_pool"].close_all()
+    background.close_all()

@@ -5,25 +5,33 @@ int8 codec's scalar, AVX2 and AVX-512 loops against each other and its definitio
 collectives on every path against the codec applied by hand, their mismatches)."""
 
 import os
+import shlex
 import shutil
-import subprocess
+import sys
 
 import pytest
+
+from tests import background
 
 SHM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "shm")
 
 
-def test_shm_kernel_selftest(tmp_path):
+def BACKGROUND_JOBS(workdir: str) -> dict:
+    """Build and run the self-test, started when collection ends (tests.background)."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        pytest.skip("no C++ compiler on the PATH")
-    exe = tmp_path / "shm_selftest"
+        return {"selftest": "no C++ compiler on the PATH"}
+    exe = os.path.join(workdir, "shm_selftest")
     sources = [os.path.join(SHM, f) for f in
                ("shm_collectives.cpp", "shm_reduce.cpp", "shm_quant.cpp", "shm_quantized.cpp",
                 "shm_selftest.cpp")]
     # -ffp-contract=off as setup.py builds it: the int8 loops' paths agree bitwise only unfused
-    build = subprocess.run([cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-pthread", *sources,
-                            "-o", str(exe)], capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe), "--no-bench"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "ALL PASS" in run.stdout, run.stdout[-3000:] + run.stderr
+    build = [cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-pthread", *sources, "-o", exe]
+    return {"selftest": ["sh", "-c", f"{shlex.join(build)} && {shlex.quote(exe)} --no-bench"]}
+
+
+def test_shm_kernel_selftest():
+    run = background.result(sys.modules[__name__], "selftest", timeout=600)
+    if isinstance(run, str):
+        pytest.skip(run)
+    assert run.returncode == 0 and "ALL PASS" in run.stdout, run.describe()
