@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "build_info.h"
+#include "quant_ops.h"
 #include "shm_alltoall_ops.h"
 #include "shm_ops.h"
 #include "shm_p2p_ops.h"
@@ -48,6 +49,13 @@ TORCH_LIBRARY(fastpar, m) {
         "Tensor(b!)? residual) -> ()", &fastpar::shm_quantized_reduce_scatter);
   m.def("shm_quantized_all_reduce(int comm, Tensor(a!) t, int block, Tensor(b!)? residual) -> ()",
         &fastpar::shm_quantized_all_reduce);
+  // The same codec on CPU tensors in quant.py's wire format (the byte-moving engines' path).
+  m.def("quant_pack_rows(Tensor x, int block, Tensor(a!) out, Tensor(b!)? residual, "
+        "str feedback) -> ()", &fastpar::quant_pack_rows);
+  m.def("quant_unpack_rows(Tensor buf, int m, int block, Tensor(a!) out) -> ()",
+        &fastpar::quant_unpack_rows);
+  m.def("quant_sum_packed_rows(Tensor buf, int m, int block, Tensor(a!) out) -> ()",
+        &fastpar::quant_sum_packed_rows);
   m.def("shm_all_to_all(int comm, Tensor inp, int[] send_counts, int[]? recv_counts, int sig, "
         "Tensor(a!)? out=None) -> (Tensor, int[])", &fastpar::shm_all_to_all);
 

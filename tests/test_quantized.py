@@ -112,6 +112,58 @@ def test_codec_divides_as_defined():
     assert np.array_equal(scales.numpy(), amax / np.float32(127))
 
 
+def _codec_calls(quantized, x, B, residual, feedback, out_dtype):
+    """One round of the byte-moving path's codec: packed bytes, residual after, unpacked rows
+    (out_dtype) and their sum."""
+    rows, m = x.shape
+    buf = torch.empty(rows, quant.packed_bytes(m, B), dtype=torch.uint8)
+    res = None if residual is None else residual.clone()
+    quantized._pack_rows(x, B, buf, res, feedback)
+    unpacked = quantized._unpack_rows(buf, m, B, torch.empty(rows, m, dtype=out_dtype))
+    total = quantized._sum_packed_rows(buf, m, B, torch.empty(m, dtype=out_dtype))
+    return buf, res, unpacked, total
+
+
+def test_native_codec_is_the_definition_bitwise(monkeypatch):
+    """The CPU codec of the byte-moving engines (csrc/quant_ops.cpp, the shm kernels' loops)
+    against comm.quant's torch ops, byte for byte: both dtypes, blocks, sizes off the block,
+    special values, error feedback replacing (whole rows and cut inside a row, as all_reduce
+    pads) and adding (an all_reduce owner's second rounding)."""
+    from fastpar import _native
+    from fastpar.comm import quantized
+
+    assert _native.available(), "the extension is part of the build"
+    for dtype in (torch.float32, torch.bfloat16):
+        for B in (16, 64, 256):
+            for m in (1, 33, 1000, 4099):
+                x = torch.stack([_x(r, m, f"native{B}", 10.0) for r in range(3)]).to(dtype)
+                if m >= 1000:
+                    x[1, 300] = float("inf")
+                    x[2, 7] = float("nan")
+                    x[0, 500:516] = 1e-39  # a subnormal block
+                cases = [(None, "replace"),
+                         (torch.randn(3 * m) * 1e-3, "replace"),
+                         (torch.randn(3 * m - m // 2 - 1) * 1e-3, "replace"),
+                         (torch.randn(max(1, m // 3)) * 1e-3, "add")]
+                for residual, feedback in cases:
+                    xx = x if feedback == "replace" or residual is None else x[:1]
+                    if residual is not None and residual.numel() < xx.numel() and \
+                            feedback == "replace":  # cut inside a row: zeros past it
+                        xx = xx.clone()
+                        xx.view(-1)[residual.numel():] = 0
+                    for out_dtype in (torch.float32, torch.bfloat16):
+                        got = _codec_calls(quantized, xx, B, residual, feedback, out_dtype)
+                        with monkeypatch.context() as mp:
+                            mp.setattr(quantized, "_native_codec", lambda t: None)
+                            want = _codec_calls(quantized, xx, B, residual, feedback, out_dtype)
+                        where = (dtype, B, m, feedback, None if residual is None else
+                                 residual.numel(), out_dtype)
+                        assert torch.equal(got[0], want[0]), where
+                        for g, w in zip(got[1:], want[1:]):  # residual, unpacked, sum
+                            if g is not None:
+                                assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), where
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="'int4'"):
         quant.spec("int4")

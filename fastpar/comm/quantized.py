@@ -43,6 +43,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from fastpar import _native as _native_ext
 from fastpar.comm import quant as q
 from fastpar.comm.flat import flat_adapter
 
@@ -110,8 +111,10 @@ def _done_or_pending(work, finish):
 
 
 # ---- the codec on the data's device ----------------------------------------------------------
-# CPU tensors: comm.quant's torch ops (the definition). CUDA tensors: fastpar.kernels' Triton
-# kernels, which compute the same bytes in one pass each (tests/test_quant_kernels.py).
+# CPU tensors: the shm kernels' codec loops (csrc/quant_ops.cpp: one pass each, bitwise the torch
+# ops of comm.quant, which are the definition and the fallback without the extension). CUDA
+# tensors: fastpar.kernels' Triton kernels, the same bytes in one pass each
+# (tests/test_quant_kernels.py).
 
 @functools.cache
 def _triton_codec():
@@ -129,21 +132,53 @@ def _kernels_for(t: torch.Tensor):
     return _triton_codec() if t.device.type == "cuda" else None
 
 
-def _pack_rows(x: torch.Tensor, B: int, out: torch.Tensor, residual=None) -> None:
-    """q.pack_rows on x's device; ``residual`` (float32, at most x.numel()): x minus what its
-    receivers decode, flat and cut to its length (all_reduce's is shorter than its padded x)."""
-    kernels = _kernels_for(x)
-    if kernels is not None:
-        kernels.pack_rows(x, B, out, residual=residual)
+def _native_codec(t: torch.Tensor):
+    """torch.ops.fastpar for a CPU tensor when the extension is built (else None: torch ops)."""
+    if t.device.type != "cpu" or not _native_ext.available():
+        return None
+    return torch.ops.fastpar
+
+
+def _pack_rows(x: torch.Tensor, B: int, out: torch.Tensor, residual=None,
+               feedback: str = "replace") -> None:
+    """Each row of x (rows, m) packed into out (rows, packed bytes). ``residual`` (float32, at
+    most x.numel() elements: the flat rows cut to its length), ``feedback``:
+    "replace": the rows quantized are x + residual, then residual = that - what the receivers
+    decode (a row the residual ends inside: its first elements only, the rest zeros, as
+    all_reduce pads); "add": residual += x - what the receivers decode."""
+    native = _native_codec(x)
+    if native is not None:
+        native.quant_pack_rows(x.contiguous(), B, out, None if residual is None
+                               else residual.view(-1), feedback)
         return
-    q.pack_rows(x, B, out)
-    if residual is not None:
-        sent = q.unpack_rows(out, x.shape[1], B)
-        residual.view(-1).copy_((x - sent).view(-1)[:residual.numel()])
+    kernels = _kernels_for(x)
+    if residual is None:
+        (kernels.pack_rows if kernels is not None else q.pack_rows)(x, B, out)
+        return
+    k = residual.numel()
+    if feedback == "replace":
+        x = x.to(torch.float32, copy=True)
+        x.view(-1)[:k] += residual.view(-1)
+        if kernels is not None:  # residual = x - what the receivers decode, in one pass
+            kernels.pack_rows(x, B, out, residual=residual)
+            return
+    (kernels.pack_rows if kernels is not None else q.pack_rows)(x, B, out)
+    error = (x.float() - _unpack_rows(out, x.shape[1], B)).view(-1)[:k]
+    if feedback == "add":
+        residual.view(-1).add_(error)
+    else:
+        residual.view(-1).copy_(error)
 
 
 def _unpack_rows(buf: torch.Tensor, m: int, B: int, out=None) -> torch.Tensor:
-    """q.unpack_rows on buf's device (float32 (rows, m)), or into ``out`` (rows, m)."""
+    """float32 (rows, m) of buf's packed rows, or those values in ``out`` (rows, m; float32 or
+    bfloat16, rounded once)."""
+    native = _native_codec(buf)
+    if native is not None:
+        if out is None:
+            out = torch.empty(buf.shape[0], m, dtype=torch.float32)
+        native.quant_unpack_rows(buf, m, B, out)
+        return out
     kernels = _kernels_for(buf)
     if kernels is not None:
         return kernels.unpack_rows(buf, m, B, out)
@@ -154,6 +189,10 @@ def _unpack_rows(buf: torch.Tensor, m: int, B: int, out=None) -> torch.Tensor:
 def _sum_packed_rows(buf: torch.Tensor, m: int, B: int, out: torch.Tensor) -> torch.Tensor:
     """out (m,) = the sum of the packed rows' values (as ``_sum_rows``), rounded once to out's
     dtype."""
+    native = _native_codec(buf)
+    if native is not None:
+        native.quant_sum_packed_rows(buf, m, B, out)
+        return out
     kernels = _kernels_for(buf)
     if kernels is not None:
         return kernels.sum_packed_rows(buf, m, B, out)
@@ -175,14 +214,6 @@ def _native(route, spec: q.Quant) -> bool:
 
 
 # ---- the collectives -------------------------------------------------------------------------
-
-def _with_residual(x: torch.Tensor, residual) -> torch.Tensor:
-    """float32 of x, plus the carried error if any (a new tensor: x is not changed)."""
-    src = x.to(torch.float32, copy=True)
-    if residual is not None:
-        src += residual.view(src.shape)
-    return src
-
 
 def all_gather(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, async_op: bool):
     """out (n * m elements, x's dtype, contiguous) = every rank's x, dequantized. Returns the
@@ -213,10 +244,9 @@ def reduce_scatter(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, res
         return None
     n, B = len(route.ranks), spec.block
     m = x.numel() // n
-    src = _with_residual(x.reshape(n, m), residual)
     per = q.packed_bytes(m, B)
     send = torch.empty(n, per, dtype=torch.uint8, device=x.device)
-    _pack_rows(src, B, send, residual)
+    _pack_rows(x.reshape(n, m), B, send, residual)
     recv = torch.empty(n * per, dtype=torch.uint8, device=x.device)
     work = _all_to_all_bytes(route, send.view(-1), recv, async_op)
 
@@ -245,8 +275,6 @@ def all_reduce(route, t: torch.Tensor, spec: q.Quant, residual) -> None:
     m = -(-N // n)
     src = torch.zeros(n * m, dtype=torch.float32, device=t.device)
     src[:N].copy_(t.reshape(-1))
-    if residual is not None:
-        src[:N] += residual.reshape(-1)
     per = q.packed_bytes(m, B)
     send = torch.empty(n, per, dtype=torch.uint8, device=t.device)
     _pack_rows(src.view(n, m), B, send, residual)
@@ -255,12 +283,11 @@ def all_reduce(route, t: torch.Tensor, spec: q.Quant, residual) -> None:
     mine = _sum_packed_rows(recv.view(n, per), m, B,
                             torch.empty(m, dtype=torch.float32, device=t.device))
     piece = torch.empty(1, per, dtype=torch.uint8, device=t.device)
-    _pack_rows(mine.view(1, m), B, piece)
     me = me_of(route)
-    if residual is not None:  # the owner carries its sum's rounding, once over the ranks
-        lo, hi = me * m, min((me + 1) * m, N)
-        if hi > lo:
-            residual.view(-1)[lo:hi] += (mine - _unpack_rows(piece, m, B).view(-1))[:hi - lo]
+    lo, hi = min(me * m, N), min((me + 1) * m, N)
+    # the owner carries its sum's rounding (once over the ranks) on top of its first one
+    _pack_rows(mine.view(1, m), B, piece, None if residual is None or hi == lo
+               else residual.view(-1)[lo:hi], "add")
     gathered = torch.empty(n * per, dtype=torch.uint8, device=t.device)
     _all_gather_bytes(route, piece.view(-1), gathered, False)
     t.view(-1).copy_(_unpack_rows(gathered.view(n, per), m, B).view(-1)[:N])
