@@ -1,10 +1,23 @@
-"""The TP x PP x DP rank grid: coordinates, groups and pipeline neighbours.
+"""The TP x PP x DP rank grid (with EP inside DP): coordinates, groups and pipeline neighbours.
 
 Rank order follows Megatron-LM: tp varies fastest, then dp, then pp::
 
     tp_rank = rank % tp
     dp_rank = (rank // tp) % dp
     pp_rank = rank // (tp * dp)
+
+Expert parallelism cuts dp, as Megatron-LM does: the experts of an MoE layer are sharded over
+``ep`` ranks, and each expert is replicated over ``edp = dp // ep`` of them. ep varies fastest
+inside dp, so an ep group (whose all-to-alls carry every token of every MoE layer) is the most
+local one, consecutive dp ranks::
+
+    ep_rank  = dp_rank % ep        # which shard of the experts
+    edp_rank = dp_rank // ep       # which replica of that shard
+    dp_rank  = edp_rank * ep + ep_rank
+
+Dense parameters are reduced over the dp group; expert parameters over the edp group (the ranks
+holding the same experts). ep 1 is a job without expert parallelism: ep groups of one rank, and
+edp groups equal to the dp groups.
 
 ``Grid`` is the pure arithmetic (no torch.distributed), so every layout is unit-tested without
 processes. ``Topology`` is the grid seen from one rank, with the process groups that
@@ -22,34 +35,47 @@ from typing import Any
 
 import torch
 
-AXES = ("tp", "pp", "dp", "mp", "embedding")
+# The axes that have groups, in the order fastpar.init builds them (new axes go last, so the
+# groups of the older ones are made in the same order as before).
+AXES = ("tp", "pp", "dp", "mp", "embedding", "ep", "edp")
 
 
-def validate_degrees(world_size: int, tp: int, pp: int) -> None:
-    """Raise ``ValueError`` naming every factor when ``world_size`` cannot hold ``tp x pp``."""
-    for name, value in (("tp", tp), ("pp", pp)):
+def validate_degrees(world_size: int, tp: int, pp: int, ep: int = 1) -> None:
+    """Raise ``ValueError`` naming every factor when ``world_size`` cannot hold ``tp x pp``, or
+    its dp (``world_size / (tp x pp)``) cannot be cut into ep groups."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     if world_size % (tp * pp):
         raise ValueError(f"world_size {world_size} is not divisible by tp {tp} x pp {pp}")
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise ValueError(f"ep {ep} does not divide dp {dp} (world_size {world_size} / (tp {tp} "
+                         f"x pp {pp})): expert parallelism cuts the dp ranks into groups of ep")
 
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-    """The rank grid of a job: ``world_size = tp * dp * pp``."""
+    """The rank grid of a job: ``world_size = tp * dp * pp``, ``dp = ep * edp``."""
 
     world_size: int
     tp: int
     pp: int
+    ep: int = 1
 
     def __post_init__(self):
-        validate_degrees(self.world_size, self.tp, self.pp)
+        validate_degrees(self.world_size, self.tp, self.pp, self.ep)
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Replicas of each expert shard: ``dp // ep``."""
+        return self.dp // self.ep
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
@@ -60,14 +86,26 @@ class Grid:
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
+    def ep_rank(self, rank: int) -> int:
+        """``dp_rank % ep``: which shard of the experts ``rank`` holds."""
+        return self.coords(rank)[1] % self.ep
+
+    def edp_rank(self, rank: int) -> int:
+        """``dp_rank // ep``: which replica of its expert shard ``rank`` is."""
+        return self.coords(rank)[1] // self.ep
+
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of one axis, each a sorted list of global ranks, in a fixed order.
 
         ``tp``, ``dp``, ``pp``: ranks differing only in that coordinate. ``mp`` (model parallel):
         ranks sharing a dp coordinate (tp x pp of them). ``embedding``: the first and last pipeline
-        stage of each (tp, dp) column, which hold the tied input and output embeddings.
+        stage of each (tp, dp) column, which hold the tied input and output embeddings. ``ep``:
+        ranks sharing tp, pp and edp coordinates (ep consecutive dp ranks, which split the
+        experts between them); ``edp``: ranks sharing tp, pp and ep coordinates (dp / ep of them,
+        which hold the same experts). Both cut each dp group: an ep group and an edp group meet
+        in exactly one rank.
         """
-        tp, dp, pp = self.tp, self.dp, self.pp
+        tp, dp, pp, ep, edp = self.tp, self.dp, self.pp, self.ep, self.edp
         if axis == "tp":
             return [[self.rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
         if axis == "dp":
@@ -80,6 +118,12 @@ class Grid:
         if axis == "embedding":
             stages = sorted({0, pp - 1})
             return [[self.rank_of(t, d, p) for p in stages] for d in range(dp) for t in range(tp)]
+        if axis == "ep":
+            return [[self.rank_of(t, e * ep + k, p) for k in range(ep)]
+                    for p in range(pp) for t in range(tp) for e in range(edp)]
+        if axis == "edp":
+            return [[self.rank_of(t, e * ep + k, p) for e in range(edp)]
+                    for p in range(pp) for t in range(tp) for k in range(ep)]
         raise ValueError(f"unknown axis {axis!r}; expected one of {', '.join(AXES)}")
 
     def group_of(self, axis: str, rank: int) -> list[int] | None:
@@ -96,6 +140,9 @@ class Topology:
 
     ``*_group`` are ``torch.distributed`` process groups (``None`` for ``embedding_group`` on a rank
     that is in no embedding group); ``ranks(axis)`` gives the global ranks of the same groups.
+    ``ep_group`` / ``edp_group``: the expert-parallel group (the MoE all-to-alls) and the
+    expert-data-parallel group (expert parameters' gradients are reduced over it, not over
+    ``dp_group``); with ep 1 they are a group of this rank alone and a group of the dp ranks.
     Immutable: per-job state of the layers above (communicators, RNG streams) lives in the
     ``Job`` that ``fastpar.init`` builds beside it (``fastpar.runtime.job()``).
     """
@@ -123,6 +170,9 @@ class Topology:
     host_splits: Any = None
     mpi_comm: Any = None  # the MPI communicator kept as an out-of-band channel (None without MPI)
     store: Any = None  # the torch.distributed store every rank joined through
+    # (after the older fields, so a positional construction of a Topology still means the same)
+    ep_group: Any = None
+    edp_group: Any = None
 
     world_size = property(lambda self: self.grid.world_size)
     tp_size = property(lambda self: self.grid.tp)
@@ -131,6 +181,10 @@ class Topology:
     tp_rank = property(lambda self: self.grid.coords(self.rank)[0])
     dp_rank = property(lambda self: self.grid.coords(self.rank)[1])
     pp_rank = property(lambda self: self.grid.coords(self.rank)[2])
+    ep_size = property(lambda self: self.grid.ep)
+    edp_size = property(lambda self: self.grid.edp)
+    ep_rank = property(lambda self: self.grid.ep_rank(self.rank))
+    edp_rank = property(lambda self: self.grid.edp_rank(self.rank))
     is_first_stage = property(lambda self: self.pp_rank == 0)
     is_last_stage = property(lambda self: self.pp_rank == self.grid.pp - 1)
 
@@ -151,5 +205,6 @@ class Topology:
     def __repr__(self) -> str:
         return (f"Topology(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
                 f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+                f"ep={self.ep_rank}/{self.ep_size}, edp={self.edp_rank}/{self.edp_size}, "
                 f"device={self.device}, backend={self.backend}, launcher={self.launcher})")
 

@@ -8,11 +8,24 @@ from fastpar.grid import Grid
 from tests.multirank import run_ranks
 
 LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4), (1, 1)]}
+# (tp, pp, ep), run inside the torchrun launch of the same world only: the suite is at its limit
+EP_LAYOUTS = {4: [(1, 1, 2), (2, 1, 2)]}
 
 
 def expected_coords(rank, tp, pp, world):
     dp = world // (tp * pp)
     return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def expected_expert_groups(rank, tp, pp, ep, world):
+    """``(ep members, edp members)`` of ``rank``, written from the coordinates alone (not from
+    Grid): ep = same tp, pp and dp block of ep consecutive dp ranks; edp = same tp, pp and
+    position in that block."""
+    t, d, p = expected_coords(rank, tp, pp, world)
+    same = [r for r in range(world) if expected_coords(r, tp, pp, world)[::2] == (t, p)]
+    ep_members = [r for r in same if expected_coords(r, tp, pp, world)[1] // ep == d // ep]
+    edp_members = [r for r in same if expected_coords(r, tp, pp, world)[1] % ep == d % ep]
+    return ep_members, edp_members
 
 
 @pytest.mark.parametrize("world, tp, pp", [(w, t, p) for w, ls in LAYOUTS.items() for t, p in ls]
@@ -37,6 +50,80 @@ def test_grid_formulas(world, tp, pp):
     for g in grid.groups("embedding"):
         stages = [expected_coords(r, tp, pp, world)[2] for r in g]
         assert stages == sorted({0, pp - 1})
+
+
+@pytest.mark.parametrize("world, tp, pp, ep", [(1, 1, 1, 1), (4, 1, 1, 2), (4, 1, 1, 4),
+                                               (4, 2, 1, 2), (4, 1, 2, 2), (8, 1, 2, 2),
+                                               (8, 2, 1, 4), (16, 2, 2, 2), (12, 1, 2, 3),
+                                               (24, 2, 2, 3), (8, 2, 2, 1)])
+def test_grid_expert_axes(world, tp, pp, ep):
+    grid = Grid(world, tp, pp, ep)
+    dp = world // (tp * pp)
+    assert (grid.dp, grid.ep, grid.edp) == (dp, ep, dp // ep) and grid.ep * grid.edp == dp
+    for axis, size in (("ep", ep), ("edp", dp // ep)):
+        groups = grid.groups(axis)
+        # every rank in exactly one group, each group sorted and of the axis' size
+        assert sorted(itertools.chain(*groups)) == list(range(world)), axis
+        assert all(g == sorted(g) and len(g) == size for g in groups), (axis, groups)
+    for rank in range(world):
+        t, d, p = expected_coords(rank, tp, pp, world)
+        assert grid.coords(rank) == (t, d, p)  # ep leaves the (tp, dp, pp) coordinates alone
+        assert (grid.ep_rank(rank), grid.edp_rank(rank)) == (d % ep, d // ep)
+        assert d == grid.edp_rank(rank) * ep + grid.ep_rank(rank)
+        ep_members, edp_members = grid.group_of("ep", rank), grid.group_of("edp", rank)
+        assert (ep_members, edp_members) == expected_expert_groups(rank, tp, pp, ep, world)
+        # both cut this rank's dp group, meet only in this rank, and a rank's index in each is
+        # its ep / edp rank (torch orders a group's ranks sorted, as these lists are)
+        dp_members = grid.group_of("dp", rank)
+        assert set(ep_members) <= set(dp_members) and set(edp_members) <= set(dp_members)
+        assert set(ep_members) & set(edp_members) == {rank}
+        assert len(ep_members) * len(edp_members) == len(dp_members)
+        assert ep_members.index(rank) == grid.ep_rank(rank)
+        assert edp_members.index(rank) == grid.edp_rank(rank)
+    if ep == 1:  # no expert parallelism: ep groups of one rank, edp is dp (same groups, order)
+        assert all(len(g) == 1 for g in grid.groups("ep"))
+        assert grid.groups("edp") == grid.groups("dp")
+    if ep == dp:  # every dp group is one ep group
+        assert sorted(grid.groups("ep")) == sorted(grid.groups("dp"))
+        assert all(len(g) == 1 for g in grid.groups("edp"))
+
+
+def test_grid_default_ep_is_one_and_older_axes_keep_their_order():
+    assert Grid(8, 2, 2) == Grid(8, 2, 2, 1) and Grid(8, 2, 2).ep == 1
+    assert Grid(8, 2, 2).coords(5) == (1, 0, 1)
+    from fastpar.grid import AXES
+
+    assert AXES[:5] == ("tp", "pp", "dp", "mp", "embedding")  # init builds groups in this order
+    assert set(AXES[5:]) == {"ep", "edp"}
+
+
+def test_topology_expert_properties_and_repr():
+    import torch
+
+    from fastpar.grid import Topology
+
+    grid = Grid(8, 2, 1, 2)  # dp 4 = ep 2 x edp 2
+    topo = Topology(grid=grid, rank=5, local_rank=5, local_world_size=8,
+                    device=torch.device("cpu"), backend="gloo", launcher="single")
+    # rank 5: tp 1, dp 2 -> ep_rank 0, edp_rank 1
+    assert (topo.ep_size, topo.edp_size, topo.ep_rank, topo.edp_rank) == (2, 2, 0, 1)
+    assert topo.ranks("ep") == [5, 7] and topo.ranks("edp") == [1, 5]
+    assert "ep=0/2, edp=1/2" in repr(topo), repr(topo)
+    assert (topo.ep_group, topo.edp_group) == (None, None)  # made by fastpar.init, not here
+
+
+@pytest.mark.parametrize("world, tp, pp, ep, dp", [(4, 1, 1, 3, 4), (8, 2, 1, 3, 4),
+                                                   (4, 2, 1, 4, 2), (12, 1, 2, 4, 6)])
+def test_grid_rejects_ep_not_dividing_dp(world, tp, pp, ep, dp):
+    with pytest.raises(ValueError, match=rf"ep {ep} does not divide dp {dp} \(world_size {world} "
+                                         rf"/ \(tp {tp} x pp {pp}\)\)"):
+        Grid(world, tp, pp, ep)
+
+
+@pytest.mark.parametrize("ep", [0, -2, 1.5, True, "2"])
+def test_grid_rejects_bad_ep(ep):
+    with pytest.raises(ValueError, match=f"ep must be a positive integer, got {ep!r}"):
+        Grid(4, 1, 1, ep)
 
 
 @pytest.mark.parametrize("world, tp, pp", [(3, 2, 1), (4, 3, 1), (6, 4, 1), (8, 1, 3)])
