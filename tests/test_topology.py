@@ -146,14 +146,24 @@ def body_check_layouts(layouts):
     import fastpar
 
     checked = []
-    for tp, pp in layouts:
-        topo = fastpar.init(tp=tp, pp=pp, timeout=60)
+    for tp, pp, *rest in layouts:  # (tp, pp) or (tp, pp, ep)
+        ep = rest[0] if rest else 1
+        topo = fastpar.init(tp=tp, pp=pp, ep=ep, timeout=60)
         world, rank = dist.get_world_size(), dist.get_rank()
         grid = Grid(world, tp, pp)
         t, d, p = expected_coords(rank, tp, pp, world)
         assert (topo.rank, topo.world_size) == (rank, world)
         assert (topo.tp_rank, topo.dp_rank, topo.pp_rank) == (t, d, p), topo
         assert (topo.tp_size, topo.pp_size, topo.dp_size) == (tp, pp, world // (tp * pp))
+        assert (topo.ep_size, topo.ep_rank, topo.edp_rank) == (ep, d % ep, d // ep), topo
+        # The expert groups against members written from the coordinates (not from Grid), each
+        # summing 2 ** rank: the sum names the exact set of ranks, so no wrong group passes.
+        for name, members in zip(("ep", "edp"), expected_expert_groups(rank, tp, pp, ep, world)):
+            group = getattr(topo, f"{name}_group")
+            assert dist.get_process_group_ranks(group) == members, (name, members)
+            x = torch.tensor([2.0 ** rank], dtype=torch.float64)
+            dist.all_reduce(x, group=group)
+            assert x.item() == sum(2.0 ** r for r in members), (name, x.item(), members)
         assert topo.is_first_stage == (p == 0) and topo.is_last_stage == (p == pp - 1)
         assert topo.pp_prev_rank == (None if p == 0 else grid.rank_of(t, d, p - 1))
         assert topo.pp_next_rank == (None if p == pp - 1 else grid.rank_of(t, d, p + 1))
@@ -168,17 +178,26 @@ def body_check_layouts(layouts):
             x = torch.tensor([float(rank)])
             dist.all_reduce(x, group=group)
             assert x.item() == sum(members), (axis, x.item(), members)
-        assert fastpar.init(tp=tp, pp=pp, timeout=60) is topo  # idempotent
-        other = (tp, pp + 1)
-        try:
-            fastpar.init(tp=other[0], pp=other[1], timeout=60)
-            raise AssertionError("init with different arguments did not raise")
-        except RuntimeError as exc:
-            assert "already called" in str(exc) and "shutdown" in str(exc)
+        assert fastpar.init(tp=tp, pp=pp, ep=ep, timeout=60) is topo  # idempotent
+        for other in ({"tp": tp, "pp": pp + 1, "ep": ep}, {"tp": tp, "pp": pp, "ep": ep + 1}):
+            try:
+                fastpar.init(**other, timeout=60)
+                raise AssertionError(f"init with {other} did not raise")
+            except RuntimeError as exc:
+                assert "already called" in str(exc) and "shutdown" in str(exc)
+                assert f"'ep': {ep}," in str(exc) and f"'ep': {other['ep']}," in str(exc)
         assert fastpar.topology() is topo
         fastpar.shutdown()
         assert not dist.is_initialized()
-        checked.append([tp, pp])
+        if ep > 1:  # a bad ep fails on every rank before the rendezvous, naming the numbers
+            try:
+                fastpar.init(tp=tp, pp=pp, ep=ep + 1, timeout=60)
+                raise AssertionError(f"init with ep {ep + 1} did not raise")
+            except ValueError as exc:
+                assert f"ep {ep + 1} does not divide dp {world // (tp * pp)} (world_size " \
+                       f"{world} / (tp {tp} x pp {pp}))" in str(exc), str(exc)
+            assert not dist.is_initialized() and not fastpar.is_initialized()
+        checked.append([tp, pp, *rest])
     return {"checked": checked, "launcher": topo.launcher, "local": [topo.local_rank,
                                                                      topo.local_world_size]}
 
@@ -194,8 +213,10 @@ def test_layouts_under_mpirun(world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_layouts_under_torchrun(world):
-    launch = run_ranks(world, body_check_layouts, launcher="torchrun", layouts=LAYOUTS[world])
+    layouts = LAYOUTS[world] + EP_LAYOUTS.get(world, [])
+    launch = run_ranks(world, body_check_layouts, launcher="torchrun", layouts=layouts)
     for r, value in enumerate(launch.values()):
+        assert value["checked"] == [list(x) for x in layouts]
         assert value["launcher"] == "torchrun"
         assert value["local"] == [r, world]
 
