@@ -5,8 +5,9 @@ import sys
 
 from tests.multirank import launch
 
-KEYS = {"world_size", "tp", "pp", "dp", "backend", "versions", "ranks", "engines"}
-RANK_KEYS = {"rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank", "cpus"}
+KEYS = {"world_size", "tp", "pp", "dp", "ep", "edp", "backend", "versions", "ranks", "engines"}
+RANK_KEYS = {"rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank", "ep_rank",
+             "edp_rank", "cpus"}
 
 
 
@@ -18,6 +19,7 @@ def test_info_json_under_mpirun():
     rep = json.loads(proc.stdout)  # exactly one document: only rank 0 writes
     assert KEYS <= set(rep)
     assert (rep["world_size"], rep["tp"], rep["pp"], rep["dp"]) == (4, 2, 2, 1)
+    assert (rep["ep"], rep["edp"]) == (1, 1)
     assert rep["backend"] == "gloo"
     assert rep["versions"]["launcher"] == "pmi"
     assert rep["versions"]["native"].startswith("built"), rep["versions"]
@@ -27,6 +29,7 @@ def test_info_json_under_mpirun():
         assert set(r) == RANK_KEYS
         rank = r["rank"]
         assert (r["tp_rank"], r["dp_rank"], r["pp_rank"]) == (rank % 2, 0, rank // 2)
+        assert (r["ep_rank"], r["edp_rank"]) == (0, 0)
         assert r["local_rank"] == rank and r["device"] == "cpu"
     # The engine decisions and their reasons, per group and op.
     engines = {(e["group"], e["op"]): e for e in rep["engines"]}
@@ -35,12 +38,14 @@ def test_info_json_under_mpirun():
     assert engines[("tp", "all_reduce")]["reason"] == "CPU tensors on one host"
     assert engines[("dp", "broadcast")]["engine"] == "local"
     assert engines[("world", "all_gather")]["ranks"] == [0, 1, 2, 3]
+    assert {e["group"] for e in rep["engines"]} == {"world", "tp", "dp", "pp"}  # ep 1: no ep rows
 
 
 def test_info_text_single_process_and_torchrun():
     proc = launch([sys.executable, "-m", "fastpar", "info"])
     assert proc.returncode == 0, proc.stderr
     for word in ("torch", "mpi4py", "native", "built", "launcher", "single", "rank map",
+                 "dp 1, dp = ep 1 x edp 1,", "dp_rank  ep_rank  edp_rank",
                  "engines on rank 0's groups", "every op  local   group of one rank"):
         assert word in proc.stdout, proc.stdout
     assert "not loaded (single launch)" in proc.stdout
@@ -50,13 +55,42 @@ def test_info_text_single_process_and_torchrun():
         or "cuda_ipc  2 ranks:" in proc.stdout, proc.stdout
     assert "nccl_mpi  " in proc.stdout
     # Under torchrun (and alone) info never initialises MPI, even with mpi4py installed.
-    code = ("import sys; from fastpar import info; rc = info.main(['--tp', '2', '--json']); "
+    # (--ep 2 here: tp and pp reach init in the mpirun test above)
+    code = ("import sys; from fastpar import info; rc = info.main(['--ep', '2', '--json']); "
             "assert 'mpi4py.MPI' not in sys.modules, 'info imported mpi4py.MPI'; sys.exit(rc)")
     proc = launch([sys.executable, "-c", code], nranks=2, launcher="torchrun")
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
-    assert rep["versions"]["launcher"] == "torchrun" and rep["tp"] == 2
+    assert rep["versions"]["launcher"] == "torchrun"
     assert rep["versions"]["mpi_library"] == "not loaded (torchrun launch)"
+    assert (rep["tp"], rep["dp"], rep["ep"], rep["edp"]) == (1, 2, 2, 1)
+    assert [(r["dp_rank"], r["ep_rank"], r["edp_rank"]) for r in rep["ranks"]] == [(0, 0, 0),
+                                                                                  (1, 1, 0)]
+    # with ep > 1 the table shows the ep group (both ranks) and the edp group (rank 0 alone)
+    engines = {(e["group"], e["op"]): e for e in rep["engines"]}
+    assert engines[("ep", "all_to_all")]["ranks"] == [0, 1], rep["engines"]
+    assert engines[("edp", "all_reduce")]["ranks"] == [0]
+    assert engines[("edp", "all_reduce")]["engine"] == "local"
+
+
+def test_info_bad_ep_names_the_numbers(capsys, monkeypatch):
+    """Checked from the command line before init (in this process: one rank, no launcher)."""
+    from fastpar import info
+
+    for var in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_PROCID", "FASTPAR_LAUNCHER"):
+        monkeypatch.delenv(var, raising=False)
+    for argv, message in ((["--ep", "2"], "ep 2 does not divide dp 1 (world_size 1 / (tp 1 x "
+                                           "pp 1)): expert parallelism cuts the dp ranks into "
+                                           "groups of ep"),
+                          (["--ep", "0"], "--tp, --pp and --ep must be at least 1, got 1, 1 and 0")):
+        try:
+            info.main(argv)
+            raise AssertionError(f"info {argv} did not exit")
+        except SystemExit as exc:
+            assert exc.code == 2
+        err = capsys.readouterr().err
+        assert err.strip() == f"python -m fastpar info: error: {message} (see --help)", err
 
 
 def test_info_bad_layout_names_the_numbers():
