@@ -100,7 +100,8 @@ def report(topo) -> dict | None:
     if topo.rank != 0:
         return None
     return {"world_size": topo.world_size, "tp": topo.tp_size, "pp": topo.pp_size,
-            "dp": topo.dp_size, "ep": topo.ep_size, "edp": topo.edp_size, "backend": topo.backend, "versions": versions(topo),
+            "dp": topo.dp_size, "ep": topo.ep_size, "edp": topo.edp_size,
+            "backend": topo.backend, "versions": versions(topo),
             "hosts": hosts(topo), "warnings": layout_warnings(topo),
             "ranks": entries, "engines": engine_table(topo), "gpu_engines": gpu_engines()}
 
