@@ -83,7 +83,8 @@ def test_info_bad_ep_names_the_numbers(capsys, monkeypatch):
     for argv, message in ((["--ep", "2"], "ep 2 does not divide dp 1 (world_size 1 / (tp 1 x "
                                            "pp 1)): expert parallelism cuts the dp ranks into "
                                            "groups of ep"),
-                          (["--ep", "0"], "--tp, --pp and --ep must be at least 1, got 1, 1 and 0")):
+                          (["--ep", "0"], "--tp, --pp and --ep must be at least 1, got 1, 1 "
+                                          "and 0")):
         try:
             info.main(argv)
             raise AssertionError(f"info {argv} did not exit")
