@@ -271,3 +271,48 @@ def test_moe_bad_arguments_name_the_values():
     with pytest.raises(ValueError, match=r"last dim is 5, hidden_size is 8 \(input shape "
                                          r"\(2, 5\)\)"):
         MoE(H, F, 4, 1)(torch.randn(2, 5))
+
+
+def test_sequence_balance_and_aux_through_the_output():
+    """balance="sequence" is the mean over sequences of each sequence's own load-balancing loss
+    (so any cut of a batch into microbatches or ranks has the same mean), and with_aux_loss
+    backpropagates scale x aux_loss through the output: the same gradients as adding it."""
+    import torch
+
+    from fastpar.nn import MoE, with_aux_loss
+
+    torch.manual_seed(3)
+    x = torch.randn(4, 6, 16, dtype=torch.float64)
+    seq = MoE(16, 24, 4, 2, balance="sequence", seed=1, dtype=torch.float64)
+    tok = MoE(16, 24, 4, 2, seed=1, dtype=torch.float64)
+    seq(x)
+    alone = []
+    for b in range(4):
+        tok(x[b:b + 1])
+        alone.append(tok.last_aux["load_balancing"])
+    assert torch.allclose(seq.last_aux["load_balancing"], torch.stack(alone).mean(), rtol=1e-12)
+    tok(x)  # over all 24 tokens at once: another number (the product of two means)
+    assert not torch.allclose(tok.last_aux["load_balancing"], seq.last_aux["load_balancing"])
+    # two halves (microbatches) average to the whole batch's loss
+    halves = []
+    for h in (x[:2], x[2:]):
+        seq(h)
+        halves.append(seq.last_aux["load_balancing"])
+    seq(x)
+    assert torch.allclose(torch.stack(halves).mean(), seq.last_aux["load_balancing"], rtol=1e-12)
+
+    grads = []
+    for attach in (False, True):
+        seq.zero_grad(set_to_none=True)
+        y = seq(x)
+        if attach:
+            with_aux_loss(y, seq.aux_loss, 0.25).square().sum().backward()
+        else:
+            (y.square().sum() + 0.25 * seq.aux_loss).backward()
+        grads.append([p.grad.clone() for p in seq.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+    assert seq.router.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        y = seq(x)
+        assert with_aux_loss(y, seq.aux_loss, 1.0) is y

@@ -17,11 +17,11 @@ from fastpar.nn.cross_entropy import vocab_parallel_cross_entropy
 from fastpar.nn.embedding import VocabParallelEmbedding
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.mlp import ParallelMLP
-from fastpar.nn.moe import MoE
+from fastpar.nn.moe import MoE, with_aux_loss
 from fastpar.nn.norm import LayerNorm, RMSNorm
 from fastpar.nn.recomputation import recompute
 from fastpar.nn.sharding import ShardedModule
 
 __all__ = ["ColumnParallelLinear", "LayerNorm", "MoE", "ParallelMLP", "ParallelSelfAttention",
            "RMSNorm", "RowParallelLinear", "ShardedModule", "VocabParallelEmbedding", "random",
-           "recompute", "vocab_parallel_cross_entropy"]
+           "recompute", "vocab_parallel_cross_entropy", "with_aux_loss"]

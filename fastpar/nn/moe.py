@@ -19,11 +19,17 @@ experts r L .. r L + L - 1)::
     output:   y_t = sum_{j < k, slot (t, j) kept} gate_tj * expert_{expert_tj}(x_t)
     losses:   load_balancing = E sum_e f_e P_e    f_e = slots routed to e / (T k), before drops
                                                   P_e = mean_t p_te
+              (balance="sequence": f_e, P_e and the loss per sequence x[b] of an input
+              (B, ..., hidden), then the mean over the B sequences: each sequence's loss depends
+              on it alone, so a batch cut into other microbatches or over other ranks has the
+              same mean; "tokens", the default: over this rank's T tokens at once)
               z_loss = mean_t logsumexp(logits_t)^2
               aux_loss = aux_loss_coef * load_balancing + z_loss_coef * z_loss
 
 Both losses are over this rank's tokens (no communication); ``aux_loss`` carries their gradient
-into the router, so a trainer adds it to its loss after each forward.
+into the router, so a trainer adds it to its loss after each forward, or, where the loss is
+computed elsewhere (a pipeline's last stage), ties it to the output with ``with_aux_loss(y,
+moe.aux_loss, scale)``: y unchanged, and backward through y also backpropagates scale x aux_loss.
 
 Capacity (``capacity_factor=None``: dropless). Each rank keeps at most ``C = ceil(capacity_factor
 * T k / E)`` slots per expert, T being this rank's own tokens (so an expert receives at most
@@ -167,7 +173,8 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
                  group=None, capacity_factor: float | None = None, activation: str = "gelu",
                  renormalize: bool = False, aux_loss_coef: float = 1e-2,
-                 z_loss_coef: float = 1e-3, device=None, dtype=None, seed=None):
+                 z_loss_coef: float = 1e-3, balance: str = "tokens", device=None, dtype=None,
+                 seed=None):
         super().__init__()
         if activation not in _WEIGHTS:
             raise ValueError(f"MoE: activation must be 'gelu' or 'swiglu', got {activation!r}")
@@ -177,6 +184,9 @@ class MoE(nn.Module):
                 raise ValueError(f"MoE: {name} must be a positive integer, got {value!r}")
         if top_k > num_experts:
             raise ValueError(f"MoE: top_k {top_k} is larger than num_experts {num_experts}")
+        if balance not in ("tokens", "sequence"):
+            raise ValueError(f"MoE: balance must be 'tokens' or 'sequence', got {balance!r}")
+        self.balance = balance
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"MoE: capacity_factor must be positive or None (dropless), got "
                              f"{capacity_factor!r}")
@@ -235,7 +245,7 @@ class MoE(nn.Module):
         slot_expert = chosen.t().reshape(-1)  # (k T,)
         order = torch.argsort(slot_expert, stable=True)
         load = torch.bincount(slot_expert, minlength=e)  # (E,)
-        self._router_losses(logits, probs, load, t)
+        self._router_losses(logits, probs, chosen, load, x.shape[0] if x.dim() > 2 else 1, t)
         capacity = self.capacity(t)
         kept = load if capacity is None else load.clamp(max=capacity)
         if capacity is not None:
@@ -250,10 +260,20 @@ class MoE(nn.Module):
         y = torch.zeros((t, self.hidden_size), dtype=wide, device=x.device)
         return y.index_add(0, token, weighted).to(x.dtype).reshape(x.shape)
 
-    def _router_losses(self, logits, probs, load, t) -> None:
-        f = load.to(probs.dtype) / max(t * self.top_k, 1)  # (E,) fraction of slots, no grad
-        p_mean = probs.sum(0) / max(t, 1)  # (E,)
-        balance = self.num_experts * (f * p_mean).sum()
+    def _router_losses(self, logits, probs, chosen, load, sequences, t) -> None:
+        if self.balance == "sequence" and sequences > 1 and t:
+            e, per = self.num_experts, t // sequences  # tokens are rows of x: sequence-major
+            counts = torch.zeros(sequences, e, dtype=probs.dtype, device=probs.device)
+            counts.scatter_add_(1, chosen.view(sequences, per * self.top_k),
+                                torch.ones(sequences, per * self.top_k, dtype=probs.dtype,
+                                           device=probs.device))
+            f = counts / (per * self.top_k)  # (B, E)
+            p_mean = probs.view(sequences, per, e).sum(1) / per  # (B, E)
+            balance = e * (f * p_mean).sum(1).mean()
+        else:
+            f = load.to(probs.dtype) / max(t * self.top_k, 1)  # (E,) fraction of slots, no grad
+            p_mean = probs.sum(0) / max(t, 1)  # (E,)
+            balance = self.num_experts * (f * p_mean).sum()
         z = torch.logsumexp(logits, -1).square().sum() / max(t, 1)
         self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
         self.last_aux = {"load_balancing": balance.detach(), "z_loss": z.detach()}
@@ -294,4 +314,32 @@ class MoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts} ({self.local_experts} per rank, ep={self.ep}), "
                 f"top_k={self.top_k}, {cap}, renormalize={self.renormalize}, "
+                f"balance={self.balance}, "
                 f"aux_loss_coef={self.aux_loss_coef}, z_loss_coef={self.z_loss_coef}")
+
+
+class _WithAux(torch.autograd.Function):
+    """y unchanged; backward gives ``aux`` the gradient ``scale`` (as if ``scale * aux`` had
+    been added to the loss)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        shape, dtype, device = ctx.aux_meta
+        return dy, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def with_aux_loss(y: torch.Tensor, aux: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor:
+    """``y``, such that backward through it also backpropagates ``scale * aux`` (a 0-dim loss
+    with grad, e.g. ``MoE.aux_loss``): the router losses of a layer whose output reaches the loss
+    through other code (a pipeline's later stages). ``scale``: the weight the loss this output
+    feeds gets (a pipeline divides each microbatch's loss by the microbatches). Without grad, or
+    with ``aux`` None, ``y`` itself."""
+    if aux is None or not torch.is_grad_enabled() or not aux.requires_grad:
+        return y
+    return _WithAux.apply(y, aux, float(scale))

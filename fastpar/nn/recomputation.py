@@ -38,12 +38,21 @@ recompute stops right after the last saved tensor (what follows it is not needed
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
 from fastpar.runtime import is_initialized
 
-__all__ = ["recompute"]
+__all__ = ["recompute", "recomputing"]
+
+_LOCAL = threading.local()  # .depth: recomputes running on this thread (backward's)
+
+
+def recomputing() -> bool:
+    """Whether this thread is inside a recompute (a region's forward run again in backward):
+    code with side effects beyond its outputs (statistics a layer records) can skip them."""
+    return getattr(_LOCAL, "depth", 0) > 0
 
 
 class _Stop(Exception):
@@ -134,12 +143,15 @@ class _Frame:
                 raise _Stop
             return None
 
+        _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
         try:
             with _restored(self.rng), torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(capture, lambda _: None):
                 self.fn(*args, **self.kwargs)
         except _Stop:
             pass
+        finally:
+            _LOCAL.depth -= 1
         if seen[0] != len(self.metas):
             raise RuntimeError(f"fastpar recompute: the recompute saved {seen[0]} tensors, the "
                                f"first forward {len(self.metas)}")
