@@ -15,6 +15,12 @@ its bucket, so autograd accumulates straight into the memory the collective redu
 waits for all of them and averages, so ``loss.backward()`` alone leaves averaged gradients.
 A trainable parameter that gets no gradient is an error, at the next forward or in
 ``finish_gradient_synchronization()``, on every rank (``find_unused_parameters=True``: allowed).
+
+Expert parameters (``param.expert_parallel``, ``fastpar.nn.MoE``'s experts) are sharded over the
+expert-parallel group inside dp: each rank holds other experts, whose gradients already sum the
+tokens of its ep group. They take their own buckets and reducer over ``expert_group`` (the
+ranks holding the same experts, the topology's edp group), divided by dp all the same (the sum
+covers every dp rank's tokens once), and their initial values are broadcast over that group.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ class DataParallel(nn.Module):
     int8 (``fastpar.comm.quant``; float32 sums, both stages of the all-reduce quantized), which
     completes inside the bucket's launch (no overlap with the rest of backward);
     ``error_feedback``: each rank carries what the int8 could not send into its next step
-    (a float32 residual per bucket).
+    (a float32 residual per bucket). ``expert_group``: where expert parameters are reduced
+    (None: the topology's edp group; see the module docstring).
 
     The state dict has the wrapped module's keys (no ``module.`` prefix); ``fastpar.
     full_state_dict`` sees through the wrapper. A dp group of one rank communicates nothing.
@@ -59,7 +66,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, bucket_mb: float = 25.0, overlap: bool = True,
                  group=None, find_unused_parameters: bool = False,
                  reduce_dtype: torch.dtype | None = None, quant=None,
-                 error_feedback: bool = False):
+                 error_feedback: bool = False, expert_group=None):
         super().__init__()
         quant = quant_codec.spec(quant)  # a bad name or block raises here, before anything
         if error_feedback and quant is None:
@@ -79,17 +86,30 @@ class DataParallel(nn.Module):
         self._src = dist.get_process_group_ranks(self.group)[0]  # global rank of dp rank 0
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        experts = [(n, p) for n, p in named if getattr(p, "expert_parallel", False)]
+        dense = [(n, p) for n, p in named if not getattr(p, "expert_parallel", False)]
+        if experts and expert_group is None:
+            expert_group = topology().edp_group
+        self.expert_group = expert_group if experts else None
+        self._expert_src = None if self.expert_group is None else \
+            dist.get_process_group_ranks(self.expert_group)[0]
         # Before any other collective: a replica that differs would pair the broadcasts and
         # the (collective) symmetric bucket allocations up wrongly instead of raising.
         self._check_replicas_agree([p for _, p in named])
         self._broadcast_from_rank0()
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], group=self.group,
-                               dp_size=self.dp_size, bucket_mb=self.bucket_mb,
-                               overlap=self.overlap,
-                               find_unused_parameters=self.find_unused_parameters,
-                               reduce_dtype=reduce_dtype, quant=quant,
-                               error_feedback=bool(error_feedback))
-        self.reducer.attach()
+
+        def reducer(params, group):
+            r = Reducer([p for _, p in params], [n for n, _ in params], group=group,
+                        dp_size=self.dp_size, bucket_mb=self.bucket_mb, overlap=self.overlap,
+                        find_unused_parameters=self.find_unused_parameters,
+                        reduce_dtype=reduce_dtype, quant=quant,
+                        error_feedback=bool(error_feedback))
+            r.attach()
+            return r
+
+        self.reducer = reducer(dense, self.group)
+        self.expert_reducer = reducer(experts, self.expert_group) if experts else None
+        self._reducers = [r for r in (self.reducer, self.expert_reducer) if r is not None]
         self._no_sync = False
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
@@ -99,11 +119,14 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
-        """Every parameter (frozen ones too) and buffer takes dp rank 0's value."""
-        if self.dp_size == 1:
-            return
+        """Every parameter (frozen ones too) and buffer takes dp rank 0's value; an expert
+        parameter its expert group's rank 0's."""
         for t in [*self.module.parameters(), *self.module.buffers()]:
-            comm.broadcast(t.data, src=self._src, group=self.group)
+            if getattr(t, "expert_parallel", False):
+                if group_size(self.expert_group) > 1:
+                    comm.broadcast(t.data, src=self._expert_src, group=self.expert_group)
+            elif self.dp_size > 1:
+                comm.broadcast(t.data, src=self._src, group=self.group)
 
     def _check_replicas_agree(self, params) -> None:
         """Every rank of the group must hold the same model and bucket settings (then the bucket
@@ -130,12 +153,14 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # no backward will follow: leave the cycle alone
             return self.module(*args, **kwargs)
-        self.reducer.finish()  # the previous cycle must be complete
-        self.reducer.prepare_gradients()
-        self.reducer.sync = not self._no_sync
+        for r in self._reducers:
+            r.finish()  # the previous cycle must be complete
+            r.prepare_gradients()
+            r.sync = not self._no_sync
         output = self.module(*args, **kwargs)
-        if self.reducer.sync and self.find_unused_parameters:
-            self.reducer.mark_unreached(output)
+        if not self._no_sync and self.find_unused_parameters:
+            for r in self._reducers:
+                r.mark_unreached(output)
         return output
 
     def step(self, *args, **kwargs):
@@ -152,18 +177,20 @@ class DataParallel(nn.Module):
             raise TypeError(f"DataParallel.step needs a wrapped module with .step (a fastpar "
                             f"Pipeline); {type(self.module).__name__} has none: call the "
                             "wrapper itself, then backward")
-        self.reducer.finish()
-        self.reducer.prepare_gradients()
-        self.reducer.sync = False  # the hooks only keep .grad in the buckets
+        for r in self._reducers:
+            r.finish()
+            r.prepare_gradients()
+            r.sync = False  # the hooks only keep .grad in the buckets
         loss = step(*args, **kwargs)
         if not self._no_sync:
-            self.reducer.reduce_all()
+            for r in self._reducers:
+                r.reduce_all()
         return loss
 
     @property
     def buckets(self):
-        """The gradient buckets, in launch order."""
-        return self.reducer.buckets
+        """The gradient buckets, in launch order (the expert buckets last)."""
+        return tuple(b for r in self._reducers for b in r.buckets)
 
     def finish_gradient_synchronization(self) -> None:
         """Complete a reduction cycle that backward left open, or say why it cannot.
@@ -172,7 +199,8 @@ class DataParallel(nn.Module):
         ``find_unused_parameters=True`` the parameters that got no gradient are marked ready and
         the cycle completes (collective: call it on every rank); otherwise an error names them.
         """
-        self.reducer.finish()
+        for r in self._reducers:
+            r.finish()
 
     @contextlib.contextmanager
     def no_sync(self):

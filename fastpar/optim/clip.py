@@ -10,7 +10,12 @@ Each rank holds a piece of the serial model: shards of ``fastpar.nn`` layers ove
     norm**2 = all_reduce_over(tp x pp)( sum_{p sharded} |g_p|^2 + [tp_rank == 0] sum_{p replicated} |g_p|^2 )
     g *= min(1, max_norm / (norm + 1e-6))                                 # every local grad
 
-dp replicas hold the same averaged gradients, so dp takes no part.
+dp replicas hold the same averaged gradients, so dp takes no part, except for expert
+parameters (``param.expert_parallel``, ``fastpar.nn.MoE``): sharded over the ep group inside dp
+(other experts on each of its ranks) and whole on every tp rank, they count on tp rank 0, summed
+over the ep group first::
+
+    norm**2 += all_reduce_over(tp x pp)( [tp_rank == 0] all_reduce_over(ep)( sum_{p expert} |g_p|^2 ) )
 
 Tied weights: a Parameter that appears more than once in one module (used by two layers) counts
 once, as ``model.parameters()`` yields it once. A GPT's tied embedding and output weight are two
@@ -91,9 +96,21 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     docstring."""
     check_max_norm(max_norm)
     keep = counted(model)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    mine = [p.grad.detach() for p in model.parameters() if p.grad is not None and keep(p)]
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    expert = [getattr(p, "expert_parallel", False) for p in params]
+    mine = [p.grad.detach() for p, e in zip(params, expert)
+            if p.grad is not None and keep(p) and not e]
     local = torch.zeros(1, dtype=torch.float64)
     if mine:  # one fused norm per device and dtype (torch's own), squared in float64
         local += torch.nn.utils.get_total_norm(mine, 2.0).double().cpu() ** 2
+    if any(expert):  # every rank of the ep group holds experts of the same stage
+        topo = topology()
+        experts = torch.zeros(1, dtype=torch.float64)
+        theirs = [p.grad.detach() for p, e in zip(params, expert) if e and p.grad is not None]
+        if theirs and topo.tp_rank == 0:
+            experts += torch.nn.utils.get_total_norm(theirs, 2.0).double().cpu() ** 2
+        if group_size(topo.ep_group) > 1:
+            comm.all_reduce(experts, group=topo.ep_group)
+        local += experts
     return clip_by_global_norm_(grads, local, max_norm, 2.0, [topology().mp_group])

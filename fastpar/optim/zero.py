@@ -89,6 +89,11 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                             "options (dicts) are not supported")
         if not all(isinstance(p, torch.Tensor) for p in params):
             raise TypeError("DistributedOptimizer: params must be tensors")
+        if any(getattr(p, "expert_parallel", False) for p in params):
+            raise ValueError("DistributedOptimizer: expert parameters (fastpar.nn.MoE's, "
+                             "sharded over the ep group) are not supported yet: their gradients "
+                             "reduce over the edp group, not the dp group it shards over; use "
+                             "DataParallel for a model with Mixture-of-Experts layers")
         if stage not in (1, 2, 3) or isinstance(stage, bool):
             raise ValueError(f"DistributedOptimizer: stage must be 1, 2 or 3, got {stage!r}")
         if stage == 3 and not isinstance(module, torch.nn.Module):
