@@ -52,7 +52,7 @@ class Trainer:
         from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
 
         self.args = args
-        self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, timeout=args.timeout)
+        self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, timeout=args.timeout)
         self.cfg = cfg = model_config(args)
         self.microbatches = check_layout(args, topo, cfg)
         self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]
@@ -68,6 +68,11 @@ class Trainer:
         self.pipe = Pipeline(gpt_layers(cfg, seed=args.seed), loss_fn=gpt_loss,
                              schedule=args.schedule, microbatches=self.microbatches,
                              virtual_stages=args.virtual_stages)  # float32, as initialised
+        from fastpar.models import GPTBlock
+
+        self.moe_blocks = [m for m in self.pipe.modules() if isinstance(m, GPTBlock) and m.moe]
+        for block in self.moe_blocks:  # the pipeline divides each microbatch's loss by them
+            block.aux_scale = 1.0 / self.microbatches
         adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
         if args.zero:
             initial = {p: p.detach().clone() for p in self.pipe.parameters()} \
@@ -132,6 +137,8 @@ class Trainer:
 
         topo, args = self.topo, self.args
         tp_random.seed(self.sampler_seed(step))  # dropout streams: a function of (seed, step)
+        for block in self.moe_blocks:
+            block.moe_stats = None
         x, y = self.sampler.shard(step, topo.dp_rank, topo.dp_size)
         if args.zero >= 2:  # accumulate over the microbatches, reduce-scatter once at the step
             with self.opt.no_sync(), self.gathered():
@@ -157,6 +164,32 @@ class Trainer:
         total = torch.tensor([loss], dtype=torch.float64)
         comm.all_reduce(total, group=topo.dp_group)  # mean over dp of equal-sized slices
         return total.item() / topo.dp_size, float(norm)
+
+    def moe_record(self) -> dict:
+        """What the step's MoE blocks routed, over every rank (collective over the world):
+        the load-balancing and z losses (unweighted, mean over blocks, microbatches and dp
+        ranks), the tokens per expert (slots, top-k per token) of the busiest and idlest
+        expert of any block, and the slots dropped by the capacity."""
+        from fastpar import comm
+
+        cfg, topo = self.cfg, self.topo
+        blocks = cfg.moe_blocks
+        table = torch.zeros(len(blocks), 4 + cfg.moe_experts, dtype=torch.float64)
+        if topo.tp_rank == 0:  # tp ranks route the same tokens: count them once
+            for block in self.moe_blocks:
+                st = block.moe_stats
+                if st is not None:
+                    row = table[blocks.index(block.index)]
+                    row[:4] = torch.tensor([st["load_balancing"], st["z_loss"], st["forwards"],
+                                            st["dropped"]], dtype=torch.float64)
+                    row[4:] = st["load"].double()
+        comm.all_reduce(table)
+        forwards = table[:, 2].sum().clamp_min(1)
+        load = table[:, 4:]
+        return {"moe_aux_loss": float(table[:, 0].sum() / forwards),
+                "moe_z_loss": float(table[:, 1].sum() / forwards),
+                "expert_load_min": int(load.min()), "expert_load_max": int(load.max()),
+                "moe_dropped": int(table[:, 3].sum())}
 
     def sampler_seed(self, step: int) -> int:
         """The dropout streams' seed for ``step``: a hash of (seed, step) in its own namespace
@@ -217,6 +250,8 @@ class Trainer:
                    "step_time_s": dt, "tokens_per_s": tokens / dt}
             if not math.isnan(norm):  # --clip 0 (without --zero): no norm computed
                 rec["grad_norm"] = norm
+            if self.cfg.moe_experts:
+                rec.update(self.moe_record())
             rec.update(self.mfu(tokens / dt))
             if done % val_every == 0 or done == self.steps:
                 rec["val_loss"] = self.validation_loss()
@@ -261,6 +296,13 @@ class Trainer:
               f"params ({cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/"
               f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}, recompute {cfg.recompute}); steps "
               f"{self.start} -> {self.steps}, global batch {self.args.global_batch}", flush=True)
+        if cfg.moe_experts:
+            cap = "dropless" if cfg.moe_capacity is None else f"capacity {cfg.moe_capacity:g}"
+            print(f"[fastpar.train] MoE: blocks {cfg.moe_blocks} of {cfg.layers}, "
+                  f"{cfg.moe_experts} experts, top-{cfg.moe_top_k}, {cap}, ep {t.ep_size} "
+                  f"({cfg.moe_experts // t.ep_size} experts per rank, experts' gradients over "
+                  f"edp {t.edp_size}); router losses x {cfg.moe_aux_coef:g} (balance, per "
+                  f"sequence) and x {cfg.moe_z_coef:g} (z)", flush=True)
         print(f"[fastpar.train] data: {self.corpus_info}", flush=True)
         ranks = ", ".join(f"{r}: pid {pid}" + (f" on {host}" if host else "")
                           for r, (pid, host) in enumerate(self.pids[:16]))

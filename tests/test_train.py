@@ -252,6 +252,62 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
                                for s, r in rates.items())
 
 
+MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
+
+
+def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
+    """The GPT with MoE blocks (4 experts, top-2, every block) trains the same curve as one
+    process at ep 2 x pp 2, ep 2 x tp 2 and ep 2 inside dp 4 (edp 2: expert gradients over the
+    edp group, divided by dp), its router losses (balanced per sequence: layout-free) and
+    expert load too; a checkpoint saved at ep 2 x pp 2 resumes at ep 4 and on one rank (experts
+    regathered and resharded), continuing the curve; every other block MoE at ep 2 x dp 2."""
+    ck = str(tmp_path / "moe")
+    step10 = os.path.join(ck, "step_00000010")
+    every = ["--moe-every", "2", "--layers", "3"]
+    four = run_ranks(4, body_runs_full, runs=[
+        ("ep2pp2", [*MOE, "--ep", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
+        ("ep2tp2", [*MOE, "--ep", "2", "--tp", "2"]),
+        ("ep2dp4", [*MOE, "--ep", "2"]),
+        ("ep4.resume", [*MOE, "--ep", "4", "--resume", step10]),
+        ("every2.ep2pp2", [*MOE, *every, "--ep", "2", "--pp", "2"])], timeout=300).values()
+    assert all(v == four[0] for v in four), "ranks disagree"
+    four = four[0]
+    one = run_ranks(1, body_runs_full, runs=[
+        ("serial", MOE), ("serial.resume", [*MOE, "--resume", step10]),
+        ("every2", [*MOE, *every])], timeout=240).values()[0]
+    serial = one["serial"]
+    assert serial[-1]["loss"] < serial[0]["loss"] - 0.5, serial  # it learns
+    assert all(r["moe_dropped"] == 0 and r["moe_aux_loss"] > 0.9 for r in serial), serial
+    for name in ("ep2pp2", "ep2tp2", "ep2dp4", "ep4.resume", "serial.resume"):
+        got, ref = {r["step"]: r for r in four.get(name) or one[name]}, \
+            {r["step"]: r for r in serial}
+        assert sorted(got) == (list(range(11, 21)) if "resume" in name else
+                               list(range(1, 21))), (name, sorted(got))
+        for key in ("loss", "moe_aux_loss", "moe_z_loss"):
+            worst = max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in got)
+            assert worst < PARITY, (name, key, worst)
+        for key in ("expert_load_min", "expert_load_max"):  # tokens per expert: the same routes
+            assert all(abs(got[s][key] - ref[s][key]) <= 2 for s in got), (name, key)
+    ref = {r["step"]: r["loss"] for r in one["every2"]}
+    got = {r["step"]: r["loss"] for r in four["every2.ep2pp2"]}
+    assert max(abs(got[s] - ref[s]) / ref[s] for s in ref) < PARITY
+
+
+def body_runs_full(runs):
+    """Each (name, argv) trained in turn: {name: its records, without the timings}."""
+    import fastpar
+    from fastpar.train import Trainer, parse_args
+
+    out = {}
+    for name, argv in runs:
+        try:
+            out[name] = [{k: v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s")}
+                         for r in Trainer(parse_args(BASE + argv)).run()]
+        finally:
+            fastpar.shutdown()
+    return out
+
+
 def check_memory_rows(name, rows, nranks):
     """One run's memory rows (see ``test_memory_is_measured_beside_its_prediction``); returns
     the worst relative error of the activations."""
@@ -493,6 +549,12 @@ BAD_FLAGS = [  # (argv, the one line each must print)
      "run: --zero 2)"),
     (["--error-feedback"], "--error-feedback carries the rounding of --quantize-grads"),
     (["--quantize-grads", "int4"], "argument --quantize-grads: invalid choice: 'int4'"),
+    (["--ep", "2"], "--ep 2 shards experts: add --moe-experts N"),
+    (["--moe-experts", "4", "--zero", "1"], "--zero 1 with --moe-experts: ZeRO does not shard"),
+    (["--moe-experts", "4", "--ep", "4"], "--ep 4 does not divide dp 2 (world 2 / (tp 1 x pp 1))"),
+    (["--moe-experts", "3", "--ep", "2"], "moe_experts 3 is not divisible by ep 2"),
+    (["--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k 3 is larger than moe_experts 2"),
+    (["--moe-experts", "2", "--moe-capacity", "0"], "--moe-capacity must be a number > 0"),
 ]
 
 

@@ -21,7 +21,12 @@ class GPTConfig:
     ``bias``: biases in every linear layer and in LayerNorm (the head never has one).
     ``dropout``: on the embedding output, the attention probabilities and both residual
     branches. ``recompute``: what backward recomputes instead of keeping, "none", "selective"
-    (each attention core: softmax, dropout, @ v) or "full" (each block keeps only its input)."""
+    (each attention core: softmax, dropout, @ v) or "full" (each block keeps only its input).
+    ``moe_experts`` > 0: Mixture-of-Experts blocks (``fastpar.nn.MoE``, ``moe_top_k`` experts
+    per token, ``ffn_size`` wide each, ``mlp``'s activation) in place of the MLP in every
+    ``moe_every``-th block (blocks moe_every, 2 moe_every, ...: 1 = every block, 2 = every other
+    from the second); ``moe_capacity``: None dropless, else the capacity factor;
+    ``moe_aux_coef`` / ``moe_z_coef``: the router losses' weights in the training loss."""
 
     vocab_size: int = 256  # byte-level
     seq_len: int = 64
@@ -41,10 +46,24 @@ class GPTConfig:
     rope_base: float = 10000.0
     init_std: float = 0.02
     recompute: str = "none"  # "none" | "selective" | "full"
+    moe_experts: int = 0  # 0: dense MLPs
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_capacity: float | None = None
+    moe_aux_coef: float = 1e-2
+    moe_z_coef: float = 1e-3
 
     @property
     def num_kv_heads(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block`` (1 .. layers) is a Mixture-of-Experts block."""
+        return self.moe_experts > 0 and block % self.moe_every == 0
+
+    @property
+    def moe_blocks(self) -> list[int]:
+        return [i for i in range(1, self.layers + 1) if self.is_moe(i)]
 
     @property
     def ffn_size(self) -> int:
@@ -54,8 +73,9 @@ class GPTConfig:
             return 4 * self.hidden
         return -(-self.hidden // 3) * 8  # ceil(8/3 * hidden / 8) * 8
 
-    def validate(self, tp: int = 1) -> None:
-        """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks."""
+    def validate(self, tp: int = 1, ep: int = 1) -> None:
+        """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks and an
+        expert-parallel group of ``ep``."""
         bad = []
         for name in ("vocab_size", "seq_len", "layers", "hidden", "heads", "kv_heads",
                      "ffn_hidden"):
@@ -72,6 +92,18 @@ class GPTConfig:
             bad.append(f"dropout must be in [0, 1), got {self.dropout}")
         if not self.init_std > 0 or not self.rope_base > 0:
             bad.append(f"init_std {self.init_std} and rope_base {self.rope_base} must be > 0")
+        for name in ("moe_experts", "moe_top_k", "moe_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    value < (0 if name == "moe_experts" else 1):
+                least = "non-negative" if name == "moe_experts" else "positive"
+                bad.append(f"{name} must be a {least} integer, got {value!r}")
+        if self.moe_capacity is not None and not self.moe_capacity > 0:
+            bad.append(f"moe_capacity must be positive or None (dropless), got "
+                       f"{self.moe_capacity!r}")
+        if not (self.moe_aux_coef >= 0 and self.moe_z_coef >= 0):
+            bad.append(f"moe_aux_coef {self.moe_aux_coef} and moe_z_coef {self.moe_z_coef} must "
+                       f"be >= 0")
         if bad:
             raise ValueError("GPTConfig: " + "; ".join(bad))
         kv, ffn = self.num_kv_heads, self.ffn_size
@@ -88,6 +120,21 @@ class GPTConfig:
                 bad.append(f"{name} {value} is not divisible by tp {tp}")
         if self.sequence_parallel and self.seq_len % tp:
             bad.append(f"seq_len {self.seq_len} is not divisible by tp {tp} (sequence_parallel)")
+        if self.moe_experts:
+            if self.moe_top_k > self.moe_experts:
+                bad.append(f"moe_top_k {self.moe_top_k} is larger than moe_experts "
+                           f"{self.moe_experts}")
+            if self.moe_experts % ep:
+                bad.append(f"moe_experts {self.moe_experts} is not divisible by ep {ep}")
+            if not self.moe_blocks:
+                bad.append(f"moe_every {self.moe_every} is larger than layers {self.layers}: no "
+                           f"block would be a Mixture-of-Experts block")
+            if self.sequence_parallel and tp > 1:
+                bad.append("Mixture-of-Experts blocks do not take sequence_parallel at tp > 1 "
+                           "yet (each tp rank would route other tokens through replicated "
+                           "experts)")
+        elif ep > 1:
+            bad.append(f"ep {ep} needs Mixture-of-Experts blocks (moe_experts > 0)")
         if bad:
             raise ValueError("GPTConfig: " + "; ".join(bad))
 
@@ -99,9 +146,13 @@ class GPTConfig:
         attn = 2 * h * h + 2 * h * kv_dim + b * (2 * h + 2 * kv_dim)
         mlp = (2 * h * ffn + b * (ffn + h)) if self.mlp == "gelu" else \
             (3 * h * ffn + b * (2 * ffn + h))
+        # a MoE block: a bias-free router and moe_experts bias-free MLPs
+        moe = h * self.moe_experts + self.moe_experts * (2 if self.mlp == "gelu" else 3) * h * ffn
         embedding = v * h + (self.seq_len * h if self.positions == "learned" else 0)
         head = norm + (0 if self.tie_embeddings else v * h)
-        return embedding + self.layers * (2 * norm + attn + mlp) + head
+        moes = len(self.moe_blocks)
+        return embedding + self.layers * (2 * norm + attn) + (self.layers - moes) * mlp + \
+            moes * moe + head
 
 
 PRESETS = {

@@ -41,13 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.models.config import PRESETS, GPTConfig
-from fastpar.nn import (ColumnParallelLinear, LayerNorm, ParallelMLP, ParallelSelfAttention,
+from fastpar.nn import (MoE, ColumnParallelLinear, LayerNorm, ParallelMLP, ParallelSelfAttention,
                         RMSNorm, RowParallelLinear, ShardedModule, VocabParallelEmbedding,
-                        vocab_parallel_cross_entropy)
+                        vocab_parallel_cross_entropy, with_aux_loss)
 from fastpar.nn import random as tp_random
-from fastpar.nn.recomputation import recompute
+from fastpar.nn.moe import GroupedExperts
+from fastpar.nn.recomputation import recompute, recomputing
 from fastpar.nn.sharding import copy_into, copy_replicated, resolve_group
-from fastpar.runtime import group_rank, group_size
+from fastpar.runtime import group_rank, group_size, is_initialized, topology
 
 # GPTConfig and PRESETS live in config.py; they stay importable from here.
 __all__ = ["GPT", "GPTBlock", "GPTConfig", "GPTEmbedding", "GPTHead", "PRESETS", "gpt_layers",
@@ -82,7 +83,9 @@ def _materialise(module: nn.Module, cfg: GPTConfig, seed: int, index: int) -> nn
                 value = torch.zeros(p.shape)
             else:  # the serial tensor, then this rank's shard of it
                 sharded = isinstance(owner, ShardedModule)
-                std = residual_std if isinstance(owner, RowParallelLinear) else cfg.init_std
+                residual = isinstance(owner, RowParallelLinear) or (
+                    isinstance(owner, GroupedExperts) and name in ("fc2", "down_proj"))
+                std = residual_std if residual else cfg.init_std
                 full = _normal(owner.full_shape(name) if sharded else p.shape, std, gen)
                 value = owner.shard_full(name, full) if sharded else full
             copy_into(p, value)
@@ -139,9 +142,17 @@ class GPTBlock(nn.Module):
     """Pre-norm transformer block: ``h + attn(norm1(h))``, then ``h + mlp(norm2(h))``; shapes
     as the embedding's output, (B, T, H) or (B, T/tp, H). ``cfg.recompute == "full"``: only
     ``h`` (sequence-sharded under SP) is kept for backward, which recomputes the block
-    (``fastpar.nn.recompute``); "selective": only the attention core is recomputed."""
+    (``fastpar.nn.recompute``); "selective": only the attention core is recomputed.
 
-    def __init__(self, cfg: GPTConfig, group):
+    Block ``index`` (1 .. layers) with ``cfg.is_moe(index)``: ``mlp`` is a ``fastpar.nn.MoE``
+    over ``ep_group`` (replicated over tp: every tp rank routes the same tokens), its router
+    losses (balanced per sequence, so that every layout has the same) tied to the output with
+    ``with_aux_loss`` at weight ``aux_scale`` (1; a pipeline's trainer sets 1 / microbatches).
+    ``moe_stats`` sums what each forward with grad (not a recompute) routed: ``load_balancing``,
+    ``z_loss``, ``forwards``, ``load`` (slots per expert, this rank's tokens) and ``dropped``;
+    ``None`` until the first such forward (the trainer resets it each step)."""
+
+    def __init__(self, cfg: GPTConfig, group, index: int = 1, ep_group=None):
         super().__init__()
         sp, p = cfg.sequence_parallel, cfg.dropout
         rope = cfg.rope_base if cfg.positions == "rope" else None
@@ -152,9 +163,17 @@ class GPTBlock(nn.Module):
                                           rope_base=rope,
                                           recompute_core=cfg.recompute == "selective")
         self.norm2 = _norm(cfg, group)
-        self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_size, cfg.mlp, cfg.bias, p,
-                               sequence_parallel=sp, overlap=cfg.overlap, group=group,
-                               device="meta")
+        self.index, self.moe = index, cfg.is_moe(index)
+        if self.moe:
+            self.mlp = MoE(cfg.hidden, cfg.ffn_size, cfg.moe_experts, cfg.moe_top_k,
+                           group=ep_group, capacity_factor=cfg.moe_capacity, activation=cfg.mlp,
+                           aux_loss_coef=cfg.moe_aux_coef, z_loss_coef=cfg.moe_z_coef,
+                           balance="sequence", device="meta")
+            self.dropout, self.aux_scale, self.moe_stats = p, 1.0, None
+        else:
+            self.mlp = ParallelMLP(cfg.hidden, cfg.ffn_size, cfg.mlp, cfg.bias, p,
+                                   sequence_parallel=sp, overlap=cfg.overlap, group=group,
+                                   device="meta")
 
         self.recompute = cfg.recompute == "full"
 
@@ -163,7 +182,26 @@ class GPTBlock(nn.Module):
 
     def _forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attn(self.norm1(h))
-        return h + self.mlp(self.norm2(h))
+        if not self.moe:
+            return h + self.mlp(self.norm2(h))
+        y = self.mlp(self.norm2(h))
+        if torch.is_grad_enabled() and not recomputing():
+            self._record()
+        y = with_aux_loss(y, self.mlp.aux_loss, self.aux_scale)
+        if self.dropout and self.training:  # replicated over tp: the same mask on every tp rank
+            y = F.dropout(y, self.dropout, training=True)
+        return h + y
+
+    def _record(self) -> None:
+        moe, stats = self.mlp, self.moe_stats
+        if stats is None:
+            stats = self.moe_stats = {"load_balancing": 0.0, "z_loss": 0.0, "forwards": 0,
+                                      "load": torch.zeros_like(moe.expert_load), "dropped": 0}
+        stats["load_balancing"] += float(moe.last_aux["load_balancing"])
+        stats["z_loss"] += float(moe.last_aux["z_loss"])
+        stats["forwards"] += 1
+        stats["load"] += moe.expert_load
+        stats["dropped"] += moe.last_dropped
 
 
 class GPTHead(nn.Module):
@@ -187,20 +225,24 @@ class GPTHead(nn.Module):
         return self.out(self.norm(h))
 
 
-def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0) -> list:
+def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0, ep_group=None) -> list:
     """Zero-argument factories of the layers in order: embedding, ``cfg.layers`` blocks, head.
 
-    ``group``: the tp group (None: the topology's). Each factory builds on the default device
-    (meta under ``torch.device("meta")``) with the values of the serial model for ``seed``."""
+    ``group``: the tp group (None: the topology's). ``ep_group``: the expert-parallel group of
+    the MoE blocks (None: the topology's after ``fastpar.init``, else none: every expert here).
+    Each factory builds on the default device (meta under ``torch.device("meta")``) with the
+    values of the serial model for ``seed``."""
     group = resolve_group(group)
-    cfg.validate(group_size(group))
+    if ep_group is None and cfg.moe_experts and is_initialized():
+        ep_group = topology().ep_group
+    cfg.validate(group_size(group), 1 if ep_group is None else group_size(ep_group))
     last = cfg.layers + 1
 
     def embedding():
         return _materialise(GPTEmbedding(cfg, group), cfg, seed, 0)
 
     def block(i):
-        return lambda: _materialise(GPTBlock(cfg, group), cfg, seed, i)
+        return lambda: _materialise(GPTBlock(cfg, group, i, ep_group), cfg, seed, i)
 
     def head():
         module = _materialise(GPTHead(cfg, group), cfg, seed, last)
@@ -224,8 +266,9 @@ class GPT(nn.Sequential):
     """Every layer of ``gpt_layers(cfg, group=group, seed=seed)`` in one module (children "0" ..
     str(L + 1): the same state-dict keys as the pipeline). tokens (B, T) -> logits (B, T, V/tp)."""
 
-    def __init__(self, cfg: GPTConfig, group=None, seed: int = 0):
-        super().__init__(*(factory() for factory in gpt_layers(cfg, group=group, seed=seed)))
+    def __init__(self, cfg: GPTConfig, group=None, seed: int = 0, ep_group=None):
+        super().__init__(*(factory() for factory in gpt_layers(cfg, group=group, seed=seed,
+                                                               ep_group=ep_group)))
         self.cfg = cfg
 
     def __getitem__(self, idx):

@@ -63,6 +63,17 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
            "reduce-scatter), summed in float32")
     a("--error-feedback", action="store_true",
       help="with --quantize-grads: each rank carries its int8 rounding into its next step")
+    a("--moe-experts", type=int, default=0,
+      help="Mixture-of-Experts blocks with this many experts (0: dense MLPs)")
+    a("--moe-top-k", type=int, default=2, help="experts per token")
+    a("--moe-every", type=int, default=1,
+      help="every N-th block is a MoE block (1: every block, 2: every other from the second)")
+    a("--moe-capacity", type=float, default=None,
+      help="capacity factor (default: dropless); dropped tokens pass the residual")
+    a("--moe-aux-coef", type=float, default=1e-2, help="load-balancing loss weight")
+    a("--moe-z-coef", type=float, default=1e-3, help="router z-loss weight")
+    a("--ep", type=int, default=1,
+      help="expert-parallel size: the experts are sharded over ep ranks inside dp")
     a("--save", default=None, help="checkpoint directory")
     a("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     a("--sync-save", action="store_true",
@@ -84,7 +95,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
 
 def check_args(p, args) -> None:
     """Every flag's value against what it can be, before anything starts (one line, exit 2)."""
-    at_least_one = ["tp", "pp", "virtual_stages", "global_batch", "log_every", "val_batches",
+    at_least_one = ["tp", "pp", "ep", "moe_top_k", "moe_every", "virtual_stages", "global_batch", "log_every", "val_batches",
                     "steps", "microbatches", "seq_len", "layers", "hidden", "heads", "kv_heads",
                     "val_every"]
     for name in at_least_one:
@@ -100,6 +111,19 @@ def check_args(p, args) -> None:
         p.check(math.isfinite(value) and value >= 0,
                 f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
     p.check(math.isfinite(args.lr) and args.lr > 0, f"--lr must be a number > 0, got {args.lr}")
+    p.check(args.moe_experts >= 0, f"--moe-experts must be at least 0, got {args.moe_experts}")
+    p.check(args.moe_capacity is None or (math.isfinite(args.moe_capacity) and
+                                          args.moe_capacity > 0),
+            f"--moe-capacity must be a number > 0, got {args.moe_capacity}")
+    for name in ("moe_aux_coef", "moe_z_coef"):
+        value = getattr(args, name)
+        p.check(math.isfinite(value) and value >= 0,
+                f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+    p.check(args.ep == 1 or args.moe_experts > 0,
+            f"--ep {args.ep} shards experts: add --moe-experts N")
+    p.check(not (args.moe_experts and args.zero),
+            f"--zero {args.zero} with --moe-experts: ZeRO does not shard expert parameters "
+            "yet (their gradients reduce over the edp group); train MoE without --zero")
     p.check(args.quantize_weights is None or args.zero == 3,
             f"--quantize-weights {args.quantize_weights} quantizes ZeRO-3's parameter "
             f"all-gather; add --zero 3 (this run: --zero {args.zero})")
@@ -126,9 +150,12 @@ def check_args(p, args) -> None:
         p.check(world % (args.tp * args.pp) == 0,
                 f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the "
                 f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x pp))")
+        dp = world // (args.tp * args.pp)
+        p.check(dp % args.ep == 0, f"--ep {args.ep} does not divide dp {dp} (world {world} / "
+                                   f"(tp {args.tp} x pp {args.pp})): experts are sharded over "
+                                   "ep ranks inside dp")
         try:
-            layout_checks(args, model_config(args), args.tp, args.pp,
-                          world // (args.tp * args.pp))
+            layout_checks(args, model_config(args), args.tp, args.pp, dp)
         except ValueError as exc:
             p.error(str(exc))
 
@@ -145,6 +172,9 @@ def model_config(args):
         overrides["sequence_parallel"] = True
     overrides["overlap"] = {"auto": None, "on": True, "off": False}[args.overlap]
     overrides["recompute"] = args.recompute
+    overrides.update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                     moe_every=args.moe_every, moe_capacity=args.moe_capacity,
+                     moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef)
     if "heads" in overrides and "kv_heads" not in overrides:
         overrides["kv_heads"] = None  # a new head count: MHA unless told
     return dataclasses.replace(PRESETS[args.preset], **overrides)
@@ -153,7 +183,7 @@ def model_config(args):
 def layout_checks(args, cfg, tp: int, pp: int, dp: int) -> int:
     """ValueError for a model or batch the layout cannot cut; returns the microbatches."""
     m = args.microbatches or max(1, 2 * pp)
-    cfg.validate(tp)
+    cfg.validate(tp, args.ep)
     if args.global_batch % (dp * m):
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp {dp} x "
                          f"microbatches {m} (world {tp * pp * dp} = tp {tp} x pp {pp} x dp "

@@ -54,7 +54,7 @@ def owned(params, opt, reducer=None) -> dict[str, list]:
     """The tensors of each category now (some may be None): ``params`` and their ``.grad``; a
     ``DistributedOptimizer``'s or ``MasterWeights``' masters, their gradients and the flat
     gradient buffer; the optimizer state (``opt.inner``'s when it wraps one); a
-    ``DataParallel`` ``reducer``'s buckets."""
+    ``DataParallel``'s buckets (``reducer``: the wrapper, or one of its reducers)."""
     inner = getattr(opt, "inner", opt)
     params = list(params)
     grads = [p.grad for p in params]
@@ -71,9 +71,9 @@ def owned(params, opt, reducer=None) -> dict[str, list]:
         optim += list(opt.masters)
     optim += [t for st in inner.state.values() for t in st.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
-    if reducer is not None:
-        buffers += [b.data for b in reducer.buckets]
-        buffers += list(reducer.residuals.values())  # error feedback (quant)
+    for r in getattr(reducer, "_reducers", [reducer] if reducer is not None else []):
+        buffers += [b.data for b in r.buckets]
+        buffers += list(r.residuals.values())  # error feedback (quant)
     return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
 
 
@@ -105,7 +105,8 @@ class MemoryMeter:
 
     def owned(self) -> dict[str, list]:
         """The tensors of each category now (some may be None)."""
-        return owned(self.pipe.parameters(), self.opt, getattr(self.model, "reducer", None))
+        dp = self.model if hasattr(self.model, "_reducers") else None  # a DataParallel
+        return owned(self.pipe.parameters(), self.opt, dp)
 
     def current(self) -> dict[str, int]:
         """Bytes per category now, each storage once (in its first category)."""
@@ -171,7 +172,8 @@ def trainer_meter(trainer) -> MemoryMeter:
                     schedule=args.schedule, microbatches=trainer.microbatches,
                     rows=trainer.rows, zero=args.zero,
                     dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
-                    virtual_stages=args.virtual_stages, error_feedback=args.error_feedback)
+                    virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
+                    ep=topo.ep_size)
     return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, layout)
 
 

@@ -64,15 +64,17 @@ class Layout:
     dtype: torch.dtype = torch.float32
     virtual_stages: int = 1
     error_feedback: bool = False  # quantized gradients' residuals (float32, one per bucket/run)
+    ep: int = 1  # expert-parallel ranks: a MoE block holds moe_experts / ep experts here
 
     def stage_layers(self, chunk: int) -> range:
         s = chunk * self.pp + self.pp_rank
         return range(self.bounds[s], self.bounds[s + 1])
 
 
-def layer_tensors(cfg: GPTConfig, tp: int, index: int) -> list[int]:
+def layer_tensors(cfg: GPTConfig, tp: int, index: int, ep: int = 1) -> list[int]:
     """Elements of each parameter tensor of layer ``index`` (0 the embedding, 1..L the blocks,
-    L + 1 the head) on one tp rank."""
+    L + 1 the head) on one tp rank (a MoE block: its router and stacked local experts, whole on
+    every tp rank, moe_experts / ep of them)."""
     h, v, ffn, b = cfg.hidden, cfg.vocab_size, cfg.ffn_size, cfg.bias
     kv = cfg.num_kv_heads * (h // cfg.heads)
     norm = [h, h] if cfg.norm == "layernorm" and b else [h]
@@ -88,6 +90,9 @@ def layer_tensors(cfg: GPTConfig, tp: int, index: int) -> list[int]:
         return [h * (inp // tp)] + ([h] if b else [])
     attn = column(h) + column(kv) + column(kv) + row(h)
     mlp = column(ffn) + row(ffn) if cfg.mlp == "gelu" else column(ffn) * 2 + row(ffn)
+    if cfg.is_moe(index):
+        local = cfg.moe_experts // ep
+        mlp = [cfg.moe_experts * h] + [local * h * ffn] * (2 if cfg.mlp == "gelu" else 3)
     return norm + attn + norm + mlp
 
 
@@ -120,6 +125,14 @@ def layer_activations(cfg: GPTConfig, tp: int, index: int, rows: int, esize: int
         core = (q + 2 * kv) * n * esize  # recompute keeps q, k, v only
     o_in = q * n * esize  # o_proj's input: the heads joined
     mlp = 4 * ffn * n * esize if cfg.mlp == "swiglu" else 2 * ffn * n * esize
+    if cfg.is_moe(index):
+        # An estimate at perfectly balanced routing (the padded expert batch grows with the
+        # busiest expert): the router's float32 logits and probabilities, the n k routed rows
+        # going out, through the experts (their input and ffn-wide intermediates, full width:
+        # experts are not tp-sharded) and back, and the gates and indices of the combine.
+        k, f = cfg.moe_top_k, cfg.ffn_size
+        wide = 4 * f if cfg.mlp == "swiglu" else 2 * f
+        mlp = 2 * n * cfg.moe_experts * 4 + n * k * (3 * h * esize + wide * esize + 4 + 3 * 8)
     return norm + norm2 + 2 * out + rope + core + o_in + mlp
 
 
@@ -171,7 +184,7 @@ def predict(layout: Layout) -> dict[str, int]:
     bf16 = layout.dtype != torch.float32
     chunks = range(layout.virtual_stages)
     layers = [i for c in chunks for i in layout.stage_layers(c)]
-    tensors = [n for i in layers for n in layer_tensors(cfg, tp, i)]
+    tensors = [n for i in layers for n in layer_tensors(cfg, tp, i, layout.ep)]
     P = sum(tensors)
     buckets = 4 * sum(_pad(n, ALIGN) for n in tensors)
     if layout.zero == 0:
@@ -179,7 +192,7 @@ def predict(layout: Layout) -> dict[str, int]:
                "optimizer": 12 * P if bf16 else 8 * P, "buffers": buckets if bf16 else 0}
     else:
         if layout.zero == 3:  # a run per layer (gather unit)
-            runs = [sum(layer_tensors(cfg, tp, i)) for i in layers]
+            runs = [sum(layer_tensors(cfg, tp, i, layout.ep)) for i in layers]
         elif layout.zero == 2:
             runs = zero2_runs(tensors)
         else:

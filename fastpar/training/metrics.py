@@ -107,7 +107,9 @@ class MetricsWriter:
 # (record key, how the log line shows it), in line order.
 _FIELDS = (("loss", "loss {:.4f}"), ("val_loss", "val loss {:.4f}"),
            ("tokens_per_s", "{:,.0f} tok/s"), ("step_time_s", "{:.1f} ms"), ("lr", "lr {:.2e}"),
-           ("grad_norm", "grad norm {:.3f}"), ("mfu", "MFU {:.1%}"))
+           ("grad_norm", "grad norm {:.3f}"), ("mfu", "MFU {:.1%}"),
+           ("moe_aux_loss", "aux {:.4f}"), ("moe_z_loss", "z {:.3f}"),
+           ("moe_dropped", "dropped {:,}"))
 
 
 def format_line(record):
@@ -117,6 +119,9 @@ def format_line(record):
         if key in record:
             value = record[key] * 1e3 if key == "step_time_s" else record[key]
             parts.append(fmt.format(value))
+            if key == "moe_z_loss" and "expert_load_min" in record:
+                parts.append(f"expert load {record['expert_load_min']:,}-"
+                             f"{record['expert_load_max']:,}")
     return " | ".join(parts)
 
 
