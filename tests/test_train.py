@@ -263,7 +263,7 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
     regathered and resharded), continuing the curve; every other block MoE at ep 2 x dp 2."""
     ck = str(tmp_path / "moe")
     step10 = os.path.join(ck, "step_00000010")
-    every = ["--moe-every", "2", "--layers", "3"]
+    every = ["--moe-every", "2", "--layers", "3", "--steps", "6"]
     four = run_ranks(4, body_runs_full, runs=[
         ("ep2pp2", [*MOE, "--ep", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
         ("ep2tp2", [*MOE, "--ep", "2", "--tp", "2"]),
