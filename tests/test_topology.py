@@ -12,20 +12,39 @@ LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4), (1, 1)]
 EP_LAYOUTS = {4: [(1, 1, 2), (2, 1, 2)]}
 
 
-def expected_coords(rank, tp, pp, world):
-    dp = world // (tp * pp)
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def expected_coords(rank, tp, pp, world, cp=1):
+    """``(tp_rank, dp_rank, pp_rank)`` by Megatron's order (tp fastest, then cp, dp, pp)."""
+    dp = world // (tp * cp * pp)
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
 
-def expected_expert_groups(rank, tp, pp, ep, world):
+def expected_cp_rank(rank, tp, cp):
+    return (rank // tp) % cp
+
+
+def expected_expert_groups(rank, tp, pp, ep, world, cp=1):
     """``(ep members, edp members)`` of ``rank``, written from the coordinates alone (not from
-    Grid): ep = same tp, pp and dp block of ep consecutive dp ranks; edp = same tp, pp and
-    position in that block."""
-    t, d, p = expected_coords(rank, tp, pp, world)
-    same = [r for r in range(world) if expected_coords(r, tp, pp, world)[::2] == (t, p)]
-    ep_members = [r for r in same if expected_coords(r, tp, pp, world)[1] // ep == d // ep]
-    edp_members = [r for r in same if expected_coords(r, tp, pp, world)[1] % ep == d % ep]
+    Grid): ep = same tp, cp, pp and dp block of ep consecutive dp ranks; edp = same tp, cp, pp
+    and position in that block."""
+    def at(r):
+        return (*expected_coords(r, tp, pp, world, cp), expected_cp_rank(r, tp, cp))
+
+    t, d, p, c = at(rank)
+    same = [r for r in range(world) if (at(r)[0], at(r)[2], at(r)[3]) == (t, p, c)]
+    ep_members = [r for r in same if at(r)[1] // ep == d // ep]
+    edp_members = [r for r in same if at(r)[1] % ep == d % ep]
     return ep_members, edp_members
+
+
+def expected_context_groups(rank, tp, pp, cp, world):
+    """``(cp members, dpcp members)`` of ``rank`` from the coordinates alone (not from Grid):
+    cp = same tp, dp and pp coordinates; dpcp = same tp and pp coordinates."""
+    t, d, p = expected_coords(rank, tp, pp, world, cp)
+    cp_members = [r for r in range(world)
+                  if expected_coords(r, tp, pp, world, cp) == (t, d, p)]
+    dpcp_members = [r for r in range(world)
+                    if expected_coords(r, tp, pp, world, cp)[::2] == (t, p)]
+    return cp_members, dpcp_members
 
 
 @pytest.mark.parametrize("world, tp, pp", [(w, t, p) for w, ls in LAYOUTS.items() for t, p in ls]
@@ -93,8 +112,153 @@ def test_grid_default_ep_is_one_and_older_axes_keep_their_order():
     assert Grid(8, 2, 2).coords(5) == (1, 0, 1)
     from fastpar.grid import AXES
 
-    assert AXES[:5] == ("tp", "pp", "dp", "mp", "embedding")  # init builds groups in this order
-    assert set(AXES[5:]) == {"ep", "edp"}
+    # init builds groups in this order, so each axis added last leaves the others' creation alone
+    assert AXES[:5] == ("tp", "pp", "dp", "mp", "embedding")
+    assert AXES[5:7] == ("ep", "edp") and AXES[7:] == ("cp", "dpcp")
+
+
+# (world, tp, pp, ep, cp): cp 1, 2, 3, 4 with and without tp, pp and ep
+CP_GRIDS = [(1, 1, 1, 1, 1), (2, 1, 1, 1, 2), (4, 1, 1, 1, 2), (4, 1, 1, 1, 4), (4, 2, 1, 1, 2),
+            (4, 1, 2, 1, 2), (8, 2, 2, 1, 2), (8, 1, 1, 2, 2), (16, 2, 1, 2, 2), (16, 1, 2, 2, 2),
+            (24, 2, 2, 2, 3), (16, 1, 1, 2, 4), (32, 2, 2, 2, 2), (12, 1, 3, 1, 2),
+            (8, 2, 2, 2, 1), (12, 2, 3, 1, 1)]
+
+
+@pytest.mark.parametrize("world, tp, pp, ep, cp", CP_GRIDS)
+def test_grid_context_axis(world, tp, pp, ep, cp):
+    grid = Grid(world, tp, pp, ep, cp)
+    dp = world // (tp * cp * pp)
+    assert (grid.cp, grid.dp, grid.edp) == (cp, dp, dp // ep) and tp * cp * dp * pp == world
+
+    def coords4(r):  # (t, c, d, p), written from Megatron's formula, not from Grid
+        t, d, p = expected_coords(r, tp, pp, world, cp)
+        return t, expected_cp_rank(r, tp, cp), d, p
+
+    # Each axis' groups from the coordinates alone: the ranks agreeing on the key (for
+    # embedding, the first and last stage of each column).
+    keys = {"tp": lambda t, c, d, p: (c, d, p), "cp": lambda t, c, d, p: (t, d, p),
+            "dp": lambda t, c, d, p: (t, c, p), "dpcp": lambda t, c, d, p: (t, p),
+            "pp": lambda t, c, d, p: (t, c, d), "mp": lambda t, c, d, p: (c, d),
+            "embedding": lambda t, c, d, p: (t, c, d),
+            "ep": lambda t, c, d, p: (t, c, p, d // ep),
+            "edp": lambda t, c, d, p: (t, c, p, d % ep)}
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "dpcp": dp * cp, "pp": pp, "mp": tp * pp,
+             "embedding": len({0, pp - 1}), "ep": ep, "edp": dp // ep}
+    for axis, key in keys.items():
+        expected = {}
+        for r in range(world):
+            if axis != "embedding" or coords4(r)[3] in (0, pp - 1):
+                expected.setdefault(key(*coords4(r)), []).append(r)
+        groups = grid.groups(axis)
+        assert sorted(groups) == sorted(expected.values()), (axis, groups)
+        assert all(g == sorted(g) and len(g) == sizes[axis] for g in groups), (axis, groups)
+        if axis != "embedding":  # every rank in exactly one group
+            assert sorted(itertools.chain(*groups)) == list(range(world)), axis
+    for rank in range(world):
+        t, c, d, p = coords4(rank)
+        assert grid.coords(rank) == (t, d, p) and grid.cp_rank(rank) == c
+        assert grid.rank_of(t, d, p, cp_rank=c) == rank == t + tp * (c + cp * (d + dp * p))
+        assert (grid.ep_rank(rank), grid.edp_rank(rank)) == (d % ep, d // ep)
+        cp_members, dpcp_members = grid.group_of("cp", rank), grid.group_of("dpcp", rank)
+        assert (cp_members, dpcp_members) == expected_context_groups(rank, tp, pp, cp, world)
+        # dpcp = dp x cp: the dp groups of this rank's cp group, which meet cp only here
+        dp_members = grid.group_of("dp", rank)
+        assert set(dpcp_members) == {x for m in cp_members for x in grid.group_of("dp", m)}
+        assert set(cp_members) & set(dp_members) == {rank}
+        # a rank's index in each group is its coordinate there (torch orders ranks sorted)
+        assert cp_members.index(rank) == c and dp_members.index(rank) == d
+        assert dpcp_members.index(rank) == d * cp + c
+        assert grid.group_of("tp", rank).index(rank) == t
+        assert grid.group_of("pp", rank).index(rank) == p
+        # ep and edp stay inside this rank's dp group, at its cp coordinate
+        ep_members, edp_members = grid.group_of("ep", rank), grid.group_of("edp", rank)
+        assert (ep_members, edp_members) == expected_expert_groups(rank, tp, pp, ep, world, cp)
+        assert set(ep_members) | set(edp_members) <= set(dp_members)
+        assert {grid.cp_rank(m) for m in ep_members + edp_members} == {c}
+    if cp == 1:  # no context parallelism: cp groups of one rank, dpcp is dp (same groups, order)
+        assert grid.groups("cp") == [[r] for r in range(world)]
+        assert grid.groups("dpcp") == grid.groups("dp")
+        assert grid == Grid(world, tp, pp, ep)
+    if dp == 1:  # every dpcp group is one cp group
+        assert grid.groups("dpcp") == sorted(grid.groups("cp"))
+
+
+def test_grid_cp_one_keeps_every_older_group_and_its_order():
+    """The groups of Grid(16, tp 2, pp 2, ep 2) as the grid made them before the cp axis, in
+    their order (init creates them in it, collectively), pinned as literals."""
+    before = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+        "pp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+        "dp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+        "mp": [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]],
+        "embedding": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+        "ep": [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]],
+        "edp": [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]}
+    for grid in (Grid(16, 2, 2, 2), Grid(16, 2, 2, 2, 1), Grid(16, 2, 2, ep=2, cp=1)):
+        assert {axis: grid.groups(axis) for axis in before} == before
+        assert [grid.coords(r) for r in range(16)] == [(r % 2, r // 2 % 4, r // 8)
+                                                       for r in range(16)]
+        assert grid.rank_of(1, 3, 1) == 15
+
+
+def test_grid_cp_orders_tp_then_cp_then_dp_then_pp():
+    grid = Grid(16, 2, 2, cp=2)  # dp 2
+    assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
+                                 [14, 15]]
+    assert grid.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14],
+                                 [13, 15]]
+    assert grid.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14],
+                                 [11, 15]]
+    assert grid.groups("dpcp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert grid.groups("pp") == [[r, r + 8] for r in range(8)]
+    assert grid.groups("mp") == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    # rank 6: tp 0, cp 1, dp 1, pp 0
+    assert (grid.coords(6), grid.cp_rank(6)) == ((0, 1, 0), 1)
+    assert grid.rank_of(0, 1, 0, cp_rank=1) == 6 and grid.rank_of(0, 1, 0) == 4
+
+
+def test_topology_context_properties_and_repr():
+    import torch
+
+    from fastpar.grid import Topology
+
+    grid = Grid(16, 2, 2, cp=2)  # dp 2
+    topo = Topology(grid=grid, rank=6, local_rank=6, local_world_size=16,
+                    device=torch.device("cpu"), backend="gloo", launcher="single")
+    assert (topo.cp_size, topo.cp_rank, topo.dp_size, topo.dp_rank) == (2, 1, 2, 1)
+    assert (topo.tp_rank, topo.pp_rank, topo.ep_rank, topo.edp_rank) == (0, 0, 0, 1)
+    assert topo.ranks("cp") == [4, 6] and topo.ranks("dpcp") == [0, 2, 4, 6]
+    assert topo.ranks("dp") == [2, 6] and topo.ranks("edp") == [2, 6]
+    assert topo.pp_next_rank == 14 and topo.pp_prev_rank is None
+    assert "tp=0/2, cp=1/2, pp=0/2, dp=1/2, ep=0/1" in repr(topo), repr(topo)
+    assert (topo.cp_group, topo.dpcp_group) == (None, None)  # made by fastpar.init, not here
+    assert Topology(grid=Grid(1, 1, 1), rank=0, local_rank=0, local_world_size=1,
+                    device=torch.device("cpu"), backend="gloo", launcher="single").cp_size == 1
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, n", [(4, 1, 1, 3, 4), (8, 2, 1, 3, 4),
+                                                  (4, 2, 2, 2, 1), (12, 1, 2, 4, 6),
+                                                  (2, 1, 1, 4, 2)])
+def test_grid_rejects_cp_not_dividing(world, tp, pp, cp, n):
+    with pytest.raises(ValueError, match=rf"cp {cp} does not divide world_size {world} / \(tp "
+                                         rf"{tp} x pp {pp}\) = {n}: the world is tp x cp x dp x "
+                                         "pp"):
+        Grid(world, tp, pp, cp=cp)
+
+
+@pytest.mark.parametrize("world, tp, pp, ep, cp, dp", [(8, 1, 1, 8, 2, 4), (8, 1, 1, 3, 2, 4),
+                                                       (16, 2, 2, 4, 2, 2)])
+def test_grid_rejects_ep_not_dividing_dp_under_cp(world, tp, pp, ep, cp, dp):
+    """ep cuts dp, which cp has cut out of world / (tp x pp): the message names cp too."""
+    with pytest.raises(ValueError, match=rf"ep {ep} does not divide dp {dp} \(world_size {world} "
+                                         rf"/ \(tp {tp} x cp {cp} x pp {pp}\)\)"):
+        Grid(world, tp, pp, ep, cp)
+
+
+@pytest.mark.parametrize("cp", [0, -2, 1.5, True, "2"])
+def test_grid_rejects_bad_cp(cp):
+    with pytest.raises(ValueError, match=f"cp must be a positive integer, got {cp!r}"):
+        Grid(4, 1, 1, cp=cp)
 
 
 def test_topology_expert_properties_and_repr():
