@@ -8,8 +8,9 @@ from fastpar.grid import Grid
 from tests.multirank import run_ranks
 
 LAYOUTS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4), (1, 1)]}
-# (tp, pp, ep), run inside the torchrun launch of the same world only: the suite is at its limit
-EP_LAYOUTS = {4: [(1, 1, 2), (2, 1, 2)]}
+# (tp, pp, ep) and (tp, pp, ep, cp), run inside the torchrun launch of the same world only: the
+# suite is at its limit. cp: tp 1 x cp 2 x dp 2, and tp 2 x cp 2 (dp 1).
+EP_LAYOUTS = {4: [(1, 1, 2), (2, 1, 2), (1, 1, 1, 2), (2, 1, 1, 2)]}
 
 
 def expected_coords(rank, tp, pp, world, cp=1):
@@ -310,27 +311,33 @@ def body_check_layouts(layouts):
     import fastpar
 
     checked = []
-    for tp, pp, *rest in layouts:  # (tp, pp) or (tp, pp, ep)
-        ep = rest[0] if rest else 1
-        topo = fastpar.init(tp=tp, pp=pp, ep=ep, timeout=60)
+    for tp, pp, *rest in layouts:  # (tp, pp), (tp, pp, ep) or (tp, pp, ep, cp)
+        ep, cp = (*rest, 1, 1)[:2]
+        topo = fastpar.init(tp=tp, pp=pp, ep=ep, cp=cp, timeout=60)
         world, rank = dist.get_world_size(), dist.get_rank()
-        grid = Grid(world, tp, pp)
-        t, d, p = expected_coords(rank, tp, pp, world)
+        grid = Grid(world, tp, pp, cp=cp)
+        t, d, p = expected_coords(rank, tp, pp, world, cp)
         assert (topo.rank, topo.world_size) == (rank, world)
         assert (topo.tp_rank, topo.dp_rank, topo.pp_rank) == (t, d, p), topo
-        assert (topo.tp_size, topo.pp_size, topo.dp_size) == (tp, pp, world // (tp * pp))
+        assert (topo.tp_size, topo.pp_size, topo.dp_size) == (tp, pp, world // (tp * cp * pp))
         assert (topo.ep_size, topo.ep_rank, topo.edp_rank) == (ep, d % ep, d // ep), topo
-        # The expert groups against members written from the coordinates (not from Grid), each
-        # summing 2 ** rank: the sum names the exact set of ranks, so no wrong group passes.
-        for name, members in zip(("ep", "edp"), expected_expert_groups(rank, tp, pp, ep, world)):
+        c = expected_cp_rank(rank, tp, cp)
+        assert (topo.cp_size, topo.cp_rank) == (cp, c), topo
+        # The expert and context groups against members written from the coordinates (not from
+        # Grid), each summing 2 ** rank: the sum names the exact set of ranks, so no wrong group
+        # passes.
+        for name, members in zip(("ep", "edp", "cp", "dpcp"),
+                                 expected_expert_groups(rank, tp, pp, ep, world, cp)
+                                 + expected_context_groups(rank, tp, pp, cp, world)):
             group = getattr(topo, f"{name}_group")
             assert dist.get_process_group_ranks(group) == members, (name, members)
             x = torch.tensor([2.0 ** rank], dtype=torch.float64)
             dist.all_reduce(x, group=group)
             assert x.item() == sum(2.0 ** r for r in members), (name, x.item(), members)
         assert topo.is_first_stage == (p == 0) and topo.is_last_stage == (p == pp - 1)
-        assert topo.pp_prev_rank == (None if p == 0 else grid.rank_of(t, d, p - 1))
-        assert topo.pp_next_rank == (None if p == pp - 1 else grid.rank_of(t, d, p + 1))
+        assert topo.pp_prev_rank == (None if p == 0 else grid.rank_of(t, d, p - 1, cp_rank=c))
+        assert topo.pp_next_rank == (None if p == pp - 1 else grid.rank_of(t, d, p + 1,
+                                                                            cp_rank=c))
         for axis in ("tp", "pp", "dp", "mp", "embedding"):
             group = getattr(topo, f"{axis}_group")
             members = grid.group_of(axis, rank)
@@ -342,14 +349,17 @@ def body_check_layouts(layouts):
             x = torch.tensor([float(rank)])
             dist.all_reduce(x, group=group)
             assert x.item() == sum(members), (axis, x.item(), members)
-        assert fastpar.init(tp=tp, pp=pp, ep=ep, timeout=60) is topo  # idempotent
-        for other in ({"tp": tp, "pp": pp + 1, "ep": ep}, {"tp": tp, "pp": pp, "ep": ep + 1}):
+        assert fastpar.init(tp=tp, pp=pp, ep=ep, cp=cp, timeout=60) is topo  # idempotent
+        for other in ({"tp": tp, "pp": pp + 1, "ep": ep, "cp": cp},
+                      {"tp": tp, "pp": pp, "ep": ep + 1, "cp": cp},
+                      {"tp": tp, "pp": pp, "ep": ep, "cp": cp + 1}):
             try:
                 fastpar.init(**other, timeout=60)
                 raise AssertionError(f"init with {other} did not raise")
             except RuntimeError as exc:
                 assert "already called" in str(exc) and "shutdown" in str(exc)
-                assert f"'ep': {ep}," in str(exc) and f"'ep': {other['ep']}," in str(exc)
+                assert f"'ep': {ep}, 'cp': {cp}," in str(exc), str(exc)
+                assert f"'ep': {other['ep']}, 'cp': {other['cp']}," in str(exc), str(exc)
         assert fastpar.topology() is topo
         fastpar.shutdown()
         assert not dist.is_initialized()
@@ -360,6 +370,14 @@ def body_check_layouts(layouts):
             except ValueError as exc:
                 assert f"ep {ep + 1} does not divide dp {world // (tp * pp)} (world_size " \
                        f"{world} / (tp {tp} x pp {pp}))" in str(exc), str(exc)
+            assert not dist.is_initialized() and not fastpar.is_initialized()
+        if cp > 1:  # likewise a cp that does not divide world / (tp x pp)
+            try:
+                fastpar.init(tp=tp, pp=pp, cp=cp + 1, timeout=60)
+                raise AssertionError(f"init with cp {cp + 1} did not raise")
+            except ValueError as exc:
+                assert f"cp {cp + 1} does not divide world_size {world} / (tp {tp} x pp {pp}) " \
+                       f"= {world // (tp * pp)}:" in str(exc), str(exc)
             assert not dist.is_initialized() and not fastpar.is_initialized()
         checked.append([tp, pp, *rest])
     return {"checked": checked, "launcher": topo.launcher, "local": [topo.local_rank,

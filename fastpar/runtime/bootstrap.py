@@ -4,7 +4,7 @@ Steps, identical under every launcher:
 
 1. ``launcher.detect`` reads the launcher, rank and world size from the environment; under an MPI
    launcher mpi4py (``MPI_Init``) then gives rank, world size and local ranks.
-2. The tp/pp/ep degrees are validated on every rank before the rendezvous, so a bad layout fails
+2. The tp/pp/ep/cp degrees are validated on every rank before the rendezvous, so a bad layout fails
    everywhere at once with the same ``ValueError``.
 3. Rendezvous on a TCP store. Under MPI, rank 0 starts the store on a free port and broadcasts its
    address over MPI; under torchrun the store comes from ``MASTER_ADDR``/``MASTER_PORT``.
@@ -73,12 +73,15 @@ def _this_process(info: _launcher.LaunchInfo, timeout: float):
     return None, info.rank, info.world_size, max(info.local_rank, 0), local_world_size
 
 
-def init(tp: int = 1, pp: int = 1, *, ep: int = 1, backend: str | None = None,
+def init(tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, backend: str | None = None,
          timeout: float = 300.0) -> Topology:
     """Join the job started by any launcher and return this rank's ``Topology``.
 
     ``ep``: expert-parallel degree, cutting dp (``world_size / (tp x pp)``, which it must divide)
     into ep groups of consecutive dp ranks and edp groups across them (``fastpar.grid``).
+    ``cp``: context-parallel degree, dividing ``world_size / (tp x pp)``: the world is tp x cp x
+    dp x pp (tp fastest, then cp), with cp groups (the ranks sharing each sequence) and dpcp
+    groups (dp x cp, where gradients are reduced under context parallelism).
     Idempotent for the same arguments; calling it again with different ones is an error (call
     ``shutdown()`` first). ``timeout`` (seconds; ``math.inf``: no limit) bounds the rendezvous and
     every later collective on every group of the grid.
@@ -86,12 +89,12 @@ def init(tp: int = 1, pp: int = 1, *, ep: int = 1, backend: str | None = None,
     import torch.distributed as dist
 
     timeout = check_timeout(timeout)
-    args = (tp, pp, ep, backend, timeout)
+    args = (tp, pp, ep, cp, backend, timeout)
     current = _STATE["job"]
     if current is not None:
         if current.args == args:
             return current.topology
-        names = ("tp", "pp", "ep", "backend", "timeout")
+        names = ("tp", "pp", "ep", "cp", "backend", "timeout")
         old, new = dict(zip(names, current.args)), dict(zip(names, args))
         raise RuntimeError(f"fastpar.init was already called with {old}; called again with "
                            f"{new}. Call fastpar.shutdown() first to change the layout.")
@@ -100,8 +103,8 @@ def init(tp: int = 1, pp: int = 1, *, ep: int = 1, backend: str | None = None,
     mpi_comm, rank, world_size, local_rank, local_world_size = _this_process(info, timeout)
     if mpi_comm is not None:
         abort.install(mpi_comm, rank)
-    validate_degrees(world_size, tp, pp, ep)
-    grid = Grid(world_size, tp, pp, ep)
+    validate_degrees(world_size, tp, pp, ep, cp)
+    grid = Grid(world_size, tp, pp, ep, cp)
     device = _choose_device(local_rank, local_world_size)
     shared_gpu = device.type == "cuda" and local_world_size > torch.cuda.device_count()
     backend = backend or ("nccl" if device.type == "cuda" and not shared_gpu else "gloo")
