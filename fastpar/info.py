@@ -3,6 +3,7 @@
     python -m fastpar info
     mpirun -np 4 python -m fastpar info --tp 2 --pp 2 [--json]
     torchrun --nproc-per-node 4 -m fastpar info --tp 2 --ep 2
+    torchrun --nproc-per-node 4 -m fastpar info --cp 2
 
 Like ``python -m torch.utils.collect_env``: the first command to run on a new machine. Under a
 multi-rank launcher rank 0 prints for every rank; ``--json`` prints one JSON document from rank 0.
@@ -69,8 +70,9 @@ def rank_entry(topo) -> dict:
     host = hostid.labels(topo.hosts)[topo.hosts[topo.rank]] if topo.hosts else \
         socket.gethostname()
     return {"rank": topo.rank, "host": host, "local_rank": topo.local_rank,
-            "device": str(topo.device), "cpus": topo.cpus, "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
-            "dp_rank": topo.dp_rank, "ep_rank": topo.ep_rank, "edp_rank": topo.edp_rank}
+            "device": str(topo.device), "cpus": topo.cpus, "tp_rank": topo.tp_rank,
+            "cp_rank": topo.cp_rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
+            "ep_rank": topo.ep_rank, "edp_rank": topo.edp_rank}
 
 
 ENGINE_TABLE_BYTES = 1 << 20  # the message size the engine table is shown for
@@ -79,13 +81,16 @@ ENGINE_TABLE_BYTES = 1 << 20  # the message size the engine table is shown for
 def engine_table(topo) -> list[dict]:
     """The engine the policy picks for each collective on each of this rank's groups (float32,
     1 MiB, this rank's device), with the reason; creates no communicator. The ep and edp groups
-    are listed when ep > 1 (with ep 1 they are this rank alone and the dp ranks)."""
+    are listed when ep > 1, the cp and dpcp groups when cp > 1 (with 1 they are this rank alone
+    and the dp ranks)."""
     from fastpar.comm.state import current
 
     groups = {"world": dist.group.WORLD, "tp": topo.tp_group, "dp": topo.dp_group,
               "pp": topo.pp_group}
     if topo.ep_size > 1:
         groups.update(ep=topo.ep_group, edp=topo.edp_group)
+    if topo.cp_size > 1:
+        groups.update(cp=topo.cp_group, dpcp=topo.dpcp_group)
     return current().engine_table(groups, topo.device.type, ENGINE_TABLE_BYTES)
 
 
@@ -100,7 +105,7 @@ def report(topo) -> dict | None:
     if topo.rank != 0:
         return None
     return {"world_size": topo.world_size, "tp": topo.tp_size, "pp": topo.pp_size,
-            "dp": topo.dp_size, "ep": topo.ep_size, "edp": topo.edp_size,
+            "dp": topo.dp_size, "cp": topo.cp_size, "ep": topo.ep_size, "edp": topo.edp_size,
             "backend": topo.backend, "versions": versions(topo),
             "hosts": hosts(topo), "warnings": layout_warnings(topo),
             "ranks": entries, "engines": engine_table(topo), "gpu_engines": gpu_engines()}
@@ -153,11 +158,11 @@ def format_report(rep: dict) -> str:
                                        for h in rep["hosts"]))
     for warning in rep["warnings"]:
         lines.append(f"WARNING: {warning}")
-    lines.append(f"rank map: world {rep['world_size']} = tp {rep['tp']} x pp {rep['pp']} x "
-                 f"dp {rep['dp']}, dp = ep {rep['ep']} x edp {rep['edp']}, backend "
-                 f"{rep['backend']}")
-    cols = ["rank", "host", "local_rank", "device", "tp_rank", "pp_rank", "dp_rank", "ep_rank",
-            "edp_rank", "cpus"]
+    lines.append(f"rank map: world {rep['world_size']} = tp {rep['tp']} x cp {rep['cp']} x pp "
+                 f"{rep['pp']} x dp {rep['dp']}, dp = ep {rep['ep']} x edp {rep['edp']}, "
+                 f"backend {rep['backend']}")
+    cols = ["rank", "host", "local_rank", "device", "tp_rank", "cp_rank", "pp_rank", "dp_rank",
+            "ep_rank", "edp_rank", "cpus"]
     rows = [[str(r[c]) for c in cols] for r in rep["ranks"]]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths)))
@@ -188,22 +193,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel degree, dividing dp (default 1)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree, dividing world / (tp x pp) (default 1)")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout (rank 0)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to wait for all ranks (default 60)")
     args = parser.parse_args(argv)
-    parser.check(args.tp >= 1 and args.pp >= 1 and args.ep >= 1,
-                 f"--tp, --pp and --ep must be at least 1, got {args.tp}, {args.pp} and "
-                 f"{args.ep}")
+    parser.check(min(args.tp, args.pp, args.ep, args.cp) >= 1,
+                 f"--tp, --pp, --ep and --cp must be at least 1, got {args.tp}, {args.pp}, "
+                 f"{args.ep} and {args.cp}")
     parser.check(args.timeout > 0, f"--timeout must be > 0 seconds, got {args.timeout}")
     world = parser.launched_world()
     if world is not None:
         try:  # the grid's own message, naming every factor
-            validate_degrees(world, args.tp, args.pp, args.ep)
+            validate_degrees(world, args.tp, args.pp, args.ep, args.cp)
         except ValueError as exc:
             parser.error(str(exc))
     try:
-        topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, timeout=args.timeout)
+        topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
+                            timeout=args.timeout)
     except (ValueError, RuntimeError) as exc:
         rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get(
             "OMPI_COMM_WORLD_RANK") or "0"
