@@ -22,8 +22,8 @@ the blocks merged by log-sum-exp in float32). ``ulysses_attention`` re-shards: a
 takes q, k, v from (B, H, T/cp, D) to (B, H/cp, T, D) (the full sequence of H/cp heads), put in
 position order, ordinary attention runs, and the inverse all-to-all returns (B, H, T/cp, D).
 Both equal serial ``softmax(q k^T * scale + causal mask) v`` (GQA: query head h uses kv head
-h // (H / Hkv)), forward and every gradient. Each takes ``group`` explicitly (the cp group; None
-is a ``ValueError``: there is no default cp group yet) and is autograd-complete.
+h // (H / Hkv)), forward and every gradient. Each takes ``group`` explicitly (the cp group,
+e.g. ``fastpar.init(cp=N).cp_group``; None is a ``ValueError``) and is autograd-complete.
 
 **Dropout** (``dropout_p > 0``) follows a rule that does not depend on how the work is split:
 the probability of query position i, key position j, head h, batch row b is kept when a hash of
