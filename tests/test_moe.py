@@ -193,6 +193,31 @@ def _not_divisible(group, ep):
         MoE(H, F, experts, 1, group=group)
 
 
+def _phase_hook(group, rank):
+    """``phase_hook`` sees every phase in order with its result, and changes nothing: the same
+    output and gradients, bitwise, with it on as off. Returns the phases it saw."""
+    from fastpar.nn import MoE
+
+    moe = MoE(H, F, E, 2, group=group, seed=7)
+    x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    runs = []
+    for seen in (None, []):
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+        moe.phase_hook = None if seen is None else (lambda name, t: seen.append((name, t)))
+        y = moe(x)
+        (y.square().sum() + moe.aux_loss).backward()
+        runs.append((y.detach(), x.grad, *(p.grad for p in moe.parameters())))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    names = [name for name, _ in seen]
+    tensors = dict(seen)
+    assert tensors["route"] is None and seen[-1][1] is y, names
+    assert tensors["permute"].shape == (2 * 15, H) and tensors["experts"].requires_grad, names
+    if group is None:  # (a process group does not deepcopy)
+        assert copy.deepcopy(moe).phase_hook is None
+    return names
+
+
 def body_moe(seed):
     import torch.distributed as dist
 
@@ -212,12 +237,17 @@ def body_moe(seed):
         _state_dict_and_marker(pairs[rank // 2], seed)
     _state_dict_and_marker(world, seed)
     _not_divisible(world, n)
+    if n == 2:
+        out["phases"] = _phase_hook(world, rank)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_against_serial(world):
     values = run_ranks(world, body_moe, seed=300 + world, timeout=120).values()
+    if world == 2:
+        assert [v.pop("phases") for v in values] == [[
+            "route", "permute", "counts", "a2a_out", "experts", "a2a_back", "unpermute"]] * 2
     for layout in values[0]:
         results = [v[layout] for v in values]
         assert len({len(r["checked"]) for r in results}) == 1
@@ -236,6 +266,10 @@ def test_moe_without_a_group():
     assert result["dropped"] > 0 and result["emptied"] > 0 and result["starved_rows"] > 0
     print(f"ep1 without a group: worst error / bound = {result['worst'][0]:.3f} "
           f"({result['worst'][1]})")
+
+
+def test_moe_phase_hook_without_a_group():
+    assert _phase_hook(None, 0) == ["route", "permute", "experts", "unpermute"]
 
 
 def test_moe_expert_marker_survives_copies_and_materialisation():

@@ -168,6 +168,14 @@ class MoE(nn.Module):
     * ``expert_load``: int64 (num_experts,), this rank's slots routed to each expert before
       drops (sum it over ranks for the global load);
     * ``last_dropped``: int, this rank's slots dropped by the capacity (0 when dropless).
+
+    ``phase_hook`` (``None``: off, one attribute test per phase): a callable ``hook(phase,
+    tensor)`` the forward calls as each phase ends, for timing (``bench/moe.py``), with
+    ``tensor`` the phase's result that the next phase takes (``None`` where it has none):
+    "route" (router, top-k, losses, the sort by expert: None), "permute" (the rows in expert
+    order), then at ep > 1 only "counts" (their exchange: None) and "a2a_out" (the received
+    rows), "experts" (their outputs), at ep > 1 "a2a_back" (the outputs back here), and
+    "unpermute" (the gate-weighted sum over the k choices: the layer's output).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int, *,
@@ -214,12 +222,14 @@ class MoE(nn.Module):
         self.last_aux: dict[str, torch.Tensor] | None = None
         self.expert_load: torch.Tensor | None = None
         self.last_dropped: int | None = None
+        self.phase_hook = None
 
     def __getstate__(self):
         # The last forward's results are not part of a copy (deepcopy, pickle): aux_loss is a
         # non-leaf tensor, which deepcopy refuses.
         state = dict(self.__dict__)
-        state.update(aux_loss=None, last_aux=None, expert_load=None, last_dropped=None)
+        state.update(aux_loss=None, last_aux=None, expert_load=None, last_dropped=None,
+                     phase_hook=None)
         return state
 
     def capacity(self, tokens: int) -> int | None:
@@ -255,10 +265,19 @@ class MoE(nn.Module):
         self.expert_load = load.detach()
         self.last_dropped = 0 if capacity is None else k * t - int(kept.sum())
         token, choice = order % max(t, 1), order // max(t, 1)  # (S,) kept slots, by expert
-        out = self._experts(tokens[token], kept)  # (S, hidden)
+        hook = self.phase_hook
+        if hook is not None:
+            hook("route", None)
+        rows = tokens[token]  # (S, hidden)
+        if hook is not None:
+            hook("permute", rows)
+        out = self._experts(rows, kept)  # (S, hidden)
         weighted = out.to(wide) * gate[token, choice].unsqueeze(1)
         y = torch.zeros((t, self.hidden_size), dtype=wide, device=x.device)
-        return y.index_add(0, token, weighted).to(x.dtype).reshape(x.shape)
+        y = y.index_add(0, token, weighted).to(x.dtype).reshape(x.shape)
+        if hook is not None:
+            hook("unpermute", y)
+        return y
 
     def _router_losses(self, logits, probs, chosen, load, sequences, t) -> None:
         if self.balance == "sequence" and sequences > 1 and t:
@@ -281,14 +300,27 @@ class MoE(nn.Module):
     def _experts(self, rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (``kept[e]`` for expert e) through their experts, wherever
         they live; returns the outputs in the same order."""
-        n, per = self.ep, self.local_experts
+        n, per, hook = self.ep, self.local_experts, self.phase_hook
         sent = kept.view(n, per)  # [rank j, local expert l]: rows for j's l-th expert
         if n == 1:
-            return self._local(rows, sent)
+            out = self._local(rows, sent)
+            if hook is not None:
+                hook("experts", out)
+            return out
         got = all_to_all(sent, self.group)  # [source rank i, l]: rows i sends my l-th expert
         send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
+        if hook is not None:
+            hook("counts", None)
         received = all_to_all_rows(rows, self.group, send, recv)  # (sum recv, hidden)
-        return all_to_all_rows(self._local(received, got), self.group, recv, send)
+        if hook is not None:
+            hook("a2a_out", received)
+        out = self._local(received, got)
+        if hook is not None:
+            hook("experts", out)
+        out = all_to_all_rows(out, self.group, recv, send)
+        if hook is not None:
+            hook("a2a_back", out)
+        return out
 
     def _local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows`` in blocks (source i, local expert l), ``counts[i, l]`` rows each, through
