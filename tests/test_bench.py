@@ -56,6 +56,46 @@ def test_bootstrap_and_tp_benches_run(tmp_path):
         ("nn.Linear MLP", 1), ("fastpar ParallelMLP", 1), ("fastpar ParallelMLP", 2)}
 
 
+def test_moe_bench_splits_the_layer(tmp_path):
+    out = tmp_path / "moe.json"
+    text = "".join(run_script(2, "bench/moe.py", "--tokens", "32", "--hidden", "16", "--ffn",
+                              "32", "--experts", "4", "-w", "1", "-n", "5", "--json", str(out)))
+    assert "target: dispatch + combine <= 30% of the layer at ep 2" in text
+    result = json.loads(out.read_text())
+    assert set(result) == {"config", "env", "rows", "hook_cost", "a2a", "target"}
+    assert result["env"]["world_size"] == 2 and result["config"]["tokens"] == 32
+    rows = result["rows"]
+    assert [(r["row"], r["ep"], r["ranks"], r["hook"]) for r in rows] == [
+        ("ep1 alone", 1, 1, True), ("ep1 each", 1, 2, True), ("ep2", 2, 2, True),
+        ("hook off", 2, 2, False)]
+    parts = ("route", "dispatch", "experts", "combine")
+    for r in rows[:3]:
+        times = [r[f"{part}_ms"] for part in parts]
+        assert min(times) > 0 and math.isclose(r["phases_ms"], sum(times)), r
+        # the hooks' own time is outside the phases; medians taken apart may add up a little
+        # past the median total
+        assert sum(times) <= 1.1 * r["total_ms"], r
+        assert math.isclose(r["dispatch_combine"], (times[1] + times[3]) / sum(times)), r
+        phases = {k[4:-3] for k in r if k.startswith("fwd_")}
+        if r["ep"] == 1:
+            assert phases == {"route", "permute", "experts", "unpermute"} and r["a2a_ms"] == 0
+        else:
+            assert phases == {"route", "permute", "counts", "a2a_out", "experts", "a2a_back",
+                              "unpermute"}, r
+            # every phase with a backward has one; the counts (integers) have none
+            assert all(r[f"fwd_{p}_ms"] > 0 for p in phases), r
+            assert all(r[f"bwd_{p}_ms"] > 0 for p in phases - {"counts"}), r
+            assert r["bwd_counts_ms"] == 0 and 0 < r["a2a_ms"] < r["total_ms"], r
+    assert rows[3]["total_ms"] > 0 and math.isfinite(result["hook_cost"])
+    a2a = result["a2a"]
+    # 32 tokens x top-2 slots sent out per rank, float32 rows of 16
+    assert sum(a2a["received_rows"]) == 2 * 64 and a2a["bytes"] > 0
+    assert a2a["in_layer_us"] >= a2a["transfer_us"] > 0, a2a
+    assert min(a2a[k] for k in ("standalone_us", "memcpy_us", "algbw_gbps", "bound")) > 0, a2a
+    target = result["target"]
+    assert target["met"] == (target["measured"] <= 0.3) and target["measured"] > 0
+
+
 def test_pipeline_bench_runs_every_configuration(tmp_path):
     out, traces = tmp_path / "p.json", tmp_path / "traces"
     run_script(2, "bench/pipeline.py", "--steps", "1", "--warmup", "1", "--hidden", "16",
@@ -151,8 +191,8 @@ def test_memory_bench_counts_model_state_and_activations(tmp_path):
     assert result["failed"] == []
 
 
-BENCHES = ["bootstrap", "collectives", "data_parallel", "gemm", "memory", "overlap", "pipeline",
-           "tp_layers", "train_throughput"]
+BENCHES = ["bootstrap", "collectives", "data_parallel", "gemm", "memory", "moe", "overlap",
+           "pipeline", "tp_layers", "train_throughput"]
 
 
 def body_bad_flags(cases):
