@@ -30,8 +30,9 @@ combine, have their route nodes run last, being older), so the backward runs the
 the other in reverse, and the time between two hooks is one phase's backward (checked once by
 logging every node as it ran). What the
 hooks leave (after the permute's node: the router, top-k, softmax and both router losses'
-backward) is route's. The hooks' own cost is kept out of the phases, so the phases add up to a
-little less than the total; the ``hook%`` line compares the total with the hook off.
+backward) is route's. The hooks' own cost is kept out of the phases, so in each rep the phases
+add up to a little less than the total (``unattributed_ms``: the median of the difference); the
+``hook%`` line compares the total with the hook off.
 
     route:    router GEMM, softmax, top-k, router losses, the sort by expert (and backward)
     dispatch: permute (the rows gathered in expert order), the counts' all-to-all (ep > 1),
@@ -146,6 +147,8 @@ def summary(samples: list) -> dict:
                                             for p in ps)) for name, phases in PARTS.items()}
     both["a2a"] = lambda s: sum(s["fwd"].get(p, 0.0) + s["bwd"].get(p, 0.0) for p in EXCHANGES)
     out.update({name: median(f) for name, f in both.items()})
+    out["unattributed"] = median(lambda s: s["total"] - sum(s["fwd"].values())
+                                 - sum(s["bwd"].values()))
     for p in samples[0]["fwd"]:
         out[f"fwd_{p}"] = median(lambda s: s["fwd"][p])
         out[f"bwd_{p}"] = median(lambda s: s["bwd"][p])
@@ -306,7 +309,9 @@ def report(args, topo, runs, every, load_start, load_end) -> None:
               f"{r['dispatch_ms']:8.2f} {r['experts_ms']:8.2f} {r['combine_ms']:8.2f} "
               f"{r['dispatch_combine']:6.1%} {r['a2a_share']:6.1%} {r['vs_ep1']:7.3f}")
     print(f"hook%: the phase hook costs {hook_cost:+.1%} of {hooked['row']}'s total "
-          f"({off['total_ms']:.2f} ms without it)")
+          f"({off['total_ms']:.2f} ms without it); time outside the phases "
+          f"{hooked['unattributed_ms']:.2f} ms a rep (the phases are medians taken apart, so "
+          f"they add up to the total only roughly)")
     phases = [k[4:-3] for k in hooked if k.startswith("fwd_")]
     print("\n# per phase, ms forward / backward")
     print(f"{'row':>10} " + " ".join(f"{p:>15}" for p in phases))
