@@ -46,9 +46,12 @@ void encode_as(const void* x, size_t nx, float* res, size_t nres, Feedback fb, s
                size_t block, float* scales, int8_t* q) {
   const S* xs = static_cast<const S*>(x);
   switch (fb) {
-    case Feedback::None: return encode_blocks<P, Feedback::None>(xs, nx, nullptr, 0, n, block, scales, q);
-    case Feedback::Replace: return encode_blocks<P, Feedback::Replace>(xs, nx, res, nres, n, block, scales, q);
-    case Feedback::Add: return encode_blocks<P, Feedback::Add>(xs, nx, res, nres, n, block, scales, q);
+    case Feedback::None:
+      return encode_blocks<P, Feedback::None>(xs, nx, nullptr, 0, n, block, scales, q);
+    case Feedback::Replace:
+      return encode_blocks<P, Feedback::Replace>(xs, nx, res, nres, n, block, scales, q);
+    case Feedback::Add:
+      return encode_blocks<P, Feedback::Add>(xs, nx, res, nres, n, block, scales, q);
   }
 }
 
@@ -134,8 +137,10 @@ void quant_encode(QuantPath path, const void* x, DType dt, size_t nx, float* res
                   Feedback fb, size_t n, size_t block, float* scales, int8_t* q) {
   switch (path) {
 #ifdef FASTPAR_X86
-    case QuantPath::Avx512: return encode_path<Avx512>(x, dt, nx, res, nres, fb, n, block, scales, q);
-    case QuantPath::Avx2: return encode_path<Avx2>(x, dt, nx, res, nres, fb, n, block, scales, q);
+    case QuantPath::Avx512:
+      return encode_path<Avx512>(x, dt, nx, res, nres, fb, n, block, scales, q);
+    case QuantPath::Avx2:
+      return encode_path<Avx2>(x, dt, nx, res, nres, fb, n, block, scales, q);
 #endif
     default: return encode_path<Scalar>(x, dt, nx, res, nres, fb, n, block, scales, q);
   }

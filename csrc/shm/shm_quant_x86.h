@@ -68,12 +68,13 @@ struct Avx2 {
       if constexpr (F == Feedback::Replace) v = _mm256_add_ps(v, _mm256_loadu_ps(res + i));
       const __m256 p = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, vinv), lo), hi);
       const __m256i qi = _mm256_cvttps_epi32(_mm256_round_ps(p, kNearest));  // exact: integral
-      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+      const __m128i w =
+          _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w, w));
       if constexpr (F != Feedback::None) {
         const __m256 d = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(qi), vscale));
-        _mm256_storeu_ps(res + i, F == Feedback::Replace ? d
-                                                          : _mm256_add_ps(_mm256_loadu_ps(res + i), d));
+        _mm256_storeu_ps(
+            res + i, F == Feedback::Replace ? d : _mm256_add_ps(_mm256_loadu_ps(res + i), d));
       }
     }
     quantize_tail<F>(x, res, i, n, scale, inv, q);
@@ -120,7 +121,9 @@ FASTPAR_TARGET_AVX512 FASTPAR_INLINE __m512 load16(const uint16_t* x) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
-FASTPAR_TARGET_AVX512 FASTPAR_INLINE void store16(float* out, __m512 y) { _mm512_storeu_ps(out, y); }
+FASTPAR_TARGET_AVX512 FASTPAR_INLINE void store16(float* out, __m512 y) {
+  _mm512_storeu_ps(out, y);
+}
 FASTPAR_TARGET_AVX512 FASTPAR_INLINE void store16(uint16_t* out, __m512 y) {  // as store8
   const __m512i u = _mm512_castps_si512(y), top = _mm512_srli_epi32(u, 16);
   const __m512i lsb = _mm512_and_si512(top, _mm512_set1_epi32(1));
@@ -164,8 +167,8 @@ struct Avx512 {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(qi));
       if constexpr (F != Feedback::None) {
         const __m512 d = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), vscale));
-        _mm512_storeu_ps(res + i, F == Feedback::Replace ? d
-                                                          : _mm512_add_ps(_mm512_loadu_ps(res + i), d));
+        _mm512_storeu_ps(
+            res + i, F == Feedback::Replace ? d : _mm512_add_ps(_mm512_loadu_ps(res + i), d));
       }
     }
     quantize_tail<F>(x, res, i, n, scale, inv, q);

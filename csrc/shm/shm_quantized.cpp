@@ -103,15 +103,17 @@ class Tile {
 
 // The float32 sum, in rank order 0..world-1, of piece j (n elements) of every rank's half of
 // this round, a tile at a time: each block's sum is complete when emit(t0, acc, len) sees it,
-// which may then overwrite those blocks of this rank's own piece j.
+// which may then overwrite those blocks of this rank's own piece j. The sums go to `into`
+// (n float32) when given, else to the tile: a float32 output is summed where it lies, since
+// copying it out of a tile would be one more pass over the output.
 template <class Emit>
-void sum_pieces(const Comm& c, const Plan& p, int j, size_t n, Tile& tile, QuantPath path,
-                Emit emit) {
+void sum_pieces(const Comm& c, const Plan& p, int j, size_t n, Tile& tile, float* into,
+                QuantPath path, Emit emit) {
   Piece in[kMaxWorld];
   for (int r = 0; r < c.world; ++r) in[r] = piece(half(c, r, c.rounds), p, j, n);
-  float* acc = tile.data();
   for (size_t t0 = 0; t0 < n; t0 += tile.size()) {
     const size_t len = std::min(tile.size(), n - t0);
+    float* acc = into != nullptr ? into + t0 : tile.data();
     for (int r = 0; r < c.world; ++r)
       quant_accumulate(path, in[r].scales + t0 / p.block, in[r].q + t0, len, p.block, acc,
                        r == 0);
@@ -182,9 +184,11 @@ void quantized_reduce_scatter(Comm& c, const void* in, void* out, size_t count, 
       first_round(c, d, p);
     else
       signal_and_wait(c, Kind::QuantReduceScatter);
-    sum_pieces(c, p, c.rank, n, tile, path, [&](size_t t0, const float* acc, size_t len) {
-      quant_narrow(path, acc, len, dst + (off + t0) * es, dt);
-    });
+    float* direct = dt == DType::F32 ? reinterpret_cast<float*>(dst) + off : nullptr;
+    sum_pieces(c, p, c.rank, n, tile, direct, path,
+               [&](size_t t0, const float* acc, size_t len) {
+                 if (direct == nullptr) quant_narrow(path, acc, len, dst + (off + t0) * es, dt);
+               });
     ++c.rounds;
     off += n;
   } while (off < count);
@@ -214,8 +218,8 @@ void quantized_all_reduce(Comm& c, void* data, size_t count, DType dt, size_t bl
       for (int j = 0; j < c.world; ++j) {
         const size_t g = size_t(j) * m + off, v = held(j);
         const Piece to = piece(mine, p, j, n);
-        quant_encode(path, v ? buf + g * es : nullptr, dt, v, v && residual ? residual + g : nullptr,
-                     v, fb, n, block, to.scales, to.q);
+        quant_encode(path, v ? buf + g * es : nullptr, dt, v,
+                     v && residual ? residual + g : nullptr, v, fb, n, block, to.scales, to.q);
       }
     }
     if (off == 0)
@@ -226,12 +230,13 @@ void quantized_all_reduce(Comm& c, void* data, size_t count, DType dt, size_t bl
     // piece of it, which only this rank read; the rounding of that goes into the residual.
     const Piece own = piece(mine, p, c.rank, n);
     const size_t g = size_t(c.rank) * m + off, v = held(c.rank);
-    sum_pieces(c, p, c.rank, n, tile, path, [&](size_t t0, const float* acc, size_t len) {
-      const size_t vr = residual && v > t0 ? std::min(len, v - t0) : 0;
-      quant_encode(path, acc, DType::F32, len, vr ? residual + g + t0 : nullptr, vr,
-                   residual ? Feedback::Add : Feedback::None, len, block,
-                   own.scales + t0 / block, own.q + t0);
-    });
+    sum_pieces(c, p, c.rank, n, tile, nullptr, path,
+               [&](size_t t0, const float* acc, size_t len) {
+                 const size_t vr = residual && v > t0 ? std::min(len, v - t0) : 0;
+                 quant_encode(path, acc, DType::F32, len, vr ? residual + g + t0 : nullptr, vr,
+                              residual ? Feedback::Add : Feedback::None, len, block,
+                              own.scales + t0 / block, own.q + t0);
+               });
     signal_and_wait(c, Kind::QuantAllReduce);  // every chunk's sum is in its owner's half
     for (int r = 0; r < c.world; ++r) {
       const Piece sum = piece(half(c, r, c.rounds), p, r, n);

@@ -179,7 +179,9 @@ void ref_quantize(const float* x, size_t n, size_t block, float* scales, int8_t*
     scales[b / block] = scale;
     for (size_t i = 0; i < len; ++i) {
       const float p = x[b + i] * inv;  // NaN: 0 * inf where 127 / amax overflowed
-      q[b + i] = !finite || p != p ? 0 : int8_t(std::nearbyint(std::fmin(127.f, std::fmax(-127.f, p))));
+      q[b + i] = !finite || p != p
+                     ? 0
+                     : int8_t(std::nearbyint(std::fmin(127.f, std::fmax(-127.f, p))));
     }
   }
 }
@@ -244,7 +246,11 @@ bool test_codec() {
       std::vector<int8_t> ref_q(n);
       ref_quantize(padded.data(), n, block, ref_s.data(), ref_q.data());
       for (size_t i = 0; i < n; ++i) res0[i] = float(gen(DType::F32, false, 5, i, block)) * 1e-3f;
-      struct Out { std::vector<float> s, res, acc, f32; std::vector<int8_t> q; std::vector<uint16_t> b16; };
+      struct Out {
+        std::vector<float> s, res, acc, f32;
+        std::vector<int8_t> q;
+        std::vector<uint16_t> b16;
+      };
       Out want[3];
       for (QuantPath path : kPaths) {
         if (!set_quant_path(path)) continue;
@@ -261,8 +267,10 @@ bool test_codec() {
           quant_accumulate(path, o[f].s.data(), o[f].q.data(), n, block, o[f].acc.data(), f == 0);
           o[f].f32.assign(n + 1, 0);
           o[f].b16.assign(n + 1, 0);
-          quant_decode(path, o[f].s.data(), o[f].q.data(), n, block, o[f].f32.data() + 1, DType::F32);
-          quant_decode(path, o[f].s.data(), o[f].q.data(), n, block, o[f].b16.data() + 1, DType::BF16);
+          quant_decode(path, o[f].s.data(), o[f].q.data(), n, block, o[f].f32.data() + 1,
+                       DType::F32);
+          quant_decode(path, o[f].s.data(), o[f].q.data(), n, block, o[f].b16.data() + 1,
+                       DType::BF16);
           quant_narrow(path, o[f].acc.data(), n, o[f].b16.data(), DType::BF16);
         }
         if (path == QuantPath::Scalar) {
@@ -415,7 +423,8 @@ void test_quantized(Comm& c, std::initializer_list<size_t> sizes) {
           xs[r].resize(total * es);
           rs[r].resize(total);
           for (size_t i = 0; i < total; ++i) {
-            store(dt, xs[r].data(), i, (i / block) % 5 == 1 ? 0.0 : gen(dt, false, r, i, salt) * (r + 1));
+            const double v = (i / block) % 5 == 1 ? 0.0 : gen(dt, false, r, i, salt) * (r + 1);
+            store(dt, xs[r].data(), i, v);
             rs[r][i] = float(gen(DType::F32, false, r + 7, i, salt)) * 1e-2f;
           }
         }
@@ -424,13 +433,15 @@ void test_quantized(Comm& c, std::initializer_list<size_t> sizes) {
         std::vector<uint8_t> want(total * es), out(total * es);
         for (int r = 0; r < w; ++r) {
           const RefPiece p = ref_piece(x_at(r, 0), dt, n, nullptr, 0, Feedback::None, n, block);
-          quant_decode(QuantPath::Scalar, p.s.data(), p.q.data(), n, block, want.data() + r * n * es, dt);
+          quant_decode(QuantPath::Scalar, p.s.data(), p.q.data(), n, block,
+                       want.data() + r * n * es, dt);
         }
         for (QuantPath path : kPaths) {
           if (!set_quant_path(path)) continue;
           quantized_all_gather(c, x_at(me, 0), out.data(), n, dt, block);
-          CHECK(same_bytes(out.data(), want.data(), out.size()), "int8 all_gather %s %s block %zu n=%zu",
-                quant_path_name(path), dtype_name(dt), block, n);
+          CHECK(same_bytes(out.data(), want.data(), out.size()),
+                "int8 all_gather %s %s block %zu n=%zu", quant_path_name(path), dtype_name(dt),
+                block, n);
         }
         for (bool feedback : {false, true}) {
           const Feedback fb = feedback ? Feedback::Replace : Feedback::None;
@@ -439,9 +450,10 @@ void test_quantized(Comm& c, std::initializer_list<size_t> sizes) {
           std::vector<uint8_t> want_rs(n * es), got(n * es);
           for (int p = 0; p < w; ++p) {
             std::vector<float> res = rs[p];
-            const RefPiece pc = ref_piece(x_at(p, me * n), dt, n, feedback ? res.data() + me * n : nullptr,
-                                          n, fb, n, block);
-            quant_accumulate(QuantPath::Scalar, pc.s.data(), pc.q.data(), n, block, acc.data(), p == 0);
+            float* r = feedback ? res.data() + me * n : nullptr;
+            const RefPiece pc = ref_piece(x_at(p, me * n), dt, n, r, n, fb, n, block);
+            quant_accumulate(QuantPath::Scalar, pc.s.data(), pc.q.data(), n, block, acc.data(),
+                             p == 0);
           }
           quant_narrow(QuantPath::Scalar, acc.data(), n, want_rs.data(), dt);
           for (int j = 0; feedback && j < w; ++j)
@@ -449,7 +461,8 @@ void test_quantized(Comm& c, std::initializer_list<size_t> sizes) {
           for (QuantPath path : kPaths) {
             if (!set_quant_path(path)) continue;
             std::vector<float> res = rs[me];
-            quantized_reduce_scatter(c, x_at(me, 0), got.data(), n, dt, block, feedback ? res.data() : nullptr);
+            quantized_reduce_scatter(c, x_at(me, 0), got.data(), n, dt, block,
+                                     feedback ? res.data() : nullptr);
             CHECK(same_bytes(got.data(), want_rs.data(), got.size()) &&
                   (!feedback || same_bytes(res.data(), want_res.data(), res.size() * 4)),
                   "int8 reduce_scatter %s %s block %zu n=%zu feedback %d", quant_path_name(path),
@@ -464,14 +477,19 @@ void test_quantized(Comm& c, std::initializer_list<size_t> sizes) {
             for (int p = 0; p < w; ++p) {
               std::vector<float> res = rs[p];
               const RefPiece pc = ref_piece(held ? x_at(p, at) : nullptr, dt, held,
-                                            feedback && held ? res.data() + at : nullptr, held, fb, m, block);
-              if (p == me && feedback) std::copy(res.begin() + at, res.begin() + at + held, want_res.begin() + at);
-              quant_accumulate(QuantPath::Scalar, pc.s.data(), pc.q.data(), m, block, acc.data(), p == 0);
+                                            feedback && held ? res.data() + at : nullptr, held,
+                                            fb, m, block);
+              if (p == me && feedback)
+                std::copy(res.begin() + at, res.begin() + at + held, want_res.begin() + at);
+              quant_accumulate(QuantPath::Scalar, pc.s.data(), pc.q.data(), m, block, acc.data(),
+                               p == 0);
             }
             const bool mine = feedback && j == me && held;
-            const RefPiece sum = ref_piece(acc.data(), DType::F32, m, mine ? want_res.data() + at : nullptr,
-                                           mine ? held : 0, mine ? Feedback::Add : Feedback::None, m, block);
-            quant_decode(QuantPath::Scalar, sum.s.data(), sum.q.data(), held, block, want_ar.data() + at * es, dt);
+            const RefPiece sum =
+                ref_piece(acc.data(), DType::F32, m, mine ? want_res.data() + at : nullptr,
+                          mine ? held : 0, mine ? Feedback::Add : Feedback::None, m, block);
+            quant_decode(QuantPath::Scalar, sum.s.data(), sum.q.data(), held, block,
+                         want_ar.data() + at * es, dt);
           }
           for (QuantPath path : kPaths) {
             if (!set_quant_path(path)) continue;
@@ -547,20 +565,30 @@ bool run_world(int world) {
     std::vector<float> qbuf(size_t(world) * 4096), qout(qbuf.size());
     const bool odd = rank == 1;
     const std::function<void(Comm&)> qcases[5] = {
-        [&](Comm& m) { quantized_all_reduce(m, qbuf.data(), 1000, DType::F32, odd ? 64 : 256, nullptr); },
-        [&](Comm& m) { quantized_all_reduce(m, qbuf.data(), 1000, odd ? DType::BF16 : DType::F32, 256, nullptr); },
+        [&](Comm& m) {
+          quantized_all_reduce(m, qbuf.data(), 1000, DType::F32, odd ? 64 : 256, nullptr);
+        },
+        [&](Comm& m) {
+          quantized_all_reduce(m, qbuf.data(), 1000, odd ? DType::BF16 : DType::F32, 256, nullptr);
+        },
         [&](Comm& m) {
           if (odd) return all_reduce(m, qbuf.data(), 1000, DType::F32, Op::Sum);
           quantized_all_reduce(m, qbuf.data(), 1000, DType::F32, 256, nullptr);
         },
-        [&](Comm& m) { quantized_reduce_scatter(m, qbuf.data(), qout.data(), odd ? 999 : 1000, DType::F32, 64, nullptr); },
+        [&](Comm& m) {
+          quantized_reduce_scatter(m, qbuf.data(), qout.data(), odd ? 999 : 1000, DType::F32, 64,
+                                   nullptr);
+        },
         [&](Comm& m) { quantized_all_gather(m, qbuf.data(), qout.data(), 64, DType::F32, 8192); }};
     const std::vector<std::string> qwant[5] = {
-        {"all_reduce (int8)", "rank 1 passed 1000 float32 elements in blocks of 64", "rank 0 passed 1000 float32 elements in blocks of 256"},
+        {"all_reduce (int8)", "rank 1 passed 1000 float32 elements in blocks of 64",
+         "rank 0 passed 1000 float32 elements in blocks of 256"},
         {"all_reduce (int8)", "rank 1 passed 1000 bfloat16", "rank 0 passed 1000 float32"},
-        {"rank 1 passed all_reduce of 1000 float32 elements (sum)", "rank 0 passed all_reduce (int8) of 1000 float32 elements in blocks of 256"},
+        {"rank 1 passed all_reduce of 1000 float32 elements (sum)",
+         "rank 0 passed all_reduce (int8) of 1000 float32 elements in blocks of 256"},
         {"reduce_scatter (int8)", "rank 1 passed 999 float32", "rank 0 passed 1000 float32"},
-        {"all_gather (int8)", "1 piece(s) of at least one block of 8192 elements (1 x 8196 bytes), more than half a slot (8192 bytes)"}};
+        {"all_gather (int8)", "1 piece(s) of at least one block of 8192 elements (1 x 8196 "
+                              "bytes), more than half a slot (8192 bytes)"}};
     for (int k = 0; k < 5; ++k) {
       Comm m = attach(qmm[k], rank, world, tiny_slot);
       m.timeout_s = 20;
