@@ -163,7 +163,8 @@ void quantized_all_gather(Comm& c, const void* in, void* out, size_t count, DTyp
 
 // in holds world*count elements; out[0:count] = the float32 sum over ranks p, in rank order, of
 // rank p's in[rank*count : +count] quantized (blocks restart at each rank's chunk), rounded
-// once to dt. residual: world*count. `out` must not overlap `in`.
+// once to dt. residual: world*count. `out` may alias in + rank*count (a round encodes its
+// window of every chunk before it writes the sums of that window); no other overlap.
 void quantized_reduce_scatter(Comm& c, const void* in, void* out, size_t count, DType dt,
                               size_t block, float* residual);
 

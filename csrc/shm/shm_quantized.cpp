@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace fastpar {
@@ -86,13 +87,17 @@ void first_round(Comm& c, const Desc& d, const Plan& p) {
          std::string("fastpar shm ") + kind_name(Kind(d.kind)) + ": " + p.why);
 }
 
-// Where sums are kept: a tile of whole blocks, on the stack unless a block is larger.
+// Sums are taken a tile of whole blocks at a time (about kTile elements, or one larger block),
+// so that a tile's partial sums stay in L1 while every rank's piece is added to them.
+size_t tile_elems(size_t block) { return block > kTile ? block : kTile / block * block; }
+
+// Where sums are kept when they cannot be taken where they lie: a tile, on the stack unless a
+// block is larger.
 class Tile {
  public:
-  explicit Tile(size_t block) : n_(block > kTile ? block : kTile / block * block) {
+  explicit Tile(size_t block) : n_(tile_elems(block)) {
     if (n_ > kTile) heap_.reset(new float[n_]);
   }
-  size_t size() const { return n_; }
   float* data() { return heap_ ? heap_.get() : stack_; }
 
  private:
@@ -102,22 +107,24 @@ class Tile {
 };
 
 // The float32 sum, in rank order 0..world-1, of piece j (n elements) of every rank's half of
-// this round, a tile at a time: each block's sum is complete when emit(t0, acc, len) sees it,
-// which may then overwrite those blocks of this rank's own piece j. The sums go to `into`
-// (n float32) when given, else to the tile: a float32 output is summed where it lies, since
-// copying it out of a tile would be one more pass over the output.
+// this round, a tile at a time: each block's sum is complete when emit(t0, sums, len) sees it,
+// which may then overwrite those blocks of this rank's own piece j. in_place: the sums of
+// elements [t0, t0 + len) go to acc + t0 (acc holds n float32: a float32 output is summed where
+// it lies, as copying it out of a tile would be one more pass over it); else every tile's go
+// to acc itself (a Tile).
 template <class Emit>
-void sum_pieces(const Comm& c, const Plan& p, int j, size_t n, Tile& tile, float* into,
+void sum_pieces(const Comm& c, const Plan& p, int j, size_t n, float* acc, bool in_place,
                 QuantPath path, Emit emit) {
   Piece in[kMaxWorld];
   for (int r = 0; r < c.world; ++r) in[r] = piece(half(c, r, c.rounds), p, j, n);
-  for (size_t t0 = 0; t0 < n; t0 += tile.size()) {
-    const size_t len = std::min(tile.size(), n - t0);
-    float* acc = into != nullptr ? into + t0 : tile.data();
+  const size_t step = tile_elems(p.block);
+  for (size_t t0 = 0; t0 < n; t0 += step) {
+    const size_t len = std::min(step, n - t0);
+    float* sums = in_place ? acc + t0 : acc;
     for (int r = 0; r < c.world; ++r)
-      quant_accumulate(path, in[r].scales + t0 / p.block, in[r].q + t0, len, p.block, acc,
+      quant_accumulate(path, in[r].scales + t0 / p.block, in[r].q + t0, len, p.block, sums,
                        r == 0);
-    emit(t0, acc, len);
+    emit(t0, sums, len);
   }
 }
 
@@ -164,7 +171,9 @@ void quantized_reduce_scatter(Comm& c, const void* in, void* out, size_t count, 
   const Feedback fb = residual != nullptr ? Feedback::Replace : Feedback::None;
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  Tile tile(p.elems != 0 ? block : 16);
+  // A float32 output holds its own sums; a bfloat16 one is summed in a tile, then rounded out.
+  std::optional<Tile> tile;
+  if (dt != DType::F32) tile.emplace(p.elems != 0 ? block : 16);
   // Per round, piece j of this rank's half holds elements [off, off + n) of its chunk j
   // (in[j*count + off ...], blocks counted from the chunk's start); rank r sums piece r of
   // every half straight into `out`.
@@ -184,11 +193,15 @@ void quantized_reduce_scatter(Comm& c, const void* in, void* out, size_t count, 
       first_round(c, d, p);
     else
       signal_and_wait(c, Kind::QuantReduceScatter);
-    float* direct = dt == DType::F32 ? reinterpret_cast<float*>(dst) + off : nullptr;
-    sum_pieces(c, p, c.rank, n, tile, direct, path,
-               [&](size_t t0, const float* acc, size_t len) {
-                 if (direct == nullptr) quant_narrow(path, acc, len, dst + (off + t0) * es, dt);
-               });
+    if (tile) {
+      sum_pieces(c, p, c.rank, n, tile->data(), false, path,
+                 [&](size_t t0, const float* sums, size_t len) {
+                   quant_narrow(path, sums, len, dst + (off + t0) * es, dt);
+                 });
+    } else {  // `out` may be this rank's chunk of `in`: its window was encoded above already
+      sum_pieces(c, p, c.rank, n, reinterpret_cast<float*>(dst) + off, true, path,
+                 [](size_t, const float*, size_t) {});
+    }
     ++c.rounds;
     off += n;
   } while (off < count);
@@ -202,7 +215,7 @@ void quantized_all_reduce(Comm& c, void* data, size_t count, DType dt, size_t bl
   const size_t es = dtype_size(dt);
   const Feedback fb = residual != nullptr ? Feedback::Replace : Feedback::None;
   char* buf = static_cast<char*>(data);
-  Tile tile(p.elems != 0 ? block : 16);
+  Tile tile(p.elems != 0 ? block : 16);  // each chunk's sum, quantized again out of it
   // Chunk j is [j*m, (j+1)*m) of the data, zeros past `count`; a round takes the window
   // [off, off + n) of every chunk. held(j): how much of chunk j's window the data holds.
   const size_t m = (count + c.world - 1) / c.world;
@@ -230,7 +243,7 @@ void quantized_all_reduce(Comm& c, void* data, size_t count, DType dt, size_t bl
     // piece of it, which only this rank read; the rounding of that goes into the residual.
     const Piece own = piece(mine, p, c.rank, n);
     const size_t g = size_t(c.rank) * m + off, v = held(c.rank);
-    sum_pieces(c, p, c.rank, n, tile, nullptr, path,
+    sum_pieces(c, p, c.rank, n, tile.data(), false, path,
                [&](size_t t0, const float* acc, size_t len) {
                  const size_t vr = residual && v > t0 ? std::min(len, v - t0) : 0;
                  quant_encode(path, acc, DType::F32, len, vr ? residual + g + t0 : nullptr, vr,

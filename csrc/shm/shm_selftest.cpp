@@ -467,6 +467,15 @@ void test_quantized(Comm& c, std::initializer_list<size_t> sizes) {
                   (!feedback || same_bytes(res.data(), want_res.data(), res.size() * 4)),
                   "int8 reduce_scatter %s %s block %zu n=%zu feedback %d", quant_path_name(path),
                   dtype_name(dt), block, n, feedback);
+            // in place: out is this rank's own chunk of in (a float32 output sums into it)
+            std::vector<uint8_t> inout(xs[me]);
+            res = rs[me];
+            quantized_reduce_scatter(c, inout.data(), inout.data() + me * n * es, n, dt, block,
+                                     feedback ? res.data() : nullptr);
+            CHECK(same_bytes(inout.data() + me * n * es, want_rs.data(), got.size()) &&
+                  (!feedback || same_bytes(res.data(), want_res.data(), res.size() * 4)),
+                  "int8 reduce_scatter in place %s %s block %zu n=%zu feedback %d",
+                  quant_path_name(path), dtype_name(dt), block, n, feedback);
           }
           // all_reduce of each rank's first n elements: chunks of m, zeros past n, each
           // chunk's float32 sum quantized again (its owner's rounding into its residual)
