@@ -159,6 +159,8 @@ def test_native_codec_is_the_definition_bitwise(monkeypatch):
                         where = (dtype, B, m, feedback, None if residual is None else
                                  residual.numel(), out_dtype)
                         assert torch.equal(got[0], want[0]), where
+                        # a non-finite block's carried error is dropped, never NaN
+                        assert got[1] is None or not got[1].isnan().any(), where
                         for g, w in zip(got[1:], want[1:]):  # residual, unpacked, sum
                             if g is not None:
                                 assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), where
@@ -446,6 +448,23 @@ def body_feedback_and_subgroup():
     out["nan_ar"] = [t[64:128].isnan().all().item(), t[:64].isfinite().all().item(),
                      t[128:].isfinite().all().item()]
     out["dp_rank"] = me
+    # one overflow does not poison error feedback: dp rank 0 sends an inf at step 0 (its block
+    # comes back NaN and the error it carried is dropped), every later step is finite again,
+    # and so is every residual, on every engine
+    for engine in ("shm", "gloo", "mpi"):
+        comm.use_backend(engine)
+        for dtype in (torch.float32, torch.bfloat16):
+            res_rs, res_ar = torch.zeros(n * 256), torch.zeros(256)
+            steps = []
+            for step in range(3):
+                x = _x(10 * topo.rank + step, n * 256, "recover").to(dtype)
+                if step == 0 and me == 0:
+                    x[70] = float("inf")
+                got = comm.reduce_scatter(x, group=dp, quant=spec, residual=res_rs)
+                t = x[:256].clone()
+                comm.all_reduce(t, group=dp, quant=spec, residual=res_ar)
+                steps.append([v.isfinite().all().item() for v in (got, t, res_rs, res_ar)])
+            out[f"recover/{engine}/{str(dtype)[6:]}"] = steps
     comm.use_backend(None)
     fastpar.shutdown()
     return out
@@ -463,6 +482,11 @@ def test_error_feedback_and_non_finite_on_a_subgroup():
                                [False, False, True]), (rank, v)
         assert v["nan_ar"] == [True, True, True], (rank, v)
         assert v["policy_exact"], (rank, v)
+        for key in (k for k in v if k.startswith("recover/")):
+            # step 0: the inf's block is NaN in dp rank 0's reduce_scatter chunk and in every
+            # rank's all_reduce; from step 1 every result and residual is finite
+            assert v[key] == [[v["dp_rank"] != 0, False, True, True]] + [[True] * 4] * 2, \
+                (rank, key, v[key])
 
 
 # ---- where training uses it ------------------------------------------------------------------

@@ -152,7 +152,8 @@ void broadcast(Comm& c, void* data, size_t bytes, int root, uint64_t sig = 0);
 // order 0..world-1 (acc = y_0; acc += y_1; ...), then round once to the dtype. Every rank's
 // result is bitwise the same as fastpar/comm/quantized.py's. `residual` (float32, the input's
 // element count, or null): error feedback, updated in place; the call quantizes x + residual
-// and leaves in it what the receivers will not see. A block whose round does not fit half a
+// and leaves in it what the receivers will not see (zeros in a block that is not finite, which
+// is sent as NaN: the error it carried is dropped). A block whose round does not fit half a
 // slot (world pieces of it, for the sums) fails on every rank, as does any mismatch of kind,
 // dtype, count or block.
 

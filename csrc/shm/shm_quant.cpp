@@ -33,9 +33,13 @@ void encode_blocks(const S* x, size_t nx, float* res, size_t nres, size_t n, siz
     if (s.vector) {
       P::template quantize<F>(xb, rb, lr, s.scale, s.inv, q + b);
       P::template quantize<Feedback::None>(xb + lr, nullptr, lx - lr, s.scale, s.inv, q + b + lr);
-    } else {
+    } else if (s.finite) {  // 127 / amax overflowed
       quantize_tail<F>(xb, rb, 0, lr, s.scale, s.inv, q + b);
       quantize_tail<Feedback::None>(xb, nullptr, lr, lx, s.scale, s.inv, q + b);
+    } else {  // sent as NaN (q 0, scale NaN); the error this block carried is dropped: were it
+              // kept (x - NaN), every later call would quantize x + NaN here
+      std::memset(q + b, 0, lx);
+      if (F != Feedback::None) std::fill(rb, rb + lr, 0.0f);
     }
     std::memset(q + b + lx, 0, len - lx);
   }

@@ -10,7 +10,7 @@
 //   amax finite and > 0:  scale = amax / 127, inv = 127 / amax       (IEEE divisions)
 //                         q_i = clamp(rint(x_i * inv), -127, 127)     (ties to even)
 //   amax == 0:            scale = 0, q_i = 0
-//   amax inf or NaN:      scale = NaN, q_i = 0
+//   amax inf or NaN:      scale = NaN, q_i = 0 (y is NaN throughout); with a residual, res_i = 0
 //   dequantized:          y_i = float(q_i) * scale
 //
 // (When 127 / amax overflows, amax below 127 / FLT_MAX, x_i * inv is +-inf or, for x_i = 0,
@@ -40,6 +40,9 @@ enum class Feedback : int {
   Add = 2,      // quantizes src = x, then res = res + (src - y): an all_reduce owner's second
                 // rounding, carried on top of its first
 };
+// Either way a block that is not finite (src holds inf or NaN; y is NaN) leaves res = 0 there:
+// the error it carried is dropped with the overflow, so the next call quantizes x alone and
+// recovers, where res = src - y would be NaN and poison every later call's block.
 
 // The path the collectives use: the fastest this CPU runs, unless set_quant_path chose another.
 QuantPath quant_path();

@@ -20,18 +20,19 @@ namespace qcodec {
 
 struct BlockScale {
   float scale, inv;
+  bool finite;  // false: every q is 0, the scale NaN, and the residual of the block reset to 0
   bool vector;  // the vector loops may quantize the block: finite, and inv did not overflow
 };
 
 // A block's scale and inverse from the bits of its largest |x| (inf and NaN compare above every
 // finite value as bits, so a non-finite block shows as amax_bits >= inf's).
 FASTPAR_INLINE BlockScale block_scale(uint32_t amax_bits) {
-  if (amax_bits >= 0x7f800000u)  // inf or NaN: inv 0 makes every q 0 (scalar path)
-    return {std::numeric_limits<float>::quiet_NaN(), 0.0f, false};
-  if (amax_bits == 0) return {0.0f, 0.0f, true};  // zeros stay zeros: q = rint(x * 0) = 0
+  if (amax_bits >= 0x7f800000u)  // inf or NaN
+    return {std::numeric_limits<float>::quiet_NaN(), 0.0f, false, false};
+  if (amax_bits == 0) return {0.0f, 0.0f, true, true};  // zeros stay zeros: q = rint(x * 0) = 0
   const float amax = float_of(amax_bits);
   const float inv = 127.0f / amax;
-  return {amax / 127.0f, inv, inv <= std::numeric_limits<float>::max()};
+  return {amax / 127.0f, inv, true, inv <= std::numeric_limits<float>::max()};
 }
 
 // q = clamp(rint(p), -127, 127) for p = x * inv (clamping first gives the same integer: the

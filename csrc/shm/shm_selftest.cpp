@@ -304,6 +304,18 @@ bool test_codec() {
              q[5 * block] == 0 && q[5 * block + 1] == 127 && q[5 * block + 2] == -127 &&
              want[0].f32[block + 1] == 0.0f, "special blocks", QuantPath::Scalar, dt, block);
       for (size_t i = nx; i < n; ++i) expect(q[i] == 0, "padding", QuantPath::Scalar, dt, block);
+      // error feedback drops what a non-finite block (2: inf, 3: -inf, 4: NaN) carried: its
+      // residual is 0 (were it src - y, NaN, every later call would quantize x + NaN there),
+      // and a finite block's is finite
+      for (int f = 1; f < 3; ++f) {
+        bool dropped = true;
+        for (size_t i = 0; i < (f == 2 ? nx - 7 : nx); ++i) {
+          const bool special = i >= 2 * block && i < 5 * block;
+          dropped = dropped && (special ? want[f].res[i] == 0.0f : std::isfinite(want[f].res[i]));
+        }
+        expect(dropped, f == 1 ? "non-finite residual (replace)" : "non-finite residual (add)",
+               QuantPath::Scalar, dt, block);
+      }
     }
   }
   std::printf("int8 codec: %s (paths:", ok ? "PASS" : "FAIL");

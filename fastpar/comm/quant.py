@@ -28,6 +28,13 @@ element of it dequantizes to NaN (an overflowing gradient stays visibly non-fini
 quantized reduction, as it would be after a full-precision one; which element it was is lost).
 A zero block has scale 0 and dequantizes to exact zeros, never 0 * inf.
 
+Error feedback carries ``carried(x, y) = x - y`` per element (x what was quantized, residual
+included; y what the receivers decode), except in a non-finite block: there it is 0. The block
+is sent as NaN, and the error it carried is dropped with it: kept, x - NaN would make every
+later call quantize x + NaN in that block, so one overflow would poison the rest of training;
+dropped, the next call quantizes its own x alone and recovers (what the block had carried
+before the overflow is lost, as the overflowing step's gradient is).
+
 Wire format of one quantized piece of n elements (what crosses a link): ``ceil(n / B)``
 float32 scales, then n int8 values, then zeros to a multiple of 4 bytes: ``packed_bytes(n, B)``
 (a quarter of float32's plus 4 / B). Reductions never add int8 values: each rank's piece is dequantized to
@@ -174,6 +181,13 @@ def unpack_rows(buf: torch.Tensor, m: int, block: int) -> torch.Tensor:
     nb = n_blocks(m, block)
     return dequantize_rows(buf[:, 4 * nb:4 * nb + m].view(torch.int8),
                            buf[:, :4 * nb].view(torch.float32), block)
+
+
+def carried(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What error feedback carries of ``x`` sent as ``y`` (its dequantized value, float32, x's
+    shape): x - y in float32, and 0 in a block that is not finite (y NaN throughout it)."""
+    d = x.float() - y
+    return torch.where(y.isnan(), torch.zeros_like(d), d)
 
 
 def roundtrip(x: torch.Tensor, block: int) -> torch.Tensor:

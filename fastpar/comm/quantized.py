@@ -24,9 +24,10 @@ all_reduce both: a quarter of float32's bytes, half of bf16's (plus 4 / B for th
 
 Error feedback (``residual``, float32, the input's shape, updated in place): the call quantizes
 ``x + residual`` and leaves in ``residual`` what the receivers will not see of it, so the next
-call sends it. all_reduce also adds, on the rank that summed a chunk, the rounding of that sum's
-second quantization (counted once over the ranks). Without it a gradient component below a
-block's resolution is lost every step; with it, it arrives a few steps late.
+call sends it (``quant.carried``: zeros in a non-finite block, which is sent as NaN).
+all_reduce also adds, on the rank that summed a chunk, the rounding of that sum's second
+quantization (counted once over the ranks). Without it a gradient component below a block's
+resolution is lost every step; with it, it arrives a few steps late.
 
 Bounds (``tests/test_quantized.py`` checks them per element against float64): all_gather
 |y - x| <= b(x), b the codec's (scale / 2 + 4 u amax per block); reduce_scatter sum over ranks of
@@ -163,9 +164,10 @@ def _pack_rows(x: torch.Tensor, B: int, out: torch.Tensor, residual=None,
             kernels.pack_rows(x, B, out, residual=residual)
             return
     (kernels.pack_rows if kernels is not None else q.pack_rows)(x, B, out)
-    error = (x.float() - _unpack_rows(out, x.shape[1], B)).view(-1)[:k]
-    if feedback == "add":
-        residual.view(-1).add_(error)
+    y = _unpack_rows(out, x.shape[1], B)
+    error = q.carried(x, y).view(-1)[:k]  # 0 in a non-finite block
+    if feedback == "add":  # (a non-finite block drops what it carried before, too)
+        residual.view(-1).add_(error).masked_fill_(y.view(-1)[:k].isnan(), 0.0)
     else:
         residual.view(-1).copy_(error)
 

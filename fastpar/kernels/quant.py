@@ -13,6 +13,7 @@ multiple of 4 bytes. Per block, in float32 (comm.quant's docstring has the defin
     q_i = clamp(rint(x_i * inv), -127, 127)    rint(y) = (y + 1.5 * 2^23) - 1.5 * 2^23 (ties to
                                                even for |y| < 2^22; Triton has no rint of its own)
     y_i = float(q_i) * scale;  sum: acc = y_0, then acc = acc + y_r
+    residual_i = x_i - y_i, and 0 in a non-finite block (comm.quant.carried)
 
 Every product and sum rounds on its own, as the torch ops do: the kernels are launched with
 ``enable_fp_fusion=False`` (Triton would fuse ``a * b + c`` into an fma, and ptxas would too).
@@ -120,10 +121,11 @@ def _pack_kernel(
         # y is NaN in a non-finite block, and for a zero of a block whose inv is inf: q = 0
         qf = tl.where(finite & (x != 0.0), rounded, 0.0)
         tl.store(q_row + i, qf.to(tl.int8), mask=mask)
-        if RESIDUAL:
+        if RESIDUAL:  # x - sent; 0 in a non-finite block (comm.quant.carried: sent is NaN)
             sent = qf * scale
             flat = r.to(tl.int64) * m + i
-            tl.store(res_ptr + flat, x - sent, mask=mask & (flat < res_numel))
+            tl.store(res_ptr + flat, tl.where(finite, x - sent, 0.0),
+                     mask=mask & (flat < res_numel))
     if j == nb - 1:  # the row's last block writes the zeros after its last value (0 to 3)
         pad = 4 * nb + m + tl.arange(0, 4)
         tl.store(q_ptr + row + pad, tl.zeros((4,), dtype=tl.int8), mask=pad < row_bytes)
@@ -229,8 +231,8 @@ def pack_rows(x, block, out, *, residual=None, max_tile=MAX_TILE):
     """Each row of the 2-D ``x`` (float32 or bfloat16, any strides) quantized into its wire
     format: ``out`` (rows, packed_bytes(m, block)) uint8, contiguous, as comm.quant.pack_rows.
     ``residual``: a contiguous float32 tensor of at most rows * m elements that receives
-    x - dequantized, flat in row-major order and cut to its length (error feedback; all_reduce
-    pads its last row). Returns ``out``."""
+    x - dequantized (0 in a non-finite block), flat in row-major order and cut to its length
+    (error feedback; all_reduce pads its last row). Returns ``out``."""
     name = "fastpar.kernels.pack_rows"
     _check_block(name, block, max_tile)
     if x.dim() != 2 or x.dtype not in _DTYPES:
