@@ -189,6 +189,34 @@ def quantized_cases(topo):
     left = comm.all_reduce(residual.clone()).double()
     everyone = comm.all_reduce(total_in.float()).double()
     assert (total_out + left - everyone).abs().max() <= 64 * U * everyone.abs().max()
+    # bfloat16 with error feedback: the residual joins the input in float32 and what bfloat16
+    # cannot hold of that sum stays carried; on hier that is all a rank's residual holds
+    # outside the piece it sends across (its cross-stage rounding is added there)
+    xb = _input(rank, 4099, "bfloat16", "qbf")
+    res = _input(rank + 50, 4099, "float32", "qbfres") * 1e-3
+    s = xb.float() + res
+    lost = s - s.bfloat16().float()
+    t = xb.clone()
+    comm.all_reduce(t, quant=spec, residual=res)
+    if comm.engine_for("all_gather", xb.view(torch.uint8))[0] == "hier":
+        local = len(members[0])
+        i = next(m.index(rank) for m in members if rank in m)
+        per = -(-4099 // local)
+        outside = torch.ones(4099, dtype=torch.bool)
+        outside[i * per:(i + 1) * per] = False
+        assert torch.equal(res[outside], lost[outside]) and lost.abs().max() > 0
+    # an inf at step 0 (rank 0) does not poison the carried error: later steps are finite
+    res, res_rs = torch.zeros(4099), torch.zeros(n * 4099)
+    for step in range(3):
+        x = _input(rank, 4099, "float32", f"qinf{step}")
+        big = _input(rank, n * 4099, "float32", f"qinfrs{step}")
+        if step == 0 and rank == 0:
+            x[100] = big[100] = float("inf")
+        comm.all_reduce(x, quant=spec, residual=res)
+        got = comm.reduce_scatter(big, quant=spec, residual=res_rs)
+        if step > 0:
+            assert x.isfinite().all() and got.isfinite().all(), step
+        assert res.isfinite().all() and res_rs.isfinite().all(), step
     return out
 
 

@@ -404,6 +404,21 @@ def body_feedback_and_subgroup():
     t = x.float()
     comm.all_reduce(t, group=dp, quant=spec)
     out["policy_exact"] = torch.equal(t, comm.all_reduce(x.float(), group=dp))
+    # ... and with error feedback the carried error is sent, added in float32: what bfloat16
+    # cannot hold of that sum stays carried (it was dropped), the rest goes in full precision
+    xb = _x(topo.rank, n * 1000, "policy-bf16").to(torch.bfloat16)
+    carried = _x(topo.rank + 9, n * 1000, "policy-res").float() * 1e-3
+    s = xb.float() + carried
+    lost = s - s.bfloat16().float()
+    res = carried.clone()
+    t = xb.clone()
+    comm.all_reduce(t, group=dp, quant=spec, residual=res)
+    skip_ar = torch.equal(res, lost) and torch.equal(t, comm.all_reduce(s.bfloat16(), group=dp))
+    res = carried.clone()
+    got = comm.reduce_scatter(xb, group=dp, quant=spec, residual=res)
+    skip_rs = torch.equal(res, lost) and torch.equal(got, comm.reduce_scatter(s.bfloat16(),
+                                                                              group=dp))
+    out["policy_bf16_feedback"] = [skip_ar, skip_rs, lost.abs().max().item() > 0]
     comm.use_backend("shm")  # forced: every call below is int8 (within the host)
     size = 1000
     # reduce_scatter, three calls with a residual: sent + what is left = the exact sum
@@ -482,6 +497,7 @@ def test_error_feedback_and_non_finite_on_a_subgroup():
                                [False, False, True]), (rank, v)
         assert v["nan_ar"] == [True, True, True], (rank, v)
         assert v["policy_exact"], (rank, v)
+        assert v["policy_bf16_feedback"] == [True, True, True], (rank, v)
         for key in (k for k in v if k.startswith("recover/")):
             # step 0: the inf's block is NaN in dp rank 0's reduce_scatter chunk and in every
             # rank's all_reduce; from step 1 every result and residual is finite

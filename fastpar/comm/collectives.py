@@ -195,15 +195,15 @@ def _quant_route(name: str, t: torch.Tensor, group, op, spec):
 def _routed(name: str, t: torch.Tensor, group, op, quant, residual):
     """``(route, spec, t)`` of an all_reduce or reduce_scatter: full precision (spec None) when
     no ``quant`` is asked or the policy skips it; in the latter case what error feedback
-    carried is sent now, added to t (in place for all_reduce, whose t is its result; a new
-    tensor otherwise) and the residual cleared."""
+    carried is sent now, added to t in float32 (in place for all_reduce, whose t is its result;
+    a new tensor otherwise), and the residual keeps only what t's dtype could not hold of the
+    sum (zeros for float32; a bfloat16 tensor's rounding, carried on to the next call)."""
     if quant is None and residual is None:
         return _route(name, t, group, op), None, t
     route, spec = _quant_route(name, t, group, op, _quant(name, t, op, quant, residual))
     if spec is None and residual is not None:
-        extra = residual.to(t.dtype)
-        t = t.add_(extra) if name == "all_reduce" else t + extra
-        residual.zero_()
+        out = t if name == "all_reduce" else torch.empty_like(t)
+        t = quantized.fold_residual(t, residual, out)
     return route, spec, t
 
 

@@ -133,9 +133,10 @@ class HierCommunicator:
     # The shm stages stay full precision: within a host the bytes move through memory at
     # memory speed, so int8 there would save little and cost a quantization pass; across hosts
     # the link is the bottleneck and only int8 crosses it (``fastpar.comm.quantized`` on the
-    # cross group). Error feedback: the cross stage's rounding goes into ``residual`` at the
-    # elements of the piece this rank carried across, which only this rank of the host
-    # carries, so the next call's intra-host sum brings it back once.
+    # cross group). Error feedback: the residual is added to the input in float32 (what a
+    # bfloat16 input cannot hold of that sum stays in it), and the cross stage's rounding is
+    # added at the elements of the piece this rank carried across, which only this rank of the
+    # host carries, so the next call's intra-host sum brings it back once.
 
     def _cross_route(self, dtype: torch.dtype, nbytes: int):
         engine, leg = self._leg(dtype, nbytes)
@@ -150,19 +151,20 @@ class HierCommunicator:
             return
         per = -(-n // self.local)
         work = torch.zeros(per * self.local, dtype=t.dtype)
-        work[:n] = flat
-        if residual is not None:  # the carried error joins the host's sum (float32 -> dtype)
-            work[:n] += residual.view(-1).to(t.dtype)
+        if residual is not None:  # the carried error joins the host's sum, added in float32;
+            # what t's dtype cannot hold of it stays in the residual (bf16's rounding)
+            quantized.fold_residual(flat, residual.view(-1), work[:n])
+        else:
+            work[:n] = flat
         piece = torch.empty(per, dtype=t.dtype)
         self.intra.reduce_scatter(work, piece, "sum")
         carried = torch.zeros(per, dtype=torch.float32) if residual is not None else None
         quantized.all_reduce(self._cross_route(t.dtype, piece.nbytes), piece, spec, carried)
-        if residual is not None:
+        if residual is not None:  # plus the cross stage's rounding of the piece this rank sent
             i = self.intra.group_rank
-            residual.view(-1).zero_()
             lo, hi = i * per, min((i + 1) * per, n)
             if hi > lo:
-                residual.view(-1)[lo:hi] = carried[:hi - lo]
+                residual.view(-1)[lo:hi] += carried[:hi - lo]
         self.intra.all_gather(piece, work)
         flat.copy_(work[:n])
 
@@ -172,8 +174,8 @@ class HierCommunicator:
 
         groups = self.hosts * self.local
         src = inp
-        if residual is not None:
-            src = inp + residual.to(inp.dtype)
+        if residual is not None:  # added in float32; bf16's rounding of it stays carried
+            src = quantized.fold_residual(inp, residual, torch.empty_like(inp))
         blocks = src.view(groups, -1)
         if self._order is not None:
             blocks = blocks.index_select(0, self._order)
@@ -184,12 +186,11 @@ class HierCommunicator:
         route = self._cross_route(inp.dtype, pieces.nbytes)
         quantized.reduce_scatter(route, pieces.view(-1), out.view(-1), spec, carried, False)
         if residual is not None:  # rows of pieces: the blocks [i][h] of local index i
-            residual.zero_()
             i = self.intra.group_rank
             rows = torch.arange(i * self.hosts, (i + 1) * self.hosts)
             if self._order is not None:
                 rows = self._order[rows]
-            residual.view(groups, -1).index_copy_(0, rows, carried)
+            residual.view(groups, -1).index_add_(0, rows, carried)
 
     def _gather_within(self, pieces: torch.Tensor, stacked: torch.Tensor) -> None:
         """all_gather's host-local stage: every host's blocks of each local index (``pieces``)

@@ -215,6 +215,19 @@ def _native(route, spec: q.Quant) -> bool:
     return False
 
 
+def fold_residual(t: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = t + residual`` added in float32 and rounded once to out's dtype (``out`` may be
+    ``t``); ``residual`` (float32, t's shape) keeps what that rounding lost, so a bfloat16
+    tensor still carries the part of the error it cannot hold (0 where the sum is not finite,
+    as the codec drops a non-finite block's). Where a call sends the carried error in full
+    precision (the policy skipped int8) or adds it before a full-precision stage (hier)."""
+    s = t.float() + residual  # a new tensor: float32 t + residual, one rounding
+    out.copy_(s)
+    torch.sub(s, out.float(), out=residual)  # 0 for float32 (exact), bf16's rounding else
+    residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return out
+
+
 # ---- the collectives -------------------------------------------------------------------------
 
 def all_gather(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, async_op: bool):
