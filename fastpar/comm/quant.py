@@ -26,7 +26,10 @@ x_i * inv, of scale and of the product), i.e. about amax / 254.
 Non-finite values are never lost: a block holding an infinity or a NaN has scale NaN, so every
 element of it dequantizes to NaN (an overflowing gradient stays visibly non-finite after a
 quantized reduction, as it would be after a full-precision one; which element it was is lost).
-A zero block has scale 0 and dequantizes to exact zeros, never 0 * inf.
+A zero block has scale 0 and dequantizes to exact zeros, never 0 * inf. Results are bitwise
+the same on every engine, NaN included: a bfloat16 result's NaN is 0x7FC0 (``narrow``; torch's
+own float32 -> bfloat16 conversion writes 0xFFFF on its vectorized path), a float32 one's is
+0x7FC00000 on the CPU (on a GPU, the GPU's).
 
 Error feedback carries ``carried(x, y) = x - y`` per element (x what was quantized, residual
 included; y what the receivers decode), except in a non-finite block: there it is 0. The block
@@ -173,6 +176,19 @@ def pack_rows(x: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
     out[:, :4 * nb].view(torch.float32).copy_(scales)
     out[:, 4 * nb:4 * nb + m].view(torch.int8).copy_(q)
     out[:, 4 * nb + m:].zero_()
+    return out
+
+
+BF16_NAN = 0x7FC0  # the one bfloat16 NaN a quantized result holds, on every engine
+
+
+def narrow(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = the float32 ``y`` rounded once to out's dtype (float32: a copy; bfloat16: to
+    nearest even), each NaN of a bfloat16 out as ``BF16_NAN``, the shm kernels' and the Triton
+    kernels' NaN (torch's own conversion writes 0x7FC0 or 0xFFFF by code path). Returns out."""
+    out.copy_(y)
+    if out.dtype == torch.bfloat16:
+        out.view(torch.int16).masked_fill_(y.isnan().view(out.shape), BF16_NAN)
     return out
 
 

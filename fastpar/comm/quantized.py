@@ -185,7 +185,7 @@ def _unpack_rows(buf: torch.Tensor, m: int, B: int, out=None) -> torch.Tensor:
     if kernels is not None:
         return kernels.unpack_rows(buf, m, B, out)
     y = q.unpack_rows(buf, m, B)
-    return y if out is None else out.copy_(y)
+    return y if out is None else q.narrow(y, out)
 
 
 def _sum_packed_rows(buf: torch.Tensor, m: int, B: int, out: torch.Tensor) -> torch.Tensor:
@@ -198,7 +198,7 @@ def _sum_packed_rows(buf: torch.Tensor, m: int, B: int, out: torch.Tensor) -> to
     kernels = _kernels_for(buf)
     if kernels is not None:
         return kernels.sum_packed_rows(buf, m, B, out)
-    return out.copy_(_sum_rows(q.unpack_rows(buf, m, B)))
+    return q.narrow(_sum_rows(q.unpack_rows(buf, m, B)), out)
 
 
 def _native(route, spec: q.Quant) -> bool:
@@ -305,4 +305,9 @@ def all_reduce(route, t: torch.Tensor, spec: q.Quant, residual) -> None:
                else residual.view(-1)[lo:hi], "add")
     gathered = torch.empty(n * per, dtype=torch.uint8, device=t.device)
     _all_gather_bytes(route, piece.view(-1), gathered, False)
-    t.view(-1).copy_(_unpack_rows(gathered.view(n, per), m, B).view(-1)[:N])
+    # decoded straight into t's dtype (one rounding, the codec's NaN), t itself when it holds
+    # all n chunks
+    full = t.view(-1) if N == n * m else torch.empty(n * m, dtype=t.dtype, device=t.device)
+    _unpack_rows(gathered.view(n, per), m, B, full.view(n, m))
+    if full.data_ptr() != t.data_ptr():
+        t.view(-1).copy_(full[:N])
