@@ -392,6 +392,8 @@ def test_quantized_mismatches_raise_on_every_rank():
 def body_feedback_and_subgroup():
     """Error feedback on the dp group of a tp 2 grid (a group smaller than the world): what a
     call could not send arrives with the next; non-finite blocks come back NaN."""
+    import time
+
     import fastpar
     from fastpar import comm
     from tests.test_quantized import _x
@@ -464,6 +466,22 @@ def body_feedback_and_subgroup():
     out["nan_ar"] = [t[64:128].isnan().all().item(), t[:64].isfinite().all().item(),
                      t[128:].isfinite().all().item()]
     out["dp_rank"] = me
+    # async on gloo (really in the background): is_completed() is True only once the result is
+    # filled, whose last step (the int8 decode; the concatenation of a dim-1 gather) runs then
+    comm.use_backend("gloo")
+    x = _x(topo.rank, 3000, "async").float()
+    calls = {"int8": lambda **kw: comm.all_gather(x, group=dp, quant=spec, **kw),
+             "int8_rs": lambda **kw: comm.reduce_scatter(x[:n * 1000], group=dp, quant=spec,
+                                                         **kw),
+             "dim1": lambda **kw: comm.all_gather(x.view(30, 100), group=dp, dim=1, **kw)}
+    for name, call in calls.items():
+        want = call()
+        handle = call(async_op=True)
+        deadline = time.monotonic() + 60
+        while not handle.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        out[f"async_{name}"] = torch.equal(handle.result, want)  # read before any wait()
+        handle.wait()
     # one overflow does not poison error feedback: dp rank 0 sends an inf at step 0 (its block
     # comes back NaN and the error it carried is dropped), every later step is finite again,
     # and so is every residual, on every engine
@@ -503,6 +521,7 @@ def test_error_feedback_and_non_finite_on_a_subgroup():
         assert v["nan_ar"] == [True, True, True], (rank, v)
         assert v["policy_exact"], (rank, v)
         assert v["policy_bf16_feedback"] == [True, True, True], (rank, v)
+        assert v["async_int8"] and v["async_int8_rs"] and v["async_dim1"], (rank, v)
         for key in (k for k in v if k.startswith("nan_bits/")):
             assert v[key] == [0x7FC0], (rank, key, [hex(b) for b in v[key]])
         for key in (k for k in v if k.startswith("recover/")):

@@ -58,7 +58,14 @@ class Handle:
         return self.result
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        """Whether ``result`` holds the result: once the work is done, the step that fills the
+        result from it (a layout change, a decode) runs here, so True means it may be read
+        without ``wait()``."""
+        if self._work is not None:
+            if not self._work.is_completed():
+                return False
+            self.wait()  # done: this only runs the finishing step
+        return True
 
 
 class Route:

@@ -101,7 +101,11 @@ class Pending:
             self._finish = None
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        """True once the result is filled: when the bytes have arrived, the decode runs here."""
+        if self._work is not None and not self._work.is_completed():
+            return False
+        self.wait()  # the bytes are here: only the decode runs (once)
+        return True
 
 
 def _done_or_pending(work, finish):
