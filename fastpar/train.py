@@ -101,10 +101,16 @@ class Trainer:
         if (args.quantize_grads or args.quantize_weights) and topo.dp_size > 1 and \
                 len({topo.hosts[r] for r in topo.ranks("dp")}) == 1 and topo.rank == 0:
             from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
-            print(f"[fastpar.train] note: the dp group is on one host: int8 applies to its calls "
-                  f"of {QUANT_SHM_MIN_BYTES >> 20} MiB and more (smaller ones cost about what "
-                  "they save there and stay full precision); across hosts every call is int8",
-                  flush=True)
+            if topo.device.type == "cuda":
+                print("[fastpar.train] note: the dp group is on one node: its CUDA calls stay "
+                      "full precision (int8 is unmeasured against NCCL there; "
+                      "FASTPAR_COMM_BACKEND forces it); across nodes every call is int8",
+                      flush=True)
+            else:
+                print(f"[fastpar.train] note: the dp group is on one host: int8 applies to its "
+                      f"calls of {QUANT_SHM_MIN_BYTES >> 20} MiB and more (smaller ones cost "
+                      "about what they save there and stay full precision); across hosts every "
+                      "call is int8", flush=True)
         # ZeRO-3: what needs the full parameters (a pipeline step, validation, checkpoints)
         self.gathered = self.opt.gathered if args.zero else contextlib.nullcontext
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))

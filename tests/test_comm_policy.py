@@ -131,13 +131,36 @@ def test_forced_all_to_all(forced, device, layout, dtype, why):
             choose("all_to_all", device, layout, 4096, dtype, forced=forced)
 
 
-def test_quantizes_across_links_always_and_within_a_host_from_its_threshold():
+def test_quantizes_where_measured_faster():
+    """policy.quantizes as a table: across hosts every call but a bfloat16 all_reduce (measured
+    0.73x bfloat16's speed); on one host the shm engine from its threshold, CUDA tensors within
+    a node never (unmeasured), other engines always; a forced engine always."""
     from fastpar.comm.policy import QUANT_SHM_MIN_BYTES, quantizes
 
-    assert quantizes("local", 1 << 30, None) == (False, "group of one rank: nothing crosses")
-    for engine in ("hier", "mpi", "gloo", "nccl"):
-        assert quantizes(engine, 16, None)[0]
-    assert quantizes("shm", QUANT_SHM_MIN_BYTES, None)[0]
-    yes, why = quantizes("shm", QUANT_SHM_MIN_BYTES - 1, None)
-    assert not yes and "within a host below 1 MiB" in why
-    assert quantizes("shm", 16, "shm")[0]  # a forced engine runs what it is asked
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def q(op, engine, nbytes=16 << 20, dtype=f32, device="cpu", same_host=False, forced=None):
+        return quantizes(op, engine, nbytes, dtype, device=device, same_host=same_host,
+                         forced=forced)
+
+    assert q("all_reduce", "local", 1 << 30) == (False, "group of one rank: nothing crosses")
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for engine, device in (("hier", "cpu"), ("mpi", "cpu"), ("gloo", "cpu"),
+                               ("nccl", "cuda")):
+            assert q(op, engine, 16, device=device) == (True, "int8 on the wire"), (op, engine)
+            yes, why = q(op, engine, dtype=bf16, device=device)
+            assert yes == (op != "all_reduce"), (op, engine, why)
+        # CUDA within a node: full precision unless forced
+        for engine in ("nccl", "cuda_ipc", "nccl_mpi"):
+            yes, why = q(op, engine, device="cuda", same_host=True)
+            assert not yes and "CUDA tensors within a node" in why and "unmeasured" in why
+            assert q(op, engine, device="cuda", same_host=True, forced=engine)[0]
+        assert q(op, "gloo", 16, same_host=True)[0]  # no native build: the torch codec
+        assert q(op, "shm", QUANT_SHM_MIN_BYTES, same_host=True)[0]
+        yes, why = q(op, "shm", QUANT_SHM_MIN_BYTES - 1, same_host=True)
+        assert not yes and "within a host below 1 MiB" in why
+        assert q(op, "shm", 16, same_host=True, forced="shm")[0]  # runs what it is asked
+    yes, why = q("all_reduce", "hier", dtype=bf16)
+    assert not yes and "bfloat16 all_reduce across hosts" in why and "0.73x" in why
+    assert q("all_reduce", "hier", dtype=bf16, forced="hier")[0]
+    assert q("all_reduce", "shm", dtype=bf16, same_host=True)[0]  # one host: from 1 MiB

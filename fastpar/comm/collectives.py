@@ -186,13 +186,17 @@ def _quant_route(name: str, t: torch.Tensor, group, op, spec):
     """``(route, spec)`` of a quantized call: its engine moves bytes (an all-gather or all-to-all
     of int8 pieces), so it is chosen as for an all_gather of t's bytes (MPI carries them for a
     bfloat16 tensor too; a group across hosts takes the hierarchical engine). Where the policy
-    says int8 does not pay (``policy.quantizes``: small calls within a host), the call's own
-    full-precision route and spec None."""
+    says int8 does not pay (``policy.quantizes``: small calls within a host, CUDA tensors within
+    a node, a bfloat16 all_reduce across hosts), the call's own full-precision route and spec
+    None."""
     flat = t.reshape(-1)
     route = _route("all_gather", flat.view(torch.uint8) if flat.is_contiguous() else
                    torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8,
                                device=t.device), group)
-    yes, why = policy.quantizes(route.engine, t.numel() * t.element_size(), current().forced)
+    st = current()
+    yes, why = policy.quantizes(name, route.engine, t.numel() * t.element_size(), t.dtype,
+                                device=t.device.type,
+                                same_host=st.resolve(route.group)[2].same_host, forced=st.forced)
     if yes:
         return route, spec
     log.debug("%s quant=%r on global ranks %s: %s", name, spec.kind, route.ranks, why)
