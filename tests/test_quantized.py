@@ -559,8 +559,9 @@ def body_training(tp):
 
     def own_grads(model, r):
         model.zero_grad()
+        dtype = next(model.parameters()).dtype
         x, y = data(r)
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
         return [p.grad.detach().double().clone() for p in model.parameters()]
 
     ref_model = make()
@@ -603,6 +604,25 @@ def body_training(tp):
             masters = opt._gather_flat(opt.flat[0], opt.flat[0].master.detach())
             out["zero3_weights"] = ((weights - masters).abs().max() /
                                     (masters.abs().max() / 254 * (1 + 1e-5))).item()
+        opt.zero_grad()
+        del opt
+    # float64 parameters are reduced and gathered in full precision (int8 takes float32 and
+    # bfloat16), as DataParallel keeps its float64 buckets: to float64 roundoff of the mean
+    per_rank = [own_grads(make().double(), r) for r in range(dp)]
+    full = torch.cat([(sum(gs) / dp).reshape(-1) for gs in zip(*per_rank)])
+    scale = sum(max(g.abs().max() for g in gs) for gs in per_rank) / dp
+    for stage in (1, 2, 3):
+        module = make().double()
+        opt = fastpar.optim.DistributedOptimizer(
+            module.parameters(), torch.optim.SGD, lr=0.5, stage=stage,
+            module=module if stage == 3 else None, quant_grads="int8", error_feedback=True,
+            quant_weights="int8" if stage == 3 else None)
+        x, y = data(me)
+        nn.functional.mse_loss(module(x.double()), y.double()).backward()
+        opt.reduce()
+        got = opt._gather_flat(opt.flat[0], opt.flat[0].master.grad)
+        out[f"float64/zero{stage}"] = ((got - full).abs().max() / (16 * 2.0**-53 * scale)).item()
+        opt.step()  # and its int8-free gathers
         opt.zero_grad()
         del opt
     comm.use_backend(None)

@@ -73,7 +73,10 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
     (like ZeRO++'s qwZ; the masters stay full precision, each gather quantizes them afresh);
     ``quant_grads="int8"``: the gradients are reduce-scattered as int8 (float32 sums), with
     ``error_feedback=True`` carrying each rank's rounding into its next step (one float32 copy
-    of the padded gradient per rank, counted as a buffer). See ``fastpar.comm.quant``.
+    of the padded gradient per rank, counted as a buffer). See ``fastpar.comm.quant``. Both
+    quantize float32 and bfloat16 tensors (a bfloat16 model's gradients reduce in float32); the
+    gathers and reductions of a float64 group stay full precision, as ``DataParallel`` keeps its
+    float64 buckets.
     ``param_groups`` and ``state`` are the inner optimizer's, so ``torch.optim.lr_scheduler``
     drives it. Masters are ``float32`` (or ``float64`` for ``float64`` parameters).
     """
@@ -241,15 +244,15 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                     view.copy_(g) if g is not None else view.zero_()
                     if f.grad_views is not None:
                         p.grad = view
+                quant = self.quant_grads if buf.dtype in quant_codec.DTYPES else None
                 residual = None
-                if self.error_feedback and self.dp_size > 1:
+                if quant is not None and self.error_feedback and self.dp_size > 1:
                     residual = self.residuals.get(id(f))
                     if residual is None:
                         residual = self.residuals[id(f)] = torch.zeros(
                             buf.shape, dtype=torch.float32, device=buf.device)
                 # (shard,): the dp sum
-                g = comm.reduce_scatter(buf, group=self.group, quant=self.quant_grads,
-                                        residual=residual)
+                g = comm.reduce_scatter(buf, group=self.group, quant=quant, residual=residual)
                 f.master.grad = g.div_(self.dp_size) if self.dp_size > 1 else g.clone()
         if self.sharded is not None and not self.sharded.pinned:
             self.sharded.free_all()  # units whose parameters got no gradient stayed gathered

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from fastpar import comm
+from fastpar.comm import quant as quant_codec
 from fastpar.optim.flat import master_dtype
 
 
@@ -100,14 +101,15 @@ class GradReducer:
         self.staged = buf.numel() * buf.element_size()
         self.peak_staging = max(self.peak_staging, self.staged)
         dst = f.master.grad[run.soff:run.soff + run.piece]
+        # int8 for float32 (and bf16 models' float32) gradients; float64 stays full precision
+        quant = self.quant if buf.dtype in quant_codec.DTYPES else None
         residual = None
-        if self.error_feedback and self.dp_size > 1:  # one rank sends nothing: no error
+        if quant is not None and self.error_feedback and self.dp_size > 1:  # one rank: no error
             residual = self.residuals.get((id(f), run.index))
             if residual is None:
                 residual = self.residuals[(id(f), run.index)] = torch.zeros_like(buf)
         self.handles.append((f, run, comm.reduce_scatter(
-            buf, group=self.group, async_op=True, out=dst, quant=self.quant,
-            residual=residual)))
+            buf, group=self.group, async_op=True, out=dst, quant=quant, residual=residual)))
         for callback in self.on_launch:
             callback(f, run)
 

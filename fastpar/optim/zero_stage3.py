@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from fastpar import comm
+from fastpar.comm import quant as quant_codec
 from fastpar.data_parallel.reducer import tensors_in
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -120,8 +121,8 @@ class ShardedParams:
         mine = buf[self.dp_rank * run.piece:(self.dp_rank + 1) * run.piece]
         with torch.no_grad():
             mine.copy_(f.master.detach()[run.soff:run.soff + run.piece])  # cast if bf16
-        entry[3] = comm.all_gather(mine, group=self.group, async_op=True, out=buf,
-                                   quant=self.quant)
+        quant = self.quant if buf.dtype in quant_codec.DTYPES else None  # float64: as it is
+        entry[3] = comm.all_gather(mine, group=self.group, async_op=True, out=buf, quant=quant)
 
     def _wait(self, key) -> None:
         entry = self.runs[key]
