@@ -197,7 +197,9 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     assert_parity("pp2dp2.zero3.resume", four["pp2dp2.zero3.resume"], serial)
     # --quantize-*: on one host the tiny model's calls are under policy.QUANT_SHM_MIN_BYTES,
     # so they stay full precision (the flags' wiring and memory are what runs here; int8
-    # across hosts trains in test_cluster_jobs, the reductions' bounds are test_quantized's)
+    # across hosts trains in test_cluster_jobs; the reductions' bounds, and int8 with error
+    # feedback over several steps through DataParallel and ZeRO-2 on one host, forced, are
+    # test_quantized's body_training)
     for name in ("dp4.quant", "dp4.zero3.quant"):
         assert_parity(name, four[name], serial, bound=1e-3)
     assert_parity("dp4.zero3.tied", four["dp4.zero3.tied"], one["serial.tied"])
