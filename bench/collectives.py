@@ -123,8 +123,10 @@ def make_call(op, backend, count, dtype, topo, fill, symmetric=False, quant=None
         return lambda: comm.all_gather(x, quant=quant)
     if op == "reduce_scatter":
         return lambda: comm.reduce_scatter(x, quant=quant)
-    if op == "all_to_all":  # equal splits of the rank's buffer
-        return lambda: comm.all_to_all(x)
+    if op == "all_to_all":  # equal splits of the rank's buffer, into one reused output (as
+        # nccl-tests: a fresh one per call would time its page faults, not the exchange)
+        out = torch.empty_like(x)
+        return lambda: comm.all_to_all(x, out=out)
     return lambda: comm.broadcast(x, src=0)
 
 

@@ -96,6 +96,21 @@ def body_all_to_all(engines, big):
         want = torch.stack([torch.arange(3, dtype=torch.float64) * n + rank + 1000 * i
                             for i in range(n)])
         assert torch.equal(comm.all_to_all(t), want), engine
+        # out=: written in place and returned, reused across calls, uneven and large rows too
+        x = torch.cat([_rows(rank, j, 2, "float32") for j in range(n)])
+        out = torch.full_like(x, float("nan"))
+        for _ in range(2):
+            assert comm.all_to_all(x, out=out) is out, engine
+            assert torch.equal(out, torch.cat([_rows(i, rank, 2, "float32") for i in range(n)]))
+        for counts, salt in ((_matrices(n, 5)[0], "out"),
+                             ([[big * ((i + j) % 3) for j in range(n)] for i in range(n)],
+                              "outbig")):
+            x = torch.cat([_rows(rank, j, counts[rank][j], "float32", 1, salt) for j in range(n)])
+            recv = [counts[i][rank] for i in range(n)]
+            out = torch.empty(sum(recv), 1)
+            assert comm.all_to_all_v(x, counts[rank], recv, out=out) is out, engine
+            assert torch.equal(out, torch.cat([_rows(i, rank, counts[i][rank], "float32", 1, salt)
+                                               for i in range(n)])), (engine, salt)
     comm.use_backend(None)
     return {"chosen": chosen, "errors": _argument_errors(comm, n),
             "autograd": _autograd(comm, topo), "device": _device_path(comm, n, rank)}
@@ -113,7 +128,10 @@ def _argument_errors(comm, n):
                  comm.all_to_all_v(x, [-1]),
                  lambda: comm.all_to_all_v(x, [4] + [0] * (n - 1), recv_counts=[1] * (n + 1)),
                  lambda: comm.all_to_all_v(x, [4.0] + [0] * (n - 1)),
-                 lambda: comm.all_to_all(torch.ones(n + 1) if n > 1 else torch.tensor(1.0))):
+                 lambda: comm.all_to_all(torch.ones(n + 1) if n > 1 else torch.tensor(1.0)),
+                 lambda: comm.all_to_all_v(x, [4] + [0] * (n - 1), out=torch.empty(4, 2)),
+                 lambda: comm.all_to_all(x if n in (1, 2, 4) else x[:n],
+                                         out=torch.empty(4, 3))):
         try:
             call()
             messages.append(None)
@@ -182,6 +200,9 @@ def test_all_to_all_every_engine(world):
         assert "must be integers" in e[4], e[4]
         assert "is not divisible by the group size" in e[5] if world > 1 else \
             "0-dim" in e[5], e[5]
+        assert "out= needs recv_counts" in e[6], e[6]
+        assert "out must be a contiguous torch.float32 tensor of shape" in e[7] and \
+            "got torch.float32 (4, 3)" in e[7], e[7]
 
 
 def body_subgroup_and_mismatch():

@@ -56,7 +56,7 @@ def _counts(name: str, what: str, counts, n: int) -> list[int]:
     return counts
 
 
-def _exchange(name, t, send, recv, group, async_op):
+def _exchange(name, t, send, recv, group, async_op, out=None):
     """``(result or Handle, send counts, recv counts)`` of one all-to-all, the counts as lists;
     arguments checked before any communication (``send=None``: equal splits)."""
     _check_tensor(name, t)
@@ -77,25 +77,40 @@ def _exchange(name, t, send, recv, group, async_op):
                              f"of the input has {rows} (shape {tuple(t.shape)})")
         if recv is not None:
             recv = _counts(name, "recv_counts", recv, n)
+    if out is not None:
+        if recv is None:
+            raise ValueError(f"{name}: out= needs recv_counts (the rows it must hold are "
+                             "known only after the counts are exchanged)")
+        want = (sum(recv), *t.shape[1:])
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or \
+                out.dtype != t.dtype or out.device != t.device or not out.is_contiguous():
+            got = (f"{out.dtype} {tuple(out.shape)} on {out.device}"
+                   if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(f"{name}: out must be a contiguous {t.dtype} tensor of shape "
+                             f"{want} on {t.device}, got {got}")
     if route.engine == "local":
         if recv is not None and recv != send:
             raise ValueError(f"{name}: recv_counts {recv} differ from send_counts {send} on a "
                              "group of one rank")
+        if out is not None:
+            return _done(out.copy_(t), async_op), send, send
         return _done(t, async_op), send, send
     inp = t.contiguous()
-    out, recv, work = adapter(route.engine).all_to_all(route, inp, send, recv, None, async_op)
+    out, recv, work = adapter(route.engine).all_to_all(route, inp, send, recv, out, async_op)
     return (Handle(out, work) if async_op else out), send, recv
 
 
-def all_to_all(t: torch.Tensor, group=None, async_op: bool = False):
+def all_to_all(t: torch.Tensor, group=None, async_op: bool = False, *, out=None):
     """Equal splits: block j of ``t``'s dim 0 (``dim 0 / n`` rows) goes to group rank j; the
     result's block i came from group rank i. Same shape as ``t`` (a new tensor; ``t`` itself
-    on a group of one rank). ``group=None``: the world."""
-    return _exchange("all_to_all", t, None, None, group, async_op)[0]
+    on a group of one rank). ``group=None``: the world. ``out``: a contiguous tensor of ``t``'s
+    shape, dtype and device the result is written into (and returned), e.g. reused across calls
+    so that no new memory is faulted in each time."""
+    return _exchange("all_to_all", t, None, None, group, async_op, out)[0]
 
 
 def all_to_all_v(t: torch.Tensor, send_counts, recv_counts=None, group=None,
-                 async_op: bool = False):
+                 async_op: bool = False, *, out=None):
     """Variable splits: ``send_counts[j]`` rows of ``t`` (dim 0, in order) go to group rank j;
     the result is what every rank sent this one, concatenated in group-rank order.
 
@@ -104,8 +119,9 @@ def all_to_all_v(t: torch.Tensor, send_counts, recv_counts=None, group=None,
     ``recv_counts=None``: the counts are exchanged (shm: read from its segment in the same
     round as the data). Given, every rank checks them against what is sent (shm: a mismatch
     fails on every rank). ``ValueError`` before any communication for a wrong number of
-    counts, negative counts, or send counts that do not add up to ``t.shape[0]``."""
-    return _exchange("all_to_all_v", t, send_counts, recv_counts, group, async_op)[0]
+    counts, negative counts, or send counts that do not add up to ``t.shape[0]``. ``out``: as
+    for ``all_to_all``, of ``sum(recv_counts)`` rows (so it needs ``recv_counts``)."""
+    return _exchange("all_to_all_v", t, send_counts, recv_counts, group, async_op, out)[0]
 
 
 def all_to_all_v_device(t: torch.Tensor, send_counts: torch.Tensor, capacity: int, group=None,
