@@ -262,7 +262,8 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
     process at ep 2 x pp 2, ep 2 x tp 2 and ep 2 inside dp 4 (edp 2: expert gradients over the
     edp group, divided by dp), its router losses (balanced per sequence: layout-free) and
     expert load too; a checkpoint saved at ep 2 x pp 2 resumes at ep 4 and on one rank (experts
-    regathered and resharded), continuing the curve; every other block MoE at ep 2 x dp 2."""
+    regathered and resharded), continuing the curve; every other block MoE at ep 2 x pp 2, and
+    full recompute under the zero-bubble schedule (the statistics counted once)."""
     ck = str(tmp_path / "moe")
     step10 = os.path.join(ck, "step_00000010")
     every = ["--moe-every", "2", "--layers", "3", "--steps", "6"]
@@ -271,12 +272,16 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
         ("ep2tp2", [*MOE, "--ep", "2", "--tp", "2"]),
         ("ep2dp4", [*MOE, "--ep", "2"]),
         ("ep4.resume", [*MOE, "--ep", "4", "--resume", step10]),
-        ("every2.ep2pp2", [*MOE, *every, "--ep", "2", "--pp", "2"])], timeout=300).values()
+        ("every2.ep2pp2", [*MOE, *every, "--ep", "2", "--pp", "2"]),
+        # full recompute under zero-bubble: the MoE forward (its all-to-alls) runs again in
+        # the input-gradient pass, its statistics not counted twice
+        ("rc.zb.ep2pp2", [*MOE, "--ep", "2", "--pp", "2", "--recompute", "full", "--schedule",
+                          "zb", "--steps", "6"])], timeout=300).values()
     assert all(v == four[0] for v in four), "ranks disagree"
     four = four[0]
     one = run_ranks(1, body_runs_full, runs=[
         ("serial", MOE), ("serial.resume", [*MOE, "--resume", step10]),
-        ("every2", [*MOE, *every])], timeout=240).values()[0]
+        ("every2", [*MOE, *every]), ("six", [*MOE, "--steps", "6"])], timeout=240).values()[0]
     serial = one["serial"]
     assert serial[-1]["loss"] < serial[0]["loss"] - 0.5, serial  # it learns
     assert all(r["moe_dropped"] == 0 and r["moe_aux_loss"] > 0.9 for r in serial), serial
@@ -290,9 +295,14 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
             assert worst < PARITY, (name, key, worst)
         for key in ("expert_load_min", "expert_load_max"):  # tokens per expert: the same routes
             assert all(abs(got[s][key] - ref[s][key]) <= 2 for s in got), (name, key)
-    ref = {r["step"]: r["loss"] for r in one["every2"]}
-    got = {r["step"]: r["loss"] for r in four["every2.ep2pp2"]}
-    assert max(abs(got[s] - ref[s]) / ref[s] for s in ref) < PARITY
+    for name, serial_name in (("every2.ep2pp2", "every2"), ("rc.zb.ep2pp2", "six")):
+        ref = {r["step"]: r for r in one[serial_name]}
+        got = {r["step"]: r for r in four[name]}
+        assert sorted(got) == sorted(ref) == list(range(1, 7)), (name, sorted(got))
+        for key in ("loss", "moe_aux_loss"):
+            assert max(abs(got[s][key] - ref[s][key]) / ref[s][key] for s in ref) < PARITY, \
+                (name, key)
+        assert all(got[s]["expert_load_max"] == ref[s]["expert_load_max"] for s in ref), name
 
 
 def body_runs_full(runs):
