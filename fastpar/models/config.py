@@ -26,7 +26,10 @@ class GPTConfig:
     per token, ``ffn_size`` wide each, ``mlp``'s activation) in place of the MLP in every
     ``moe_every``-th block (blocks moe_every, 2 moe_every, ...: 1 = every block, 2 = every other
     from the second); ``moe_capacity``: None dropless, else the capacity factor;
-    ``moe_aux_coef`` / ``moe_z_coef``: the router losses' weights in the training loss."""
+    ``moe_aux_coef`` / ``moe_z_coef``: the router losses' weights in the training loss.
+    ``context_parallel``: None, or "ring" / "ulysses": each rank of the cp group holds a slice
+    of every sequence (``fastpar.nn.context``'s layout) and attention runs over the whole of
+    it by that method; no parameter changes (a layout choice, like ``sequence_parallel``)."""
 
     vocab_size: int = 256  # byte-level
     seq_len: int = 64
@@ -52,6 +55,7 @@ class GPTConfig:
     moe_capacity: float | None = None
     moe_aux_coef: float = 1e-2
     moe_z_coef: float = 1e-3
+    context_parallel: str | None = None  # None | "ring" | "ulysses"
 
     @property
     def num_kv_heads(self) -> int:
@@ -73,9 +77,9 @@ class GPTConfig:
             return 4 * self.hidden
         return -(-self.hidden // 3) * 8  # ceil(8/3 * hidden / 8) * 8
 
-    def validate(self, tp: int = 1, ep: int = 1) -> None:
-        """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks and an
-        expert-parallel group of ``ep``."""
+    def validate(self, tp: int = 1, ep: int = 1, cp: int = 1) -> None:
+        """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks, an
+        expert-parallel group of ``ep`` and a context-parallel group of ``cp``."""
         bad = []
         for name in ("vocab_size", "seq_len", "layers", "hidden", "heads", "kv_heads",
                      "ffn_hidden"):
@@ -98,6 +102,9 @@ class GPTConfig:
                     value < (0 if name == "moe_experts" else 1):
                 least = "non-negative" if name == "moe_experts" else "positive"
                 bad.append(f"{name} must be a {least} integer, got {value!r}")
+        if self.context_parallel not in (None, "ring", "ulysses"):
+            bad.append(f"context_parallel must be None, 'ring' or 'ulysses', got "
+                       f"{self.context_parallel!r}")
         if self.moe_capacity is not None and not self.moe_capacity > 0:
             bad.append(f"moe_capacity must be positive or None (dropless), got "
                        f"{self.moe_capacity!r}")
@@ -120,6 +127,13 @@ class GPTConfig:
                 bad.append(f"{name} {value} is not divisible by tp {tp}")
         if self.sequence_parallel and self.seq_len % tp:
             bad.append(f"seq_len {self.seq_len} is not divisible by tp {tp} (sequence_parallel)")
+        if cp > 1:
+            if self.seq_len % (2 * cp):
+                bad.append(f"seq_len {self.seq_len} is not divisible by 2 x cp = {2 * cp} (each "
+                           "context-parallel rank holds two equal chunks of every sequence)")
+            if self.context_parallel == "ulysses" and (self.heads // tp) % cp:
+                bad.append(f"heads {self.heads} / tp {tp} = {self.heads // tp} per tp rank are "
+                           f"not divisible by cp {cp} (Ulysses shards the heads over cp)")
         if self.moe_experts:
             if self.moe_top_k > self.moe_experts:
                 bad.append(f"moe_top_k {self.moe_top_k} is larger than moe_experts "

@@ -13,6 +13,12 @@ The layers, batch-first, ``V/tp`` the vocab shard (``T/tp`` with sequence parall
     head        logits_shard = norm(h) @ W_out_shard.T    (B, T, V/tp)   [SP: gathers T first]
     gpt_loss    mean over tokens of cross-entropy(logits, targets), vocab-parallel
 
+Context parallelism (``cfg.context_parallel`` "ring" / "ulysses", ``cp_group``): every layer
+takes this rank's slice of each sequence, T/cp tokens in ``fastpar.nn.context``'s layout, in
+place of T (tokens (B, T/cp), h (B, T/cp, H), logits (B, T/cp, V/tp)); learned positions are
+``pos[context_positions(T)]``, rope turns at those positions, and only attention communicates
+(over the cp group). ``gpt_loss`` of a slice is the mean over its tokens.
+
 Serial and parallel are the same code: a group of one rank is the serial model. ``group=None``
 means the topology's tp group (``fastpar.nn``'s rule; without ``fastpar.init`` it raises, and a
 single process runs the serial model after a plain ``fastpar.init()``).
@@ -45,6 +51,7 @@ from fastpar.nn import (MoE, ColumnParallelLinear, LayerNorm, ParallelMLP, Paral
                         RMSNorm, RowParallelLinear, ShardedModule, VocabParallelEmbedding,
                         vocab_parallel_cross_entropy, with_aux_loss)
 from fastpar.nn import random as tp_random
+from fastpar.nn.context import context_positions
 from fastpar.nn.moe import GroupedExperts
 from fastpar.nn.recomputation import recompute, recomputing
 from fastpar.nn.sharding import copy_into, copy_replicated, resolve_group
@@ -104,11 +111,15 @@ class GPTEmbedding(nn.Module):
     """tokens (B, T) -> (B, T, H), or (B, T/tp, H) under sequence parallelism (Megatron's rule:
     the vocab-parallel lookup is reduce-scattered along the sequence instead of all-reduced).
     Learned positions ``pos`` are replicated; under SP each rank adds its own T/tp rows, and
-    their gradient is summed over the tp group (``copy_replicated``: in float32 at least)."""
+    their gradient is summed over the tp group (``copy_replicated``: in float32 at least).
+    ``cp_group`` (with ``cfg.context_parallel``): tokens (B, T/cp) are this rank's slice and
+    take the rows of their true positions."""
 
-    def __init__(self, cfg: GPTConfig, group):
+    def __init__(self, cfg: GPTConfig, group, cp_group=None):
         super().__init__()
         self.group, self.cfg = group, cfg
+        self.cp_group = cp_group if cfg.context_parallel else None
+        self.cp = group_size(self.cp_group) if self.cp_group is not None else 1
         self.sequence_parallel, self.dropout = cfg.sequence_parallel, cfg.dropout
         self.tok = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, sequence_parallel=
                                           cfg.sequence_parallel, group=group, device="meta")
@@ -123,11 +134,14 @@ class GPTEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok(tokens)  # (B, T, H); SP: (B, T/tp, H)
         if self.pos is not None:
-            if tokens.shape[1] > self.cfg.seq_len:
-                raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the "
-                                 f"{self.cfg.seq_len} learned positions (seq_len)")
+            if tokens.shape[1] * self.cp > self.cfg.seq_len:
+                raise ValueError(f"sequence of {tokens.shape[1] * self.cp} tokens is longer "
+                                 f"than the {self.cfg.seq_len} learned positions (seq_len)")
             t = h.shape[1]
-            if self.sequence_parallel:  # rows of this rank's tokens; dW summed over ranks
+            if self.cp > 1:  # (T/cp,) this rank's tokens' positions in the sequence
+                pos = context_positions(t * self.cp, self.cp_group, h.device)
+                h = h + self.pos.weight[pos]
+            elif self.sequence_parallel:  # rows of this rank's tokens; dW summed over ranks
                 start = group_rank(self.group) * t
                 h = h + copy_replicated(self.pos.weight, self.group)[start:start + t]
             else:
@@ -152,7 +166,7 @@ class GPTBlock(nn.Module):
     ``z_loss``, ``forwards``, ``load`` (slots per expert, this rank's tokens) and ``dropped``;
     ``None`` until the first such forward (the trainer resets it each step)."""
 
-    def __init__(self, cfg: GPTConfig, group, index: int = 1, ep_group=None):
+    def __init__(self, cfg: GPTConfig, group, index: int = 1, ep_group=None, cp_group=None):
         super().__init__()
         sp, p = cfg.sequence_parallel, cfg.dropout
         rope = cfg.rope_base if cfg.positions == "rope" else None
@@ -161,7 +175,9 @@ class GPTBlock(nn.Module):
                                           attn_dropout=p, dropout=p, sequence_parallel=sp,
                                           overlap=cfg.overlap, group=group, device="meta",
                                           rope_base=rope,
-                                          recompute_core=cfg.recompute == "selective")
+                                          recompute_core=cfg.recompute == "selective",
+                                          context_parallel=cfg.context_parallel,
+                                          cp_group=cp_group)
         self.norm2 = _norm(cfg, group)
         self.index, self.moe = index, cfg.is_moe(index)
         if self.moe:
@@ -225,24 +241,30 @@ class GPTHead(nn.Module):
         return self.out(self.norm(h))
 
 
-def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0, ep_group=None) -> list:
+def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0, ep_group=None,
+               cp_group=None) -> list:
     """Zero-argument factories of the layers in order: embedding, ``cfg.layers`` blocks, head.
 
     ``group``: the tp group (None: the topology's). ``ep_group``: the expert-parallel group of
     the MoE blocks (None: the topology's after ``fastpar.init``, else none: every expert here).
+    ``cp_group``: with ``cfg.context_parallel``, the context-parallel group (None: the
+    topology's).
     Each factory builds on the default device (meta under ``torch.device("meta")``) with the
     values of the serial model for ``seed``."""
     group = resolve_group(group)
     if ep_group is None and cfg.moe_experts and is_initialized():
         ep_group = topology().ep_group
-    cfg.validate(group_size(group), 1 if ep_group is None else group_size(ep_group))
+    if cfg.context_parallel and cp_group is None:
+        cp_group = topology().cp_group
+    cp = group_size(cp_group) if cfg.context_parallel else 1
+    cfg.validate(group_size(group), 1 if ep_group is None else group_size(ep_group), cp)
     last = cfg.layers + 1
 
     def embedding():
-        return _materialise(GPTEmbedding(cfg, group), cfg, seed, 0)
+        return _materialise(GPTEmbedding(cfg, group, cp_group), cfg, seed, 0)
 
     def block(i):
-        return lambda: _materialise(GPTBlock(cfg, group, i, ep_group), cfg, seed, i)
+        return lambda: _materialise(GPTBlock(cfg, group, i, ep_group, cp_group), cfg, seed, i)
 
     def head():
         module = _materialise(GPTHead(cfg, group), cfg, seed, last)
@@ -266,9 +288,11 @@ class GPT(nn.Sequential):
     """Every layer of ``gpt_layers(cfg, group=group, seed=seed)`` in one module (children "0" ..
     str(L + 1): the same state-dict keys as the pipeline). tokens (B, T) -> logits (B, T, V/tp)."""
 
-    def __init__(self, cfg: GPTConfig, group=None, seed: int = 0, ep_group=None):
+    def __init__(self, cfg: GPTConfig, group=None, seed: int = 0, ep_group=None,
+                 cp_group=None):
         super().__init__(*(factory() for factory in gpt_layers(cfg, group=group, seed=seed,
-                                                               ep_group=ep_group)))
+                                                               ep_group=ep_group,
+                                                               cp_group=cp_group)))
         self.cfg = cfg
 
     def __getitem__(self, idx):

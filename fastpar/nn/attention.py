@@ -22,14 +22,24 @@ rotation needs no communication.
 ``softmax(q k^T / sqrt(hd) + mask) -> dropout -> @ v`` keeps only q, k, v for backward and runs
 again there (``fastpar.nn.recompute``, same dropout mask), dropping the (B, nh/tp, T, T)
 probabilities and mask, the largest activations of a block and few of its FLOPs.
+
+``context_parallel="ring"`` or ``"ulysses"`` with ``cp_group``: ``x`` holds this rank's slice of
+every sequence, (B, T/cp, H) in ``fastpar.nn.context``'s layout (chunks r and 2cp-1-r); the
+projections are per token as before, rope turns q and k at their true positions
+(``context_positions``: ``cos[pos]``, ``sin[pos]``), and the core is ``ring_attention`` or
+``ulysses_attention`` over the cp group (attention dropout by that module's rule, its seed drawn
+from the per-tp-rank stream). The output is the slice again, (B, T/cp, H).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.nn import context
 from fastpar.nn import random as tp_random
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, pieces_argument
 from fastpar.nn.recomputation import recompute
@@ -60,15 +70,30 @@ class ParallelSelfAttention(nn.Module):
     sharded); ``dropout`` on the output as in ``ParallelMLP``. ``rope_base``: rotate q and k by
     rotary position embedding with that base (e.g. 10000.0; ``None``: no position information
     here); the head dim must be even. ``recompute_core``: recompute the attention core in
-    backward (see the module docstring)."""
+    backward (see the module docstring). ``context_parallel`` (None, "ring", "ulysses") and
+    ``cp_group``: attention over a sequence split across the cp group (see the module
+    docstring); a cp group of one rank is the serial core."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, *, causal: bool = True, attn_dropout: float = 0.0,
                  dropout: float = 0.0, sequence_parallel: bool = False, sequence_dim: int = 1,
                  overlap=None, overlap_pieces=None, group=None, device=None, dtype=None,
                  seed=None, rope_base: float | None = None, chunks=None,
-                 recompute_core: bool = False):
+                 recompute_core: bool = False, context_parallel: str | None = None,
+                 cp_group=None):
         super().__init__()
+        if context_parallel not in (None, "ring", "ulysses"):
+            raise ValueError(f"context_parallel must be None, 'ring' or 'ulysses', got "
+                             f"{context_parallel!r}")
+        if context_parallel is not None and cp_group is None:
+            raise ValueError(f"context_parallel={context_parallel!r} needs cp_group (the ranks "
+                             "holding the other slices of each sequence)")
+        if context_parallel is not None and sequence_parallel:
+            raise ValueError("ParallelSelfAttention: context_parallel with sequence_parallel is "
+                             "not supported (both would shard the sequence)")
+        self.cp_group = cp_group if context_parallel is not None else None
+        self.cp = group_size(cp_group) if self.cp_group is not None else 1
+        self.context_parallel = context_parallel if self.cp > 1 else None
         overlap_pieces = pieces_argument(overlap_pieces, chunks, "ParallelSelfAttention")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.group = resolve_group(group)
@@ -119,6 +144,12 @@ class ParallelSelfAttention(nn.Module):
         """The attention core: q (B, nh/tp, T, hd), k, v (B, nkv/tp, T, hd) -> (B, nh/tp, T,
         hd), probabilities dropped on the per-TP-rank stream (heads are sharded)."""
         p = self.attn_dropout if self.training else 0.0
+        if self.context_parallel is not None:  # this rank's slice of the sequence
+            attend = context.ring_attention if self.context_parallel == "ring" else \
+                context.ulysses_attention
+            # the dropout seed from the per-tp-rank stream (context's rule; heads are sharded)
+            with tp_random.fork("tp", self.group) if p else contextlib.nullcontext():
+                return attend(q, k, v, self.cp_group, causal=self.causal, dropout_p=p)
         gqa = self.local_heads != self.local_kv_heads
         if p:
             with tp_random.fork("tp", self.group):
@@ -129,13 +160,16 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one entry communication for q, k and v (overlapped with their GEMMs by policy)
         q, k, v = ColumnParallelLinear.shared_forward(x, [self.q_proj, self.k_proj, self.v_proj])
-        B, T, _ = q.shape  # (B, T, nh/tp * hd): the full sequence
+        B, T, _ = q.shape  # (B, T, nh/tp * hd): the full sequence (cp: this rank's T/cp)
         q = q.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
         # q (B, nh/tp, T, hd); k, v (B, nkv/tp, T, hd)
         if self.rope_base is not None:  # positions 0..T-1 of the full (gathered) sequence
-            cos, sin = self._rotary(T, q.dtype, q.device)
+            cos, sin = self._rotary(T * self.cp, q.dtype, q.device)
+            if self.context_parallel is not None:  # this rank's tokens' true positions
+                pos = context.context_positions(T * self.cp, self.cp_group, q.device)
+                cos, sin = cos[pos], sin[pos]  # (T/cp, hd/2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         h = recompute(self._core, q, k, v) if self.recompute_core else self._core(q, k, v)
         h = h.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)  # (B, T, nh/tp*hd)
