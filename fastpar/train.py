@@ -4,13 +4,16 @@
     python -m fastpar.train --preset tiny --steps 100                # one process, serial
     mpirun -np 4 python -m fastpar.train --tp 2 --pp 2 --save ckpt --save-every 50
     mpirun -np 2 python -m fastpar.train --resume ckpt               # any other layout
+    mpirun -np 4 python -m fastpar.train --cp 2 --cp-type ulysses --pp 2   # context parallel
 
 Each step: the global batch (a pure function of (seed, step): ``fastpar.training.data``) is cut
 into dp slices; ``DataParallel(Pipeline(gpt_layers(cfg)))`` runs the microbatches through the
 stages (tp inside each layer) and averages the gradients over dp (``--zero N``: a ZeRO-N
 ``DistributedOptimizer`` reduce-scatters them instead; at stage 3 each pipeline step runs
 with the stage's parameters gathered, see docs/design.md); tied embedding gradients are summed over
-the first and last stage; the gradients are clipped by the serial model's global norm; AdamW
+the first and last stage; under ``--cp N`` each sequence is split over the cp ranks, which see
+the same rows (``fastpar.nn.context``'s layout; attention by ``--cp-type`` ring or ulysses), and
+gradients are averaged over dp x cp; the gradients are clipped by the serial model's global norm; AdamW
 steps. The initial weights depend only on ``--seed``, so every layout starts from the serial
 model and, up to float32 rounding, follows the same loss curve. ``--dtype bfloat16`` computes in
 bf16 and reduces gradients in float32 on every axis; AdamW steps float32 master weights with
@@ -52,7 +55,8 @@ class Trainer:
         from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
 
         self.args = args
-        self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, timeout=args.timeout)
+        self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
+                                        timeout=args.timeout)
         self.cfg = cfg = model_config(args)
         self.microbatches = check_layout(args, topo, cfg)
         self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]
@@ -60,7 +64,8 @@ class Trainer:
         self.corpus_info = corpus.describe()
         self.sampler = Sampler(corpus.train, cfg.seq_len, args.global_batch, args.seed)
         rows = args.global_batch // topo.dp_size
-        self.val = [(x.chunk(topo.dp_size)[topo.dp_rank], y.chunk(topo.dp_size)[topo.dp_rank])
+        self.val = [self.context_slice(x.chunk(topo.dp_size)[topo.dp_rank],
+                                       y.chunk(topo.dp_size)[topo.dp_rank])
                     for x, y in val_batches(corpus.val, args.val_batches, cfg.seq_len,
                                             args.global_batch)]
         self.rows = rows
@@ -73,6 +78,8 @@ class Trainer:
         self.moe_blocks = [m for m in self.pipe.modules() if isinstance(m, GPTBlock) and m.moe]
         for block in self.moe_blocks:  # the pipeline divides each microbatch's loss by them
             block.aux_scale = 1.0 / self.microbatches
+        # gradients averaged over the ranks that see other tokens: dp, and cp's slices
+        dpcp = topo.dpcp_group if topo.cp_size > 1 else None  # None: the dp group
         adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
         if args.zero:
             initial = {p: p.detach().clone() for p in self.pipe.parameters()} \
@@ -86,7 +93,7 @@ class Trainer:
                 self.opt.load_master_weights(initial)
                 del initial
         elif dtype == torch.float32:
-            self.model = fastpar.DataParallel(self.pipe, quant=args.quantize_grads,
+            self.model = fastpar.DataParallel(self.pipe, group=dpcp, quant=args.quantize_grads,
                                               error_feedback=args.error_feedback)
             self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
         else:
@@ -95,7 +102,8 @@ class Trainer:
             # fastpar.nn, sum_tied_grads) and AdamW steps the float32 masters.
             self.opt = fastpar.optim.MasterWeights(self.pipe.parameters(), torch.optim.AdamW,
                                                    **adamw)
-            self.model = fastpar.DataParallel(self.pipe.to(dtype), reduce_dtype=torch.float32,
+            self.model = fastpar.DataParallel(self.pipe.to(dtype), group=dpcp,
+                                              reduce_dtype=torch.float32,
                                               quant=args.quantize_grads,
                                               error_feedback=args.error_feedback)
         if (args.quantize_grads or args.quantize_weights) and topo.dp_size > 1 and \
@@ -135,6 +143,16 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def context_slice(self, x: torch.Tensor, y: torch.Tensor):
+        """This rank's tokens and targets of the rows ``x``, ``y`` (B, T): under cp, its slice
+        (B, T/cp) in ``fastpar.nn.context``'s layout (chunks r and 2cp-1-r); else the rows."""
+        if self.topo.cp_size == 1:
+            return x, y
+        from fastpar.nn.context import context_positions
+
+        pos = context_positions(x.shape[1], self.topo.cp_group, x.device)
+        return x.index_select(1, pos), y.index_select(1, pos)
+
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step on batch ``step``; returns (global mean loss, grad norm)."""
         from fastpar import comm, optim
@@ -145,7 +163,7 @@ class Trainer:
         tp_random.seed(self.sampler_seed(step))  # dropout streams: a function of (seed, step)
         for block in self.moe_blocks:
             block.moe_stats = None
-        x, y = self.sampler.shard(step, topo.dp_rank, topo.dp_size)
+        x, y = self.context_slice(*self.sampler.shard(step, topo.dp_rank, topo.dp_size))
         if args.zero >= 2:  # accumulate over the microbatches, reduce-scatter once at the step
             with self.opt.no_sync(), self.gathered():
                 loss = self.model.step(x, y)
@@ -168,8 +186,14 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         total = torch.tensor([loss], dtype=torch.float64)
-        comm.all_reduce(total, group=topo.dp_group)  # mean over dp of equal-sized slices
-        return total.item() / topo.dp_size, float(norm)
+        # mean over dp x cp of equal-sized slices (each rank's: the mean over its tokens)
+        comm.all_reduce(total, group=self.loss_group)
+        return total.item() / (topo.dp_size * topo.cp_size), float(norm)
+
+    @property
+    def loss_group(self):
+        """The ranks whose tokens make up the global batch: dp, times cp's slices."""
+        return self.topo.dpcp_group if self.topo.cp_size > 1 else self.topo.dp_group
 
     def moe_record(self) -> dict:
         """What the step's MoE blocks routed, over every rank (collective over the world):
@@ -218,8 +242,8 @@ class Trainer:
                 total += gpt_loss(logits.to(self.topo.device),
                                   y.to(self.topo.device)).double().cpu()
         self.pipe.train()
-        comm.all_reduce(total, group=self.topo.dp_group)
-        return total.item() / (len(self.val) * self.topo.dp_size)
+        comm.all_reduce(total, group=self.loss_group)
+        return total.item() / (len(self.val) * self.topo.dp_size * self.topo.cp_size)
 
     # ---- the run -----------------------------------------------------------------------------
 
@@ -291,7 +315,8 @@ class Trainer:
 
     def banner(self) -> None:
         t, cfg = self.topo, self.cfg
-        print(f"[fastpar.train] world {t.world_size} = tp {t.tp_size} x pp {t.pp_size} x dp "
+        cp = f" x cp {t.cp_size} ({self.args.cp_type})" if t.cp_size > 1 else ""
+        print(f"[fastpar.train] world {t.world_size} = tp {t.tp_size}{cp} x pp {t.pp_size} x dp "
               f"{t.dp_size} on {t.device.type}; schedule {self.args.schedule}, "
               f"{self.microbatches} microbatches of {self.rows // self.microbatches} "
               f"sequences; {f'ZeRO-{self.args.zero} ' if self.args.zero else ''}AdamW lr "

@@ -24,7 +24,14 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p = Parser(prog="python -m fastpar.train", description=description)
     a = p.add_argument
     a("--tp", type=int, default=1, help="tensor-parallel size")
-    a("--pp", type=int, default=1, help="pipeline-parallel size (dp = world / (tp x pp))")
+    a("--pp", type=int, default=1,
+      help="pipeline-parallel size (dp = world / (tp x cp x pp))")
+    a("--cp", type=int, default=1,
+      help="context-parallel size: each sequence is split over cp ranks (load-balanced chunks), "
+           "which see the same batch rows; gradients are averaged over dp x cp")
+    a("--cp-type", default="ring", choices=["ring", "ulysses"],
+      help="context-parallel attention: ring (K/V passed around the cp group) or ulysses "
+           "(all-to-all to heads and back; heads / tp must be divisible by cp)")
     a("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
     a("--microbatches", type=int, default=None, help="per step (default: 2 x pp, at least 1)")
     a("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
@@ -95,7 +102,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
 
 def check_args(p, args) -> None:
     """Every flag's value against what it can be, before anything starts (one line, exit 2)."""
-    at_least_one = ["tp", "pp", "ep", "moe_top_k", "moe_every", "virtual_stages", "global_batch", "log_every", "val_batches",
+    at_least_one = ["tp", "pp", "cp", "ep", "moe_top_k", "moe_every", "virtual_stages", "global_batch", "log_every", "val_batches",
                     "steps", "microbatches", "seq_len", "layers", "hidden", "heads", "kv_heads",
                     "val_every"]
     for name in at_least_one:
@@ -124,6 +131,15 @@ def check_args(p, args) -> None:
     p.check(not (args.moe_experts and args.zero),
             f"--zero {args.zero} with --moe-experts: ZeRO does not shard expert parameters "
             "yet (their gradients reduce over the edp group); train MoE without --zero")
+    if args.cp > 1:
+        p.check(not args.sequence_parallel,
+                f"--sequence-parallel with --cp {args.cp}: both split the sequence; use one")
+        p.check(not args.moe_experts,
+                f"--moe-experts with --cp {args.cp}: not supported yet (expert gradients would "
+                "reduce over edp x cp groups)")
+        p.check(not args.zero,
+                f"--zero {args.zero} with --cp {args.cp}: not supported yet (ZeRO shards over "
+                "dp, context parallelism reduces gradients over dp x cp); drop --zero")
     p.check(args.quantize_weights is None or args.zero == 3,
             f"--quantize-weights {args.quantize_weights} quantizes ZeRO-3's parameter "
             f"all-gather; add --zero 3 (this run: --zero {args.zero})")
@@ -147,15 +163,19 @@ def check_args(p, args) -> None:
                 f"{args.virtual_stages}: {exc}")
     world = p.launched_world()
     if world is not None:
-        p.check(world % (args.tp * args.pp) == 0,
-                f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the "
+        mp = args.tp * args.pp
+        p.check(world % mp == 0,
+                f"--tp {args.tp} x --pp {args.pp} = {mp} does not divide the "
                 f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x pp))")
-        dp = world // (args.tp * args.pp)
+        p.check(world // mp % args.cp == 0,
+                f"--cp {args.cp} does not divide world {world} / (tp {args.tp} x pp {args.pp}) "
+                f"= {world // mp} (world = tp x cp x dp x pp)")
+        dp = world // (mp * args.cp)
         p.check(dp % args.ep == 0, f"--ep {args.ep} does not divide dp {dp} (world {world} / "
                                    f"(tp {args.tp} x pp {args.pp})): experts are sharded over "
                                    "ep ranks inside dp")
         try:
-            layout_checks(args, model_config(args), args.tp, args.pp, dp)
+            layout_checks(args, model_config(args), args.tp, args.pp, dp, args.cp)
         except ValueError as exc:
             p.error(str(exc))
 
@@ -172,6 +192,7 @@ def model_config(args):
         overrides["sequence_parallel"] = True
     overrides["overlap"] = {"auto": None, "on": True, "off": False}[args.overlap]
     overrides["recompute"] = args.recompute
+    overrides["context_parallel"] = args.cp_type if args.cp > 1 else None
     overrides.update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
                      moe_every=args.moe_every, moe_capacity=args.moe_capacity,
                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef)
@@ -180,20 +201,21 @@ def model_config(args):
     return dataclasses.replace(PRESETS[args.preset], **overrides)
 
 
-def layout_checks(args, cfg, tp: int, pp: int, dp: int) -> int:
+def layout_checks(args, cfg, tp: int, pp: int, dp: int, cp: int = 1) -> int:
     """ValueError for a model or batch the layout cannot cut; returns the microbatches."""
     m = args.microbatches or max(1, 2 * pp)
-    cfg.validate(tp, args.ep)
+    cfg.validate(tp, args.ep, cp)
     if args.global_batch % (dp * m):
+        with_cp = f" x cp {cp}" if cp > 1 else ""
         raise ValueError(f"global batch {args.global_batch} is not divisible by dp {dp} x "
-                         f"microbatches {m} (world {tp * pp * dp} = tp {tp} x pp {pp} x dp "
-                         f"{dp})")
+                         f"microbatches {m} (world {tp * pp * dp * cp} = tp {tp}{with_cp} x pp "
+                         f"{pp} x dp {dp})")
     return m
 
 
 def check_layout(args, topo, cfg) -> int:
     """``layout_checks`` on the job's layout (every rank raises alike); returns microbatches."""
-    m = layout_checks(args, cfg, topo.tp_size, topo.pp_size, topo.dp_size)
+    m = layout_checks(args, cfg, topo.tp_size, topo.pp_size, topo.dp_size, topo.cp_size)
     if args.dtype == "bfloat16" and topo.device.type != "cuda":
         print("[fastpar.train] note: bfloat16 on CPU is slow; it is meant for GPUs",
               file=sys.stderr)

@@ -173,7 +173,7 @@ def trainer_meter(trainer) -> MemoryMeter:
                     rows=trainer.rows, zero=args.zero,
                     dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
                     virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
-                    ep=topo.ep_size)
+                    ep=topo.ep_size, cp=topo.cp_size)
     return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, layout)
 
 

@@ -65,6 +65,7 @@ class Layout:
     virtual_stages: int = 1
     error_feedback: bool = False  # quantized gradients' residuals (float32, one per bucket/run)
     ep: int = 1  # expert-parallel ranks: a MoE block holds moe_experts / ep experts here
+    cp: int = 1  # context-parallel ranks: each holds seq_len / cp tokens of every sequence
 
     def stage_layers(self, chunk: int) -> range:
         s = chunk * self.pp + self.pp_rank
@@ -208,6 +209,12 @@ def predict(layout: Layout) -> dict[str, int]:
     if layout.error_feedback and d > 1:  # a float32 copy of what the reduction sends
         out["buffers"] += buckets if layout.zero == 0 else flat
     rows = layout.rows // layout.microbatches
+    if layout.cp > 1:
+        # An estimate under context parallelism: every term with the T/cp tokens of this rank's
+        # slice. Ring and Ulysses attention keep other tensors than the serial core (ring: the
+        # q, k, v, output and log-sum-exp of the local slice; Ulysses: the head-sharded full
+        # sequence), of about the same size; the rope tables are (T/cp, hd/2) after indexing.
+        cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len // layout.cp)
     per_chunk = []
     for c in chunks:
         stage = c * layout.pp + layout.pp_rank

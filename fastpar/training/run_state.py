@@ -32,7 +32,7 @@ def run_meta(t) -> dict:
             "global_batch": t.args.global_batch, "scheduler": scheduler_state(t.sched),
             "schedule": lr_plan(t.args, t.steps),
             "layout": {"tp": t.topo.tp_size, "pp": t.topo.pp_size, "dp": t.topo.dp_size,
-                       "zero": t.args.zero},
+                       "cp": t.topo.cp_size, "zero": t.args.zero},
             "dtype": t.args.dtype}
 
 
@@ -82,7 +82,8 @@ def check_meta(t, meta: dict, path: str, step: int) -> None:
     """The checkpoint is of this model, data stream and run length; else ValueError."""
     saved = meta.get("model", {})
     mine = dataclasses.asdict(t.cfg)
-    free = ("sequence_parallel", "overlap", "dropout", "recompute")  # may change on resume
+    # may change on resume (context_parallel: cp shards no parameter)
+    free = ("sequence_parallel", "overlap", "dropout", "recompute", "context_parallel")
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in mine.items()
             if k not in free and saved.get(k) != v]
     if diff:
