@@ -305,6 +305,32 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
         assert all(got[s]["expert_load_max"] == ref[s]["expert_load_max"] for s in ref), name
 
 
+def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
+    """--cp 2 trains the serial curve: ring attention beside dp 2, Ulysses under pp 2 (the
+    pipeline carries (B, T/cp, H)), ring under tp 2 (each tp rank's heads over the cp ring);
+    a checkpoint saved at cp 2 resumes on one process (cp shards no parameter) and continues
+    the curve."""
+    ck = str(tmp_path / "cp")
+    step10 = os.path.join(ck, "step_00000010")
+    four = run_ranks(4, body_runs, runs=[
+        ("cp2dp2.ring", ["--cp", "2", "--save", ck, "--save-every", "10"]),
+        ("cp2pp2.ulysses", ["--cp", "2", "--cp-type", "ulysses", "--pp", "2"]),
+        ("cp2tp2.ring", ["--cp", "2", "--tp", "2"])], timeout=240).values()
+    assert all(v == four[0] for v in four), "ranks disagree"
+    four = four[0]
+    one = run_ranks(1, body_runs, runs=[("serial", []), ("serial.resume.cp2", [
+        "--resume", step10])], timeout=120).values()[0]
+    serial = one["serial"]
+    assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
+    for name in ("cp2dp2.ring", "cp2pp2.ulysses", "cp2tp2.ring"):
+        assert [s for s, _, _ in four[name]] == list(range(1, 21)), name
+        assert_parity(name, four[name], serial)
+        assert four[name][-1][2] is not None  # the validation loss, averaged over dp x cp
+        assert abs(four[name][-1][2] - serial[-1][2]) < PARITY * serial[-1][2], name
+    assert [s for s, _, _ in one["serial.resume.cp2"]] == list(range(11, 21))
+    assert_parity("serial.resume.cp2", one["serial.resume.cp2"], serial)
+
+
 def body_runs_full(runs):
     """Each (name, argv) trained in turn: {name: its records, without the timings}."""
     import fastpar
@@ -567,6 +593,15 @@ BAD_FLAGS = [  # (argv, the one line each must print)
     (["--moe-experts", "3", "--ep", "2"], "moe_experts 3 is not divisible by ep 2"),
     (["--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k 3 is larger than moe_experts 2"),
     (["--moe-experts", "2", "--moe-capacity", "0"], "--moe-capacity must be a number > 0"),
+    (["--cp", "0"], "--cp must be at least 1, got 0"),
+    (["--cp", "4"], "--cp 4 does not divide world 2 / (tp 1 x pp 1) = 2"),
+    (["--cp", "2", "--cp-type", "star"], "argument --cp-type: invalid choice: 'star'"),
+    (["--cp", "2", "--sequence-parallel"], "--sequence-parallel with --cp 2: both split"),
+    (["--cp", "2", "--moe-experts", "4"], "--moe-experts with --cp 2: not supported yet"),
+    (["--cp", "2", "--zero", "1"], "--zero 1 with --cp 2: not supported yet"),
+    (["--cp", "2", "--seq-len", "30"], "seq_len 30 is not divisible by 2 x cp = 4"),
+    (["--cp", "2", "--cp-type", "ulysses", "--heads", "1", "--hidden", "64"],
+     "heads 1 / tp 1 = 1 per tp rank are not divisible by cp 2"),
 ]
 
 
