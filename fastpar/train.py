@@ -8,7 +8,7 @@
 
 Each step: the global batch (a pure function of (seed, step): ``fastpar.training.data``) is cut
 into dp slices; ``DataParallel(Pipeline(gpt_layers(cfg)))`` runs the microbatches through the
-stages (tp inside each layer) and averages the gradients over dp (``--zero N``: a ZeRO-N
+stages (tp inside each layer) and averages the gradients over dp (x cp; ``--zero N``: a ZeRO-N
 ``DistributedOptimizer`` reduce-scatters them instead; at stage 3 each pipeline step runs
 with the stage's parameters gathered, see docs/design.md); tied embedding gradients are summed over
 the first and last stage; under ``--cp N`` each sequence is split over the cp ranks, which see
@@ -87,7 +87,7 @@ class Trainer:
             self.model = self.pipe.to(dtype)  # the same Parameter objects, now bf16
             self.opt = fastpar.optim.DistributedOptimizer(
                 self.pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=self.pipe,
-                quant_weights=args.quantize_weights, quant_grads=args.quantize_grads,
+                group=dpcp, quant_weights=args.quantize_weights, quant_grads=args.quantize_grads,
                 error_feedback=args.error_feedback, **adamw)
             if initial is not None:  # the float32 masters start from the float32 initial weights
                 self.opt.load_master_weights(initial)

@@ -307,7 +307,8 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
 
 def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
     """--cp 2 trains the serial curve: ring attention beside dp 2, Ulysses under pp 2 (the
-    pipeline carries (B, T/cp, H)), ring under tp 2 (each tp rank's heads over the cp ring);
+    pipeline carries (B, T/cp, H)), ring under tp 2 (each tp rank's heads over the cp ring) with
+    ZeRO-1 sharding over dp x cp (here the cp pair);
     a checkpoint saved at cp 2 resumes on one process (cp shards no parameter) and continues
     the curve."""
     ck = str(tmp_path / "cp")
@@ -315,14 +316,14 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
     four = run_ranks(4, body_runs, runs=[
         ("cp2dp2.ring", ["--cp", "2", "--save", ck, "--save-every", "10"]),
         ("cp2pp2.ulysses", ["--cp", "2", "--cp-type", "ulysses", "--pp", "2"]),
-        ("cp2tp2.ring", ["--cp", "2", "--tp", "2"])], timeout=240).values()
+        ("cp2tp2.ring.zero", ["--cp", "2", "--tp", "2", "--zero"])], timeout=240).values()
     assert all(v == four[0] for v in four), "ranks disagree"
     four = four[0]
     one = run_ranks(1, body_runs, runs=[("serial", []), ("serial.resume.cp2", [
         "--resume", step10])], timeout=120).values()[0]
     serial = one["serial"]
     assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
-    for name in ("cp2dp2.ring", "cp2pp2.ulysses", "cp2tp2.ring"):
+    for name in ("cp2dp2.ring", "cp2pp2.ulysses", "cp2tp2.ring.zero"):
         assert [s for s, _, _ in four[name]] == list(range(1, 21)), name
         assert_parity(name, four[name], serial)
         assert four[name][-1][2] is not None  # the validation loss, averaged over dp x cp
@@ -598,7 +599,6 @@ BAD_FLAGS = [  # (argv, the one line each must print)
     (["--cp", "2", "--cp-type", "star"], "argument --cp-type: invalid choice: 'star'"),
     (["--cp", "2", "--sequence-parallel"], "--sequence-parallel with --cp 2: both split"),
     (["--cp", "2", "--moe-experts", "4"], "--moe-experts with --cp 2: not supported yet"),
-    (["--cp", "2", "--zero", "1"], "--zero 1 with --cp 2: not supported yet"),
     (["--cp", "2", "--seq-len", "30"], "seq_len 30 is not divisible by 2 x cp = 4"),
     (["--cp", "2", "--cp-type", "ulysses", "--heads", "1", "--hidden", "64"],
      "heads 1 / tp 1 = 1 per tp rank are not divisible by cp 2"),

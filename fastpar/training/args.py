@@ -60,7 +60,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--data", default=None, help="a text file or directory (default: the Python stdlib)")
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
     a("--zero", type=int, nargs="?", const=1, default=0, choices=[1, 2, 3],
-      help="ZeRO stage (alone: 1): 1 shards the optimizer state over dp, 2 also the "
+      help="ZeRO stage (alone: 1): 1 shards the optimizer state over dp (x cp), 2 also the "
            "gradients, 3 also the parameters")
     a("--quantize-weights", default=None, choices=["int8"],
       help="ZeRO-3's parameter all-gather as block-scaled int8 (the float32 masters and the "
@@ -137,9 +137,6 @@ def check_args(p, args) -> None:
         p.check(not args.moe_experts,
                 f"--moe-experts with --cp {args.cp}: not supported yet (expert gradients would "
                 "reduce over edp x cp groups)")
-        p.check(not args.zero,
-                f"--zero {args.zero} with --cp {args.cp}: not supported yet (ZeRO shards over "
-                "dp, context parallelism reduces gradients over dp x cp); drop --zero")
     p.check(args.quantize_weights is None or args.zero == 3,
             f"--quantize-weights {args.quantize_weights} quantizes ZeRO-3's parameter "
             f"all-gather; add --zero 3 (this run: --zero {args.zero})")

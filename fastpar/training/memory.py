@@ -167,7 +167,9 @@ def contract(row: dict) -> dict:
 def trainer_meter(trainer) -> MemoryMeter:
     """The meter of a ``fastpar.train.Trainer`` (built after its optimizer)."""
     args, topo = trainer.args, trainer.topo
-    layout = Layout(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size, dp=topo.dp_size,
+    # dp: the ranks ZeRO shards over and gradients reduce over (dp x cp under cp)
+    layout = Layout(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size,
+                    dp=topo.dp_size * topo.cp_size,
                     pp_rank=topo.pp_rank, bounds=tuple(trainer.pipe.bounds),
                     schedule=args.schedule, microbatches=trainer.microbatches,
                     rows=trainer.rows, zero=args.zero,

@@ -54,7 +54,7 @@ class Layout:
     cfg: GPTConfig
     tp: int
     pp: int
-    dp: int
+    dp: int  # the gradient-reduction (ZeRO) group: dp, or dp x cp under context parallelism
     pp_rank: int
     bounds: tuple  # layer cuts of the pp * v stages (Pipeline.bounds)
     schedule: str
