@@ -310,7 +310,7 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
     pipeline carries (B, T/cp, H)), ring under tp 2 (each tp rank's heads over the cp ring) with
     ZeRO-1 sharding over dp x cp (here the cp pair);
     a checkpoint saved at cp 2 resumes on one process (cp shards no parameter) and continues
-    the curve."""
+    the curve. The memory prediction (T/cp tokens per rank) stays within its 10%."""
     ck = str(tmp_path / "cp")
     step10 = os.path.join(ck, "step_00000010")
     four = run_ranks(4, body_runs, runs=[
@@ -328,6 +328,7 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
         assert_parity(name, four[name], serial)
         assert four[name][-1][2] is not None  # the validation loss, averaged over dp x cp
         assert abs(four[name][-1][2] - serial[-1][2]) < PARITY * serial[-1][2], name
+        check_memory_rows(name, four[name + ":memory"], 4)  # T/cp tokens, dp x cp for ZeRO
     assert [s for s, _, _ in one["serial.resume.cp2"]] == list(range(11, 21))
     assert_parity("serial.resume.cp2", one["serial.resume.cp2"], serial)
 

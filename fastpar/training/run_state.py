@@ -124,7 +124,8 @@ def resume(t, where: str) -> None:
     if t.topo.rank == 0:
         lay = meta.get("layout", {})
         print(f"[fastpar.train] resumed {directory} at step {step} (saved under tp "
-              f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')})", flush=True)
+              f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')} cp {lay.get('cp', 1)})",
+              flush=True)
         if (note := replanned(t, meta.get("schedule"), step)) is not None:
             print(f"[fastpar.train] note: {note}", flush=True)
 
