@@ -89,6 +89,16 @@ def _step_blocks(r: int, j: int, s: int, c: int, causal: bool):
     return slice(c, None), every, False
 
 
+
+def _step_keep(ring, j, rows, cols, my_pos, heads, hkv, B, seed, p):
+    """The dropout keep mask of one ring step (None without dropout): this rank's query rows
+    against rank j's key columns, at their true positions, as (B, Hkv, G, rows, cols)."""
+    if not p:
+        return None
+    k_pos = ring.positions(j).to(my_pos.device)[cols]
+    return keep_mask(seed, p, B, heads, my_pos[rows], k_pos).view(
+        B, hkv, heads.numel() // hkv, -1, k_pos.numel())
+
 class RingAttention(torch.autograd.Function):
     """q (B, H, T/n, D), k, v (B, Hkv, T/n, D), this rank's tokens in the load-balanced layout
     -> this rank's output (B, H, T/n, D). Non-tensor arguments: the ``_Ring``, scale, causal,
@@ -109,11 +119,7 @@ class RingAttention(torch.autograd.Function):
                 nxt, handle = ring.shift(kv, TAG_KV)
             j = (r - s) % n
             rows, cols, diag = _step_blocks(r, j, s, c, causal)
-            keep = None
-            if p:
-                k_pos = ring.positions(j).to(q.device)[cols]
-                keep = keep_mask(seed, p, B, heads, my_pos[rows], k_pos).view(
-                    B, hkv, H // hkv, -1, k_pos.numel())
+            keep = _step_keep(ring, j, rows, cols, my_pos, heads, hkv, B, seed, p)
             k_j = kv[0, :, :, None, cols].to(work)  # (B, Hkv, 1, cols, D)
             v_j = kv[1, :, :, None, cols].to(work)
             o_b, lse_b = block_forward(q5[..., rows, :], k_j, v_j, scale, diag, keep, p)
@@ -149,11 +155,7 @@ class RingAttention(torch.autograd.Function):
                 nxt, handle = ring.shift(kv, TAG_KV)
             j = (r - s) % n
             rows, cols, diag = _step_blocks(r, j, s, c, causal)
-            keep = None
-            if p:
-                k_pos = ring.positions(j).to(q.device)[cols]
-                keep = keep_mask(seed, p, B, heads, my_pos[rows], k_pos).view(
-                    B, hkv, H // hkv, -1, k_pos.numel())
+            keep = _step_keep(ring, j, rows, cols, my_pos, heads, hkv, B, seed, p)
             dq_b, dk_b, dv_b = block_backward(
                 q5[..., rows, :], kv[0, :, :, None, cols].to(work),
                 kv[1, :, :, None, cols].to(work), do[..., rows, :], lse[..., rows],
