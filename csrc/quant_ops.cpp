@@ -80,13 +80,10 @@ void quant_pack_rows(const at::Tensor& x, int64_t block, at::Tensor& out,
     auto* q = reinterpret_cast<int8_t*>(row + 4 * nb);
     // this row's part of the residual (the flat rows cut to nres elements): k elements
     const int64_t lo = std::min(r * m, nres), k = std::min((r + 1) * m, nres) - lo;
-    if (k == 0) {
-      shm::quant_encode(path, xr, dt, m, nullptr, 0, shm::Feedback::None, m, block, scales, q);
-    } else if (fb == shm::Feedback::Replace) {  // a row cut short: its first k elements
-      shm::quant_encode(path, xr, dt, k, res + lo, k, fb, m, block, scales, q);
-    } else {
-      shm::quant_encode(path, xr, dt, m, res + lo, k, fb, m, block, scales, q);
-    }
+    // replace on a row the residual ends inside: its first k elements, the rest zeros
+    const int64_t nx = k > 0 && fb == shm::Feedback::Replace ? k : m;
+    shm::quant_encode(path, xr, dt, nx, k > 0 ? res + lo : nullptr, k,
+                      k > 0 ? fb : shm::Feedback::None, m, block, scales, q);
     std::memset(row + 4 * nb + m, 0, per - 4 * nb - m);
   }
 }
