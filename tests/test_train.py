@@ -294,6 +294,8 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
             worst = max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in got)
             assert worst < PARITY, (name, key, worst)
         for key in ("expert_load_min", "expert_load_max"):  # tokens per expert: the same routes
+            # (a token whose two best experts tie to float32 rounding may take the other one
+            # under another summation order: each such flip moves a load by one; none seen)
             assert all(abs(got[s][key] - ref[s][key]) <= 2 for s in got), (name, key)
     for name, serial_name in (("every2.ep2pp2", "every2"), ("rc.zb.ep2pp2", "six")):
         ref = {r["step"]: r for r in one[serial_name]}
@@ -302,7 +304,9 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
         for key in ("loss", "moe_aux_loss"):
             assert max(abs(got[s][key] - ref[s][key]) / ref[s][key] for s in ref) < PARITY, \
                 (name, key)
-        assert all(got[s]["expert_load_max"] == ref[s]["expert_load_max"] for s in ref), name
+        # counted twice under recompute, the load would double; a routing flip moves it by one
+        assert all(abs(got[s]["expert_load_max"] - ref[s]["expert_load_max"]) <= 2
+                   for s in ref), name
 
 
 def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
