@@ -1,8 +1,8 @@
 """The main job (``fastpar.train``): every layout trains the same model as one process.
 
 One launch per world size runs several short trainings in turn (``Trainer(...).run()``, then
-``fastpar.shutdown()``), tiny preset, 20 steps, the same seed and global batch:
-- 4 ranks: tp 2 x pp 2 (saving at steps 10 and 20), its exact resume from step 10, tp 2 x dp 2
+``fastpar.shutdown()``), tiny preset, 10 steps, the same seed and global batch:
+- 4 ranks: tp 2 x pp 2 (saving at steps 5 and 10), its exact resume from step 5, tp 2 x dp 2
   (a tp group smaller than the world), pp 2 x dp 2 with ZeRO-1, and tp 2 x pp 2 interleaved with
   tied embeddings, sequence parallelism and the layers' communication overlapped (--overlap on);
   in bf16: tp 2 x pp 2 (saving), its exact resume, tp 2 x dp 2, pp 2 x dp 2;
@@ -30,7 +30,7 @@ import pytest
 from tests.multirank import (ROOT, launch, launch_argv, launch_env, mpich_segments_removed,
                              run_ranks)
 
-BASE = ["--preset", "tiny", "--steps", "20", "--log-every", "10", "--no-progress", "--plot", "",
+BASE = ["--preset", "tiny", "--steps", "10", "--log-every", "10", "--no-progress", "--plot", "",
         "--timeout", "60"]
 PARITY = 1e-3  # relative, per step (issue 11)
 BF16 = ["--dtype", "bfloat16"]
@@ -59,19 +59,19 @@ def body_runs(runs):
 
 def body_serial_format(root):
     """A checkpoint in the serial format of earlier releases (written here the way they wrote
-    it) still resumes: 10 steps, saved serially, then resumed to 20."""
+    it) still resumes: 5 steps, saved serially, then resumed to 10."""
     import fastpar
     from fastpar.train import Trainer, parse_args
     from fastpar.training import checkpoint
     from fastpar.training.run_state import masters_in_place, run_meta
     from fastpar.training.state import serial_optimizer_state
 
-    t = Trainer(parse_args(BASE + ["--steps", "20"]))
-    first = [t.train_step(step)[0] for step in range(10)]
+    t = Trainer(parse_args(BASE))
+    first = [t.train_step(step)[0] for step in range(5)]
     with t.gathered(), masters_in_place(t.opt):
         weights = fastpar.full_state_dict(t.model)
     tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
-    checkpoint.save(root, 10, model=weights, optimizer=tensors,
+    checkpoint.save(root, 5, model=weights, optimizer=tensors,
                     meta={**run_meta(t), "optimizer_scalars": scalars})
     fastpar.shutdown()
     resumed = Trainer(parse_args(BASE + ["--resume", root])).run()
@@ -120,35 +120,35 @@ def four_ranks(tmp_path_factory):
     ckz16 = str(tmp_path_factory.mktemp("ckptz16"))
     ckz1, ckz3 = str(tmp_path_factory.mktemp("ckptz1")), str(tmp_path_factory.mktemp("ckptz3"))
     memory_metrics = str(tmp_path_factory.mktemp("metrics") / "m.jsonl")
-    runs = [("tp2pp2", ["--tp", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
+    runs = [("tp2pp2", ["--tp", "2", "--pp", "2", "--save", ck, "--save-every", "5"]),
             ("tp2pp2.resume", ["--tp", "2", "--pp", "2", "--resume",
-                               os.path.join(ck, "step_00000010")]),
+                               os.path.join(ck, "step_00000005")]),
             ("tp2dp2", ["--tp", "2"]),
-            ("pp2dp2.zero", ["--pp", "2", "--zero", "--save", ckz1, "--save-every", "10"]),
+            ("pp2dp2.zero", ["--pp", "2", "--zero", "--save", ckz1, "--save-every", "5"]),
             ("tp2dp2.zero2", ["--tp", "2", "--zero", "2"]),
             # saved at tp 2 x pp 2 without ZeRO, resumed at pp 2 x dp 2 under ZeRO-3
             ("pp2dp2.zero3.resume", ["--pp", "2", "--zero", "3", "--resume",
-                                     os.path.join(ck, "step_00000010")]),
+                                     os.path.join(ck, "step_00000005")]),
             ("dp4.zero3.tied", ["--zero", "3", "--tie-embeddings", "--save", ckz3,
-                                "--save-every", "10"]),
+                                "--save-every", "5"]),
             # saved at dp 4 under ZeRO-3 (flat ranges), resumed at tp 2 x pp 2 without ZeRO
             ("tp2pp2.tied.resume.z3", ["--tp", "2", "--pp", "2", "--tie-embeddings", "--resume",
-                                       os.path.join(ckz3, "step_00000010")]),
+                                       os.path.join(ckz3, "step_00000005")]),
             ("tp2pp2.interleaved.tied.sp", ["--tp", "2", "--pp", "2", "--virtual-stages", "2",
                                             "--schedule", "interleaved", "--tie-embeddings",
                                             "--sequence-parallel", "--overlap", "on"]),
             ("tp2pp2.bf16", ["--tp", "2", "--pp", "2", *BF16, "--save", ck16,
-                             "--save-every", "10"]),
+                             "--save-every", "5"]),
             ("tp2pp2.bf16.resume", ["--tp", "2", "--pp", "2", *BF16, "--resume",
-                                    os.path.join(ck16, "step_00000010")]),
+                                    os.path.join(ck16, "step_00000005")]),
             ("tp2dp2.bf16", ["--tp", "2", *BF16]),
             ("pp2dp2.bf16", ["--pp", "2", *BF16]),
             # ZeRO's float32 masters start from the float32 initial weights, are saved as the
             # weights with float32 state, and resume bitwise
             ("pp2dp2.zero.bf16", ["--pp", "2", "--zero", *BF16, "--save", ckz16,
-                                  "--save-every", "10"]),
+                                  "--save-every", "5"]),
             ("pp2dp2.zero.bf16.resume", ["--pp", "2", "--zero", *BF16, "--resume",
-                                         os.path.join(ckz16, "step_00000010")]),
+                                         os.path.join(ckz16, "step_00000005")]),
             # int8 reductions (with error feedback) and ZeRO-3's int8 weight gathers
             ("dp4.quant", ["--quantize-grads", "int8", "--error-feedback"]),
             ("dp4.zero3.quant", ["--zero", "3", "--quantize-weights", "int8",
@@ -163,35 +163,35 @@ def four_ranks(tmp_path_factory):
 
 def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     four, ck, ck16, _, ckz1, ckz3 = four_ranks
-    step10 = os.path.join(ck, "step_00000010")
-    step10b = os.path.join(ck16, "step_00000010")
+    step5 = os.path.join(ck, "step_00000005")
+    step5b = os.path.join(ck16, "step_00000005")
     two = run_ranks(2, body_runs, runs=[
         ("pp2", ["--pp", "2"]), ("tp2", ["--tp", "2"]), ("dp2", []),
-        ("dp2.resume", ["--resume", step10]),
+        ("dp2.resume", ["--resume", step5]),
         ("dp2.bf16", BF16), ("tp2.sp.bf16", ["--tp", "2", "--sequence-parallel", *BF16]),
-        ("dp2.bf16.resume", [*BF16, "--resume", step10b])], timeout=240).values()
+        ("dp2.bf16.resume", [*BF16, "--resume", step5b])], timeout=240).values()
     assert two[0] == two[1]
     two = two[0]
     truncated = str(tmp_path / "truncated")
-    shutil.copytree(step10, truncated)
+    shutil.copytree(step5, truncated)
     with open(os.path.join(truncated, "rank_00001.safetensors"), "r+b") as f:
         f.truncate(100)
     one = run_ranks(1, body_runs, runs=[
         ("serial", []), ("serial.tied", ["--tie-embeddings"]),
-        ("serial.resume", ["--resume", ck]),  # the parent dir: its latest, step 20 -> nothing
-        ("serial.resume10", ["--resume", step10]),
+        ("serial.resume", ["--resume", ck]),  # the parent dir: its latest, step 10 -> nothing
+        ("serial.resume10", ["--resume", step5]),
         ("truncated", ["--resume", truncated]),
-        ("other-model", ["--layers", "3", "--resume", step10]),
-        ("other-seed", ["--seed", "1", "--resume", step10]),
+        ("other-model", ["--layers", "3", "--resume", step5]),
+        ("other-seed", ["--seed", "1", "--resume", step5]),
         ("save-over", ["--save", ck]),
-        ("serial.bf16", BF16), ("serial.bf16.resume10", [*BF16, "--resume", step10b]),
+        ("serial.bf16", BF16), ("serial.bf16.resume10", [*BF16, "--resume", step5b]),
         # from ZeRO-1 over pp 2 x dp 2 and ZeRO-3 over dp 4 to one rank
-        ("serial.resume.z1", ["--resume", os.path.join(ckz1, "step_00000010")]),
+        ("serial.resume.z1", ["--resume", os.path.join(ckz1, "step_00000005")]),
         ("serial.tied.resume.z3", ["--tie-embeddings", "--resume",
-                                   os.path.join(ckz3, "step_00000010")])],
+                                   os.path.join(ckz3, "step_00000005")])],
         timeout=240).values()[0]
     serial = one["serial"]
-    assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
+    assert len(serial) == 10 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
     for name in ("tp2pp2", "tp2dp2", "pp2dp2.zero", "tp2dp2.zero2"):
         assert_parity(name, four[name], serial)
     assert_parity("pp2dp2.zero3.resume", four["pp2dp2.zero3.resume"], serial)
@@ -208,21 +208,21 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         assert_parity(name, two[name], serial)
     # Resume: the same layout continues bitwise; other layouts continue the same curve.
     resumed = curve(four["tp2pp2.resume"])
-    assert sorted(resumed) == list(range(11, 21))
+    assert sorted(resumed) == list(range(6, 11))
     assert all(resumed[s] == curve(four["tp2pp2"])[s] for s in resumed), resumed
     assert_parity("dp2.resume", two["dp2.resume"], serial)
     assert_parity("serial.resume.z1", one["serial.resume.z1"], serial)
     assert_parity("serial.tied.resume.z3", one["serial.tied.resume.z3"], one["serial.tied"])
     assert_parity("tp2pp2.tied.resume.z3", four["tp2pp2.tied.resume.z3"], one["serial.tied"])
     assert_parity("serial.resume10", one["serial.resume10"], serial)
-    assert one["serial.resume"] == [], one["serial.resume"]  # step 20 of 20: nothing to do
+    assert one["serial.resume"] == [], one["serial.resume"]  # step 10 of 10: nothing to do
     check_bf16_layouts(four, two, one)
     for runs, nranks in ((two, 2), (one, 1)):  # the memory report at 2 ranks and serially
         for name in runs:
             if name.endswith(":memory") and name != "serial.resume:memory":
                 check_memory_rows(name, runs[name], nranks)
     assert one["serial.resume:memory"] == []  # no step ran: nothing measured, no report
-    # Validation loss (same tokens under every layout) at step 20.
+    # Validation loss (same tokens under every layout) at step 10.
     vals = {n: r[-1][2] for n, r in (("serial", serial), ("tp2pp2", four["tp2pp2"]),
                                       ("dp2", two["dp2"]))}
     assert max(vals.values()) - min(vals.values()) < PARITY * vals["serial"], vals
@@ -233,24 +233,24 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         one["other-model"], one["other-model"]
     assert "another data stream: seed: checkpoint 0, this run 1" in one["other-seed"], \
         one["other-seed"]
-    assert "already holds checkpoints past step 0 (step_00000010, step_00000020)" in \
+    assert "already holds checkpoints past step 0 (step_00000005, step_00000010)" in \
         one["save-over"], one["save-over"]
     # Another --steps replans the learning-rate schedule: the run says so, with the rates,
     # and runs at the new plan's rates from the resumed step on.
     # The serial format of earlier releases resumes exactly (the same layout: bitwise).
     old_format = run_ranks(1, body_serial_format, root=str(tmp_path / "v1")).values()[0]
-    assert [s for s, _ in old_format["resumed"]] == list(range(11, 21)), old_format
+    assert [s for s, _ in old_format["resumed"]] == list(range(6, 11)), old_format
     assert all(loss == curve(serial)[s] for s, loss in old_format["resumed"]), old_format
-    assert old_format["first"] == [curve(serial)[s] for s in range(1, 11)]
-    notes, rates = run_ranks(1, body_notes, argv=["--steps", "30", "--resume", step10]).values()[0]
-    old, new = cosine_rate(10, 20, 2), cosine_rate(10, 30, 3)
+    assert old_format["first"] == [curve(serial)[s] for s in range(1, 6)]
+    notes, rates = run_ranks(1, body_notes, argv=["--steps", "20", "--resume", step5]).values()[0]
+    old, new = cosine_rate(5, 10, 1), cosine_rate(5, 20, 2)
     assert notes == [f"[fastpar.train] note: the learning-rate schedule is replanned (steps "
-                     f"20 -> 30, warmup 2 -> 3): at step 10 the rate goes from {old:.3g} to "
+                     f"10 -> 20, warmup 1 -> 2): at step 5 the rate goes from {old:.3g} to "
                      f"{new:.3g}"], notes
     # a record's lr is the rate the next step will run at (the scheduler has stepped)
-    assert all(abs(r - cosine_rate(int(s), 30, 3)) < 1e-12 for s, r in rates.items()), rates
-    notes, rates = run_ranks(1, body_notes, argv=["--steps", "20", "--resume", step10]).values()[0]
-    assert notes == [] and all(abs(r - cosine_rate(int(s), 20, 2)) < 1e-12
+    assert all(abs(r - cosine_rate(int(s), 20, 2)) < 1e-12 for s, r in rates.items()), rates
+    notes, rates = run_ranks(1, body_notes, argv=["--steps", "10", "--resume", step5]).values()[0]
+    assert notes == [] and all(abs(r - cosine_rate(int(s), 10, 1)) < 1e-12
                                for s, r in rates.items())
 
 
@@ -265,13 +265,13 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
     regathered and resharded), continuing the curve; every other block MoE at ep 2 x pp 2, and
     full recompute under the zero-bubble schedule (the statistics counted once)."""
     ck = str(tmp_path / "moe")
-    step10 = os.path.join(ck, "step_00000010")
+    step5 = os.path.join(ck, "step_00000005")
     every = ["--moe-every", "2", "--layers", "3", "--steps", "6"]
     four = run_ranks(4, body_runs_full, runs=[
-        ("ep2pp2", [*MOE, "--ep", "2", "--pp", "2", "--save", ck, "--save-every", "10"]),
+        ("ep2pp2", [*MOE, "--ep", "2", "--pp", "2", "--save", ck, "--save-every", "5"]),
         ("ep2tp2", [*MOE, "--ep", "2", "--tp", "2"]),
         ("ep2dp4", [*MOE, "--ep", "2"]),
-        ("ep4.resume", [*MOE, "--ep", "4", "--resume", step10]),
+        ("ep4.resume", [*MOE, "--ep", "4", "--resume", step5]),
         ("every2.ep2pp2", [*MOE, *every, "--ep", "2", "--pp", "2"]),
         # full recompute under zero-bubble: the MoE forward (its all-to-alls) runs again in
         # the input-gradient pass, its statistics not counted twice
@@ -280,7 +280,7 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
     assert all(v == four[0] for v in four), "ranks disagree"
     four = four[0]
     one = run_ranks(1, body_runs_full, runs=[
-        ("serial", MOE), ("serial.resume", [*MOE, "--resume", step10]),
+        ("serial", MOE), ("serial.resume", [*MOE, "--resume", step5]),
         ("every2", [*MOE, *every]), ("six", [*MOE, "--steps", "6"])], timeout=240).values()[0]
     serial = one["serial"]
     assert serial[-1]["loss"] < serial[0]["loss"] - 0.5, serial  # it learns
@@ -288,8 +288,8 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
     for name in ("ep2pp2", "ep2tp2", "ep2dp4", "ep4.resume", "serial.resume"):
         got, ref = {r["step"]: r for r in four.get(name) or one[name]}, \
             {r["step"]: r for r in serial}
-        assert sorted(got) == (list(range(11, 21)) if "resume" in name else
-                               list(range(1, 21))), (name, sorted(got))
+        assert sorted(got) == (list(range(6, 11)) if "resume" in name else
+                               list(range(1, 11))), (name, sorted(got))
         for key in ("loss", "moe_aux_loss", "moe_z_loss"):
             worst = max(abs(got[s][key] - ref[s][key]) / abs(ref[s][key]) for s in got)
             assert worst < PARITY, (name, key, worst)
@@ -316,24 +316,24 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
     a checkpoint saved at cp 2 resumes on one process (cp shards no parameter) and continues
     the curve. The memory prediction (T/cp tokens per rank) stays within its 10%."""
     ck = str(tmp_path / "cp")
-    step10 = os.path.join(ck, "step_00000010")
+    step5 = os.path.join(ck, "step_00000005")
     four = run_ranks(4, body_runs, runs=[
-        ("cp2dp2.ring", ["--cp", "2", "--save", ck, "--save-every", "10"]),
+        ("cp2dp2.ring", ["--cp", "2", "--save", ck, "--save-every", "5"]),
         ("cp2pp2.ulysses", ["--cp", "2", "--cp-type", "ulysses", "--pp", "2"]),
         ("cp2tp2.ring.zero", ["--cp", "2", "--tp", "2", "--zero"])], timeout=240).values()
     assert all(v == four[0] for v in four), "ranks disagree"
     four = four[0]
     one = run_ranks(1, body_runs, runs=[("serial", []), ("serial.resume.cp2", [
-        "--resume", step10])], timeout=120).values()[0]
+        "--resume", step5])], timeout=120).values()[0]
     serial = one["serial"]
-    assert len(serial) == 20 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
+    assert len(serial) == 10 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
     for name in ("cp2dp2.ring", "cp2pp2.ulysses", "cp2tp2.ring.zero"):
-        assert [s for s, _, _ in four[name]] == list(range(1, 21)), name
+        assert [s for s, _, _ in four[name]] == list(range(1, 11)), name
         assert_parity(name, four[name], serial)
         assert four[name][-1][2] is not None  # the validation loss, averaged over dp x cp
         assert abs(four[name][-1][2] - serial[-1][2]) < PARITY * serial[-1][2], name
         check_memory_rows(name, four[name + ":memory"], 4)  # T/cp tokens, dp x cp for ZeRO
-    assert [s for s, _, _ in one["serial.resume.cp2"]] == list(range(11, 21))
+    assert [s for s, _, _ in one["serial.resume.cp2"]] == list(range(6, 11))
     assert_parity("serial.resume.cp2", one["serial.resume.cp2"], serial)
 
 
@@ -401,7 +401,7 @@ def check_bf16_layouts(four, two, one):
     The bf16 resume under the same layout is bitwise (float32 masters and AdamW state are in
     the checkpoint); under other layouts (dp 2, serial) it follows the same curve."""
     serial16 = one["serial.bf16"]
-    assert len(serial16) == 20 and serial16[-1][1] < serial16[0][1] - 0.5, serial16
+    assert len(serial16) == 10 and serial16[-1][1] < serial16[0][1] - 0.5, serial16
     units = {name: assert_parity(name, got, ref) / UNIT["float32"] for name, got, ref in (
         ("tp2pp2", four["tp2pp2"], one["serial"]), ("tp2dp2", four["tp2dp2"], one["serial"]),
         ("pp2dp2", four["pp2dp2.zero"], one["serial"]), ("dp2", two["dp2"], one["serial"]),
@@ -418,7 +418,7 @@ def check_bf16_layouts(four, two, one):
     print("parity in units of each dtype's roundoff:", {k: round(v, 3) for k, v in units.items()})
     for run in ("tp2pp2.bf16", "pp2dp2.zero.bf16"):
         resumed = curve(four[f"{run}.resume"])
-        assert sorted(resumed) == list(range(11, 21))
+        assert sorted(resumed) == list(range(6, 11))
         assert all(resumed[s] == curve(four[run])[s] for s in resumed), (run, resumed)
 
 
