@@ -36,6 +36,7 @@ saved tensors are not counted (``Pipeline`` measures its chunks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -148,8 +149,8 @@ def stage_input_bytes(cfg: GPTConfig, tp: int, stage: int, rows: int, esize: int
 
 def in_flight_peak(layout: Layout, per_chunk: list[int]) -> int:
     """Replay this rank's action list: +bytes at each F, - at B (or W); the largest total."""
-    actions = compile_schedule(layout.schedule, layout.pp, layout.microbatches,
-                               layout.virtual_stages)[layout.pp_rank]
+    actions = _compiled(layout.schedule, layout.pp, layout.microbatches,
+                        layout.virtual_stages)[layout.pp_rank]
     total = peak = 0
     split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
     for a in actions:
@@ -159,6 +160,14 @@ def in_flight_peak(layout: Layout, per_chunk: list[int]) -> int:
         elif a.kind == "W" or (a.kind in ("B", "I") and (a.mb, a.chunk) not in split):
             total -= per_chunk[a.chunk]
     return peak
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple:
+    """Every rank's validated action list, compiled once for the pp ranks a caller predicts
+    in turn (the planner asks for each rank of a layout)."""
+    return tuple(tuple(acts) for acts in compile_schedule(schedule, pp, microbatches,
+                                                          virtual_stages))
 
 
 def zero2_runs(tensors: list[int]) -> list[int]:

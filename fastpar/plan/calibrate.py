@@ -1,0 +1,177 @@
+"""``fastpar plan --calibrate``: this machine's speeds as a cluster file, in about a minute.
+
+    cluster = calibrate(hosts=1, ranks_per_host=4)     # then cluster.save(path)
+    mpirun -np 2 python -m fastpar.plan.calibrate OUT.json   # the link part alone
+
+Measured: GEMM throughput at a sweep of shapes (squares and the tall-skinny shapes of layers:
+many tokens, a few hundred to a thousand features), causal attention (SDPA, forward and
+backward) at a few sequence lengths, a large copy (memory bandwidth), and the intra-host link:
+all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on min(ranks per host,
+CPUs) ranks launched with ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by
+least squares. The inter-host link cannot be measured from one host: it comes from
+``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
+A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from fastpar.plan.cluster import FACTOR, STEPS, Cluster, Link
+
+GEMM_SHAPES_CPU = [(n, n, n) for n in (128, 256, 512, 1024)] + \
+    [(m, n, k) for m in (512, 2048) for n in (256, 1024) for k in (256, 1024)]
+GEMM_SHAPES_GPU = [(n, n, n) for n in (1024, 2048, 4096, 8192)] + \
+    [(m, n, k) for m in (4096, 16384) for n in (1024, 4096, 16384) for k in (1024, 4096)]
+ATTN_LENGTHS = (128, 512, 1024)
+LINK_SIZES = [4096 * 4 ** i for i in range(7)]  # 4 KiB .. 16 MiB
+
+
+def _timed(fn, device, reps: int, budget_s: float = 2.0) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls (fewer if they exceed ``budget_s``)."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times)
+
+
+def gemm_points(device, dtype) -> list[tuple]:
+    shapes = GEMM_SHAPES_GPU if device.type == "cuda" else GEMM_SHAPES_CPU
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = _timed(lambda: a @ b, device, 10)
+        out.append((m, n, k, 2 * m * n * k / t))
+    return out
+
+
+def attention_points(device, dtype, head_dim: int = 64, heads: int = 8) -> list[tuple]:
+    """Causal SDPA forward + backward: (tokens, head dim, FLOP/s) with the FLOPs the planner
+    counts (2 T^2 hd per head forward, 2.5 x that backward)."""
+    import torch.nn.functional as F
+
+    from fastpar.plan.costs import ATTN_BACKWARD
+
+    out = []
+    for T in ATTN_LENGTHS:
+        q, k, v = (torch.randn(1, heads, T, head_dim, device=device, dtype=dtype,
+                               requires_grad=True) for _ in range(3))
+
+        def step():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        t = _timed(step, device, 5)
+        out.append((T, head_dim, heads * 2 * T * T * head_dim * (1 + ATTN_BACKWARD) / t))
+    return out
+
+
+def memory_bandwidth(device) -> float:
+    n = (256 if device.type == "cuda" else 64) * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    t = _timed(lambda: dst.copy_(src), device, 10)
+    return 2 * 4 * n / t
+
+
+def fit(n: int, points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``t = STEPS alpha + FACTOR S / busbw`` (alpha >= 0) over (bytes, s)."""
+    a, b = STEPS["all_reduce"](n), FACTOR["all_reduce"](n)
+    xs = [(a, b * s) for s, _ in points]
+    ys = [t for _, t in points]
+    sxx = sum(x * x for x, _ in xs)
+    syy = sum(y * y for _, y in xs)
+    sxy = sum(x * y for x, y in xs)
+    rx = sum(x * t for (x, _), t in zip(xs, ys))
+    ry = sum(y * t for (_, y), t in zip(xs, ys))
+    det = sxx * syy - sxy * sxy
+    alpha, inv_bw = (rx * syy - ry * sxy) / det, (sxx * ry - sxy * rx) / det
+    if alpha < 0:  # latency too small to see: bandwidth alone
+        alpha, inv_bw = 0.0, ry / syy
+    return alpha, 1.0 / max(inv_bw, 1e-30)
+
+
+def measure_link(ranks: int, timeout: float = 60.0) -> Link | None:
+    """The intra-host link from an ``mpirun -np ranks`` of this module (None: no mpirun)."""
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep +
+                          os.environ.get("PATH", ""))
+    if mpirun is None or ranks < 2:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "link.json")
+        env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
+        subprocess.run([mpirun, "-np", str(ranks), sys.executable, "-m",
+                        "fastpar.plan.calibrate", out], check=True, timeout=timeout, env=env,
+                       stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            d = json.load(f)
+    alpha, busbw = fit(d["ranks"], [tuple(p) for p in d["points"]])
+    return Link(alpha, busbw, d["engine"])
+
+
+def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None) -> Cluster:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gemm = gemm_points(device, dtype)
+    attn = attention_points(device, dtype)
+    membw = memory_bandwidth(device)
+    if device.type == "cuda":
+        from fastpar.train import gpu_peak_flops
+
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name) or max(p[-1] for p in gemm)
+        memory = torch.cuda.mem_get_info(device)[1]
+    else:
+        name = "cpu"
+        peak = max(p[-1] for p in gemm)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks_per_host
+    n = max(2, min(ranks_per_host, os.cpu_count() or 1)) if device.type == "cpu" else \
+        min(ranks_per_host, torch.cuda.device_count())
+    link = measure_link(n) or Link(2e-6, membw / 2, "memcpy estimate")
+    return Cluster(name=f"calibrated {name}", device=device.type, hosts=hosts,
+                   ranks_per_host=ranks_per_host, peak_flops=peak, memory_bytes=memory,
+                   membw_Bps=membw, intra=link, inter=inter, gemm_efficiency=0.7,
+                   gemm_points=tuple(gemm), attention_points=tuple(attn))
+
+
+def _link_worker(out: str) -> None:
+    """Each rank: all_reduce at LINK_SIZES on the policy's engine; rank 0 writes the slowest
+    rank's median per size."""
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init()
+    points, engine = [], ""
+    for nbytes in LINK_SIZES:
+        t = torch.ones(nbytes // 4, device=topo.device)
+        engine = comm.engine_for("all_reduce", t)[0]
+        s = torch.tensor([_timed(lambda: comm.all_reduce(t), topo.device, 20, budget_s=1.0)],
+                         dtype=torch.float64)
+        comm.all_reduce(s, op="max")
+        points.append((nbytes, s.item()))
+    if topo.rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ranks": topo.world_size, "engine": engine, "points": points}, f)
+    fastpar.shutdown()
+
+
+if __name__ == "__main__":
+    _link_worker(sys.argv[1])

@@ -1,0 +1,202 @@
+"""The machine a plan is for: hosts, ranks per host, one device's speeds and memory, and the
+links between ranks, as a small JSON file (``--cluster``), flags, or a calibration
+(``calibrate.py``).
+
+    cluster = Cluster.load("a100.json")          # ValueError naming the bad field and value
+    cluster.gemm_time(m, n, k)                    # seconds of one (m, k) x (k, n) product
+    cluster.link("inter").time("all_reduce", 4, nbytes)
+
+The file (every field but ``gemm``, ``attention`` and the links' ``engine`` is required)::
+
+    {"name": "dgx-a100", "device": "cuda", "hosts": 4, "ranks_per_host": 8,
+     "peak_flops": 312e12, "memory_bytes": 80e9, "membw_Bps": 2.0e12,
+     "gemm": {"efficiency": 0.7, "points": [[m, n, k, flop_per_s], ...]},
+     "attention": {"efficiency": 0.5, "points": [[tokens, head_dim, flop_per_s], ...],
+                   "causal_skip": true},
+     "intra": {"alpha_s": 5e-6, "busbw_Bps": 2.4e11, "engine": "nccl"},
+     "inter": {"alpha_s": 1e-5, "busbw_Bps": 2.0e11, "engine": "nccl"}}
+
+A GEMM's rate is the measured point nearest its shape (distance in log m, log n, log k), or
+``peak_flops x efficiency`` where nothing was measured; attention's likewise by (tokens,
+head dim). ``intra`` is one rank's bus bandwidth inside a host (nccl-tests' busbw: a ring
+collective of S bytes over n ranks takes ``steps x alpha + factor(n) x S / busbw``); ``inter``
+is one host's bandwidth to the others (all its NICs together), which the host's ranks share
+when they send at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+# ring steps and the bytes factor of each collective of S bytes over n ranks (nccl-tests)
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+         "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
+         "sendrecv": lambda n: 1}
+FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+          "sendrecv": lambda n: 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Alpha-beta of one hierarchy level: ``alpha_s`` per ring step, ``busbw_Bps``."""
+
+    alpha_s: float
+    busbw_Bps: float
+    engine: str = ""
+
+    def time(self, op: str, n: int, nbytes: float, share: float = 1.0) -> float:
+        """Seconds of ``op`` on ``nbytes`` over ``n`` ranks, at ``share`` of the bandwidth."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return STEPS[op](n) * self.alpha_s + FACTOR[op](n) * nbytes / (self.busbw_Bps * share)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    name: str
+    device: str  # "cuda" or "cpu": which overlap policy and engines apply
+    hosts: int
+    ranks_per_host: int
+    peak_flops: float  # one device's dense peak at the model's dtype
+    memory_bytes: float  # what one rank may use
+    membw_Bps: float  # memory bandwidth of one device (elementwise ops, the optimizer step)
+    intra: Link
+    inter: Link | None
+    gemm_efficiency: float = 0.7  # of peak, for shapes no point was measured at
+    gemm_points: tuple = ()  # ((m, n, k, flop/s), ...)
+    attention_efficiency: float = 0.5
+    attention_points: tuple = ()  # ((tokens, head_dim, flop/s), ...)
+    causal_skip: bool = True  # the attention kernel skips masked blocks (flash); else 4 T^2 hd
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    def link(self, level: str) -> Link:
+        if level == "inter":
+            if self.inter is None:
+                raise ValueError(f"cluster {self.name!r} has {self.hosts} hosts but no 'inter' "
+                                 "link (alpha_s, busbw_Bps)")
+            return self.inter
+        return self.intra
+
+    def gemm_rate(self, m: float, n: float, k: float) -> float:
+        return _nearest(self.gemm_points, (m, n, k)) or self.peak_flops * self.gemm_efficiency
+
+    def gemm_time(self, m: float, n: float, k: float) -> float:
+        return 2 * m * n * k / self.gemm_rate(m, n, k) if m * n * k else 0.0
+
+    def attention_rate(self, tokens: float, head_dim: float) -> float:
+        return _nearest(self.attention_points, (tokens, head_dim)) or \
+            self.peak_flops * self.attention_efficiency
+
+    def with_ranks(self, hosts: int, ranks_per_host: int) -> "Cluster":
+        return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host)
+
+    # ---- the file ------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "device": self.device, "hosts": self.hosts,
+               "ranks_per_host": self.ranks_per_host, "peak_flops": self.peak_flops,
+               "memory_bytes": self.memory_bytes, "membw_Bps": self.membw_Bps,
+               "gemm": {"efficiency": self.gemm_efficiency,
+                        "points": [list(p) for p in self.gemm_points]},
+               "attention": {"efficiency": self.attention_efficiency,
+                             "points": [list(p) for p in self.attention_points],
+                             "causal_skip": self.causal_skip},
+               "intra": dataclasses.asdict(self.intra)}
+        if self.inter is not None:
+            out["inter"] = dataclasses.asdict(self.inter)
+        return out
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "cluster") -> "Cluster":
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(d).__name__}")
+
+        def num(key, src=d, at=where, positive=True, integer=False):
+            if key not in src:
+                raise ValueError(f"{at}: missing {key!r}")
+            v = src[key]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                and (v > 0 if positive else v >= 0) and (not integer or v == int(v))
+            if not ok:
+                kind = "a positive integer" if integer else \
+                    "a number > 0" if positive else "a number >= 0"
+                raise ValueError(f"{at}: {key} must be {kind}, got {v!r}")
+            return int(v) if integer else float(v)
+
+        def link(key):
+            src = d.get(key)
+            if src is None:
+                return None
+            if not isinstance(src, dict):
+                raise ValueError(f"{where}: {key} must be an object with alpha_s and busbw_Bps")
+            at = f"{where}: {key}"
+            return Link(num("alpha_s", src, at, positive=False), num("busbw_Bps", src, at),
+                        str(src.get("engine", "")))
+
+        def curve(key, width):
+            src = d.get(key, {})
+            if not isinstance(src, dict):
+                raise ValueError(f"{where}: {key} must be an object (efficiency, points)")
+            eff = num("efficiency", src, f"{where}: {key}") if "efficiency" in src else \
+                {"gemm": 0.7, "attention": 0.5}[key]
+            if eff > 1:
+                raise ValueError(f"{where}: {key}.efficiency must be at most 1, got {eff}")
+            points = src.get("points", [])
+            for p in points:
+                if not (isinstance(p, list) and len(p) == width and all(
+                        isinstance(x, (int, float)) and x > 0 for x in p)):
+                    raise ValueError(f"{where}: each {key} point must be {width} positive "
+                                     f"numbers, got {p!r}")
+            return eff, tuple(tuple(float(x) for x in p) for p in points)
+
+        device = d.get("device", "cuda")
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"{where}: device must be 'cuda' or 'cpu', got {device!r}")
+        ge, gp = curve("gemm", 4)
+        ae, ap = curve("attention", 3)
+        intra = link("intra")
+        if intra is None:
+            raise ValueError(f"{where}: missing 'intra' (alpha_s, busbw_Bps)")
+        c = cls(name=str(d.get("name", "cluster")), device=device,
+                hosts=num("hosts", integer=True), ranks_per_host=num("ranks_per_host",
+                                                                     integer=True),
+                peak_flops=num("peak_flops"), memory_bytes=num("memory_bytes"),
+                membw_Bps=num("membw_Bps"), intra=intra, inter=link("inter"),
+                gemm_efficiency=ge, gemm_points=gp, attention_efficiency=ae,
+                attention_points=ap,
+                causal_skip=bool(d.get("attention", {}).get("causal_skip", True)))
+        if c.hosts > 1:
+            c.link("inter")
+        return c
+
+    @classmethod
+    def load(cls, path: str) -> "Cluster":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"--cluster {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--cluster {path}: not JSON ({exc})") from None
+        return cls.from_json(d, where=f"--cluster {path}")
+
+
+def _nearest(points, shape) -> float | None:
+    """The rate of the measured point nearest ``shape`` in log space (None: no points)."""
+    best, rate = math.inf, None
+    for p in points:
+        d = sum((math.log(a) - math.log(max(b, 1.0))) ** 2 for a, b in zip(p, shape))
+        if d < best:
+            best, rate = d, p[-1]
+    return rate

@@ -1,0 +1,206 @@
+"""Seconds of each piece of one training step on one rank, from the cluster's measured speeds:
+the per-layer compute of a microbatch (GEMMs at the layer's shapes, attention, elementwise
+traffic), the collectives inside a layer (tp, cp, ep), pipeline sends, and the per-step
+gradient reduction and optimizer update. ``step.py`` puts them on the pipeline's timeline.
+
+Per microbatch of b sequences, a rank holds n = b T / cp tokens; h hidden, hd head dim,
+q = nh hd, kv = nkv hd, f the MLP width, V the vocabulary, e the element size. A GEMM
+(m, k) x (k, n) costs 2 m n k FLOPs at ``cluster.gemm_rate(m, n, k)``; its backward is the
+input gradient (m, n) x (n, k) (I) and the weight gradient (n, m) x (m, k) (W), each at its
+own shape. Attention's core: 2 T^2 hd FLOPs per head and sequence under a causal mask when
+the kernel skips masked blocks (flash), 4 T^2 hd when it does not, a 1/cp share of it per rank,
+the backward 2.5 x the forward (five products against two). Elementwise ops (norms, residual
+adds, rope, the activation, the loss's softmax; the scores' mask-softmax-dropout where the
+kernel materialises them) move their bytes at ``membw_Bps``, twice in backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastpar.models.config import GPTConfig
+from fastpar.plan.cluster import Cluster
+
+ATTN_BACKWARD = 2.5  # the core's backward FLOPs over its forward's (flash: 5 matmuls vs 2)
+OPTIMIZER_BYTES = 32  # AdamW per element: p, g, m, v read; p, m, v written; the clip's read
+
+
+@dataclasses.dataclass
+class Work:
+    """Seconds of one layer for one microbatch: forward, input gradient (I: dgrad, the
+    attention backward, elementwise backward, tp collectives of backward, the recompute), and
+    weight gradient (W); ``terms`` names every part (for ``--explain``)."""
+
+    f: float = 0.0
+    i: float = 0.0
+    w: float = 0.0
+    terms: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, name: str, phase: str, seconds: float) -> None:
+        setattr(self, phase, getattr(self, phase) + seconds)
+        self.terms[f"{phase}:{name}"] = self.terms.get(f"{phase}:{name}", 0.0) + seconds
+
+
+def host_span(cluster: Cluster, size: int, stride: int) -> tuple[int, int]:
+    """``(ranks per host, hosts)`` of a group of ``size`` ranks ``stride`` apart (the grid's
+    rank order: tp fastest, then cp, dp, pp)."""
+    per_host = max(1, min(size, cluster.ranks_per_host // stride)) if stride <= \
+        cluster.ranks_per_host else 1
+    return per_host, -(-size // per_host)
+
+
+def group_time(cluster: Cluster, op: str, nbytes: float, size: int, stride: int) -> float:
+    """A collective over a group of the grid: in a host, the intra link; across hosts, the
+    hierarchical route: the op over the host's g members, then over the h hosts on a 1/g piece,
+    the host's link shared by every rank of the host (all groups of the axis run at once)."""
+    if size <= 1:
+        return 0.0
+    g, h = host_span(cluster, size, stride)
+    t = cluster.intra.time(op, g, nbytes)
+    if h > 1:
+        t += cluster.link("inter").time(op, h, nbytes / g, share=1.0 / cluster.ranks_per_host)
+    return t
+
+
+def tp_exposed(cfg: GPTConfig, cluster: Cluster, tp: int, comm_s: float, gemm_s: float,
+               nbytes: int) -> float:
+    """What of a tp collective stays on the critical path under the layers' overlap policy
+    (``nn.overlap.decide``): all of it, or with k pieces the larger of the last piece's and
+    what the k - 1 earlier GEMM pieces could not hide."""
+    from fastpar.nn.overlap import decide
+
+    engine = cluster.intra.engine or ("nccl" if cluster.device == "cuda" else "shm")
+    d = decide(cfg.overlap, None, tp=tp, device=cluster.device, engine=engine, nbytes=nbytes)
+    if not d.enabled:
+        return comm_s
+    k = d.pieces
+    return max(comm_s / k, comm_s - gemm_s * (k - 1) / k)
+
+
+def _gemm(work: Work, cluster: Cluster, name: str, m: int, n: int, k: int,
+          recompute: bool = False) -> float:
+    """A linear layer (m tokens, k in, n out): forward, I and W at their shapes."""
+    f = cluster.gemm_time(m, n, k)
+    work.add(name, "f", f)
+    work.add(name, "i", cluster.gemm_time(m, k, n))
+    work.add(name, "w", cluster.gemm_time(n, k, m))
+    if recompute:
+        work.add(f"recompute {name}", "i", f)
+    return f
+
+
+def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int, ep: int,
+               rows: int, esize: int, causal_skip: bool = True) -> Work:
+    """One microbatch of ``rows`` sequences through layer ``index`` (0 embedding, 1..L blocks,
+    L + 1 head) on one rank."""
+    T, h = cfg.seq_len, cfg.hidden
+    hd = h // cfg.heads
+    n = rows * T // cp
+    nh, q, kv, f = cfg.heads // tp, cfg.heads // tp * hd, cfg.num_kv_heads // tp * hd, \
+        cfg.ffn_size // tp
+    outside = n // tp if cfg.sequence_parallel else n  # tokens outside the tp regions
+    membw = cluster.membw_Bps
+    work = Work()
+    act = n * h * esize  # one (n, h) activation: what each tp collective carries
+    tp_s = group_time(cluster, "all_reduce", act, tp, 1)
+    full = cfg.recompute == "full"
+    if index == 0:
+        work.add("embedding gather", "f", act / membw)
+        if tp > 1:
+            work.add("tp all-reduce", "f", tp_s)
+        return work
+    if index == cfg.layers + 1:
+        gemm = _gemm(work, cluster, "head", n, cfg.vocab_size // tp, h)
+        logits = n * cfg.vocab_size // tp * 4  # the loss's float32 logits
+        work.add("norm, loss softmax", "f", (2 * outside * h * esize + 3 * logits) / membw)
+        work.add("norm, loss softmax", "i", (4 * outside * h * esize + 2 * logits) / membw)
+        if tp > 1:
+            work.add("tp all-reduce", "i", tp_exposed(cfg, cluster, tp, tp_s, gemm, act))
+            work.add("tp loss all-reduces", "f", 3 * group_time(cluster, "all_reduce", 4 * n,
+                                                                 tp, 1))
+        return work
+    # attention: q, k, v projections, the core, the output projection
+    _gemm(work, cluster, "qkv", n, q + 2 * kv, h, full)
+    per_seq = (2 if causal_skip else 4) * T * T * hd / cp  # one head, one sequence
+    core = rows * nh * per_seq / cluster.attention_rate(T, hd)
+    work.add("attention core", "f", core)
+    work.add("attention core", "i", ATTN_BACKWARD * core)
+    if full or cfg.recompute == "selective":
+        work.add("recompute attention core", "i", core)
+    if not causal_skip:  # scores materialised: mask, softmax, dropout over (nh, T/cp, T)
+        scores = 4 * rows * nh * T * T // cp * esize
+        work.add("attention scores", "f", scores / membw)
+        work.add("attention scores", "i", 2 * scores / membw)
+    o = _gemm(work, cluster, "o_proj", n, h, q, full)
+    if cp > 1:  # ring: cp - 1 K/V blocks, each in flight while the previous block computes
+        step_bytes = 2 * rows * (T // cp) * kv * esize
+        hop = group_time(cluster, "sendrecv", step_bytes, 2, tp)
+        work.add("cp ring (exposed)", "f", (cp - 1) * max(0.0, hop - core / cp))
+        work.add("cp ring (exposed)", "i", (cp - 1) * max(0.0, 2 * hop -
+                                                            ATTN_BACKWARD * core / cp))
+    # the MLP (or the experts)
+    if cfg.is_moe(index):
+        k = cfg.moe_top_k
+        _gemm(work, cluster, "router", n, cfg.moe_experts, h, full)
+        mats = 3 if cfg.mlp == "swiglu" else 2
+        for j in range(mats):  # experts are whole on every tp rank: n k routed rows
+            _gemm(work, cluster, f"experts {j}", n * k, cfg.ffn_size, h, full)
+        a2a = group_time(cluster, "all_to_all", n * k * h * esize, ep, tp * cp)
+        work.add("ep all-to-all", "f", 2 * a2a)
+        work.add("ep all-to-all", "i", 2 * a2a * (2 if full else 1))
+        down = 0.0
+        width = cfg.ffn_size * k
+    else:
+        up = 2 * f if cfg.mlp == "swiglu" else f
+        _gemm(work, cluster, "mlp up", n, up, h, full)
+        down = _gemm(work, cluster, "mlp down", n, h, f, full)
+        width = f
+    # elementwise: two norms and two residual adds outside the tp regions, rope, activation
+    elem = (4 + 6) * outside * h * esize + 2 * n * (q + kv) * esize + \
+        (3 if cfg.mlp == "swiglu" else 2) * n * width * esize
+    work.add("elementwise", "f", elem / membw)
+    work.add("elementwise", "i", (2 + full) * elem / membw)
+    if tp > 1:  # two collectives of (n, h) forward (after o_proj, mlp down), two backward
+        fwd = tp_exposed(cfg, cluster, tp, tp_s, o, act) + \
+            tp_exposed(cfg, cluster, tp, tp_s, down, act)
+        work.add("tp collectives", "f", fwd)
+        work.add("tp collectives", "i", fwd * (2 if full else 1))
+    return work
+
+
+def p2p_time(cfg: GPTConfig, cluster: Cluster, *, tp: int, cp: int, dp: int, stage: int,
+             rows: int, esize: int) -> float:
+    """Seconds to send one microbatch's activation (or its gradient) from ``stage`` to the
+    next: (n, h) elements, 1/tp of them under scatter-gather (tp > 1 without SP); every rank
+    of the stage sends at once, so a send across hosts shares the host's link."""
+    n = rows * cfg.seq_len // cp
+    nbytes = n * cfg.hidden * esize // (tp if tp > 1 and not cfg.sequence_parallel else 1)
+    per_stage = tp * cp * dp
+    rph = cluster.ranks_per_host
+    nxt = (stage + 1) % cluster_pp(cluster, per_stage)  # the last rank's next: rank 0
+    if stage * per_stage // rph == nxt * per_stage // rph:
+        return cluster.intra.time("sendrecv", 2, nbytes)
+    return cluster.link("inter").time("sendrecv", 2, nbytes, share=1.0 / min(rph, per_stage))
+
+
+def cluster_pp(cluster: Cluster, per_stage: int) -> int:
+    """The pipeline ranks of a layout whose stages hold ``per_stage`` ranks each."""
+    return max(1, cluster.ranks // per_stage)
+
+
+def reduction_terms(cluster: Cluster, *, zero: int, elements: int, shard: int, tp: int,
+                    cp: int, dp: int, esize: int) -> dict:
+    """Seconds of the per-step gradient reduction over dp x cp (float32 on every axis) and the
+    parameters' all-gather of ZeRO (at ``esize``), after the pipeline's last backward (the
+    runtime does not overlap them: which backward is a parameter's last depends on the
+    schedule), and of the optimizer update over this rank's ``shard`` of the elements."""
+    size, stride = dp * cp, tp
+    out = {}
+    if zero == 0:
+        out["dp all-reduce"] = group_time(cluster, "all_reduce", 4 * elements, size, stride)
+    else:
+        out["dp reduce-scatter"] = group_time(cluster, "reduce_scatter", 4 * elements, size,
+                                              stride)
+        out["dp all-gather"] = group_time(cluster, "all_gather", esize * elements, size, stride)
+    out["optimizer"] = OPTIMIZER_BYTES * shard / cluster.membw_Bps
+    return out
