@@ -10,8 +10,9 @@ action list with each F, B, I and W taking what its chunk's layers cost for one 
 each rank adds its per-step terms (the gradient reduction over dp x cp and ZeRO's parameter
 all-gather, not overlapped by the runtime; the optimizer update); the step is the slowest
 rank's. Long pipelines (more than ``SIMULATE_MAX`` compute actions per rank) are simulated at
-two microbatch counts one period apart in the steady state and each rank's end extended
-linearly to the real count (exact for these schedules: tests/test_plan.py compares).
+two microbatch counts pp apart in the steady state and each rank's end extended linearly to
+the real count: exact for gpipe and 1f1b, within 1% for zb and interleaved on random
+per-stage costs (tests/test_plan.py compares against the full timeline).
 Memory: ``training.memory_plan.predict`` (what the trainer reports beside its measurement) for
 every pipeline rank at the stage cut ``Pipeline`` makes; the worst rank's categories.
 """
@@ -33,7 +34,7 @@ from fastpar.plan.layouts import Layout, model_for
 from fastpar.plan.model import model_flops_per_token
 from fastpar.training import memory_plan
 
-SIMULATE_MAX = 512  # compute actions per rank simulated in full; longer lists: extended
+SIMULATE_MAX = 1536  # compute actions per rank simulated in full; longer lists: extended
 
 
 @dataclasses.dataclass

@@ -1,0 +1,179 @@
+"""``fastpar plan`` (issue 26): layouts, their reasons, the pipeline's own timeline for the
+bubble, memory_plan.predict for memory, the JSON contract and the command line. Fixed
+calibration data: nothing here is timed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastpar.models import PRESETS
+from fastpar.plan import cli
+from fastpar.plan import predict as P
+from fastpar.plan.cluster import Cluster, Link
+from fastpar.plan.layouts import Layout, candidates, parse, why_not
+from fastpar.plan.search import search
+from fastpar.training import memory_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = Cluster(name="fixed", device="cpu", hosts=1, ranks_per_host=4, peak_flops=1e11,
+                  memory_bytes=8e9, membw_Bps=1e10, intra=Link(1e-5, 5e9, "shm"), inter=None,
+                  gemm_points=((256, 256, 256, 5e10), (2048, 768, 256, 8e10)),
+                  attention_points=((128, 32, 2e10),))
+CONTRACT = {"tp", "pp", "dp", "cp", "ep", "zero", "recompute", "schedule", "microbatches",
+            "step_time_s", "tokens_per_s", "bubble", "memory", "fits"}
+
+
+def test_layout_names_round_trip_and_bad_tokens_are_named():
+    lay = Layout(tp=2, pp=2, dp=1, zero=1, recompute="full", schedule="interleaved",
+                 virtual_stages=2, microbatches=8)
+    assert lay.name == "tp2.pp2.dp1.zero1.full.interleaved.v2.mb8"
+    assert parse(lay.name) == lay
+    assert parse("mb8.full.tp2.pp2", ranks=4) == dataclasses.replace(
+        lay, schedule="1f1b", virtual_stages=1, zero=0)
+    assert parse("pp2", ranks=4).microbatches == 4  # the trainer's default: 2 x pp
+    with pytest.raises(ValueError, match="unknown token 'tq2'"):
+        parse("tq2.pp2")
+    with pytest.raises(ValueError, match="zero4 is out of range"):
+        parse("tp1.zero4", ranks=1)
+    with pytest.raises(ValueError, match="does not divide the 6 ranks"):
+        parse("tp4", ranks=6)
+
+
+def test_infeasible_layouts_say_why_with_the_numbers():
+    cfg = PRESETS["small"]  # 4 layers, 8 heads, 4 kv heads, vocab 256
+    assert why_not(cfg, parse("tp8.pp1.dp1", 8), 8, 16) == \
+        "kv_heads 4 is not divisible by tp 8"
+    assert why_not(cfg, parse("tp1.pp8.dp1", 8), 8, 16) == \
+        "pp 8 x virtual stages 1 = 8 stages > the 6 layers (embedding, 4 blocks, head)"
+    assert why_not(cfg, parse("tp1.pp1.dp4.mb8", 4), 4, 16) == \
+        "global batch 16 is not divisible by dp 4 x microbatches 8"
+    assert "nothing to shard" in why_not(cfg, parse("tp2.pp2.dp1.zero2", 4), 4, 16)
+    assert "interleaved needs microbatches divisible by pp" in why_not(
+        cfg, parse("tp1.pp2.dp2.interleaved.mb3", 4), 4, 12)
+    assert why_not(cfg, parse("tp2.pp2.dp1.zero0.full.zb.mb8", 4), 4, 16) is None
+    names = {lay.name for lay in candidates(cfg, 4, 4, 16)}
+    assert "tp2.pp2.dp1.zero0.none.1f1b.mb4" in names and "tp4.pp1.dp1.zero0.none.1f1b.mb2" \
+        in names and not any(".pp1." in n and "zb" in n for n in names)
+
+
+def test_search_ranks_feasible_layouts_and_reports_memory_overruns():
+    cfg = PRESETS["small"]
+    result = search(cfg, CLUSTER, 16, dtype=torch.float32)
+    times = [float(f"{p.step_time_s:.9g}") for p in result.ranked]  # ties: by memory
+    assert result.ranked and times == sorted(times) and not result.too_big
+    assert {r for _, r in result.dropped} >= {
+        "pp 4 x virtual stages 2 = 8 stages > the 6 layers (embedding, 4 blocks, head)"}
+    tight = dataclasses.replace(CLUSTER, memory_bytes=30 * 2**20)
+    small = search(cfg, tight, 16, dtype=torch.float32)
+    assert small.ranked and small.too_big
+    assert all(p.memory_total <= tight.memory_bytes for p in small.ranked)
+    assert all(not p.fits and p.memory_total > tight.memory_bytes for p in small.too_big)
+
+
+def test_memory_is_memory_plan_predict_of_the_worst_rank():
+    cfg = dataclasses.replace(PRESETS["small"], recompute="full")
+    lay = parse("tp2.pp2.dp1.full.1f1b.mb4", 4)
+    pred = P.predict(cfg, lay, CLUSTER, 16, dtype=torch.float32)
+    # the cut Pipeline makes: balanced by parameters; every parameter is in one layer
+    bounds = P.stage_bounds(cfg, 2, 1, 2)
+    per_layer = [sum(memory_plan.layer_tensors(cfg, 1, i)) for i in range(cfg.layers + 2)]
+    assert sum(per_layer) == cfg.num_params() and bounds[0] == 0 and bounds[-1] == 6
+    want = [memory_plan.predict(memory_plan.Layout(cfg, tp=2, pp=2, dp=1, pp_rank=r,
+                                                   bounds=bounds, schedule="1f1b",
+                                                   microbatches=4, rows=16))
+            for r in range(2)]
+    assert pred.terms["memory_by_rank"] == want
+    worst = max(range(2), key=lambda r: sum(want[r].values()))
+    assert pred.memory == want[worst] and pred.memory_rank == worst
+
+
+def test_bubble_comes_from_the_pipeline_timeline():
+    # 1F1B, pp 2, 2 microbatches, stage 1 twice as slow (F 2, B 4) as stage 0 (F 1, B 2):
+    # rank 0 F0 [0,1] F1 [1,2]; rank 1 F0 [1,3] B0 [3,7]; rank 0 B0 [7,9]; rank 1 F1 [7,9]
+    # B1 [9,13]; rank 0 B1 [13,15]: makespan 15, busy 6 + 12 = 18, bubble 1 - 18/30 = 0.4.
+    def cost(rank, a):
+        return {"F": 1.0, "B": 2.0}[a.kind] * (1 + rank)
+    ends, busy = P.pipeline_ends("1f1b", 2, 2, 1, cost)
+    assert ends == [15.0, 13.0] and busy == 18.0
+    # equal stages: (p - 1) / (m + p - 1), the schedule's theory
+    ends, busy = P.pipeline_ends("1f1b", 4, 8, 1, lambda r, a: {"F": 1.0, "B": 2.0}[a.kind])
+    assert 1 - busy / (4 * max(ends)) == pytest.approx(3 / 11)
+    # a prediction's bubble is the simulated one: pp 2 with 2 microbatches idles
+    pred = P.predict(PRESETS["small"], parse("tp1.pp2.dp2.mb2", 4), CLUSTER, 16,
+                     dtype=torch.float32)
+    t = pred.terms
+    assert pred.bubble == pytest.approx(1 - t["busy_s"] / (2 * t["makespan_s"]))
+    assert 0.2 < pred.bubble < 0.5
+
+
+@pytest.mark.parametrize("schedule,v,exact", [("gpipe", 1, 1e-9), ("1f1b", 1, 1e-9),
+                                              ("zb", 1, 1e-2), ("interleaved", 2, 1e-2)])
+def test_long_pipelines_are_extended_from_their_steady_state(monkeypatch, schedule, v, exact):
+    pp, m = 4, 40
+    rng = random.Random(0)
+    table = {(r, c, k): rng.uniform(1, 3) for r in range(pp) for c in range(v) for k in "FBIW"}
+
+    def cost(rank, a):
+        return table[rank, a.chunk, a.kind]
+    full = P._ends(schedule, pp, m, v, cost)
+    monkeypatch.setattr(P, "SIMULATE_MAX", 0)
+    ends, busy = P.pipeline_ends(schedule, pp, m, v, cost)
+    assert busy == pytest.approx(full[1], rel=1e-12)
+    assert max(abs(a - b) / a for a, b in zip(full[0], ends)) < exact
+
+
+def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
+    path = tmp_path / "c.json"
+    CLUSTER.save(str(path))
+    assert Cluster.load(str(path)) == CLUSTER
+    d = CLUSTER.to_json()
+    d["peak_flops"] = -1
+    with pytest.raises(ValueError, match=r"peak_flops must be a number > 0, got -1"):
+        Cluster.from_json(d)
+    d = CLUSTER.to_json()
+    d["hosts"] = 2
+    with pytest.raises(ValueError, match="2 hosts but no 'inter' link"):
+        Cluster.from_json(d)
+
+
+def test_json_and_explain_in_process(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    cfile = tmp_path / "c.json"
+    CLUSTER.save(str(cfile))
+    assert cli.main(["--preset", "small", "--ranks", "4", "--cluster", str(cfile),
+                     "--json", str(out), "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "cannot run (count, reason, e.g.):" in text and " 1 tp" in text
+    rows = json.loads(out.read_text())
+    assert rows and all(CONTRACT <= set(r) for r in rows)
+    assert set(rows[0]["memory"]) == set(memory_plan.CATEGORIES)
+    assert rows[0]["step_time_s"] == min(r["step_time_s"] for r in rows if r["fits"])
+    assert cli.main(["--preset", "small", "--ranks", "4", "--cluster", str(cfile),
+                     "--explain", "tp2.pp2.full.mb4"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("layout tp2.pp2.dp1.zero0.full.1f1b.mb4", "f:qkv", "i:recompute qkv",
+                   "f:tp collectives", "pipeline (pipeline.timeline.simulate", "rank 1:",
+                   "<- worst", "fits: True"):
+        assert needle in text, needle
+
+
+def test_command_line_errors_are_one_line_exit_2(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cfile = tmp_path / "c.json"
+    CLUSTER.save(str(cfile))
+    r = subprocess.run([sys.executable, "-m", "fastpar", "plan", "--preset", "small", "--ranks",
+                        "4", "--cluster", str(cfile), "--explain", "tp8.pp1.dp1"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (
+        "python -m fastpar plan: error: --explain tp8.pp1.dp1: cannot run: tp 8 x cp 1 x pp 1 "
+        "x dp 1 = 8, not the 4 ranks (see --help)"), r.stderr
