@@ -27,7 +27,6 @@ with float32 masters), not Megatron's or torchtitan's.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -123,9 +122,9 @@ def main() -> int:
                          overlap_dp=row["overlap_dp"])
             if res.ranked:
                 best = res.ranked[0]
-                rec["best"] = {"layout": best.layout.name, "predicted":
-                               row["convert"](best.step_time_s) if "TFLOP" not in row["metric"]
-                               else row["convert"](best.step_time_s), "bubble": best.bubble}
+                rec["best"] = {"layout": best.layout.name,
+                               "predicted": row["convert"](best.step_time_s),
+                               "bubble": best.bubble}
         out.append(rec)
         print(f"{row['source']:<26} {row['model']:<28} {lay.name:<36} {row['metric']:<16} "
               f"{row['published']:>9,.0f} {got:>9,.0f} {err:>+7.1%}  {pred.bubble:>6.1%} "
@@ -136,7 +135,7 @@ def main() -> int:
     print(f"|error|: median {errs[len(errs) // 2]:.1%}, max {errs[-1]:.1%} over {len(errs)} rows")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items()} for r in out], f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 
