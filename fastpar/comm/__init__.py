@@ -25,10 +25,10 @@ from fastpar.comm.autograd import (all_gather_sequence, all_to_all_rows, copy_to
 from fastpar.comm.collectives import (Handle, all_gather, all_reduce, broadcast, engine_for,
                                       reduce_scatter, use_backend)
 from fastpar.comm.quant import Quant
-from fastpar.comm.symmetric import symmetric_available, symmetric_empty
+from fastpar.comm.symmetric import symmetric_available, symmetric_empty, symmetric_slots
 
 __all__ = ["Handle", "Quant", "all_gather", "all_gather_sequence", "all_reduce", "all_to_all",
            "all_to_all_rows", "all_to_all_v", "all_to_all_v_device", "broadcast",
            "copy_to_tp", "engine_for", "gather_from_tp", "gather_sequence", "reduce_from_tp",
            "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp",
-           "symmetric_available", "symmetric_empty", "use_backend"]
+           "symmetric_available", "symmetric_empty", "symmetric_slots", "use_backend"]

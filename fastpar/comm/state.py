@@ -46,6 +46,9 @@ class CommState:
         # data_ptr of a symmetric tensor -> its SymmetricSegment (fastpar/comm/symmetric.py);
         # an entry goes with the tensor's mapping, or at close()
         self.symmetric: dict = {}
+        # (owner, id(group), key) -> buffers a layer keeps per group and shape (nn.context_ring:
+        # the shared K/V slots of a cp group); dropped at close()
+        self.buffers: dict = {}
         # close() of what else holds channels of this job (pipeline P2P rings, status boards),
         # run by fastpar.shutdown before the communicators go
         self.closers: list = []
@@ -210,7 +213,7 @@ class CommState:
         closers += [c.close for c in self._nccl_mpi.values()]
         closers += [sub.Free for sub in self._mpi.values()]
         for table in (self._shm, self._ipc, self._nccl_mpi, self._mpi, self._hier, self._groups,
-                      self.routes, self.symmetric):
+                      self.routes, self.symmetric, self.buffers):
             table.clear()
         self.channels = None
         first = None

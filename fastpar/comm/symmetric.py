@@ -146,6 +146,32 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
     return t
 
 
+def symmetric_slots(*size, dtype: torch.dtype = torch.float32, group=None):
+    """Every rank's tensor of a new symmetric segment, in group order (CPU, one host): rank p
+    of ``group`` writes ``slots[p]``, every rank reads any of them in place. Collective over the
+    group like ``symmetric_empty`` (same size and dtype, same order); zeros to start. ``None``
+    for a group of one rank or one spread over hosts: the caller moves its bytes another way.
+    The slots are not registered for collectives (they are buffers a caller synchronises
+    itself); the segment lives while any of them does."""
+    size = _size_of(size)
+    st = current()
+    group, ranks, layout = st.resolve(group)
+    if len(ranks) == 1 or not layout.same_host:
+        return None
+    _agree(group, ranks, size, dtype)
+    numel = 1
+    for s in size:
+        numel *= s
+    esize = torch.empty((), dtype=dtype).element_size()
+    slot = max(1, -(-numel * esize // _PAGE)) * _PAGE
+    mapping = map_segments(group, st.topo.rank, {"sym": (ranks[0], ranks)}, slot * len(ranks),
+                           f"fastpar symmetric_slots: setting up the segment of the group of "
+                           f"global ranks {ranks}", tag="slots-")["sym"]
+    whole = torch.frombuffer(memoryview(mapping), dtype=torch.uint8)  # holds the mapping
+    return [whole[p * slot:p * slot + numel * esize].view(dtype).view(size)
+            for p in range(len(ranks))]
+
+
 def _cuda_symmetric(st, group, ranks, size, numel, dtype, device, driver=None) -> torch.Tensor:
     """CUDA IPC symmetric tensor: allocate (16-byte padded, as the kernel loads 16 bytes at a
     time) and share it with the group by the one CUDA IPC exchange (``ipc_exchange.PeerMaps``:
