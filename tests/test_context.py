@@ -19,9 +19,10 @@ from tests.multirank import run_ranks
 B, H, D = 2, 4, 8
 T = 24  # divisible by 2cp for cp 1, 2, 4
 P_DROP = 0.3
-# (kind, causal, kv heads, dropout p): MHA, GQA with Hkv >= cp and Hkv < cp, dropout on/off
-CASES = [(kind, causal, hkv, p) for kind in ("ring", "ulysses") for causal in (True, False)
-         for hkv, p in ((4, 0.0), (2, 0.0), (1, 0.0), (2, P_DROP))]
+# (kind, causal, kv heads, dropout p): MHA, GQA with Hkv >= cp and Hkv < cp, dropout on/off;
+# "ring" takes its default engine (shared memory inside a host), "ring-p2p" torch isend/irecv
+CASES = [(kind, causal, hkv, p) for kind in ("ring", "ring-p2p", "ulysses")
+         for causal in (True, False) for hkv, p in ((4, 0.0), (2, 0.0), (1, 0.0), (2, P_DROP))]
 
 
 def serial_attention(q, k, v, causal, p=0.0, seed=0):
@@ -59,8 +60,9 @@ def _check_layout(group, seed, checks: Checks):
         ref = _reference(full, dout, causal, p, drop_seed, torch.float64)
         serial = _reference(full, dout, causal, p, drop_seed, torch.float32)
         local = [context.context_split(x, group, 2).detach().requires_grad_() for x in full]
-        attend = context.ring_attention if kind == "ring" else context.ulysses_attention
-        out = attend(*local, group, causal=causal, dropout_p=p, dropout_seed=drop_seed)
+        attend = {"ring": context.ring_attention, "ulysses": context.ulysses_attention,
+                  "ring-p2p": lambda *a, **kw: context.ring_attention(*a, engine="p2p", **kw)}
+        out = attend[kind](*local, group, causal=causal, dropout_p=p, dropout_seed=drop_seed)
         out.backward(context.context_split(dout, group, 2))
         got = [context.context_gather(t.detach(), group, 2)
                for t in (out, *(x.grad for x in local))]
@@ -109,12 +111,21 @@ def _check_refusals(group, cp):
             context.ulysses_attention(odd, odd, odd, group)
     with pytest.raises(ValueError, match="group is None"):
         context.ring_attention(q, q, q, None)
+    q = torch.zeros(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="engine must be 'auto', 'p2p' or 'shared', got 'nccl'"):
+        context.ring_attention(q, q, q, group, engine="nccl")
 
 
 def _layout(group, cp, rank, seed):
+    from fastpar.comm.state import current
+
     checks = Checks()
     _check_layout_helpers(group, cp, rank)
     _check_layout(group, seed, checks)
+    # the default ring engine inside a host is the shared one: its buffers were made for
+    # this group (none at cp 1, where nothing moves)
+    shared = [key for key in current().buffers if key[:2] == ("context_ring", id(group))]
+    assert bool(shared) == (cp > 1), (cp, list(current().buffers))
     _check_refusals(group, cp)
     return {"checked": len(checks.checked), "worst": list(checks.worst)}
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from fastpar.comm.autograd import all_to_all_rows, gather_sequence, scatter_sequence
 from fastpar.nn.context_math import LocalAttention
-from fastpar.nn.context_ring import RingAttention, _Ring
+from fastpar.nn.context_ring import RingAttention, make_ring
 from fastpar.runtime import group_rank, group_size
 
 __all__ = ["context_gather", "context_positions", "context_split", "ring_attention",
@@ -132,7 +132,7 @@ def _seed(dropout_p: float, dropout_seed) -> int:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
                    causal: bool = True, dropout_p: float = 0.0, scale: float | None = None,
-                   dropout_seed: int | None = None) -> torch.Tensor:
+                   dropout_seed: int | None = None, engine: str = "auto") -> torch.Tensor:
     """This rank's slice of ``softmax(q k^T * scale + mask) v`` over the whole sequence.
 
     q (B, H, T/cp, D), k, v (B, Hkv, T/cp, D) (Hkv divides H: grouped-query attention, K/V
@@ -140,14 +140,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
     (B, H, T/cp, D) in q's dtype. ``scale`` defaults to 1/sqrt(D); ``dropout_p`` drops
     probabilities by the module's rule (``dropout_seed``: see the module docstring). ``group``:
     the cp group (required). ``ValueError``: shapes that do not match, an odd T/cp (T not
-    divisible by 2cp), ``dropout_p`` outside [0, 1).
+    divisible by 2cp), ``dropout_p`` outside [0, 1), an unknown ``engine``.
 
     forward: ring steps, K/V shifted to the next rank while each block computes; backward: the
-    K/V go around again with their gradients' partial sums (``context_ring.py``)."""
+    K/V go around again with their gradients' partial sums (``context_ring.py``). ``engine``:
+    how K/V reach the other ranks: "p2p" (torch isend/irecv: gloo, NCCL), "shared" (CPU, a
+    group on one host: every rank reads the others' K/V in shared memory where they lie) or
+    "auto" (shared where it can be, else p2p); the same result either way, up to the order of
+    the dK/dV sums."""
     cp, scale = _checked("ring_attention", q, k, v, group, dropout_p, scale)
     seq_len = q.shape[2] * cp
     slices = _order(seq_len, cp).view(cp, -1)  # (cp, T/cp): each rank's positions
-    ring = _Ring(group, lambda j: slices[j])
+    work = torch.promote_types(q.dtype, torch.float32)
+    ring = make_ring(group, lambda j: slices[j], k, work, engine)
     return RingAttention.apply(q, k, v, ring, scale, causal, float(dropout_p),
                                _seed(dropout_p, dropout_seed))
 
