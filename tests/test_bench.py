@@ -97,6 +97,39 @@ def test_moe_bench_splits_the_layer(tmp_path):
     assert target["met"] == (target["measured"] <= 0.3) and target["measured"] > 0
 
 
+def test_context_bench_checks_and_measures(tmp_path):
+    out = tmp_path / "ctx.json"
+    text = "".join(run_script(2, "bench/context.py", "--seq", "64", "--heads", "2",
+                              "--kv-heads", "1", "-w", "0", "-n", "2", "--json", str(out)))
+    assert "target: saved bytes per rank at cp 2 within 10% of cp 1's / 2" in text
+    result = json.loads(out.read_text())
+    assert set(result) == {"config", "env", "rows", "hidden", "skipped", "targets"}
+    assert result["env"]["world_size"] == 2 and result["config"]["seqs"] == [64]
+    rows = result["rows"]
+    assert [(r["row"], r["engine"], r["cp"], r["ranks"]) for r in rows] == [
+        ("sdpa", "-", 1, 1), ("ring", "-", 1, 1), ("ulysses", "-", 1, 1),
+        ("ring", "p2p", 2, 2), ("ring", "shared", 2, 2), ("ulysses", "-", 2, 2)]
+    for r in rows:
+        # checked against float64 SDPA before timing (a result past the bound stops the bench)
+        assert 0 < r["check"] <= 1, r
+        assert r["time_ms"] > 0 and r["peak_bytes"] > 0 and r["saved_bytes"] > 0, r
+    # the ring saves q and its output (2 heads), k and v (1 kv head) and the log-sum-exp of
+    # the 2 heads, float32, of this rank's T/cp tokens: half at cp 2
+    for r in rows:
+        if r["row"] == "ring":
+            t = 64 // r["cp"]
+            assert r["saved_bytes"] == (2 + 1 + 1 + 2) * t * 64 * 4 + 2 * t * 4, r
+    steps = result["hidden"]
+    # forward and backward: 2 steps and their whole, then both directions
+    assert [(h["part"], h["step"]) for h in steps] == [
+        ("forward", 0), ("forward", 1), ("forward", "all"), ("backward", 0), ("backward", 1),
+        ("backward", "all"), ("both", "all")]
+    for h in steps:
+        assert h["compute"] > 0 and h["transfer"] >= 0 and h["shared"] > 0, h
+        assert (h["hidden"] is None) == (h["part"] == "forward" and h["step"] == 1), h
+    assert len(result["targets"]) == 3 + 1 and result["skipped"] == []
+
+
 def test_pipeline_bench_runs_every_configuration(tmp_path):
     out, traces = tmp_path / "p.json", tmp_path / "traces"
     run_script(2, "bench/pipeline.py", "--steps", "1", "--warmup", "1", "--hidden", "16",
@@ -192,8 +225,8 @@ def test_memory_bench_counts_model_state_and_activations(tmp_path):
     assert result["failed"] == []
 
 
-BENCHES = ["bootstrap", "collectives", "data_parallel", "gemm", "memory", "moe", "overlap",
-           "pipeline", "tp_layers", "train_throughput"]
+BENCHES = ["bootstrap", "collectives", "context", "data_parallel", "gemm", "memory", "moe",
+           "overlap", "pipeline", "tp_layers", "train_throughput"]
 
 
 def body_bad_flags(cases):
