@@ -167,3 +167,21 @@ def test_dropout_rule_keeps_one_minus_p():
     assert (keep.mean(-2) - (1 - P_DROP)).abs().max() < 0.15
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
     assert not torch.equal(keep, keep_mask(1235, P_DROP, 2, torch.arange(4), pos, pos).double())
+
+
+def test_choose_type_follows_the_layout():
+    """The policy of docs/design.md: Ulysses where the heads per tp rank divide by cp inside a
+    host without dropout; the ring otherwise, each answer naming why."""
+    from fastpar.nn.context import choose_type
+
+    assert choose_type(8, 8, 2)[0] == "ulysses"
+    kind, why = choose_type(8, 2, 4)  # GQA with fewer kv heads than cp: repeated, still fine
+    assert kind == "ulysses" and "repeated 2x" in why
+    kind, why = choose_type(6, 6, 4)
+    assert kind == "ring" and "6 heads per tp rank" in why and "cp 4" in why
+    kind, why = choose_type(8, 8, 4, tp=4)  # tp leaves 2 heads a rank
+    assert kind == "ring" and "2 heads per tp rank (heads 8 / tp 4)" in why
+    assert choose_type(8, 8, 2, same_host=False)[0] == "ring"
+    assert choose_type(8, 8, 2, dropout=True)[0] == "ring"
+    with pytest.raises(ValueError, match="heads 6, kv heads 4"):
+        choose_type(6, 4, 2)

@@ -49,8 +49,8 @@ from fastpar.nn.context_math import LocalAttention
 from fastpar.nn.context_ring import RingAttention, make_ring
 from fastpar.runtime import group_rank, group_size
 
-__all__ = ["context_gather", "context_positions", "context_split", "ring_attention",
-           "ulysses_attention"]
+__all__ = ["choose_type", "context_gather", "context_positions", "context_split",
+           "ring_attention", "ulysses_attention"]
 
 
 def _chunk(seq_len: int, cp: int, what: str) -> int:
@@ -218,3 +218,33 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                            enable_gqa=hl != hkv)
     return _to_sequence(y, group, cp) if cp > 1 else y
+
+
+def choose_type(heads: int, kv_heads: int, cp: int, *, tp: int = 1, same_host: bool = True,
+                dropout: bool = False) -> tuple[str, str]:
+    """``("ring" | "ulysses", why)``: the cp attention that suits a layout (``bench/context.py``
+    measured it; docs/design.md, "Context parallelism: which type").
+
+    ``heads``, ``kv_heads``: the model's; ``tp``: tensor parallelism splitting them first;
+    ``same_host``: whether the cp group's ranks share a host; ``dropout``: attention dropout on.
+    Ulysses runs torch's fused attention on H/cp heads of the whole sequence (O(T) memory, the
+    fastest on the CPU host measured) but needs the heads per tp rank divisible by cp and does
+    not hide its all-to-alls; the ring takes any head count, sends only Hkv heads of K/V, and
+    hides its transfers behind the attention, but its block math holds (T/cp)^2 scores a step."""
+    if min(heads, kv_heads, cp, tp) < 1 or heads % kv_heads:
+        raise ValueError(f"choose_type: heads {heads}, kv heads {kv_heads}, cp {cp}, tp {tp} "
+                         "must be positive, heads a multiple of kv heads")
+    local = heads // tp
+    if heads % tp or local % cp:
+        return "ring", (f"{local} heads per tp rank (heads {heads} / tp {tp}) are not "
+                        f"divisible by cp {cp}: Ulysses cannot split them")
+    if dropout:
+        return "ring", ("attention dropout: Ulysses's written-out core holds (B, H/cp, T, T) "
+                        "probabilities; the ring holds (T/cp)^2 blocks")
+    if not same_host:
+        return "ring", ("the cp group spans hosts: the ring's K/V transfers overlap the "
+                        "attention, Ulysses's all-to-alls wait on the link")
+    repeats = _kv_repeats(local, max(kv_heads // tp, 1), cp)
+    note = f" (kv heads repeated {repeats}x for the all-to-all)" if repeats > 1 else ""
+    return "ulysses", ("heads divide by cp inside one host: fused attention on H/cp heads, "
+                       f"O(T) memory, no (T/cp)^2 blocks{note}")

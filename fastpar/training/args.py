@@ -30,8 +30,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
       help="context-parallel size: each sequence is split over cp ranks (load-balanced chunks), "
            "which see the same batch rows; gradients are averaged over dp x cp")
     a("--cp-type", default="ring", choices=["ring", "ulysses"],
-      help="context-parallel attention: ring (K/V passed around the cp group) or ulysses "
-           "(all-to-all to heads and back; heads / tp must be divisible by cp)")
+      help="context-parallel attention: ring (K/V passed around the cp group; any head count, "
+           "across hosts, with dropout) or ulysses (all-to-all to heads and back; heads / tp "
+           "must be divisible by cp; in a host the faster and lighter: bench/context.py, "
+           "nn.context.choose_type)")
     a("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
     a("--microbatches", type=int, default=None, help="per step (default: 2 x pp, at least 1)")
     a("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
