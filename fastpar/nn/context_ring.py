@@ -127,7 +127,7 @@ class SharedBuffers:
 
     def __init__(self, group, shape, dtype, work, n):
         self.group = group
-        self.kv = [symmetric_slots(*shape, dtype=dtype, group=group) for _ in range(2)]
+        self.kv = symmetric_slots(2, *shape, dtype=dtype, group=group)  # [rank][buffer]
         self.dkv = symmetric_slots(n, *shape, dtype=work, group=group)
         self.flag = torch.zeros(1)
         self.uses = 0
@@ -152,7 +152,7 @@ class SharedBuffers:
         not used last, then a barrier. A peer may still read the other buffer (the previous
         call's), never this one: it has passed the previous call's barrier, so every rank has
         finished the call before that, the last to use this buffer."""
-        slots = self.kv[self.uses % 2]
+        slots = [mine[self.uses % 2] for mine in self.kv]
         self.uses += 1
         slots[rank].copy_(kv)
         self.barrier()
