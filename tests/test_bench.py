@@ -127,7 +127,11 @@ def test_context_bench_checks_and_measures(tmp_path):
     for h in steps:
         assert h["compute"] > 0 and h["transfer"] >= 0 and h["shared"] > 0, h
         assert (h["hidden"] is None) == (h["part"] == "forward" and h["step"] == 1), h
-    assert len(result["targets"]) == 3 + 1 and result["skipped"] == []
+        if h["step"] == "all":  # the time blocked in waits, and the K/V blocks' alone
+            assert 0 <= h["kv_waited"] <= h["waited"] and h["kv_transfer"] > 0, h
+            assert 0 <= h["in_flight"] <= 1 and 0 <= h["kv_in_flight"] <= 1, h
+    # saved bytes x 3 rows at cp 2; K/V in flight and hidden, at cp 2
+    assert len(result["targets"]) == 3 + 2 and result["skipped"] == []
 
 
 def test_pipeline_bench_runs_every_configuration(tmp_path):

@@ -132,7 +132,7 @@ def _seed(dropout_p: float, dropout_seed) -> int:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
                    causal: bool = True, dropout_p: float = 0.0, scale: float | None = None,
-                   dropout_seed: int | None = None, engine: str = "auto") -> torch.Tensor:
+                   dropout_seed: int | None = None, engine: str = "p2p") -> torch.Tensor:
     """This rank's slice of ``softmax(q k^T * scale + mask) v`` over the whole sequence.
 
     q (B, H, T/cp, D), k, v (B, Hkv, T/cp, D) (Hkv divides H: grouped-query attention, K/V
@@ -144,10 +144,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *,
 
     forward: ring steps, K/V shifted to the next rank while each block computes; backward: the
     K/V go around again with their gradients' partial sums (``context_ring.py``). ``engine``:
-    how K/V reach the other ranks: "p2p" (torch isend/irecv: gloo, NCCL), "shared" (CPU, a
-    group on one host: every rank reads the others' K/V in shared memory where they lie) or
-    "auto" (shared where it can be, else p2p); the same result either way, up to the order of
-    the dK/dV sums."""
+    how K/V reach the other ranks: "p2p" (the default: torch isend/irecv, gloo or NCCL) or
+    "shared" (CPU, a group on one host: every rank reads the others' K/V in shared memory
+    where they lie; not the default: measured no faster on the 2-core host, and it keeps n + 2
+    blocks per group and shape); the same result either way, up to the order of the dK/dV
+    sums."""
     cp, scale = _checked("ring_attention", q, k, v, group, dropout_p, scale)
     seq_len = q.shape[2] * cp
     slices = _order(seq_len, cp).view(cp, -1)  # (cp, T/cp): each rank's positions

@@ -24,8 +24,8 @@ and the log-sum-exp (float32, (B, H, T/n)); no probabilities.
 **Engines** (``make_ring``; ``ring_attention(engine=)``). *p2p*: ``torch.distributed``
 isend/irecv on the cp group (gloo on CPU, NCCL on GPUs). Both progress without the calling
 thread: gloo's transfers run on its own I/O threads, NCCL's on its stream, so the next block
-moves while this one computes. *shared* (the default for CPU tensors when the cp group is on one
-host): every rank's K/V lie in shared memory (``SharedBuffers``, made once per group and block
+moves while this one computes (the default). *shared* (CPU tensors, a cp group on one host):
+every rank's K/V lie in shared memory (``SharedBuffers``, made once per group and block
 shape by ``comm.symmetric_slots``), so step s reads rank j's block where it lies: nothing is
 sent, nothing copied but each rank's own K/V into its slot, and no core is spent on a transfer.
 The backward's dK/dV do not travel either: rank r writes its share of block j to its own slot j,
@@ -194,22 +194,19 @@ class _SharedRing(_Ring):
 def make_ring(group, positions, k: torch.Tensor, work: torch.dtype, engine: str) -> _Ring:
     """The ring of ``group`` for K/V blocks (2, *k.shape) of k's dtype: ``engine`` "p2p"
     (torch isend/irecv), "shared" (``SharedBuffers``; ``ValueError`` where the group is not on
-    one host or the tensors are not on the CPU) or "auto" (shared where it can be, else p2p)."""
-    if engine not in ("auto", "p2p", "shared"):
-        raise ValueError(f"ring_attention: engine must be 'auto', 'p2p' or 'shared', got "
-                         f"{engine!r}")
+    one host or the tensors are not on the CPU)."""
+    if engine not in ("p2p", "shared"):
+        raise ValueError(f"ring_attention: engine must be 'p2p' or 'shared', got {engine!r}")
     ring = _Ring(group, positions)
     if engine == "p2p" or ring.n == 1:
         return ring
     buffers = None
     if k.device.type == "cpu" and is_initialized():
         buffers = SharedBuffers.of(group, (2, *k.shape), k.dtype, work, ring.n)
-    if buffers is not None:
-        return _SharedRing(group, positions, buffers)
-    if engine == "shared":
+    if buffers is None:
         raise ValueError("ring_attention: engine 'shared' needs CPU tensors and a cp group on "
                          f"one host (fastpar.init'ed); got {k.device} tensors")
-    return ring
+    return _SharedRing(group, positions, buffers)
 
 
 def _step_blocks(r: int, j: int, s: int, c: int, causal: bool):
