@@ -28,6 +28,7 @@ fastpar.checkpoint export`` writes the serial layout).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import math
@@ -48,6 +49,20 @@ __all__ = ["Trainer", "main", "parse_args", "model_config", "lr_lambda"]
 class Trainer:
     """Everything one rank needs for the run, built once (``Trainer(args)``), then ``run()``."""
 
+    @staticmethod
+    def choose_cp_type(args, topo) -> str:
+        """``--cp-type auto``: ``nn.context.choose_type`` for this model and layout (the same
+        answer on every rank: it reads only the flags and the host map), said by rank 0."""
+        from fastpar.nn.context import choose_type
+
+        cfg = model_config(argparse.Namespace(**{**vars(args), "cp_type": "ring"}))
+        same_host = len({topo.hosts[r] for r in topo.ranks("cp")}) == 1
+        kind, why = choose_type(cfg.heads, cfg.num_kv_heads, topo.cp_size, tp=topo.tp_size,
+                                same_host=same_host, dropout=cfg.dropout > 0)
+        if topo.rank == 0 and topo.cp_size > 1:
+            print(f"[fastpar.train] note: --cp-type auto chose {kind}: {why}", flush=True)
+        return kind
+
     def __init__(self, args):
         import fastpar
         from fastpar.models import gpt_layers, gpt_loss
@@ -57,6 +72,8 @@ class Trainer:
         self.args = args
         self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                                         timeout=args.timeout)
+        if args.cp_type == "auto":
+            args.cp_type = self.choose_cp_type(args, topo)
         self.cfg = cfg = model_config(args)
         self.microbatches = check_layout(args, topo, cfg)
         self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]

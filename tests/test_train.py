@@ -13,8 +13,8 @@ One launch per world size runs several short trainings in turn (``Trainer(...).r
 Loss curves must agree with the serial one to a relative 1e-3 (the issue's bound; in practice
 ~1e-7), bf16 layouts the bf16 serial one as closely relative to bf16's roundoff
 (``check_bf16_layouts``), and the same-layout resume bitwise in both dtypes. A bf16 run stays
-within its derived drift of the float32 run over 100 steps. Then, under mpirun: a killed rank ends the job
-quickly, named; SIGINT while checkpoints are being written leaves a loadable one.
+within its derived drift of the float32 run over 100 steps. Then, under mpirun: a killed rank
+ends the job quickly, named; SIGINT while checkpoints are being written leaves a loadable one.
 """
 
 import math
@@ -50,6 +50,7 @@ def body_runs(runs):
             records = trainer.run()
             out[name] = [[r["step"], r["loss"], r.get("val_loss")] for r in records]
             out[name + ":memory"] = trainer.memory_rows  # every rank's, gathered
+            out[name + ":cp_type"] = trainer.args.cp_type  # --cp-type auto: what it chose
         except ValueError as exc:
             out[name] = f"ValueError: {exc}"
         finally:
@@ -310,16 +311,17 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
 
 
 def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
-    """--cp 2 trains the serial curve: ring attention beside dp 2, Ulysses under pp 2 (the
-    pipeline carries (B, T/cp, H)), ring under tp 2 (each tp rank's heads over the cp ring) with
-    ZeRO-1 sharding over dp x cp (here the cp pair);
+    """--cp 2 trains the serial curve: ring attention beside dp 2, Ulysses under pp 2 (chosen
+    by --cp-type auto; the pipeline carries (B, T/cp, H)), ring under tp 2 (each tp rank's heads
+    over the cp ring) with ZeRO-1 sharding over dp x cp (here the cp pair);
     a checkpoint saved at cp 2 resumes on one process (cp shards no parameter) and continues
     the curve. The memory prediction (T/cp tokens per rank) stays within its 10%."""
     ck = str(tmp_path / "cp")
     step5 = os.path.join(ck, "step_00000005")
     four = run_ranks(4, body_runs, runs=[
         ("cp2dp2.ring", ["--cp", "2", "--save", ck, "--save-every", "5"]),
-        ("cp2pp2.ulysses", ["--cp", "2", "--cp-type", "ulysses", "--pp", "2"]),
+        # --cp-type auto: the tiny model's 4 heads divide by cp 2 in one host: Ulysses
+        ("cp2pp2.ulysses", ["--cp", "2", "--cp-type", "auto", "--pp", "2"]),
         ("cp2tp2.ring.zero", ["--cp", "2", "--tp", "2", "--zero"])], timeout=240).values()
     assert all(v == four[0] for v in four), "ranks disagree"
     four = four[0]
@@ -334,6 +336,8 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
         assert abs(four[name][-1][2] - serial[-1][2]) < PARITY * serial[-1][2], name
         check_memory_rows(name, four[name + ":memory"], 4)  # T/cp tokens, dp x cp for ZeRO
     assert [s for s, _, _ in one["serial.resume.cp2"]] == list(range(6, 11))
+    chosen = [four[n + ":cp_type"] for n in ("cp2dp2.ring", "cp2pp2.ulysses")]
+    assert chosen == ["ring", "ulysses"], chosen
     assert_parity("serial.resume.cp2", one["serial.resume.cp2"], serial)
 
 

@@ -29,11 +29,11 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--cp", type=int, default=1,
       help="context-parallel size: each sequence is split over cp ranks (load-balanced chunks), "
            "which see the same batch rows; gradients are averaged over dp x cp")
-    a("--cp-type", default="ring", choices=["ring", "ulysses"],
+    a("--cp-type", default="ring", choices=["ring", "ulysses", "auto"],
       help="context-parallel attention: ring (K/V passed around the cp group; any head count, "
            "across hosts, with dropout) or ulysses (all-to-all to heads and back; heads / tp "
-           "must be divisible by cp; in a host the faster and lighter: bench/context.py, "
-           "nn.context.choose_type)")
+           "must be divisible by cp; in a host the faster and lighter: bench/context.py); "
+           "auto: nn.context.choose_type's pick for this layout, said at the start")
     a("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
     a("--microbatches", type=int, default=None, help="per step (default: 2 x pp, at least 1)")
     a("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
@@ -173,8 +173,12 @@ def check_args(p, args) -> None:
         p.check(dp % args.ep == 0, f"--ep {args.ep} does not divide dp {dp} (world {world} / "
                                    f"(tp {args.tp} x pp {args.pp})): experts are sharded over "
                                    "ep ranks inside dp")
+        # --cp-type auto is chosen once the hosts are known (Trainer.choose_cp_type); it picks
+        # Ulysses only where the ring's checks and Ulysses's both pass, so check the ring's
+        checked = argparse.Namespace(**{**vars(args), "cp_type": "ring"}) \
+            if args.cp_type == "auto" else args
         try:
-            layout_checks(args, model_config(args), args.tp, args.pp, dp, args.cp)
+            layout_checks(checked, model_config(checked), args.tp, args.pp, dp, args.cp)
         except ValueError as exc:
             p.error(str(exc))
 
