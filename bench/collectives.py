@@ -13,8 +13,8 @@ of all_to_all: each rank's buffer, equal splits). The ``memcpy`` line is this ma
 the same bytes on every rank at once; for all_reduce and all_to_all, the summary's ``bound`` is
 that copy time as a fraction of the fastest engine's time (a rank must at least read its input
 and write its result: one copy; for all_to_all every byte crossing once). ``--symmetric`` adds a line
-"shm (symmetric)" for all_reduce and reduce_scatter of a ``comm.symmetric_empty`` input and
-all_gather into a symmetric output (no staging copies; its JSON records carry
+"shm (symmetric)" for all_reduce, reduce_scatter and all_to_all of a ``comm.symmetric_empty``
+input and all_gather into a symmetric output (no staging copies; its JSON records carry
 ``"symmetric": true``).
 
 More ranks than cores (a laptop): set ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` so idle MPICH ranks sleep.
@@ -97,12 +97,12 @@ def slowest(value: float, topo) -> float:
     return t.item()
 
 
-SYMMETRIC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+SYMMETRIC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def make_call(op, backend, count, dtype, topo, fill, symmetric=False, quant=None):
     """A closure running one collective of ``count`` elements per rank's buffer (see sizes);
-    ``symmetric``: the all_reduce / reduce_scatter input, or the all_gather output, comes from
+    ``symmetric``: the all_reduce / reduce_scatter / all_to_all input, or the all_gather output, comes from
     ``comm.symmetric_empty``; ``quant``: a ``comm.Quant`` (int8 on the wire) or None."""
     n, rank, device = topo.world_size, topo.rank, topo.device
     if op == "sendrecv":

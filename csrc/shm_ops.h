@@ -27,6 +27,9 @@ void shm_all_reduce_symmetric(int64_t comm, at::Tensor& t, at::IntArrayRef slots
                               const std::string& op);
 // out: this rank's symmetric buffer of world blocks, its own block filled; slots as above.
 void shm_all_gather_symmetric(int64_t comm, at::Tensor& out, at::IntArrayRef slots, int64_t sig);
+// in: this rank's symmetric buffer of world equal blocks; out: a plain tensor of in's bytes.
+void shm_all_to_all_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRef slots,
+                              at::Tensor& out, int64_t sig);
 // in: this rank's symmetric buffer of world blocks; out may be in's block of this rank.
 void shm_reduce_scatter_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRef slots,
                                   at::Tensor& out, const std::string& op);

@@ -159,6 +159,36 @@ def gather_and_scatter_cases(me, n, digests):
     if calls != want or not 0 < want["all_gather_symmetric"] < 4 * len(COUNTS) or \
             not 0 < want["reduce_scatter_symmetric"] < 2 * cases:
         bad.append(f"symmetric paths taken {calls}, expected {want} of {cases}")
+    return bad + all_to_all_cases(me, n)
+
+
+def all_to_all_cases(me, n):
+    """all_to_all (equal splits) of a symmetric input, into a new tensor and into ``out=``,
+    bitwise the copying path's, the input left as it was; all_to_all_v of the same input takes
+    the copying kernel, still right. ``count`` rows of 3 per destination."""
+    import torch
+
+    from fastpar import comm
+    from fastpar.comm.engines import SYMMETRIC_ALL_TO_ALL_MIN
+    from fastpar.comm.shm import ShmCommunicator
+
+    calls = count_calls(ShmCommunicator, "all_to_all_symmetric")
+    bad, want = [], 0
+    for dtype in (torch.float32, torch.bfloat16):  # a copy: the element size is what matters
+        for count in (7, 20011, 300007):  # under SYMMETRIC_ALL_TO_ALL_MIN, then over
+            g = torch.Generator().manual_seed(11 * me + count)
+            whole = (torch.randn(n * count, 3, generator=g) * 100).to(dtype)
+            x = comm.symmetric_empty(n * count, 3, dtype=dtype).copy_(whole)
+            ref = comm.all_to_all(whole)  # the copying path
+            got = comm.all_to_all(x)
+            into = comm.all_to_all(x, out=torch.full_like(whole, -1))
+            v = comm.all_to_all_v(x, [count] * n)
+            want += 2 * (whole.nbytes >= SYMMETRIC_ALL_TO_ALL_MIN)
+            if not all(torch.equal(t.view(torch.uint8), ref.view(torch.uint8))
+                       for t in (got, into, v)) or not torch.equal(x, whole):
+                bad.append(f"all_to_all {dtype} {count}")
+    if calls["all_to_all_symmetric"] != want or not 0 < want < 12:
+        bad.append(f"symmetric all_to_all taken {calls}, expected {want}")
     return bad
 
 

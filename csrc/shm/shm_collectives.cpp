@@ -38,6 +38,7 @@ const char* kind_name(Kind k) {
     case Kind::QuantAllGather: return "all_gather (int8)";
     case Kind::QuantReduceScatter: return "reduce_scatter (int8)";
     case Kind::AllToAll: return "all_to_all";
+    case Kind::AllToAllSymmetric: return "all_to_all (symmetric)";
   }
   return "?";
 }

@@ -124,6 +124,11 @@ void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, O
 // (Implemented in shm_symmetric.cpp, like the other two symmetric calls.)
 void all_gather_symmetric(Comm& c, void* const* slots, size_t bytes, uint64_t sig = 0);
 
+// Equal-split all-to-all over symmetric inputs of world*bytes per rank: block p of `out` is
+// block r (this rank) of slots[p]; each byte is read once and written once, no copy in.
+// `out` must not be a symmetric input of this call (peers read those until the exit signal).
+void all_to_all_symmetric(Comm& c, void* const* slots, void* out, size_t bytes, uint64_t sig = 0);
+
 // Over symmetric inputs of world*count elements: out[0:count] = op over ranks p, in rank order,
 // of slots[p][rank*count : (rank+1)*count]; bitwise reduce_scatter's result. `out` may be this
 // rank's own block of its input (slots[rank] + rank*count).

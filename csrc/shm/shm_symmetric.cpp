@@ -67,6 +67,23 @@ void all_gather_symmetric(Comm& c, void* const* slots, size_t bytes, uint64_t si
   signal_and_wait(c, Kind::AllGatherSymmetric);  // exit: nobody reads my part any more
 }
 
+void all_to_all_symmetric(Comm& c, void* const* slots, void* out, size_t bytes, uint64_t sig) {
+  const Desc d = begin_call(c, Kind::AllToAllSymmetric, DType::F32, Op::Sum, bytes, 0, sig);
+  char* to = static_cast<char*>(out);
+  const size_t mine = size_t(c.rank) * bytes;
+  if (c.world == 1) {
+    std::memmove(to, static_cast<const char*>(slots[0]), bytes);
+    return;
+  }
+  first_round_sync(c, d);  // entry: every input in place
+  ++c.rounds;
+  for (int i = 0; i < c.world; ++i) {  // from the next rank on: the ranks read different slots
+    const int p = (c.rank + i) % c.world;
+    std::memcpy(to + size_t(p) * bytes, static_cast<const char*>(slots[p]) + mine, bytes);
+  }
+  signal_and_wait(c, Kind::AllToAllSymmetric);  // exit: nobody reads my input any more
+}
+
 void reduce_scatter_symmetric(Comm& c, void* const* slots, void* out, size_t count, DType dt,
                               Op op) {
   const Desc d = begin_call(c, Kind::ReduceScatterSymmetric, dt, op, count, 0);

@@ -105,6 +105,7 @@ class ShmCommunicator:
         self._all_reduce_symmetric = self._ops.shm_all_reduce_symmetric.default
         self._all_gather = self._ops.shm_all_gather.default
         self._all_gather_symmetric = self._ops.shm_all_gather_symmetric.default
+        self._all_to_all_symmetric = self._ops.shm_all_to_all_symmetric.default
         self._reduce_scatter_symmetric = self._ops.shm_reduce_scatter_symmetric.default
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
@@ -160,6 +161,12 @@ class ShmCommunicator:
     def all_gather_symmetric(self, out: torch.Tensor, slots: list[int], sig: int) -> None:
         """``out``: this rank's symmetric buffer of ``world`` blocks, its own block filled."""
         self._call("all_gather", self._all_gather_symmetric, out, slots, sig)
+
+    def all_to_all_symmetric(self, inp: torch.Tensor, slots: list[int],
+                             out: torch.Tensor) -> None:
+        """Equal splits; ``inp``: this rank's symmetric buffer of ``world`` blocks, read by the
+        peers where it lies (no copy in); ``out``: a plain tensor of its shape."""
+        self._call("all_to_all", self._all_to_all_symmetric, inp, slots, out, signature(inp))
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
         self._call("reduce_scatter", self._reduce_scatter, inp, out, op)
