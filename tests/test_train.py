@@ -311,9 +311,9 @@ def test_moe_layouts_train_alike_and_experts_reshard(tmp_path):
 
 
 def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
-    """--cp 2 trains the serial curve: ring attention beside dp 2, Ulysses under pp 2 (chosen
-    by --cp-type auto; the pipeline carries (B, T/cp, H)), ring under tp 2 (each tp rank's heads
-    over the cp ring) with ZeRO-1 sharding over dp x cp (here the cp pair);
+    """--cp 2 trains the serial curve: ring attention beside dp 2, Ulysses (chosen by --cp-type
+    auto) and the ring under pp 2 (the pipeline carries (B, T/cp, H)), ring under tp 2 (each tp
+    rank's heads over the cp ring) with ZeRO-1 sharding over dp x cp (here the cp pair);
     a checkpoint saved at cp 2 resumes on one process (cp shards no parameter) and continues
     the curve. The memory prediction (T/cp tokens per rank) stays within its 10%."""
     ck = str(tmp_path / "cp")
@@ -322,6 +322,7 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
         ("cp2dp2.ring", ["--cp", "2", "--save", ck, "--save-every", "5"]),
         # --cp-type auto: the tiny model's 4 heads divide by cp 2 in one host: Ulysses
         ("cp2pp2.ulysses", ["--cp", "2", "--cp-type", "auto", "--pp", "2"]),
+        ("cp2pp2.ring", ["--cp", "2", "--pp", "2"]),  # the ring inside the pipeline too
         ("cp2tp2.ring.zero", ["--cp", "2", "--tp", "2", "--zero"])], timeout=240).values()
     assert all(v == four[0] for v in four), "ranks disagree"
     four = four[0]
@@ -329,7 +330,7 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
         "--resume", step5])], timeout=120).values()[0]
     serial = one["serial"]
     assert len(serial) == 10 and serial[-1][1] < serial[0][1] - 0.5, serial  # it learns
-    for name in ("cp2dp2.ring", "cp2pp2.ulysses", "cp2tp2.ring.zero"):
+    for name in ("cp2dp2.ring", "cp2pp2.ulysses", "cp2tp2.ring.zero", "cp2pp2.ring"):
         assert [s for s, _, _ in four[name]] == list(range(1, 11)), name
         assert_parity(name, four[name], serial)
         assert four[name][-1][2] is not None  # the validation loss, averaged over dp x cp
