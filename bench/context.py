@@ -24,9 +24,9 @@ Activation bytes per rank: ``saved`` is what autograd keeps for the backward, co
 ``_Memory`` rule; q, k, v count where the attention saves them). ``peak`` is the most memory
 the call holds at once beyond what it started with (forward, backward and the input gradients
 it returns), from the allocator's events recorded by ``torch.profiler(profile_memory=True)`` in
-one extra, untimed rep: it shows the (T/cp)^2 score blocks that the ring's block math (and the
-float64 reference) materialise and flash-style SDPA does not. The target (issue 25) is
-``saved`` at cp N within 10% of cp 1's / N.
+one extra, untimed rep. Without dropout every row runs torch's fused CPU attention (the ring
+per block, ``context_math._fused``): no (T/cp)^2 scores are held, so the peak is O(T/cp). The
+target (issue 25) is ``saved`` at cp N within 10% of cp 1's / N.
 
 Every row is checked before it is timed: its output and q, k, v gradients (this rank's slice)
 against SDPA in float64 on the whole sequence, within ``fastpar.testing``'s bound (8 x the
@@ -56,9 +56,10 @@ reported: ``in flight`` says whether the transfers travel behind the compute (gl
 on its I/O threads); ``hidden`` what they still cost, since on 2 cores those threads take their
 cycles from the attention (``fastpar/nn/context_ring.py``); on a GPU, NCCL's copies do not.
 
-Left out by design: a row whose score blocks would not fit (``--mem-gib`` per job, estimated
-as 6 live (T/cp)^2 float32 blocks per rank for the ring, the float64 reference and sdpa
-flash-style, O(T)); it is printed as skipped with the estimate.
+Left out by design: a row whose score blocks would not fit (``--mem-gib`` per job; none does
+since every row here runs fused attention, O(T) memory; the estimate is kept for a ring with
+dropout, whose written-out blocks hold 6 (T/cp)^2 float32 blocks per rank); it is printed as
+skipped with the estimate.
 """
 
 import json
@@ -176,10 +177,11 @@ def attend(kind: str, engine: str, group, q, k, v):
     return context.ulysses_attention(q, k, v, group, causal=True)
 
 
-def score_bytes(kind: str, seq: int, cp: int, heads: int) -> int:
-    """A rank's estimated peak of (T/cp)^2 blocks: 6 float32 blocks of the ring's first step
-    (scores, mask, probabilities and their gradients in the backward); 0 for flash SDPA."""
-    if kind != "ring":
+def score_bytes(kind: str, seq: int, cp: int, heads: int, dropout: bool = False) -> int:
+    """A rank's estimated peak of (T/cp)^2 blocks: 6 float32 blocks of the written-out ring's
+    first step (scores, mask, probabilities and their gradients in the backward) where it runs
+    with dropout; 0 for fused attention (every row here: no dropout)."""
+    if kind != "ring" or not dropout:
         return 0
     return 6 * BATCH * heads * (seq // cp) ** 2 * 4
 

@@ -228,10 +228,11 @@ def choose_type(heads: int, kv_heads: int, cp: int, *, tp: int = 1, same_host: b
 
     ``heads``, ``kv_heads``: the model's; ``tp``: tensor parallelism splitting them first;
     ``same_host``: whether the cp group's ranks share a host; ``dropout``: attention dropout on.
-    Ulysses runs torch's fused attention on H/cp heads of the whole sequence (O(T) memory, the
-    fastest on the CPU host measured) but needs the heads per tp rank divisible by cp and does
-    not hide its all-to-alls; the ring takes any head count, sends only Hkv heads of K/V, and
-    hides its transfers behind the attention, but its block math holds (T/cp)^2 scores a step."""
+    Ulysses runs torch's fused attention on H/cp heads of the whole sequence (one kernel call,
+    the faster at long sequences on the CPU host measured) but needs the heads per tp rank
+    divisible by cp and does not hide its all-to-alls; the ring takes any head count, sends only
+    Hkv heads of K/V and keeps their transfers in flight behind the attention (fused per block
+    without dropout: O(T/cp) memory; with dropout its written-out blocks hold (T/cp)^2)."""
     if min(heads, kv_heads, cp, tp) < 1 or heads % kv_heads:
         raise ValueError(f"choose_type: heads {heads}, kv heads {kv_heads}, cp {cp}, tp {tp} "
                          "must be positive, heads a multiple of kv heads")
@@ -241,11 +242,11 @@ def choose_type(heads: int, kv_heads: int, cp: int, *, tp: int = 1, same_host: b
                         f"divisible by cp {cp}: Ulysses cannot split them")
     if dropout:
         return "ring", ("attention dropout: Ulysses's written-out core holds (B, H/cp, T, T) "
-                        "probabilities; the ring holds (T/cp)^2 blocks")
+                        "probabilities; the ring holds (T/cp)^2 blocks a step")
     if not same_host:
         return "ring", ("the cp group spans hosts: the ring's K/V transfers overlap the "
                         "attention, Ulysses's all-to-alls wait on the link")
     repeats = _kv_repeats(local, max(kv_heads // tp, 1), cp)
     note = f" (kv heads repeated {repeats}x for the all-to-all)" if repeats > 1 else ""
-    return "ulysses", ("heads divide by cp inside one host: fused attention on H/cp heads, "
-                       f"O(T) memory, no (T/cp)^2 blocks{note}")
+    return "ulysses", ("heads divide by cp inside one host: one fused attention on H/cp "
+                       f"heads of the whole sequence{note}")

@@ -95,10 +95,32 @@ def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
     return s
 
 
+def _fused(q, keep) -> bool:
+    """Whether a block runs in torch's fused CPU attention (flash-style: no (Tq, Tk) scores
+    held; it returns the block's log-sum-exp, and its backward takes the whole attention's
+    output and log-sum-exp, which is what a block's share of the gradients needs). Without
+    dropout only: the fused kernel cannot apply the position-hash mask."""
+    return keep is None and q.device.type == "cpu"
+
+
+def _heads(q, t):
+    """q (B, Hkv, G, Tq, D) -> (B*Hkv, G, Tq, D); t (B, Hkv, 1, Tk, D) -> (B*Hkv, G, Tk, D)
+    (each kv head repeated for its G query heads: the fused kernel takes equal head counts)."""
+    B, hkv, G = q.shape[:3]
+    return (q.reshape(B * hkv, G, *q.shape[3:]),
+            t.expand(B, hkv, G, *t.shape[3:]).reshape(B * hkv, G, *t.shape[3:]))
+
+
 def block_forward(q, k, v, scale: float, causal: bool, keep, p: float):
     """``(o, lse)`` of one block: q (B, Hkv, G, Tq, D), k, v (B, Hkv, 1, Tk, D) in the working
     dtype; ``keep`` None or bool (B, Hkv, G, Tq, Tk) with drop probability ``p``. Every row
-    must see at least one key (true of every block ``fastpar.nn.context`` forms)."""
+    must see at least one key (true of every block ``fastpar.nn.context`` forms). Without
+    dropout on the CPU: torch's fused kernel (``_fused``); else written out."""
+    if _fused(q, keep):
+        qf, kf = _heads(q, k)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qf, kf, _heads(q, v)[1], 0.0, causal, attn_mask=None, scale=scale)
+        return o.view(q.shape), lse.view(q.shape[:-1])
     s = _scores(q, k, scale, causal)  # (B, Hkv, G, Tq, Tk)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Tq)
     prob = torch.exp(s - lse[..., None])
@@ -107,10 +129,21 @@ def block_forward(q, k, v, scale: float, causal: bool, keep, p: float):
     return prob @ v, lse  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq)
 
 
-def block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, keep, p: float):
-    """``(dq, dk, dv)`` of one block's share (module docstring): ``do`` (B, Hkv, G, Tq, D),
-    ``lse`` and ``delta`` (B, Hkv, G, Tq) of the whole attention (merged over all blocks);
-    dk, dv (B, Hkv, 1, Tk, D) summed over the G query heads of each kv head."""
+def block_backward(q, k, v, do, o, lse, delta, scale: float, causal: bool, keep, p: float):
+    """``(dq, dk, dv)`` of one block's share (module docstring): ``do`` and ``o`` (B, Hkv, G,
+    Tq, D), ``lse`` and ``delta`` = rowsum(do * o) (B, Hkv, G, Tq) of the whole attention
+    (merged over all blocks); dk, dv (B, Hkv, 1, Tk, D) summed over the G query heads of each
+    kv head. Without dropout on the CPU, torch's fused backward given the whole attention's
+    ``o`` and ``lse`` (it forms delta itself)."""
+    if _fused(q, keep):
+        qf, kf = _heads(q, k)
+        flat = (q.shape[0] * q.shape[1], *q.shape[2:])
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.reshape(flat), qf, kf, _heads(q, v)[1], o.reshape(flat),
+            lse.reshape(flat[:-1]).contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+        kv_shape = (*q.shape[:3], *k.shape[3:])
+        return (dq.view(q.shape), dk.view(kv_shape).sum(2, keepdim=True),
+                dv.view(kv_shape).sum(2, keepdim=True))
     s = _scores(q, k, scale, causal)
     prob = torch.exp(s - lse[..., None])  # (B, Hkv, G, Tq, Tk): 0 where masked
     dprob = do @ v.transpose(-1, -2)  # d(dropped probabilities)
@@ -162,10 +195,10 @@ class LocalAttention(torch.autograd.Function):
         hkv = k.shape[1]
         keep = None if not p else keep_mask(seed, p, B, heads, pos, pos).view(
             B, hkv, H // hkv, T, T)
-        do = grouped(dout.to(work), hkv)
-        delta = (do * grouped(out.to(work), hkv)).sum(-1)
+        do, o = grouped(dout.to(work), hkv), grouped(out.to(work), hkv)
+        delta = (do * o).sum(-1)
         dq, dk, dv = block_backward(grouped(q.to(work), hkv), k.to(work)[:, :, None],
-                                    v.to(work)[:, :, None], do, lse, delta, scale, causal,
+                                    v.to(work)[:, :, None], do, o, lse, delta, scale, causal,
                                     keep, p)
         return (dq.reshape(q.shape).to(q.dtype), dk[:, :, 0].to(k.dtype),
                 dv[:, :, 0].to(v.dtype), None, None, None, None, None, None)

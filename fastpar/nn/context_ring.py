@@ -277,8 +277,8 @@ class RingAttention(torch.autograd.Function):
         B, H = q.shape[:2]
         hkv, c, r, n = k.shape[1], q.shape[2] // 2, ring.index, ring.n
         q5 = grouped(q.to(work), hkv)
-        do = grouped(dout.to(work), hkv)  # (B, Hkv, G, T/n, D)
-        delta = (do * grouped(out.to(work), hkv)).sum(-1)  # (B, Hkv, G, T/n)
+        do, o5 = grouped(dout.to(work), hkv), grouped(out.to(work), hkv)  # (B, Hkv, G, T/n, D)
+        delta = (do * o5).sum(-1)  # (B, Hkv, G, T/n)
         dq = torch.zeros_like(q5)
         heads = torch.arange(H, device=q.device)
         my_pos = ring.positions(r).to(q.device)
@@ -291,8 +291,8 @@ class RingAttention(torch.autograd.Function):
             keep = _step_keep(ring, j, rows, cols, my_pos, heads, hkv, B, seed, p)
             dq_b, dk_b, dv_b = block_backward(
                 q5[..., rows, :], kv[0, :, :, None, cols].to(work),
-                kv[1, :, :, None, cols].to(work), do[..., rows, :], lse[..., rows],
-                delta[..., rows], scale, diag, keep, p)
+                kv[1, :, :, None, cols].to(work), do[..., rows, :], o5[..., rows, :],
+                lse[..., rows], delta[..., rows], scale, diag, keep, p)
             dq[..., rows, :] += dq_b
             share = torch.zeros((2, *k.shape), dtype=work, device=k.device)  # block j's
             share[0, :, :, cols] = dk_b[:, :, 0]
