@@ -165,7 +165,8 @@ def gather_and_scatter_cases(me, n, digests):
 def all_to_all_cases(me, n):
     """all_to_all (equal splits) of a symmetric input, into a new tensor and into ``out=``,
     bitwise the copying path's, the input left as it was; all_to_all_v of the same input takes
-    the copying kernel, still right. ``count`` rows of 3 per destination."""
+    the copying kernel (counts could be equal on one rank and not another), still right;
+    ``out=`` the input itself, plain or symmetric, still right. ``count`` rows of 3 per destination."""
     import torch
 
     from fastpar import comm
@@ -183,11 +184,17 @@ def all_to_all_cases(me, n):
             got = comm.all_to_all(x)
             into = comm.all_to_all(x, out=torch.full_like(whole, -1))
             v = comm.all_to_all_v(x, [count] * n)
-            want += 2 * (whole.nbytes >= SYMMETRIC_ALL_TO_ALL_MIN)
+            want += 3 * (whole.nbytes >= SYMMETRIC_ALL_TO_ALL_MIN)  # got, into, out=x
+            if not torch.equal(x, whole):
+                bad.append(f"all_to_all {dtype} {count}: the input changed")
+            # out= the input itself (peers read it while it would be written): through a new
+            # tensor, plain and symmetric alike
+            plain = whole.clone()
+            same = [comm.all_to_all(plain, out=plain), comm.all_to_all(x, out=x)]
             if not all(torch.equal(t.view(torch.uint8), ref.view(torch.uint8))
-                       for t in (got, into, v)) or not torch.equal(x, whole):
+                       for t in (got, into, v, *same)) or same[1].data_ptr() != x.data_ptr():
                 bad.append(f"all_to_all {dtype} {count}")
-    if calls["all_to_all_symmetric"] != want or not 0 < want < 12:
+    if calls["all_to_all_symmetric"] != want or not 0 < want < 18:
         bad.append(f"symmetric all_to_all taken {calls}, expected {want}")
     return bad
 

@@ -27,8 +27,9 @@ import operator
 import torch
 import torch.distributed as dist
 
+from fastpar.comm import symmetric
 from fastpar.comm.collectives import Handle, _check_tensor, _done, _route
-from fastpar.comm.engines import adapter
+from fastpar.comm.engines import SYMMETRIC_ALL_TO_ALL_MIN, adapter
 from fastpar.comm.flat import byte_view
 
 
@@ -65,6 +66,7 @@ def _exchange(name, t, send, recv, group, async_op, out=None):
                          "tensor")
     route = _route("all_to_all", t, group)
     n, rows = len(route.ranks), t.shape[0]
+    equal = send is None  # all_to_all: alike on every rank, unlike the counts of all_to_all_v
     if send is None:
         if rows % n:
             raise ValueError(f"{name}: dim 0 of size {rows} is not divisible by the group "
@@ -93,11 +95,43 @@ def _exchange(name, t, send, recv, group, async_op, out=None):
             raise ValueError(f"{name}: recv_counts {recv} differ from send_counts {send} on a "
                              "group of one rank")
         if out is not None:
-            return _done(out.copy_(t), async_op), send, send
+            return _done(out.copy_(t.clone() if _overlaps(out, t) else t), async_op), send, send
         return _done(t, async_op), send, send
     inp = t.contiguous()
-    out, recv, work = adapter(route.engine).all_to_all(route, inp, send, recv, out, async_op)
+    alias = None
+    if out is not None and _overlaps(out, inp):  # peers read inp while out is written: the
+        alias, out = out, None                   # result goes through a new tensor
+    sym = _symmetric(route, inp) if equal else None
+    if sym is not None:  # every rank reads its block of each peer's input where it lies
+        out = torch.empty_like(inp) if out is None else out
+        route.comm.all_to_all_symmetric(inp, sym.slots, out)
+        work = None
+    else:
+        out, recv, work = adapter(route.engine).all_to_all(route, inp, send, recv, out,
+                                                           async_op)
+    if alias is not None:
+        result = out
+        if async_op and work is not None:
+            return Handle(alias, work, lambda: alias.copy_(result)), send, recv
+        out = alias.copy_(result)
     return (Handle(out, work) if async_op else out), send, recv
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors on one device share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.device == b.device and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def _symmetric(route, inp: torch.Tensor):
+    """The segment of a whole symmetric input of this group that the shm engine's symmetric
+    all-to-all takes (equal splits, from ``SYMMETRIC_ALL_TO_ALL_MIN`` bytes), else None. Every
+    rank decides alike: the registry entry and the size are the group's, made collectively;
+    the caller passes only plain ``all_to_all`` calls (equal splits by the call, not by counts
+    that one rank's could match and another's not)."""
+    if route.engine != "shm" or inp.nbytes < SYMMETRIC_ALL_TO_ALL_MIN:
+        return None
+    return symmetric.lookup(inp, route.group)
 
 
 def all_to_all(t: torch.Tensor, group=None, async_op: bool = False, *, out=None):

@@ -23,8 +23,6 @@ before they return. Inputs are contiguous; ``op`` is a name ("sum", ...).
 
 from __future__ import annotations
 
-import torch
-
 from fastpar.comm import symmetric
 from fastpar.comm.flat import Mpi, Torch
 from fastpar.comm.shm import signature as shm_signature
@@ -36,8 +34,8 @@ from fastpar.comm.shm import signature as shm_signature
 SYMMETRIC_ALL_REDUCE_MIN = 16 << 10
 SYMMETRIC_GATHER_MIN = 64 << 10
 SYMMETRIC_SCATTER_MIN = 256 << 10
-SYMMETRIC_ALL_TO_ALL_MIN = 64 << 10  # the input's bytes; the copying kernel's single copy
-# (process_vm_readv) starts at 64 KiB per pair too
+SYMMETRIC_ALL_TO_ALL_MIN = 64 << 10  # the input's bytes (alltoall.py); the copying kernel's
+# single copy (process_vm_readv) starts at 64 KiB per pair too
 
 class Native:
     """A fastpar communicator with the collectives' own names and arguments (in place, group
@@ -101,27 +99,6 @@ class Shm(Native):
         if sym is None:
             return Native.reduce_scatter(route, inp, out, op, async_op)
         route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
-
-    @staticmethod
-    def all_to_all(route, inp, send, recv, out, async_op):
-        """Equal splits of a whole symmetric input: every rank copies its block of each peer's
-        input straight into its output (peers' memory read where it lies, one memcpy per
-        byte); anything else, the copying kernel."""
-        equal = recv is not None and send == recv and len(set(send)) == 1
-        sym = symmetric.lookup(inp, route.group) \
-            if equal and inp.nbytes >= SYMMETRIC_ALL_TO_ALL_MIN else None
-        if sym is None or (out is not None and _overlaps(out, inp)):
-            return Native.all_to_all(route, inp, send, recv, out, async_op)
-        if out is None:
-            out = torch.empty_like(inp)
-        route.comm.all_to_all_symmetric(inp, sym.slots, out)
-        return out, recv, None
-
-
-def _overlaps(a, b) -> bool:
-    """Whether two contiguous CPU tensors share bytes."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 class CudaIpc:
