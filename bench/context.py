@@ -50,11 +50,14 @@ ring spends blocked inside its waits (K/V and dK/dV) per direction, and
 
     in flight = clamp(1 - waited / transfer, 0, 1)
 
-the share of the transfers that had already arrived when the compute before their wait ended.
-Target (issue 25): >= 70% hidden at cp 2 on 2 cores where the engine is asynchronous. Both are
-reported: ``in flight`` says whether the transfers travel behind the compute (gloo moves them
-on its I/O threads); ``hidden`` what they still cost, since on 2 cores those threads take their
-cycles from the attention (``fastpar/nn/context_ring.py``); on a GPU, NCCL's copies do not.
+a ratio of times: the wait left after the compute against what the transfers take alone
+(``kv``: the K/V blocks only, each timed alone from its shift to its arrival; the dK/dV sums'
+waits also hold the neighbour's lag, since a sum leaves only when the neighbour's step ends).
+It says whether the engine moved the transfers while the rank computed (gloo's I/O threads),
+not what they cost: on 2 cores those threads take their cycles from the attention, which only
+``hidden`` counts (on a GPU, NCCL's copies do not). Target (issue 25): >= 70% hidden at cp 2 on
+2 cores where the engine is asynchronous; the targets list carries ``hidden`` as the target and
+the K/V ``in flight`` beside it, marked as the asynchrony's diagnostic.
 
 Left out by design: a row whose score blocks would not fit (``--mem-gib`` per job; none does
 since every row here runs fused attention, O(T) memory; the estimate is kept for a ring with
@@ -226,9 +229,10 @@ def timed(base):
 
 
 def transfers_alone(ring, kv, dkv) -> None:
-    """The p2p ring's forward and backward shifts and waits in its order, with no compute:
-    forward n-1 K/V shifts; backward per step a K/V shift, the previous dK/dV wait, a dK/dV
-    shift, the K/V wait, then the last dK/dV wait (``context_ring``)."""
+    """The p2p ring's forward and backward transfers with no compute: forward n-1 K/V shifts;
+    backward per step a K/V shift and its wait, then the previous dK/dV wait and a dK/dV shift,
+    then the last dK/dV wait (the ring posts the step's K/V shift first and waits for it last:
+    here each K/V transfer is timed alone, for ``kv_span``)."""
     from fastpar.nn.context_ring import TAG_KV
 
     n = ring.n
@@ -240,12 +244,10 @@ def transfers_alone(ring, kv, dkv) -> None:
     ring.stamp("begin", "backward")
     ring.start(kv)
     for s in range(n):
-        if s < n - 1:
-            nxt, h = ring.shift(kv, TAG_KV)
-        ring.add_share(dkv.clone(), 0)
-        if s < n - 1:
+        if s < n - 1:  # the K/V shift and its wait alone (the K/V span: their time alone)
+            kv, h = ring.shift(kv, TAG_KV)
             h.wait()
-            kv = nxt
+        ring.add_share(dkv.clone(), 0)  # then the dK/dV partial sum's
     ring.grads()
     ring.stamp("end", "backward")
 
@@ -508,9 +510,9 @@ def report(args, n, rows, hidden, skipped, load_start, load_end) -> None:
     steps = [line for entry in hidden for line in summarise_hidden(entry)]
     for line in steps:
         if line["part"] == "both" and line["cp"] == 2:
-            targets.append({"target": f"p2p ring (gloo) at cp 2: >= {TARGET_HIDDEN:.0%} of its "
-                                      "K/V transfers in flight behind compute (1 - K/V waited "
-                                      "/ K/V transfers alone)",
+            targets.append({"target": f"diagnostic, p2p ring (gloo) at cp 2: K/V wait after "
+                                      f"compute <= {1 - TARGET_HIDDEN:.0%} of their time alone "
+                                      "(the engine asynchronous)",
                             "where": f"T={line['seq']}", "measured": line["kv_in_flight"],
                             "met": line["kv_in_flight"] >= TARGET_HIDDEN})
             ok = line["hidden"] is not None and line["meaningful"]

@@ -51,12 +51,14 @@ class Trainer:
 
     @staticmethod
     def choose_cp_type(args, topo) -> str:
-        """``--cp-type auto``: ``nn.context.choose_type`` for this model and layout (the same
-        answer on every rank: it reads only the flags and the host map), said by rank 0."""
+        """``--cp-type auto``: ``nn.context.choose_type`` for this model and layout, said by
+        rank 0. One answer for the whole job (every rank reads the same flags and host map):
+        "in one host" means every cp group is, so that no group runs another type."""
         from fastpar.nn.context import choose_type
 
         cfg = model_config(argparse.Namespace(**{**vars(args), "cp_type": "ring"}))
-        same_host = len({topo.hosts[r] for r in topo.ranks("cp")}) == 1
+        same_host = all(len({topo.hosts[r] for r in ranks}) == 1
+                        for ranks in topo.grid.groups("cp"))
         kind, why = choose_type(cfg.heads, cfg.num_kv_heads, topo.cp_size, tp=topo.tp_size,
                                 same_host=same_host, dropout=cfg.dropout > 0)
         if topo.rank == 0 and topo.cp_size > 1:
