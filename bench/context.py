@@ -561,11 +561,11 @@ def report(args, n, rows, hidden, skipped, load_start, load_end) -> None:
               "range; ?: spread > transfer, the fraction is noise; sync = median(shared - "
               "compute): the shared engine moves nothing, so it hides nothing; this is what its "
               "barriers cost; waited: the p2p ring's time blocked in its waits (K/V and dK/dV), in "
-              "flight = 1 - waited / transfer: the share of the transfers that had arrived when "
-              "the compute before their wait ended (gloo's I/O threads move them meanwhile; on "
-              "2 cores they take those cycles from the attention, which 'exposed' counts); the "
+              "flight = 1 - waited / transfer (a ratio of times: the wait left after the compute "
+              "against the transfers alone; gloo's I/O threads move them meanwhile, and on 2 "
+              "cores take those cycles from the attention, which only 'exposed' counts); the "
               "dK/dV sums' waits also hold the neighbour's lag (its step must end before its "
-              "sum leaves), so kv: the K/V blocks alone (sent as a step starts)")
+              "sum leaves), so kv: the K/V blocks alone, each timed from shift to arrival")
     for t in targets:
         m = t["measured"]
         shown = "n/a" if m is None else f"{m:.1%}"
