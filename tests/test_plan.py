@@ -177,3 +177,21 @@ def test_command_line_errors_are_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0] == (
         "python -m fastpar plan: error: --explain tp8.pp1.dp1: cannot run: tp 8 x cp 1 x pp 1 "
         "x dp 1 = 8, not the 4 ranks (see --help)"), r.stderr
+
+
+@pytest.mark.parametrize("preset,change", [
+    ("small", {}), ("small", {"memory_bytes": 30 * 2**20}),
+    ("tiny", {"hosts": 2, "ranks_per_host": 2, "inter": Link(5e-5, 1e8)}),
+    ("small", {"ranks_per_host": 8, "memory_bytes": 60 * 2**20})])
+def test_pruned_search_is_the_exhaustive_one(preset, change):
+    cfg, cluster = PRESETS[preset], dataclasses.replace(CLUSTER, **change)
+    full = search(cfg, cluster, 16, dtype=torch.float32)
+    pred = P.Predictor(cfg, cluster, 16, dtype=torch.float32)
+    for p in full.all():  # the bound the search prunes with is a bound
+        assert pred.lower_bound(p.layout) <= p.step_time_s * (1 + 1e-12), p.layout.name
+    for k in (1, 3, 10):
+        pruned = search(cfg, cluster, 16, dtype=torch.float32, top=k)
+        assert [(p.layout, p.step_time_s, p.memory) for p in pruned.ranked] == \
+            [(p.layout, p.step_time_s, p.memory) for p in full.ranked[:k]]
+        assert pruned.dropped == full.dropped
+        assert pruned.predicted < len(full.all()) or len(full.ranked) <= k

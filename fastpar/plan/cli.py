@@ -57,6 +57,8 @@ def parse_args(argv):
     a("--gemm-efficiency", type=float, default=0.7, help="cluster from flags: of peak")
     a("--top", type=int, default=10, help="layouts printed (default 10)")
     a("--json", default=None, help="write every predicted layout here")
+    a("--all", action="store_true", help="predict every layout (default: the search prunes "
+      "to the --top fastest that fit; --json then holds the layouts predicted in full)")
     a("--explain", default=None, metavar="LAYOUT", help="every term of one layout, e.g. "
       "tp2.pp2.dp1.zero1.full.1f1b.mb8")
     args = p.parse_args(argv)
@@ -225,17 +227,25 @@ def main(argv=None) -> int:
         print("\n".join(explain(pred, cfg, cluster)))
         preds = [pred]
     else:
-        result = search(cfg, cluster, args.global_batch, dtype=dtype)
+        result = search(cfg, cluster, args.global_batch, dtype=dtype,
+                        top=None if args.all else args.top)
         preds = result.all()
-        print(f"{len(result.ranked) + len(result.too_big) + len(result.dropped)} layouts: "
-              f"{len(result.ranked)} fit, {len(result.too_big)} over memory, "
-              f"{len(result.dropped)} cannot run")
+        if args.all:
+            print(f"{len(result.ranked) + len(result.too_big) + len(result.dropped)} layouts: "
+                  f"{len(result.ranked)} fit, {len(result.too_big)} over memory, "
+                  f"{len(result.dropped)} cannot run")
+        else:
+            print(f"{result.predicted + result.pruned + len(result.dropped)} layouts: "
+                  f"{len(result.dropped)} cannot run; of the others the search predicted "
+                  f"{result.predicted} (the rest are provably slower than row {args.top}), "
+                  f"{len(result.too_big) + result.over_state} of them faster but over memory")
         if result.ranked:
             print("\n".join(table(result.ranked[:args.top], cluster.memory_bytes)))
         unit, uname = _unit(cluster.memory_bytes)
         if result.too_big:
-            print(f"over memory ({len(result.too_big)}; the closest {min(3, len(result.too_big))}"
-                  f" of the budget {cluster.memory_bytes / unit:.2f} {uname}):")
+            print(f"over memory ({len(result.too_big)}{'' if args.all else ' faster ones'}; the "
+                  f"closest {min(3, len(result.too_big))} of the budget "
+                  f"{cluster.memory_bytes / unit:.2f} {uname}):")
             for q in result.too_big[:3]:
                 print(f"  {q.layout.name}: pipeline rank {q.memory_rank} needs "
                       f"{q.memory_total / unit:.2f} {uname}, over by "

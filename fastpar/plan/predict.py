@@ -88,18 +88,28 @@ def memory_by_rank(cfg: GPTConfig, lay: Layout, global_batch: int, dtype) -> lis
         for r in range(lay.pp)]
 
 
+@functools.lru_cache(maxsize=16)
+def _lists(schedule: str, pp: int, m: int, v: int) -> tuple:
+    return tuple(SCHEDULES[schedule](pp, m, r, v) for r in range(pp))
+
+
 def _ends(schedule: str, pp: int, m: int, v: int, cost) -> tuple[list[float], float]:
     """Each rank's end time and the busy total, from the timeline of the real lists."""
-    lists = [SCHEDULES[schedule](pp, m, r, v) for r in range(pp)]
+    lists = [list(x) for x in _lists(schedule, pp, m, v)]
     spans = simulate(lists, cost=cost)
     ends = [row[-1][1] if row else 0.0 for row in spans]
     return ends, sum(b - a for row in spans for a, b, _ in row)
 
 
+def extended(pp: int, m: int, v: int) -> bool:
+    """Whether ``pipeline_ends`` extends the timeline from its steady state."""
+    return not (m * v * 3 <= SIMULATE_MAX or m <= 4 * pp)
+
+
 def pipeline_ends(schedule: str, pp: int, m: int, v: int, cost) -> tuple[list[float], float]:
     """``_ends``, or for long lists the ends at two counts one period (pp microbatches) apart,
     extended linearly to ``m`` (the busy total is exact: every microbatch costs the same)."""
-    if m * v * 3 <= SIMULATE_MAX or m <= 4 * pp:
+    if not extended(pp, m, v):
         return _ends(schedule, pp, m, v, cost)
     m0, m1 = 2 * pp, 3 * pp
     e0, b0 = _ends(schedule, pp, m0, v, cost)
@@ -110,69 +120,252 @@ def pipeline_ends(schedule: str, pp: int, m: int, v: int, cost) -> tuple[list[fl
 
 def predict(cfg: GPTConfig, lay: Layout, cluster: Cluster, global_batch: int, *, dtype,
             overlap_dp: bool = False) -> Prediction:
-    """The prediction of ``lay`` (a layout ``layouts.why_not`` accepts). ``overlap_dp``: the reduction overlaps the
-    step's compute (FSDP-style prefetch: not what fastpar's trainer does, for published
-    systems that do). Attention's kernel: ``cluster.causal_skip``."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    cfg = model_for(cfg, lay)
-    pp, v, m = lay.pp, lay.virtual_stages, lay.microbatches
-    bounds = stage_bounds(cfg, lay.tp, lay.ep, pp * v)
-    rows = global_batch // lay.dp // m  # sequences per microbatch
-    kw = dict(tp=lay.tp, cp=lay.cp, ep=lay.ep, rows=rows, esize=esize,
-              causal_skip=cluster.causal_skip)
-    layer = {}
-    for i in range(cfg.layers + 2):
-        kind = 0 if i == 0 else cfg.layers + 1 if i == cfg.layers + 1 else \
-            ("moe" if cfg.is_moe(i) else "block")
-        if kind not in layer:
-            layer[kind] = costs.layer_work(cfg, cluster, index=i, **kw)
-        layer[i] = layer[kind]
-    stages = []  # per model stage: {"layers", "f", "i", "w", "send"}
-    for s in range(pp * v):
-        works = [layer[i] for i in range(bounds[s], bounds[s + 1])]
-        send = costs.p2p_time(cfg, cluster, tp=lay.tp, cp=lay.cp, dp=lay.dp, stage=s % pp,
-                              rows=rows, esize=esize) if pp > 1 else 0.0
-        stages.append({"layers": (bounds[s], bounds[s + 1]), "f": sum(w.f for w in works),
-                       "i": sum(w.i for w in works), "w": sum(w.w for w in works),
-                       "send": send})
-    last = pp * v - 1
+    """The prediction of ``lay`` (a layout ``layouts.why_not`` accepts). ``overlap_dp``: the
+    reduction overlaps the step's compute (FSDP-style prefetch: not what fastpar's trainer
+    does, for published systems that do). Attention's kernel: ``cluster.causal_skip``."""
+    return Predictor(cfg, cluster, global_batch, dtype=dtype,
+                     overlap_dp=overlap_dp).predict(lay)
 
-    def cost(rank: int, a) -> float:
-        st = stages[a.chunk * pp + rank]
-        s = a.chunk * pp + rank
-        fwd_send = st["send"] if s < last else 0.0
-        bwd_send = stages[s - 1]["send"] if s > 0 else 0.0  # the gradient goes back one hop
-        return {"F": st["f"] + fwd_send, "I": st["i"] + bwd_send, "W": st["w"],
-                "B": st["i"] + st["w"] + bwd_send}[a.kind]
-    ends, busy = pipeline_ends(lay.schedule, pp, m, v, cost)
-    makespan = max(ends)
-    bubble = 1 - busy / (pp * makespan) if makespan > 0 else 0.0
-    memory = memory_by_rank(cfg, lay, global_batch, dtype)
-    per_rank = []
-    for r in range(pp):
-        layers = [i for c in range(v) for i in range(bounds[c * pp + r], bounds[c * pp + r + 1])]
-        elements = sum(n for i in layers for n in memory_plan.layer_tensors(cfg, lay.tp, i,
-                                                                             lay.ep))
-        shard = -(-elements // (lay.dp * lay.cp)) if lay.zero else elements
-        red = costs.reduction_terms(cluster, zero=lay.zero, elements=elements, shard=shard,
-                                    tp=lay.tp, cp=lay.cp, dp=lay.dp, esize=esize)
+
+class Predictor:
+    """``predict`` for many layouts of one (model, cluster, batch), each piece computed once:
+    the per-layer costs by shape (tp, cp, ep, recompute, microbatch rows), the stage table by
+    cut, the action lists and the timeline by (schedule, pp, microbatches, v, stage costs;
+    ZeRO stages share it), the per-rank reduction by (zero, grid). ``lower_bound`` is what
+    the search prunes with."""
+
+    def __init__(self, cfg: GPTConfig, cluster: Cluster, global_batch: int, *, dtype,
+                 overlap_dp: bool = False):
+        self.cfg, self.cluster, self.global_batch = cfg, cluster, global_batch
+        self.dtype, self.overlap_dp = dtype, overlap_dp
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self._memo: dict = {}
+
+    def _cached(self, key, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    # ---- the pieces -------------------------------------------------------------------------
+
+    def _layer(self, recompute: str, tp: int, cp: int, ep: int, rows: int, index: int):
+        L = self.cfg.layers
+        kind = "embedding" if index == 0 else "head" if index == L + 1 else \
+            ("moe" if self.cfg.is_moe(index) else "block")
+        key = ("layer", recompute, tp, cp, ep, rows, kind)
+        if key not in self._memo:
+            cfg = model_for(self.cfg, Layout(tp=tp, pp=1, dp=1, cp=cp, recompute=recompute))
+            self._memo[key] = costs.layer_work(cfg, self.cluster, index=index, tp=tp, cp=cp,
+                                               ep=ep, rows=rows, esize=self.esize,
+                                               causal_skip=self.cluster.causal_skip)
+        return self._memo[key]
+
+    def bounds(self, tp: int, ep: int, stages: int) -> tuple:
+        """``stage_bounds``, once per cut."""
+        return self._cached(("bounds", tp, ep, stages),
+                            lambda: stage_bounds(self.cfg, tp, ep, stages))
+
+    def rank_layers(self, lay: Layout) -> list[list[int]]:
+        """The layers of each pipeline rank (its chunks in order)."""
+        bounds = self.bounds(lay.tp, lay.ep, lay.pp * lay.virtual_stages)
+        return self._cached(("rank layers", bounds, lay.pp), lambda: [
+            [i for c in range(lay.virtual_stages)
+             for i in range(bounds[c * lay.pp + r], bounds[c * lay.pp + r + 1])]
+            for r in range(lay.pp)])
+
+    def elements(self, lay: Layout) -> list[int]:
+        """Parameters of each pipeline rank (its tp shard)."""
+        def count():
+            per_layer = [sum(memory_plan.layer_tensors(self.cfg, lay.tp, i, lay.ep))
+                         for i in range(self.cfg.layers + 2)]
+            return [sum(per_layer[i] for i in layers) for layers in self.rank_layers(lay)]
+        return self._cached(("elements", lay.tp, lay.ep, lay.pp, lay.virtual_stages), count)
+
+    def stages(self, lay: Layout):
+        """``(layer works by index, stages, bounds)``: per model stage ``{"layers", "f", "i",
+        "w", "send"}`` of one microbatch."""
+        key = ("stages", lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages, lay.dp,
+               lay.microbatches, lay.recompute)
+        return self._cached(key, lambda: self._stages(lay))
+
+    def _stages(self, lay: Layout):
+        cfg = model_for(self.cfg, lay)
+        pp, v = lay.pp, lay.virtual_stages
+        bounds = self.bounds(lay.tp, lay.ep, pp * v)
+        rows = self.global_batch // lay.dp // lay.microbatches  # sequences per microbatch
+        layer = {i: self._layer(lay.recompute, lay.tp, lay.cp, lay.ep, rows, i)
+                 for i in range(cfg.layers + 2)}
+        stages = []
+        for s in range(pp * v):
+            works = [layer[i] for i in range(bounds[s], bounds[s + 1])]
+            send = costs.p2p_time(cfg, self.cluster, tp=lay.tp, cp=lay.cp, dp=lay.dp,
+                                  stage=s % pp, rows=rows, esize=self.esize) if pp > 1 else 0.0
+            stages.append({"layers": (bounds[s], bounds[s + 1]), "f": sum(w.f for w in works),
+                           "i": sum(w.i for w in works), "w": sum(w.w for w in works),
+                           "send": send})
+        return layer, stages, bounds
+
+    def _action_costs(self, lay: Layout, stages: list) -> dict:
+        """``{(rank, chunk, kind): seconds}``: a chunk's compute and the send it makes."""
+        pp, v = lay.pp, lay.virtual_stages
+        last = pp * v - 1
+        out = {}
+        for s, st in enumerate(stages):
+            r, c = s % pp, s // pp
+            fwd = st["send"] if s < last else 0.0
+            bwd = stages[s - 1]["send"] if s > 0 else 0.0  # the gradient goes back one hop
+            out[r, c, "F"] = st["f"] + fwd
+            out[r, c, "I"] = st["i"] + bwd
+            out[r, c, "W"] = st["w"]
+            out[r, c, "B"] = st["i"] + st["w"] + bwd
+        return out
+
+    def action_costs(self, lay: Layout) -> dict:
+        return self._cached(("costs", lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages,
+                             lay.dp, lay.microbatches, lay.recompute),
+                            lambda: self._action_costs(lay, self.stages(lay)[1]))
+
+    def timeline(self, lay: Layout) -> tuple[list[float], float]:
+        """Each pipeline rank's end and the busy total (``pipeline_ends``), shared by layouts
+        that differ only in ZeRO stage."""
+        table = self.action_costs(lay)
+        key = ("timeline", lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages,
+               tuple(sorted(table.items())))
+        return self._cached(key, lambda: self._timeline(lay, table))
+
+    def _timeline(self, lay: Layout, table: dict) -> tuple[list[float], float]:
+        ends, busy = pipeline_ends(lay.schedule, lay.pp, lay.microbatches,
+                                   lay.virtual_stages,
+                                   lambda rank, a: table[rank, a.chunk, a.kind])
+        if extended(lay.pp, lay.microbatches, lay.virtual_stages):
+            # an end extended from the steady state (zb, interleaved: within 1%) is never
+            # below what the rank provably takes (and so never below the search's bound)
+            ends = [max(e, f) for e, f in zip(ends, self.pipeline_floor(lay))]
+        return ends, busy
+
+    def rank_terms(self, lay: Layout) -> list[dict]:
+        """Per pipeline rank: its layers' parameters and the after-pipeline terms (the dp x cp
+        reduction, ZeRO's all-gather, the optimizer), before any overlap."""
+        key = ("ranks", lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages, lay.dp, lay.zero)
+        return self._cached(key, lambda: self._rank_terms(lay))
+
+    def _rank_terms(self, lay: Layout) -> list[dict]:
+        out = []
+        for layers, elements in zip(self.rank_layers(lay), self.elements(lay)):
+            shard = -(-elements // (lay.dp * lay.cp)) if lay.zero else elements
+            red = costs.reduction_terms(self.cluster, zero=lay.zero, elements=elements,
+                                        shard=shard, tp=lay.tp, cp=lay.cp, dp=lay.dp,
+                                        esize=self.esize)
+            out.append({"red": red, "layers": len(layers), "elements": elements})
+        return out
+
+    def _after(self, red: dict, layers: int, pipeline_s: float) -> dict:
+        """The after-pipeline terms of a rank whose pipeline ends at ``pipeline_s``: with
+        ``overlap_dp`` the reduction hides behind the rank's compute but one layer's share."""
         comm_s = sum(t for k, t in red.items() if k != "optimizer")
-        if overlap_dp and comm_s > 0:  # hidden behind the rank's compute but one layer's share
-            hidden = 1 - max(comm_s - ends[r], comm_s / max(1, len(layers))) / comm_s
+        if self.overlap_dp and comm_s > 0:
+            hidden = 1 - max(comm_s - pipeline_s, comm_s / max(1, layers)) / comm_s
             red = {k: t if k == "optimizer" else t * (1 - hidden) for k, t in red.items()}
-        per_rank.append({"pipeline_s": ends[r], **red, "end_s": ends[r] + sum(red.values()),
-                         "elements": elements})
-    step = max(r["end_s"] for r in per_rank)
-    tokens = global_batch * cfg.seq_len
-    totals = [sum(mem.values()) for mem in memory]
-    worst = max(range(pp), key=lambda r: totals[r])
-    fits = totals[worst] <= cluster.memory_bytes
-    terms = {"layer": {k: w for k, w in layer.items() if not isinstance(k, int) or k in (
-        0, cfg.layers + 1)}, "stages": stages, "ranks": per_rank, "makespan_s": makespan,
-        "busy_s": busy, "memory_by_rank": memory, "rows_per_microbatch": rows,
-        "flops_per_token": model_flops_per_token(cfg), "esize": esize}
-    return Prediction(layout=lay, step_time_s=step, tokens_per_s=tokens / step,
-                      mfu=tokens / step * model_flops_per_token(cfg) /
-                      (cluster.peak_flops * lay.ranks), bubble=bubble, memory=memory[worst],
-                      memory_rank=worst, fits=fits, memory_budget=cluster.memory_bytes,
-                      terms=terms)
+        return red
+
+    def lower_bound(self, lay: Layout) -> float:
+        """At most ``predict(lay).step_time_s``, without the timeline or memory: each rank's
+        pipeline end (``pipeline_floor``) plus its after-pipeline terms (which grow with it)."""
+        floor = self.pipeline_floor(lay)
+        return max(end + sum(self._after(t["red"], t["layers"], end).values())
+                   for end, t in zip(floor, self.rank_terms(lay)))
+
+    def pipeline_floor(self, lay: Layout) -> list[float]:
+        """A lower bound on each pipeline rank's end: it cannot start before the first
+        microbatch's forward reaches it (the stages before it, chunk 0) and is then busy with
+        all its own work (every microbatch's F, I, W and sends). Under gpipe and 1f1b every
+        rank ends with the same microbatch's B, which leaves the last rank at its end: rank r
+        ends at least the B of stages pp-2 .. r later. Under zb the last rank's I of the last
+        microbatch follows all its F and I; each rank's then follows the next rank's, and its
+        W follows it. Under interleaved the last rank's B of the last microbatch on its last
+        chunk follows all its F; that microbatch's B then runs down every stage, each rank
+        ending with its chunk 0's."""
+        key = ("floor", lay.schedule, lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages,
+               lay.dp, lay.microbatches, lay.recompute)
+        return self._cached(key, lambda: self._floor(lay))
+
+    def _floor(self, lay: Layout) -> list[float]:
+        pp, v, m = lay.pp, lay.virtual_stages, lay.microbatches
+        t = self.action_costs(lay)
+        ends, head = [], 0.0
+        for r in range(pp):
+            ends.append(head + m * sum(t[r, c, "F"] + t[r, c, "B"] for c in range(v)))
+            head += t[r, 0, "F"]
+        last = pp - 1
+        if v == 1 and lay.schedule in ("gpipe", "1f1b"):
+            after = ends[last]
+            for r in range(last - 1, -1, -1):
+                after += t[r, 0, "B"]
+                ends[r] = max(ends[r], after)
+        elif v == 1 and lay.schedule == "zb":
+            after = head - t[last, 0, "F"] + m * (t[last, 0, "F"] + t[last, 0, "I"])
+            for r in range(last, -1, -1):
+                if r < last:
+                    after += t[r, 0, "I"]
+                ends[r] = max(ends[r], after + t[r, 0, "W"])
+        elif lay.schedule == "interleaved":
+            after = head - t[last, 0, "F"] + m * sum(t[last, c, "F"] for c in range(v)) + \
+                t[last, v - 1, "B"]
+            for s in range(pp * v - 2, -1, -1):
+                after += t[s % pp, s // pp, "B"]
+                if s < pp:
+                    ends[s] = max(ends[s], after)
+        return ends
+
+    def memory_layouts(self, lay: Layout) -> list:
+        """The trainer's ``memory_plan.Layout`` of every pipeline rank of ``lay``."""
+        cfg = model_for(self.cfg, lay)
+        bounds = self.bounds(lay.tp, lay.ep, lay.pp * lay.virtual_stages)
+        return [memory_plan.Layout(
+            cfg, tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp, pp_rank=r, bounds=bounds,
+            schedule=lay.schedule, microbatches=lay.microbatches,
+            rows=self.global_batch // lay.dp, zero=lay.zero, dtype=self.dtype,
+            virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp) for r in range(lay.pp)]
+
+    def state_over_budget(self, lay: Layout) -> bool:
+        """Whether some rank's parameters, gradients, optimizer state and buffers alone
+        (``memory_plan.state_bytes``: no schedule replay) exceed the budget."""
+        return any(sum(memory_plan.state_bytes(m).values()) > self.cluster.memory_bytes
+                   for m in self.memory_layouts(lay))
+
+    # ---- one layout -------------------------------------------------------------------------
+
+    def step(self, lay: Layout) -> tuple[float, list[dict], list[float], float]:
+        """``(step seconds, per-rank terms, pipeline ends, busy)`` without memory."""
+        ends, busy = self.timeline(lay)
+        per_rank = []
+        for r, terms in enumerate(self.rank_terms(lay)):
+            red = self._after(terms["red"], terms["layers"], ends[r])
+            per_rank.append({"pipeline_s": ends[r], **red, "end_s": ends[r] + sum(red.values()),
+                             "elements": terms["elements"]})
+        return max(r["end_s"] for r in per_rank), per_rank, ends, busy
+
+    def predict(self, lay: Layout) -> Prediction:
+        cfg = model_for(self.cfg, lay)
+        layer, stages, _ = self.stages(lay)
+        step, per_rank, ends, busy = self.step(lay)
+        pp = lay.pp
+        makespan = max(ends)
+        bubble = 1 - busy / (pp * makespan) if makespan > 0 else 0.0
+        memory = [memory_plan.predict(m) for m in self.memory_layouts(lay)]
+        tokens = self.global_batch * cfg.seq_len
+        totals = [sum(mem.values()) for mem in memory]
+        worst = max(range(pp), key=lambda r: totals[r])
+        budget = self.cluster.memory_bytes
+        kinds = {0: layer[0], cfg.layers + 1: layer[cfg.layers + 1]}
+        for i in range(1, cfg.layers + 1):
+            kinds.setdefault("moe" if cfg.is_moe(i) else "block", layer[i])
+        terms = {"layer": kinds, "stages": stages, "ranks": per_rank, "makespan_s": makespan,
+                 "busy_s": busy, "memory_by_rank": memory,
+                 "rows_per_microbatch": self.global_batch // lay.dp // lay.microbatches,
+                 "flops_per_token": model_flops_per_token(cfg), "esize": self.esize}
+        return Prediction(layout=lay, step_time_s=step, tokens_per_s=tokens / step,
+                          mfu=tokens / step * model_flops_per_token(cfg) /
+                          (self.cluster.peak_flops * lay.ranks), bubble=bubble,
+                          memory=memory[worst], memory_rank=worst, fits=totals[worst] <= budget,
+                          memory_budget=budget, terms=terms)

@@ -162,7 +162,7 @@ def in_flight_peak(layout: Layout, per_chunk: list[int]) -> int:
     return peak
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=32)
 def _compiled(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> tuple:
     """Every rank's validated action list, compiled once for the pp ranks a caller predicts
     in turn (the planner asks for each rank of a layout)."""
@@ -189,6 +189,14 @@ def _pad(n: int, k: int) -> int:
 
 def predict(layout: Layout) -> dict[str, int]:
     """Peak bytes per category on this rank (see the module docstring)."""
+    out = state_bytes(layout)
+    out["activations"] = activation_bytes(layout)
+    return {k: int(out[k]) for k in CATEGORIES}
+
+
+def state_bytes(layout: Layout) -> dict[str, int]:
+    """``predict`` but activations: what the layout alone fixes, without the schedule's
+    replay (the planner drops a layout whose state alone is over the budget with this)."""
     cfg, tp, d = layout.cfg, layout.tp, layout.dp
     e = torch.empty((), dtype=layout.dtype).element_size()
     bf16 = layout.dtype != torch.float32
@@ -217,6 +225,15 @@ def predict(layout: Layout) -> dict[str, int]:
                    "buffers": 4 * d * max(-(-r // d) for r in runs)}
     if layout.error_feedback and d > 1:  # a float32 copy of what the reduction sends
         out["buffers"] += buckets if layout.zero == 0 else flat
+    return {k: int(v) for k, v in out.items()}
+
+
+def activation_bytes(layout: Layout) -> int:
+    """The activations' peak: each chunk's bytes per microbatch, replayed over the
+    schedule's action list (``in_flight_peak``)."""
+    cfg, tp = layout.cfg, layout.tp
+    e = torch.empty((), dtype=layout.dtype).element_size()
+    chunks = range(layout.virtual_stages)
     rows = layout.rows // layout.microbatches
     if layout.cp > 1:
         # An estimate under context parallelism: every term with the T/cp tokens of this rank's
@@ -231,5 +248,4 @@ def predict(layout: Layout) -> dict[str, int]:
         per_chunk.append(stage_input_bytes(cfg, tp, stage, rows, e) + sum(
             layer_activations(cfg, tp, i, rows, e, first=stage > 0 and i == cut[0])
             for i in cut))
-    out["activations"] = in_flight_peak(layout, per_chunk)
-    return {k: int(out[k]) for k in CATEGORIES}
+    return int(in_flight_peak(layout, per_chunk))
