@@ -5,6 +5,7 @@
     mpirun -np 4 python -m fastpar.train --tp 2 --pp 2 --save ckpt --save-every 50
     mpirun -np 2 python -m fastpar.train --resume ckpt               # any other layout
     mpirun -np 4 python -m fastpar.train --cp 2 --cp-type ulysses --pp 2   # context parallel
+    mpirun -np 4 python -m fastpar.train --layout auto --cluster c.json   # the planner chooses
 
 Each step: the global batch (a pure function of (seed, step): ``fastpar.training.data``) is cut
 into dp slices; ``DataParallel(Pipeline(gpt_layers(cfg)))`` runs the microbatches through the
@@ -71,6 +72,11 @@ class Trainer:
         from fastpar.pipeline import Pipeline
         from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
 
+        self.layout_lines: list[str] = []  # --layout auto: what it chose and why
+        if args.layout == "auto":  # the planner's choice, the same on every rank
+            from fastpar.training.auto_layout import resolve
+
+            args, self.layout_lines = resolve(args)
         self.args = args
         self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                                         timeout=args.timeout)
@@ -277,6 +283,8 @@ class Trainer:
             run_state.resume(self, args.resume)
         run_state.check_save_dir(self)
         if lead:
+            for line in self.layout_lines:
+                print(line, flush=True)
             self.banner()
         metrics = MetricsWriter(args.metrics if lead else None, resume=bool(args.resume),
                                 resume_step=self.start if args.resume else None)

@@ -195,3 +195,28 @@ def test_pruned_search_is_the_exhaustive_one(preset, change):
             [(p.layout, p.step_time_s, p.memory) for p in full.ranked[:k]]
         assert pruned.dropped == full.dropped
         assert pruned.predicted < len(full.all()) or len(full.ranked) <= k
+
+
+def test_layout_auto_refuses_layout_flags_and_chooses_deterministically(tmp_path):
+    from fastpar.training import auto_layout
+    from fastpar.training.args import model_config, parse_args
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "fastpar.train", "--layout", "auto", "--tp", "2",
+                        "--zero", "--recomp", "full"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "python -m fastpar.train: error: --layout auto chooses the layout: drop --tp, --zero, "
+        "--recompute (see --help)"), r.stderr
+    with pytest.raises(ValueError, match="not 2 hosts of equal, consecutive ranks"):
+        auto_layout.job_shape(("a", "b", "a", "b"), 4)
+    assert auto_layout.job_shape(("a", "a", "b", "b"), 4) == (2, 2)
+    args = parse_args(["--preset", "tiny", "--layout", "auto"])
+    cfg = model_config(args)
+    cluster = CLUSTER.with_ranks(1, 2)
+    best = auto_layout.choose(args, cfg, cluster, torch.float32)
+    assert [p.layout.name for p in best] == [p.layout.name for p in search(
+        cfg, cluster, 16, dtype=torch.float32).ranked[:2]]
+    assert best[0].layout.name == "tp1.pp1.dp2.zero1.none.1f1b.mb8"
+    line = auto_layout.say(best[0], 0)
+    assert line.startswith("chose tp1.pp1.dp2.zero1.none.1f1b.mb8 (tp 1 x pp 1 x dp 2, ZeRO-1")

@@ -6,7 +6,8 @@ One launch per world size runs several short trainings in turn (``Trainer(...).r
   (a tp group smaller than the world), pp 2 x dp 2 with ZeRO-1, and tp 2 x pp 2 interleaved with
   tied embeddings, sequence parallelism and the layers' communication overlapped (--overlap on);
   in bf16: tp 2 x pp 2 (saving), its exact resume, tp 2 x dp 2, pp 2 x dp 2;
-- 2 ranks: pp 2, tp 2, dp 2, and dp 2 resumed from the tp 2 x pp 2 checkpoint (resharding); in
+- 2 ranks: --layout auto on fixed calibration data (the planner's choice: dp 2, ZeRO-1, 8
+  microbatches), pp 2, tp 2, dp 2, and dp 2 resumed from the tp 2 x pp 2 checkpoint (resharding); in
   bf16: dp 2, tp 2 with sequence parallelism, dp 2 resumed from the bf16 tp 2 x pp 2 checkpoint;
 - 1 rank: the serial runs (plain, tied, bf16), a resume of the 4-rank checkpoints, and the errors
   for a truncated checkpoint, one of a different model and a batch the layout cannot cut.
@@ -49,6 +50,9 @@ def body_runs(runs):
             trainer = Trainer(parse_args(BASE + argv))
             records = trainer.run()
             out[name] = [[r["step"], r["loss"], r.get("val_loss")] for r in records]
+            a = trainer.args  # the layout it ran (--layout auto: the planner's)
+            out[name + ":layout"] = [a.tp, a.pp, a.cp, a.zero, a.recompute, a.schedule,
+                                     a.virtual_stages, a.microbatches]
             out[name + ":memory"] = trainer.memory_rows  # every rank's, gathered
             out[name + ":cp_type"] = trainer.args.cp_type  # --cp-type auto: what it chose
         except ValueError as exc:
@@ -166,7 +170,12 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     four, ck, ck16, _, ckz1, ckz3 = four_ranks
     step5 = os.path.join(ck, "step_00000005")
     step5b = os.path.join(ck16, "step_00000005")
+    from tests.test_plan import CLUSTER  # fixed speeds: the planner's choice is deterministic
+
+    fixed = str(tmp_path / "cluster.json")
+    CLUSTER.save(fixed)
     two = run_ranks(2, body_runs, runs=[
+        ("auto", ["--layout", "auto", "--cluster", fixed]),
         ("pp2", ["--pp", "2"]), ("tp2", ["--tp", "2"]), ("dp2", []),
         ("dp2.resume", ["--resume", step5]),
         ("dp2.bf16", BF16), ("tp2.sp.bf16", ["--tp", "2", "--sequence-parallel", *BF16]),
@@ -205,8 +214,10 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         assert_parity(name, four[name], serial, bound=1e-3)
     assert_parity("dp4.zero3.tied", four["dp4.zero3.tied"], one["serial.tied"])
     assert_parity("interleaved.tied.sp", four["tp2pp2.interleaved.tied.sp"], one["serial.tied"])
-    for name in ("pp2", "tp2", "dp2"):
+    for name in ("pp2", "tp2", "dp2", "auto"):
         assert_parity(name, two[name], serial)
+    # --layout auto ran the planner's best layout of 2 ranks on the fixed cluster
+    assert two["auto:layout"] == [1, 1, 1, 1, "none", "1f1b", 1, 8], two["auto:layout"]
     # Resume: the same layout continues bitwise; other layouts continue the same curve.
     resumed = curve(four["tp2pp2.resume"])
     assert sorted(resumed) == list(range(6, 11))

@@ -10,7 +10,9 @@ all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on min(ranks
 CPUs) ranks launched with ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by
 least squares. The inter-host link cannot be measured from one host: it comes from
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
-A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's.
+A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
+a CPU the rates are measured by this one process on all the host's cores, so the file says
+``rates_per_host``: the planner gives each of the host's ranks its share.
 """
 
 from __future__ import annotations
@@ -54,13 +56,13 @@ def _timed(fn, device, reps: int, budget_s: float = 2.0) -> float:
     return statistics.median(times)
 
 
-def gemm_points(device, dtype) -> list[tuple]:
+def gemm_points(device, dtype, reps: int = 10, budget_s: float = 2.0) -> list[tuple]:
     shapes = GEMM_SHAPES_GPU if device.type == "cuda" else GEMM_SHAPES_CPU
     out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        t = _timed(lambda: a @ b, device, 10)
+        t = _timed(lambda: a @ b, device, reps, budget_s)
         out.append((m, n, k, 2 * m * n * k / t))
     return out
 
@@ -149,24 +151,32 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
     return Cluster(name=f"calibrated {name}", device=device.type, hosts=hosts,
                    ranks_per_host=ranks_per_host, peak_flops=peak, memory_bytes=memory,
                    membw_Bps=membw, intra=link, inter=inter, gemm_efficiency=0.7,
-                   gemm_points=tuple(gemm), attention_points=tuple(attn))
+                   gemm_points=tuple(gemm), attention_points=tuple(attn),
+                   rates_per_host=device.type == "cpu")
+
+
+def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,
+                budget_s: float = 1.0) -> tuple[list, str]:
+    """Every rank (collective over the world): all_reduce at ``sizes`` on the policy's
+    engine; ``([(bytes, the slowest rank's median seconds)], engine)``."""
+    points, engine = [], ""
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, device=topo.device)
+        engine = comm.engine_for("all_reduce", t)[0]
+        s = torch.tensor([_timed(lambda: comm.all_reduce(t), topo.device, reps,
+                                 budget_s=budget_s)], dtype=torch.float64)
+        comm.all_reduce(s, op="max")
+        points.append((nbytes, s.item()))
+    return points, engine
 
 
 def _link_worker(out: str) -> None:
-    """Each rank: all_reduce at LINK_SIZES on the policy's engine; rank 0 writes the slowest
-    rank's median per size."""
+    """Each rank: ``link_points``; rank 0 writes them."""
     import fastpar
     from fastpar import comm
 
     topo = fastpar.init()
-    points, engine = [], ""
-    for nbytes in LINK_SIZES:
-        t = torch.ones(nbytes // 4, device=topo.device)
-        engine = comm.engine_for("all_reduce", t)[0]
-        s = torch.tensor([_timed(lambda: comm.all_reduce(t), topo.device, 20, budget_s=1.0)],
-                         dtype=torch.float64)
-        comm.all_reduce(s, op="max")
-        points.append((nbytes, s.item()))
+    points, engine = link_points(topo, comm)
     if topo.rank == 0:
         with open(out, "w") as f:
             json.dump({"ranks": topo.world_size, "engine": engine, "points": points}, f)

@@ -21,7 +21,9 @@ A GEMM's rate is the measured point nearest its shape (distance in log m, log n,
 head dim). ``intra`` is one rank's bus bandwidth inside a host (nccl-tests' busbw: a ring
 collective of S bytes over n ranks takes ``steps x alpha + factor(n) x S / busbw``); ``inter``
 is one host's bandwidth to the others (all its NICs together), which the host's ranks share
-when they send at once.
+when they send at once. ``"rates_per_host": true`` (what ``--calibrate`` writes on a CPU): the
+GEMM, attention and memory rates are the whole host's, measured by one process on all its
+cores, and each of the host's ranks gets ``1 / ranks_per_host`` of them.
 """
 
 from __future__ import annotations
@@ -70,6 +72,19 @@ class Cluster:
     attention_efficiency: float = 0.5
     attention_points: tuple = ()  # ((tokens, head_dim, flop/s), ...)
     causal_skip: bool = True  # the attention kernel skips masked blocks (flash); else 4 T^2 hd
+    # the GEMM, attention and memory rates are the whole host's (a CPU's cores, measured by
+    # one process using all of them), shared by its ranks: each gets 1 / ranks_per_host
+    rates_per_host: bool = False
+
+    @property
+    def share(self) -> float:
+        """The part of the measured rates one rank gets when all of its host's ranks run."""
+        return 1.0 / self.ranks_per_host if self.rates_per_host else 1.0
+
+    @property
+    def membw(self) -> float:
+        """One rank's memory bandwidth (``membw_Bps`` x ``share``)."""
+        return self.membw_Bps * self.share
 
     @property
     def ranks(self) -> int:
@@ -84,14 +99,15 @@ class Cluster:
         return self.intra
 
     def gemm_rate(self, m: float, n: float, k: float) -> float:
-        return _nearest(self.gemm_points, (m, n, k)) or self.peak_flops * self.gemm_efficiency
+        return self.share * (_nearest(self.gemm_points, (m, n, k)) or
+                             self.peak_flops * self.gemm_efficiency)
 
     def gemm_time(self, m: float, n: float, k: float) -> float:
         return 2 * m * n * k / self.gemm_rate(m, n, k) if m * n * k else 0.0
 
     def attention_rate(self, tokens: float, head_dim: float) -> float:
-        return _nearest(self.attention_points, (tokens, head_dim)) or \
-            self.peak_flops * self.attention_efficiency
+        return self.share * (_nearest(self.attention_points, (tokens, head_dim)) or
+                             self.peak_flops * self.attention_efficiency)
 
     def with_ranks(self, hosts: int, ranks_per_host: int) -> "Cluster":
         return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host)
@@ -108,6 +124,8 @@ class Cluster:
                              "points": [list(p) for p in self.attention_points],
                              "causal_skip": self.causal_skip},
                "intra": dataclasses.asdict(self.intra)}
+        if self.rates_per_host:
+            out["rates_per_host"] = True
         if self.inter is not None:
             out["inter"] = dataclasses.asdict(self.inter)
         return out
@@ -175,7 +193,8 @@ class Cluster:
                 membw_Bps=num("membw_Bps"), intra=intra, inter=link("inter"),
                 gemm_efficiency=ge, gemm_points=gp, attention_efficiency=ae,
                 attention_points=ap,
-                causal_skip=bool(d.get("attention", {}).get("causal_skip", True)))
+                causal_skip=bool(d.get("attention", {}).get("causal_skip", True)),
+                rates_per_host=bool(d.get("rates_per_host", False)))
         if c.hosts > 1:
             c.link("inter")
         return c

@@ -11,7 +11,7 @@ own shape. Attention's core: 2 T^2 hd FLOPs per head and sequence under a causal
 the kernel skips masked blocks (flash), 4 T^2 hd when it does not, a 1/cp share of it per rank,
 the backward 2.5 x the forward (five products against two). Elementwise ops (norms, residual
 adds, rope, the activation, the loss's softmax; the scores' mask-softmax-dropout where the
-kernel materialises them) move their bytes at ``membw_Bps``, twice in backward.
+kernel materialises them) move their bytes at ``cluster.membw``, twice in backward.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
     nh, q, kv, f = cfg.heads // tp, cfg.heads // tp * hd, cfg.num_kv_heads // tp * hd, \
         cfg.ffn_size // tp
     outside = n // tp if cfg.sequence_parallel else n  # tokens outside the tp regions
-    membw = cluster.membw_Bps
+    membw = cluster.membw
     work = Work()
     act = n * h * esize  # one (n, h) activation: what each tp collective carries
     tp_s = group_time(cluster, "all_reduce", act, tp, 1)
@@ -202,5 +202,5 @@ def reduction_terms(cluster: Cluster, *, zero: int, elements: int, shard: int, t
         out["dp reduce-scatter"] = group_time(cluster, "reduce_scatter", 4 * elements, size,
                                               stride)
         out["dp all-gather"] = group_time(cluster, "all_gather", esize * elements, size, stride)
-    out["optimizer"] = OPTIMIZER_BYTES * shard / cluster.membw_Bps
+    out["optimizer"] = OPTIMIZER_BYTES * shard / cluster.membw
     return out

@@ -366,6 +366,7 @@ class Predictor:
                  "flops_per_token": model_flops_per_token(cfg), "esize": self.esize}
         return Prediction(layout=lay, step_time_s=step, tokens_per_s=tokens / step,
                           mfu=tokens / step * model_flops_per_token(cfg) /
-                          (self.cluster.peak_flops * lay.ranks), bubble=bubble,
+                          (self.cluster.peak_flops * self.cluster.share * lay.ranks),
+                          bubble=bubble,
                           memory=memory[worst], memory_rank=worst, fits=totals[worst] <= budget,
                           memory_budget=budget, terms=terms)

@@ -23,6 +23,11 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
 
     p = Parser(prog="python -m fastpar.train", description=description)
     a = p.add_argument
+    a("--layout", default=None, choices=["auto"],
+      help="auto: the planner chooses tp, pp, cp, ZeRO, recompute, schedule, virtual stages "
+           "and microbatches for this job's ranks and hosts (none of those flags with it)")
+    a("--cluster", default=None, help="with --layout auto: the planner's cluster file (python "
+      "-m fastpar plan --calibrate --cluster FILE writes one); default: a quick calibration")
     a("--tp", type=int, default=1, help="tensor-parallel size")
     a("--pp", type=int, default=1,
       help="pipeline-parallel size (dp = world / (tp x cp x pp))")
@@ -98,6 +103,13 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--timeout", type=float, default=300.0, help="seconds any collective may wait for a peer")
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
     args = p.parse_args(argv)
+    if args.layout == "auto":
+        from fastpar.training.auto_layout import explicit_layout_flags
+
+        given = explicit_layout_flags(p, argv)
+        p.check(not given, f"--layout auto chooses the layout: drop {', '.join(given)}")
+    else:
+        p.check(args.cluster is None, f"--cluster {args.cluster} is for --layout auto")
     check_args(p, args)
     return args
 
@@ -149,7 +161,8 @@ def check_args(p, args) -> None:
             f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
     p.check(args.timeout > 0, f"--timeout must be > 0 seconds (inf: no limit), got "
                               f"{args.timeout}")
-    for flag, path in (("--data", args.data), ("--resume", args.resume)):
+    for flag, path in (("--data", args.data), ("--resume", args.resume),
+                       ("--cluster", args.cluster)):
         p.check(path is None or os.path.exists(path),
                 f"{flag} {path}: no such file or directory")
     from fastpar.pipeline.schedules import compile_schedule
@@ -161,7 +174,7 @@ def check_args(p, args) -> None:
         p.error(f"--schedule {args.schedule} --pp {args.pp} --virtual-stages "
                 f"{args.virtual_stages}: {exc}")
     world = p.launched_world()
-    if world is not None:
+    if world is not None and args.layout != "auto":  # auto: the planner checks its choice
         mp = args.tp * args.pp
         p.check(world % mp == 0,
                 f"--tp {args.tp} x --pp {args.pp} = {mp} does not divide the "
