@@ -12,7 +12,8 @@ least squares. The inter-host link cannot be measured from one host: it comes fr
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
 A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
 a CPU the rates are measured by this one process on all the host's cores, so the file says
-``rates_per_host``: the planner gives each of the host's ranks its share.
+``rates_per_core``: the rates are measured on one thread (on a loaded machine several threads
+wait for each other) and each rank gets its share of the host's cores.
 """
 
 from __future__ import annotations
@@ -86,6 +87,56 @@ def attention_points(device, dtype, head_dim: int = 64, heads: int = 8) -> list[
     return out
 
 
+def host_overheads(cfg, reps: int = 30, budget_s: float = 1.0) -> tuple[float, float, float]:
+    """Host time beyond the math of ``cfg``'s layers, on this process: ``(per block, per
+    embedding or head layer, per parameter tensor)``. The model's forward and backward at one
+    row of 8 tokens (next to no math) with L and 2L blocks: the difference over L is a
+    block's, the rest over 2 an end layer's; then clip + AdamW's step over its tensors."""
+    import fastpar
+    from fastpar import runtime
+
+    own = not runtime.is_initialized()  # the layers need a job (one process here: tp 1)
+    if own:
+        fastpar.init()
+    try:
+        return _overheads(cfg, reps, budget_s)
+    finally:
+        if own:
+            fastpar.shutdown()
+
+
+def _overheads(cfg, reps: int, budget_s: float) -> tuple[float, float, float]:
+    import dataclasses
+
+    from fastpar.models import GPT, gpt_loss
+
+    small = dataclasses.replace(cfg, seq_len=8, recompute="none", context_parallel=None,
+                                sequence_parallel=False)
+    cpu = torch.device("cpu")
+    x = torch.randint(0, cfg.vocab_size, (1, 8))
+    models = [GPT(dataclasses.replace(small, layers=n)) for n in (cfg.layers, 2 * cfg.layers)]
+    rounds = [[], []]  # alternated, so a busy spell of the machine hits both; the fastest
+    for _ in range(reps):  # of each: what the host work costs when it gets the core
+        for j, model in enumerate(models):
+            t0 = time.perf_counter()
+            gpt_loss(models[j](x), x).backward()
+            rounds[j].append(time.perf_counter() - t0)
+    times = [min(r[1:]) for r in rounds]
+    block = max(0.0, (times[1] - times[0]) / cfg.layers)
+    end = max(0.0, times[0] - cfg.layers * block) / 2
+    model = GPT(small)
+    gpt_loss(model(x), x).backward()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-9)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    update()
+    best = min(_timed(update, cpu, 1) for _ in range(reps))
+    return block, end, best / len(params)
+
+
 def memory_bandwidth(device) -> float:
     n = (256 if device.type == "cuda" else 64) * 2**20 // 4
     src = torch.ones(n, device=device)
@@ -129,12 +180,19 @@ def measure_link(ranks: int, timeout: float = 60.0) -> Link | None:
     return Link(alpha, busbw, d["engine"])
 
 
-def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None) -> Cluster:
+def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None,
+              cfg=None) -> Cluster:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    gemm = gemm_points(device, dtype)
-    attn = attention_points(device, dtype)
-    membw = memory_bandwidth(device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # one core's rates (Cluster.rates_per_core)
+    try:
+        gemm = gemm_points(device, dtype)
+        attn = attention_points(device, dtype)
+        membw = memory_bandwidth(device)
+    finally:
+        torch.set_num_threads(threads)
     if device.type == "cuda":
         from fastpar.train import gpu_peak_flops
 
@@ -143,16 +201,21 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
         memory = torch.cuda.mem_get_info(device)[1]
     else:
         name = "cpu"
-        peak = max(p[-1] for p in gemm)
+        peak = max(p[-1] for p in gemm)  # one core's
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks_per_host
     n = max(2, min(ranks_per_host, os.cpu_count() or 1)) if device.type == "cpu" else \
         min(ranks_per_host, torch.cuda.device_count())
     link = measure_link(n) or Link(2e-6, membw / 2, "memcpy estimate")
+    host = {}
+    if device.type == "cpu":
+        block, end, tensor = host_overheads(cfg) if cfg is not None else (0.0, 0.0, 0.0)
+        host = {"overhead_block_s": block, "overhead_end_s": end, "overhead_tensor_s": tensor,
+                "cpus_per_host": len(os.sched_getaffinity(0))}
     return Cluster(name=f"calibrated {name}", device=device.type, hosts=hosts,
                    ranks_per_host=ranks_per_host, peak_flops=peak, memory_bytes=memory,
                    membw_Bps=membw, intra=link, inter=inter, gemm_efficiency=0.7,
                    gemm_points=tuple(gemm), attention_points=tuple(attn),
-                   rates_per_host=device.type == "cpu")
+                   rates_per_core=device.type == "cpu", **host)
 
 
 def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,

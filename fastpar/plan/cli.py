@@ -93,7 +93,8 @@ def cluster_of(args, p):
         from fastpar.plan.calibrate import calibrate
 
         path = args.cluster or "fastpar_cluster.json"
-        cluster = calibrate(hosts=hosts, ranks_per_host=rph, inter=_inter(args))
+        cluster = calibrate(hosts=hosts, ranks_per_host=rph, inter=_inter(args),
+                            cfg=model_of(args))
         cluster.save(path)
         print(f"[fastpar plan] calibrated this machine: {path}", flush=True)
         return cluster

@@ -21,9 +21,14 @@ A GEMM's rate is the measured point nearest its shape (distance in log m, log n,
 head dim). ``intra`` is one rank's bus bandwidth inside a host (nccl-tests' busbw: a ring
 collective of S bytes over n ranks takes ``steps x alpha + factor(n) x S / busbw``); ``inter``
 is one host's bandwidth to the others (all its NICs together), which the host's ranks share
-when they send at once. ``"rates_per_host": true`` (what ``--calibrate`` writes on a CPU): the
-GEMM, attention and memory rates are the whole host's, measured by one process on all its
-cores, and each of the host's ranks gets ``1 / ranks_per_host`` of them.
+when they send at once. ``"rates_per_core": true`` (what ``--calibrate`` writes on a CPU): the
+GEMM, attention and memory rates are one core's (measured on one thread: several threads on
+a loaded machine wait for each other), and each of a host's ranks gets ``cpus /
+ranks_per_host`` cores of the ``host`` entry's ``cpus``. ``"host": {"block_s",
+"end_s", "tensor_s", "cpus"}`` (``--calibrate`` on a CPU): host time beyond the math, per
+block and per embedding or head layer for a microbatch's forward and backward, per parameter
+tensor for a step's clip and AdamW, measured by one process; with more ranks than ``cpus`` on
+a host each takes ``ranks / cpus`` times as long.
 """
 
 from __future__ import annotations
@@ -72,14 +77,31 @@ class Cluster:
     attention_efficiency: float = 0.5
     attention_points: tuple = ()  # ((tokens, head_dim, flop/s), ...)
     causal_skip: bool = True  # the attention kernel skips masked blocks (flash); else 4 T^2 hd
-    # the GEMM, attention and memory rates are the whole host's (a CPU's cores, measured by
-    # one process using all of them), shared by its ranks: each gets 1 / ranks_per_host
-    rates_per_host: bool = False
+    # the GEMM, attention and memory rates are one core's (a CPU calibration: one thread);
+    # each rank gets cpus_per_host / ranks_per_host cores
+    rates_per_core: bool = False
+    # host time beyond the math (Python, dispatch, autograd; measured on a CPU by
+    # calibrate.host_overheads): per block and per end layer (embedding, head) for one
+    # microbatch's forward and backward, per parameter tensor for a step's clip + AdamW; one
+    # process's, on a core of its own: ranks sharing the host's cpus_per_host cores wait longer
+    overhead_block_s: float = 0.0
+    overhead_end_s: float = 0.0
+    overhead_tensor_s: float = 0.0
+    cpus_per_host: int = 0
 
     @property
     def share(self) -> float:
-        """The part of the measured rates one rank gets when all of its host's ranks run."""
-        return 1.0 / self.ranks_per_host if self.rates_per_host else 1.0
+        """The measured rates one rank gets, in units of them, when all of its host's ranks
+        run: 1, or cores per rank (``rates_per_core``)."""
+        if self.rates_per_core and self.cpus_per_host:
+            return self.cpus_per_host / self.ranks_per_host
+        return 1.0
+
+    @property
+    def overhead_scale(self) -> float:
+        """How much longer host work takes per rank when all the host's ranks run."""
+        return max(1.0, self.ranks_per_host / self.cpus_per_host) if self.cpus_per_host \
+            else 1.0
 
     @property
     def membw(self) -> float:
@@ -124,8 +146,11 @@ class Cluster:
                              "points": [list(p) for p in self.attention_points],
                              "causal_skip": self.causal_skip},
                "intra": dataclasses.asdict(self.intra)}
-        if self.rates_per_host:
-            out["rates_per_host"] = True
+        if self.rates_per_core:
+            out["rates_per_core"] = True
+        if self.cpus_per_host:
+            out["host"] = {"block_s": self.overhead_block_s, "end_s": self.overhead_end_s,
+                           "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host}
         if self.inter is not None:
             out["inter"] = dataclasses.asdict(self.inter)
         return out
@@ -178,6 +203,18 @@ class Cluster:
                                      f"numbers, got {p!r}")
             return eff, tuple(tuple(float(x) for x in p) for p in points)
 
+        def host(src):
+            if src is None:
+                return {}
+            if not isinstance(src, dict):
+                raise ValueError(f"{where}: host must be an object (block_s, end_s, tensor_s, "
+                                 "cpus)")
+            at = f"{where}: host"
+            return {"overhead_block_s": num("block_s", src, at, positive=False),
+                    "overhead_end_s": num("end_s", src, at, positive=False),
+                    "overhead_tensor_s": num("tensor_s", src, at, positive=False),
+                    "cpus_per_host": num("cpus", src, at, integer=True)}
+
         device = d.get("device", "cuda")
         if device not in ("cuda", "cpu"):
             raise ValueError(f"{where}: device must be 'cuda' or 'cpu', got {device!r}")
@@ -194,7 +231,7 @@ class Cluster:
                 gemm_efficiency=ge, gemm_points=gp, attention_efficiency=ae,
                 attention_points=ap,
                 causal_skip=bool(d.get("attention", {}).get("causal_skip", True)),
-                rates_per_host=bool(d.get("rates_per_host", False)))
+                rates_per_core=bool(d.get("rates_per_core", False)), **host(d.get("host")))
         if c.hosts > 1:
             c.link("inter")
         return c

@@ -104,6 +104,11 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
     act = n * h * esize  # one (n, h) activation: what each tp collective carries
     tp_s = group_time(cluster, "all_reduce", act, tp, 1)
     full = cfg.recompute == "full"
+    ov = cluster.overhead_scale * (cluster.overhead_end_s if index in (0, cfg.layers + 1)
+                                   else cluster.overhead_block_s)
+    if ov:  # host work beyond the math: a third forward, two thirds backward (+ recompute)
+        work.add("host overhead", "f", ov / 3)
+        work.add("host overhead", "i", ov * (2 + (full and 0 < index <= cfg.layers)) / 3)
     if index == 0:
         work.add("embedding gather", "f", act / membw)
         if tp > 1:
@@ -189,11 +194,12 @@ def cluster_pp(cluster: Cluster, per_stage: int) -> int:
 
 
 def reduction_terms(cluster: Cluster, *, zero: int, elements: int, shard: int, tp: int,
-                    cp: int, dp: int, esize: int) -> dict:
+                    cp: int, dp: int, esize: int, tensors: int = 0) -> dict:
     """Seconds of the per-step gradient reduction over dp x cp (float32 on every axis) and the
     parameters' all-gather of ZeRO (at ``esize``), after the pipeline's last backward (the
     runtime does not overlap them: which backward is a parameter's last depends on the
-    schedule), and of the optimizer update over this rank's ``shard`` of the elements."""
+    schedule), and of the optimizer update over this rank's ``shard`` of the elements (and the
+host's per-tensor loop over its ``tensors``)."""
     size, stride = dp * cp, tp
     out = {}
     if zero == 0:
@@ -203,4 +209,6 @@ def reduction_terms(cluster: Cluster, *, zero: int, elements: int, shard: int, t
                                               stride)
         out["dp all-gather"] = group_time(cluster, "all_gather", esize * elements, size, stride)
     out["optimizer"] = OPTIMIZER_BYTES * shard / cluster.membw
+    if cluster.overhead_tensor_s:  # the clip's and AdamW's loops over this rank's tensors
+        out["optimizer host"] = cluster.overhead_scale * cluster.overhead_tensor_s * tensors
     return out

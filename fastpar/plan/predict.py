@@ -175,11 +175,16 @@ class Predictor:
 
     def elements(self, lay: Layout) -> list[int]:
         """Parameters of each pipeline rank (its tp shard)."""
+        return [e for e, _ in self.tensors(lay)]
+
+    def tensors(self, lay: Layout) -> list[tuple[int, int]]:
+        """``(parameters, parameter tensors)`` of each pipeline rank (its tp shard)."""
         def count():
-            per_layer = [sum(memory_plan.layer_tensors(self.cfg, lay.tp, i, lay.ep))
+            per_layer = [memory_plan.layer_tensors(self.cfg, lay.tp, i, lay.ep)
                          for i in range(self.cfg.layers + 2)]
-            return [sum(per_layer[i] for i in layers) for layers in self.rank_layers(lay)]
-        return self._cached(("elements", lay.tp, lay.ep, lay.pp, lay.virtual_stages), count)
+            return [(sum(sum(per_layer[i]) for i in layers),
+                     sum(len(per_layer[i]) for i in layers)) for layers in self.rank_layers(lay)]
+        return self._cached(("tensors", lay.tp, lay.ep, lay.pp, lay.virtual_stages), count)
 
     def stages(self, lay: Layout):
         """``(layer works by index, stages, bounds)``: per model stage ``{"layers", "f", "i",
@@ -251,11 +256,11 @@ class Predictor:
 
     def _rank_terms(self, lay: Layout) -> list[dict]:
         out = []
-        for layers, elements in zip(self.rank_layers(lay), self.elements(lay)):
+        for layers, (elements, tensors) in zip(self.rank_layers(lay), self.tensors(lay)):
             shard = -(-elements // (lay.dp * lay.cp)) if lay.zero else elements
             red = costs.reduction_terms(self.cluster, zero=lay.zero, elements=elements,
                                         shard=shard, tp=lay.tp, cp=lay.cp, dp=lay.dp,
-                                        esize=self.esize)
+                                        esize=self.esize, tensors=tensors)
             out.append({"red": red, "layers": len(layers), "elements": elements})
         return out
 

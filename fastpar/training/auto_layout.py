@@ -56,27 +56,34 @@ def job_shape(hosts: tuple, world: int) -> tuple[int, int]:
     return len(order), per
 
 
-def quick_cluster(hosts: int, ranks_per_host: int, link_points: list, link_ranks: int,
+def quick_cluster(cfg, hosts: int, ranks_per_host: int, link_points: list, link_ranks: int,
                   engine: str):
     """This host's speeds, measured now (``plan.calibrate``'s GEMM sweep, attention and
     copy, on this process), with the all-reduce points every rank measured."""
     from fastpar.plan import calibrate
     from fastpar.plan.cluster import Cluster, Link
 
-    device = torch.device("cpu")
-    gemm = calibrate.gemm_points(device, torch.float32, reps=5, budget_s=0.3)
-    attn = calibrate.attention_points(device, torch.float32)
-    membw = calibrate.memory_bandwidth(device)
-    alpha, busbw = calibrate.fit(link_ranks, link_points)
     import os
 
+    device = torch.device("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's rates (Cluster.rates_per_core)
+    try:
+        gemm = calibrate.gemm_points(device, torch.float32, reps=5, budget_s=0.3)
+        attn = calibrate.attention_points(device, torch.float32)
+        membw = calibrate.memory_bandwidth(device)
+    finally:
+        torch.set_num_threads(threads)
+    block, end, tensor = calibrate.host_overheads(cfg, reps=10)
+    alpha, busbw = calibrate.fit(link_ranks, link_points)
     return Cluster(name="quick calibration (fastpar.train --layout auto)", device="cpu",
                    hosts=hosts, ranks_per_host=ranks_per_host,
                    peak_flops=max(p[-1] for p in gemm),
                    memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") /
                    ranks_per_host, membw_Bps=membw, intra=Link(alpha, busbw, engine),
                    inter=None, gemm_points=tuple(gemm), attention_points=tuple(attn),
-                   rates_per_host=True)
+                   rates_per_core=True, overhead_block_s=block, overhead_end_s=end,
+                   overhead_tensor_s=tensor, cpus_per_host=len(os.sched_getaffinity(0)))
 
 
 def choose(args, cfg, cluster, dtype):
@@ -122,11 +129,11 @@ def resolve(args) -> tuple[argparse.Namespace, list[str]]:
             source = "a quick calibration of this host; --cluster FILE takes a saved one"
         choice = [None]
         if topo.rank == 0:
-            if cluster is None:
-                cluster = quick_cluster(hosts, per_host, points, topo.world_size, engine)
             dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
             cfg = dataclasses.replace(model_config(args), recompute="none",
                                       context_parallel=None)
+            if cluster is None:
+                cluster = quick_cluster(cfg, hosts, per_host, points, topo.world_size, engine)
             try:
                 best = choose(args, cfg, cluster, dtype)
                 choice = [(best[0].layout, [say(p, i) for i, p in enumerate(best)], source)]
