@@ -6,8 +6,8 @@
 Measured: GEMM throughput at a sweep of shapes (squares and the tall-skinny shapes of layers:
 many tokens, a few hundred to a thousand features), causal attention (SDPA, forward and
 backward) at a few sequence lengths, a large copy (memory bandwidth), and the intra-host link:
-all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on min(ranks per host,
-CPUs) ranks launched with ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by
+all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on the ranks per host (a
+CPU: even past its cores, as the job runs; a GPU: at most its devices) launched with ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by
 least squares. The inter-host link cannot be measured from one host: it comes from
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
 A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
@@ -203,7 +203,9 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
         name = "cpu"
         peak = max(p[-1] for p in gemm)  # one core's
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks_per_host
-    n = max(2, min(ranks_per_host, os.cpu_count() or 1)) if device.type == "cpu" else \
+    # a CPU: as many ranks as the job puts on a host (more than its cores: each collective
+    # step then waits for peers the scheduler has taken off, which the job's steps pay too)
+    n = max(2, ranks_per_host) if device.type == "cpu" else \
         min(ranks_per_host, torch.cuda.device_count())
     link = measure_link(n) or Link(2e-6, membw / 2, "memcpy estimate")
     host = {}
