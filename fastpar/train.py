@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from fastpar.plan.cluster import gpu_peak_flops
 from fastpar.runtime import hostid
 from fastpar.training import run_state
 from fastpar.training.args import (DEFAULT_STEPS, check_layout, lr_lambda, model_config,
@@ -396,14 +397,6 @@ class Trainer:
 
 
 # Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, SXM parts).
-_PEAKS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-          ("A10", 125e12), ("V100", 125e12))
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    return next((peak for key, peak in _PEAKS if key in name), None)
-
-
 def main(argv=None) -> int:
     import fastpar
 

@@ -194,7 +194,7 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
     finally:
         torch.set_num_threads(threads)
     if device.type == "cuda":
-        from fastpar.train import gpu_peak_flops
+        from fastpar.plan.cluster import gpu_peak_flops
 
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name) or max(p[-1] for p in gemm)

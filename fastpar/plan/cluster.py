@@ -37,6 +37,17 @@ import dataclasses
 import json
 import math
 
+# Dense bf16 peaks by device name (a substring of torch.cuda.get_device_name): the MFU the
+# trainer reports and the peak a GPU calibration assumes.
+_PEAKS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+          ("A10", 125e12), ("V100", 125e12))
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """The dense bf16 peak of the GPU called ``name``, or None for one not in the table."""
+    return next((peak for key, peak in _PEAKS if key in name), None)
+
+
 # ring steps and the bytes factor of each collective of S bytes over n ranks (nccl-tests)
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,

@@ -104,14 +104,29 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--no-progress", action="store_true", help="no progress bar (log lines only)")
     args = p.parse_args(argv)
     if args.layout == "auto":
-        from fastpar.training.auto_layout import explicit_layout_flags
-
         given = explicit_layout_flags(p, argv)
         p.check(not given, f"--layout auto chooses the layout: drop {', '.join(given)}")
     else:
         p.check(args.cluster is None, f"--cluster {args.cluster} is for --layout auto")
     check_args(p, args)
     return args
+
+
+# the flags --layout auto chooses (argparse dest, flag)
+LAYOUT_FLAGS = (("tp", "--tp"), ("pp", "--pp"), ("cp", "--cp"), ("cp_type", "--cp-type"),
+                ("ep", "--ep"), ("schedule", "--schedule"), ("microbatches", "--microbatches"),
+                ("virtual_stages", "--virtual-stages"), ("zero", "--zero"),
+                ("recompute", "--recompute"))
+
+
+def explicit_layout_flags(parser, argv) -> list[str]:
+    """The layout flags present on the command line (abbreviations included): argparse sets
+    a default only where the namespace lacks the attribute, so a sentinel survives for every
+    flag not given."""
+    sentinel = object()
+    probe = argparse.Namespace(**{dest: sentinel for dest, _ in LAYOUT_FLAGS})
+    parser.parse_args(argv, namespace=probe)
+    return [flag for dest, flag in LAYOUT_FLAGS if getattr(probe, dest) is not sentinel]
 
 
 def check_args(p, args) -> None:

@@ -24,23 +24,6 @@ import dataclasses
 
 import torch
 
-# the flags --layout auto chooses (argparse dest, flag)
-LAYOUT_FLAGS = (("tp", "--tp"), ("pp", "--pp"), ("cp", "--cp"), ("cp_type", "--cp-type"),
-                ("ep", "--ep"), ("schedule", "--schedule"), ("microbatches", "--microbatches"),
-                ("virtual_stages", "--virtual-stages"), ("zero", "--zero"),
-                ("recompute", "--recompute"))
-
-
-def explicit_layout_flags(parser, argv) -> list[str]:
-    """The layout flags present on the command line (abbreviations included): argparse sets
-    a default only where the namespace lacks the attribute, so a sentinel survives for every
-    flag not given."""
-    sentinel = object()
-    probe = argparse.Namespace(**{dest: sentinel for dest, _ in LAYOUT_FLAGS})
-    parser.parse_args(argv, namespace=probe)
-    return [flag for dest, flag in LAYOUT_FLAGS if getattr(probe, dest) is not sentinel]
-
-
 def job_shape(hosts: tuple, world: int) -> tuple[int, int]:
     """``(hosts, ranks per host)`` from every rank's host identity; ValueError when the hosts
     hold different numbers of ranks or a host's ranks are not consecutive (the planner's grid
