@@ -18,12 +18,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.multirank import launch
+from tests import background
+from tests.multirank import launch, launch_env
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # set for the child pytest
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed "
                                   "(pip install 'fastpar[triton]')")
+
+
+def BACKGROUND_JOBS(workdir: str) -> dict:
+    """The child pytest of this file under Triton's interpreter (TestParent), started when
+    collection ends (tests.background): one process, no rank, so it runs beside the multi-rank
+    tests instead of after them. Not from the child itself."""
+    if INTERPRETER or not HAVE_TRITON:
+        return {"interpreter": "the child run" if INTERPRETER else "triton is not installed"}
+    env = launch_env(1, {"TRITON_INTERPRET": "1"})
+    return {"interpreter": ["env", *(f"{k}={v}" for k, v in env.items()
+                                     if os.environ.get(k) != v),
+                            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            os.path.abspath(__file__)]}
+
 
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 REFERENCE = {None: lambda z: z, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
@@ -202,11 +217,11 @@ class TestParent:
 
     @needs_triton
     def test_cpu_kernels_under_interpreter(self):
-        proc = launch([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                       os.path.abspath(__file__)], env={"TRITON_INTERPRET": "1"}, timeout=300)
-        print(proc.stdout[-4000:])  # the child's results, shown with -s or on failure
-        assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+        done = background.result(sys.modules[__name__], "interpreter", timeout=300)
+        assert not isinstance(done, str), done
+        print(done.stdout[-4000:])  # the child's results, shown with -s or on failure
+        assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-3000:]
+        assert " passed" in done.stdout.splitlines()[-1], done.stdout[-2000:]
 
     @needs_triton
     def test_cpu_tensors_without_interpreter_say_what_to_set(self):
