@@ -32,7 +32,7 @@ REASON = cluster_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 # pp 4: the tiny preset's 4 layers (embedding, 2 blocks, head), one per stage; each stage has
 # one neighbour on its host (shm rings) and one on the other (torch / gloo)
-STEPS = ["--steps", "10"]  # the serial run's too (the rate schedule depends on the steps)
+STEPS = ["--steps", "6"]  # the serial run's too (the rate schedule depends on the steps)
 TRAIN_RUNS = [("tp2_pp2", ["--tp", "2", "--pp", "2", *STEPS]),
               ("tp2_zero", ["--tp", "2", "--zero", *STEPS]), ("pp4", ["--pp", "4", *STEPS]),
               # ZeRO-3 over dp 4 across the hosts, its weights and gradients int8 on the link
@@ -120,8 +120,8 @@ def test_two_by_two_hierarchical_and_main_job_parity(two_hosts):
         assert len({v["digests"][key] for v in values}) == 1, key
     assert values[0]["engines"]["all_reduce"][1] == \
         "2 hosts x 2 ranks: shm within each host, mpi across"
-    assert len(serial) == 10
-    for name, _ in TRAIN_RUNS:  # int8: within 1e-3 over 10 steps, as in test_train
+    assert len(serial) == 6
+    for name, _ in TRAIN_RUNS:  # int8: within 1e-3 over 6 steps (test_train: 10)
         assert_parity(name, values[0]["train"][name], serial)
     assert [v["p2p"] for v in values[:2]] == [
         ["shm+torch", "shm with rank 1 (this host), torch with rank 3 (host h1)"],
