@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tests import background
-from tests.multirank import launch, launch_env
+from tests.multirank import launch
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # set for the child pytest
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -28,16 +28,8 @@ needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not install
 
 
 def BACKGROUND_JOBS(workdir: str) -> dict:
-    """The child pytest of this file under Triton's interpreter (TestParent), started when
-    collection ends (tests.background): one process, no rank, so it runs beside the multi-rank
-    tests instead of after them. Not from the child itself."""
-    if INTERPRETER or not HAVE_TRITON:
-        return {"interpreter": "the child run" if INTERPRETER else "triton is not installed"}
-    env = launch_env(1, {"TRITON_INTERPRET": "1"})
-    return {"interpreter": ["env", *(f"{k}={v}" for k, v in env.items()
-                                     if os.environ.get(k) != v),
-                            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            os.path.abspath(__file__)]}
+    """TestParent's child pytest under the interpreter, started when collection ends."""
+    return background.interpreter_child(__file__, INTERPRETER, HAVE_TRITON)
 
 
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]

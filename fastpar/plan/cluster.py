@@ -43,6 +43,18 @@ _PEAKS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12)
           ("A10", 125e12), ("V100", 125e12))
 
 
+def read_json(path: str, flag: str):
+    """The JSON in ``path``; ValueError naming ``flag`` and the file when it cannot be read or
+    is not JSON (the planner's files: --cluster, --hf-config)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} {path}: not JSON ({exc})") from None
+
+
 def gpu_peak_flops(name: str) -> float | None:
     """The dense bf16 peak of the GPU called ``name``, or None for one not in the table."""
     return next((peak for key, peak in _PEAKS if key in name), None)
@@ -249,14 +261,7 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str) -> "Cluster":
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except OSError as exc:
-            raise ValueError(f"--cluster {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--cluster {path}: not JSON ({exc})") from None
-        return cls.from_json(d, where=f"--cluster {path}")
+        return cls.from_json(read_json(path, "--cluster"), where=f"--cluster {path}")
 
 
 def _nearest(points, shape) -> float | None:

@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from fastpar.models.config import PRESETS, GPTConfig
+from fastpar.plan.cluster import read_json
 
 # config.json keys read, and the GPTConfig field each sets
 HF_KEYS = {"hidden_size": "hidden", "num_hidden_layers": "layers",
@@ -25,13 +25,7 @@ def hf_config(path: str) -> GPTConfig:
     ``hidden_act`` silu/swish (else GELU), RMSNorm when ``rms_norm_eps`` is given (else
     LayerNorm), rope unless ``position_embedding_type`` says absolute, ``tie_word_embeddings``.
     ValueError naming the file and the key that is missing or wrong."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"--hf-config {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--hf-config {path}: not JSON ({exc})") from None
+    d = read_json(path, "--hf-config")
     if not isinstance(d, dict):
         raise ValueError(f"--hf-config {path}: expected a JSON object")
     missing = [k for k in REQUIRED if k not in d]
