@@ -19,8 +19,9 @@ rank's slice must be two equal chunks); pad the batch to a multiple of 2cp first
 **Attention.** ``ring_attention`` keeps the heads and passes K/V around the group
 (``context_ring.py``: torch isend/irecv, the next block in flight while this one computes,
 the blocks merged by log-sum-exp in float32, float64 for float64 inputs). ``ulysses_attention``
-re-shards: an all-to-all takes q, k, v from (B, H, T/cp, D) to (B, H/cp, T, D) (the full sequence of H/cp heads), put in
-position order, ordinary attention runs, and the inverse all-to-all returns (B, H, T/cp, D).
+re-shards: an all-to-all takes q, k, v from (B, H, T/cp, D) to (B, H/cp, T, D) (the full
+sequence of H/cp heads), put in position order, ordinary attention runs, and the inverse
+all-to-all returns (B, H, T/cp, D).
 Both equal serial ``softmax(q k^T * scale + causal mask) v`` (GQA: query head h uses kv head
 h // (H / Hkv)), forward and every gradient. Each takes ``group`` explicitly (the cp group,
 e.g. ``fastpar.init(cp=N).cp_group``; None is a ``ValueError``) and is autograd-complete.
