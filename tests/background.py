@@ -15,7 +15,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 _WORKDIR: list[str] = []
@@ -45,21 +44,6 @@ class Result:
     def describe(self) -> str:
         return (f"`{' '.join(self.argv)}` exited {self.returncode}:\n"
                 f"{self.stdout[-3000:]}\n{self.stderr[-3000:]}")
-
-
-def interpreter_child(path: str, interpreter: bool, have_triton: bool) -> dict:
-    """``BACKGROUND_JOBS`` of a kernel test file whose CPU checks run in one child pytest of the
-    file under Triton's interpreter (tests/test_kernels.py, test_quant_kernels.py): one
-    process, no rank, so it runs beside the multi-rank tests. Not from the child itself."""
-    if interpreter or not have_triton:
-        return {"interpreter": "the child run" if interpreter else "triton is not installed"}
-    from tests.multirank import launch_env
-
-    env = launch_env(1, {"TRITON_INTERPRET": "1"})
-    return {"interpreter": ["env", *(f"{k}={v}" for k, v in env.items()
-                                     if os.environ.get(k) != v),
-                            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            os.path.abspath(path)]}
 
 
 def workdir() -> str:

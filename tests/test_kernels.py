@@ -18,19 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests import background
 from tests.multirank import launch
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # set for the child pytest
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed "
                                   "(pip install 'fastpar[triton]')")
-
-
-def BACKGROUND_JOBS(workdir: str) -> dict:
-    """TestParent's child pytest under the interpreter, started when collection ends."""
-    return background.interpreter_child(__file__, INTERPRETER, HAVE_TRITON)
-
 
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "silu"]
 REFERENCE = {None: lambda z: z, "relu": F.relu, "gelu": F.gelu, "silu": F.silu,
@@ -209,11 +202,11 @@ class TestParent:
 
     @needs_triton
     def test_cpu_kernels_under_interpreter(self):
-        done = background.result(sys.modules[__name__], "interpreter", timeout=300)
-        assert not isinstance(done, str), done
-        print(done.stdout[-4000:])  # the child's results, shown with -s or on failure
-        assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-3000:]
-        assert " passed" in done.stdout.splitlines()[-1], done.stdout[-2000:]
+        proc = launch([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                       os.path.abspath(__file__)], env={"TRITON_INTERPRET": "1"}, timeout=300)
+        print(proc.stdout[-4000:])  # the child's results, shown with -s or on failure
+        assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
+        assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
     @needs_triton
     def test_cpu_tensors_without_interpreter_say_what_to_set(self):
