@@ -229,6 +229,9 @@ def body_setup_failure():
     import fastpar
     from fastpar import comm
 
+    # A job of its own: MPI_Init first, without fastpar's watchdog, so that the 3 s bound the
+    # segment's set-up and not ranks that finish importing torch seconds apart under load.
+    from mpi4py import MPI  # noqa: F401
     topo = fastpar.init(timeout=3)
     if topo.rank == 1:
         time.sleep(5)  # past rank 0's 3 s timeout, with room for a slow start

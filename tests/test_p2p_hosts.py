@@ -162,6 +162,9 @@ def body_stall():
     from tests.test_pipeline import IN, OUT, _mse
 
     os.environ["FASTPAR_HOST_ID"] = HOSTS[_rank()]
+    # MPI_Init first, without fastpar's watchdog: under load the ranks finish importing torch
+    # seconds apart, and the 1.5 s meant for the stalled stage would also bound MPI_Init.
+    from mpi4py import MPI  # noqa: F401
     fastpar.init(pp=4, timeout=1.5)
 
     class Stall(nn.Module):

@@ -372,6 +372,9 @@ def body_timeout(p2p="auto"):
     from fastpar.comm.p2p import P2PTimeout
     from fastpar.pipeline import Pipeline
 
+    # MPI_Init first, without fastpar's watchdog (as body_stall in test_p2p_hosts): the 3 s are
+    # for the stalled stage, not for ranks that finish importing torch seconds apart under load.
+    from mpi4py import MPI  # noqa: F401
     fastpar.init(pp=2, timeout=3)
 
     class Stall(nn.Module):
