@@ -67,7 +67,9 @@ class Trainer:
             print(f"[fastpar.train] note: --cp-type auto chose {kind}: {why}", flush=True)
         return kind
 
-    def __init__(self, args):
+    def __init__(self, args, cfg=None):
+        """``cfg``: a model other than the flags' (the planner's calibration trains the plan's
+        own model, whose vocabulary and widths have no flags)."""
         import fastpar
         from fastpar.models import gpt_layers, gpt_loss
         from fastpar.pipeline import Pipeline
@@ -83,7 +85,7 @@ class Trainer:
                                         timeout=args.timeout)
         if args.cp_type == "auto":
             args.cp_type = self.choose_cp_type(args, topo)
-        self.cfg = cfg = model_config(args)
+        self.cfg = cfg = model_config(args) if cfg is None else cfg
         self.microbatches = check_layout(args, topo, cfg)
         self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]
         corpus = load_corpus(args.data, cfg.seq_len) if args.data else builtin_corpus()

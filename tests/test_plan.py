@@ -17,7 +17,7 @@ import torch
 from fastpar.models import PRESETS
 from fastpar.plan import cli
 from fastpar.plan import predict as P
-from fastpar.plan.cluster import Cluster, Link
+from fastpar.plan.cluster import Cluster, Link, model_signature
 from fastpar.plan.layouts import Layout, candidates, parse, why_not
 from fastpar.plan.search import search
 from fastpar.training import memory_plan
@@ -130,10 +130,22 @@ def test_long_pipelines_are_extended_from_their_steady_state(monkeypatch, schedu
     assert max(abs(a - b) / a for a, b in zip(full[0], ends)) < exact
 
 
+# A trainer fit for the tiny preset in float32 (the shape of calibrate.trainer_fit's answer)
+FIT = (model_signature(PRESETS["tiny"], 4), (2e-3, 1e-5), (3e-3, 2e-5), 4e-3)
+
+
 def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
     path = tmp_path / "c.json"
     CLUSTER.save(str(path))
     assert Cluster.load(str(path)) == CLUSTER
+    fitted = dataclasses.replace(CLUSTER, trainer_fit=FIT)
+    fitted.save(str(path))
+    assert Cluster.load(str(path)) == fitted
+    d = fitted.to_json()
+    d["trainer"]["block_s"] = [1e-3, -1]
+    with pytest.raises(ValueError, match=r"trainer: block_s must be two numbers >= 0 .*"
+                                         r"got \[0.001, -1\]"):
+        Cluster.from_json(d)
     d = CLUSTER.to_json()
     d["peak_flops"] = -1
     with pytest.raises(ValueError, match=r"peak_flops must be a number > 0, got -1"):
@@ -179,8 +191,68 @@ def test_command_line_errors_are_one_line_exit_2(tmp_path):
         "x dp 1 = 8, not the 4 ranks (see --help)"), r.stderr
 
 
+def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives():
+    """A fit measured on this model (tp 1, no recompute) is each layer's own time: its part per
+    token scales by the rate model's math (tp 2 shards the GEMMs), its part per microbatch
+    does not; tp's collectives stay the rate model's; the step adds the fit's host work. On
+    another model (or element size) the fit does not apply."""
+    cfg = PRESETS["tiny"]
+    cluster = dataclasses.replace(CLUSTER, trainer_fit=FIT)
+    rows, n = 4, 4 * cfg.seq_len
+    plain = P.Predictor(cfg, CLUSTER, 16, dtype=torch.float32)
+    fit = P.Predictor(cfg, cluster, 16, dtype=torch.float32)
+    one = fit._layer("none", 1, 1, 1, rows, 1)
+    assert set(one.terms) == {"f:measured layer (trainer fit)", "i:measured layer (trainer fit)",
+                              "w:measured layer (trainer fit)"}
+    assert one.f + one.i + one.w == pytest.approx(2e-3 + 1e-5 * n)
+    ends = fit._layer("none", 1, 1, 1, rows, 0), fit._layer("none", 1, 1, 1, rows,
+                                                             cfg.layers + 1)
+    assert sum(w.f + w.i + w.w for w in ends) == pytest.approx(3e-3 + 2e-5 * n)
+    two, ref2, ref1 = (fit._layer("none", 2, 1, 1, rows, 1), plain._layer("none", 2, 1, 1, rows, 1),
+                       plain._layer("none", 1, 1, 1, rows, 1))
+
+    def math(w):
+        return sum(t for k, t in w.terms.items() if not k.split(":")[1].startswith(
+            ("tp ", "host overhead")))
+
+    comm = {k: t for k, t in ref2.terms.items() if k.split(":")[1].startswith("tp ")}
+    assert comm and all(two.terms[k] == t for k, t in comm.items())
+    own = two.f + two.i + two.w - sum(comm.values())
+    assert own == pytest.approx(2e-3 + 1e-5 * n * math(ref2) / math(ref1))
+    lay = parse("tp1.pp1.dp4.zero0.none.1f1b.mb2")
+    assert fit.predict(lay).terms is not None
+    assert fit.rank_terms(lay)[0]["red"]["trainer step host"] == 4e-3
+    other = P.Predictor(dataclasses.replace(cfg, hidden=128), cluster, 16, dtype=torch.float32)
+    assert "f:measured layer (trainer fit)" not in other._layer("none", 1, 1, 1, rows, 1).terms
+    bf16 = P.Predictor(cfg, cluster, 16, dtype=torch.bfloat16)
+    assert "f:measured layer (trainer fit)" not in bf16._layer("none", 1, 1, 1, rows, 1).terms
+
+
+def body_trainer_fit():
+    """calibrate.trainer_fit on a one-rank job's process (its own Trainers, as --calibrate)."""
+    import torch
+
+    from fastpar.models import PRESETS
+    from fastpar.plan.calibrate import trainer_fit
+
+    torch.set_num_threads(1)
+    return list(trainer_fit(PRESETS["tiny"], membw=5e9, tensor_s=1e-5, rows=2, steps=5,
+                            warmup=2))
+
+
+def test_trainer_fit_trains_the_plans_model_and_fits_nonnegative_terms():
+    from tests.multirank import run_ranks
+
+    sig, block, end, step = run_ranks(1, body_trainer_fit, timeout=120).values()[0]
+    assert sig == model_signature(PRESETS["tiny"], 4)
+    assert all(x >= 0 for x in (*block, *end, step))
+    # a step of the tiny model on 2 blocks of 2 rows takes milliseconds here, not nothing
+    assert 1e-4 < block[0] + end[0] + 2 * 64 * (block[1] + end[1]) + step < 1.0
+
+
 @pytest.mark.parametrize("preset,change", [
     ("small", {}), ("small", {"memory_bytes": 30 * 2**20}),
+    ("tiny", {"trainer_fit": FIT}),
     ("tiny", {"hosts": 2, "ranks_per_host": 2, "inter": Link(5e-5, 1e8)}),
     ("small", {"ranks_per_host": 8, "memory_bytes": 60 * 2**20})])
 def test_pruned_search_is_the_exhaustive_one(preset, change):

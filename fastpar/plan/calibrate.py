@@ -180,6 +180,73 @@ def measure_link(ranks: int, timeout: float = 60.0) -> Link | None:
     return Link(alpha, busbw, d["engine"])
 
 
+def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 14,
+                warmup: int = 4, budget_s: float = 0.5) -> tuple | None:
+    """The trainer's own step (``fastpar.train.Trainer.train_step``: the pipeline's executor,
+    the meters, clip, AdamW, the loss's all-reduce) timed on this process as a one-rank job on
+    one thread, for ``cfg``'s layers at 1 and 2 blocks, 1 and ``rows`` rows and 1 and 2
+    microbatches; fitted to ``step = S + m (end(n) + L block(n))`` with ``end`` and ``block``
+    each ``a + b n`` over a microbatch's n tokens. Returns ``Cluster.trainer_fit`` (``S`` less
+    the optimizer's share the planner adds by itself), or None inside a job (``--layout auto``
+    plans on rank 0 of a running job; it keeps the host overheads alone) or for a model whose
+    two blocks would take more than ``budget_s`` a step here (``rows`` is lowered first)."""
+    import contextlib
+    import dataclasses
+    import io
+
+    from fastpar import runtime
+    from fastpar.plan.cluster import model_signature
+
+    if runtime.is_initialized():
+        return None
+    base = dataclasses.replace(cfg, recompute="none", context_parallel=None,
+                               sequence_parallel=False)
+    one = dataclasses.replace(base, layers=1)
+    flops = 6 * one.num_params() * cfg.seq_len  # a row's forward and backward, about
+    while rows > 1 and 6 * flops * rows / 20e9 > budget_s:  # 2 blocks, 2 microbatches, at
+        rows //= 2                                          # ~20 GFLOP/s on one core
+    if 6 * flops * rows / 20e9 > budget_s:
+        return None
+
+    def step_s(layers: int, batch: int, microbatches: int) -> float:
+        import fastpar
+        from fastpar.train import Trainer
+        from fastpar.training.args import parse_args
+
+        args = parse_args(["--preset", "tiny", "--global-batch", str(batch), "--microbatches",
+                           str(microbatches), "--steps", str(steps), "--clip", "1.0"])
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            trainer = Trainer(args, cfg=dataclasses.replace(base, layers=layers))
+            try:
+                times = []
+                for step in range(steps):
+                    t0 = time.perf_counter()
+                    trainer.train_step(step)
+                    times.append(time.perf_counter() - t0)
+            finally:
+                fastpar.shutdown()
+        return statistics.median(times[warmup:])
+
+    # step = S + m (e0 + e1 n) + m L (b0 + b1 n): least squares over 1 and 2 blocks, 1, rows / 2
+    # and rows rows a microbatch, 1 and 2 microbatches (the differences of single points are
+    # as noisy as the steps; the fit spreads it)
+    points = [(layers, r, m) for layers in (1, 2) for r in sorted({1, max(1, rows // 2), rows})
+              for m in (1, 2)]
+    design, times = [], []
+    for layers, r, m in points:
+        n = r * cfg.seq_len
+        design.append([1.0, m, m * n, m * layers, m * layers * n])
+        times.append(step_s(layers, r * m, m))
+    sol = torch.linalg.lstsq(torch.tensor(design, dtype=torch.float64),
+                             torch.tensor(times, dtype=torch.float64).unsqueeze(1)).solution
+    step, e0, e1, b0, b1 = (max(0.0, float(x)) for x in sol.squeeze(1))
+    from fastpar.training.memory_plan import layer_tensors
+
+    tensors = sum(len(layer_tensors(one, 1, i, 1)) for i in range(one.layers + 2))
+    optimizer = 32 * one.num_params() / membw + tensor_s * tensors  # what predict adds itself
+    return (model_signature(cfg, 4), (b0, b1), (e0, e1), max(0.0, step - optimizer))
+
+
 def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None,
               cfg=None) -> Cluster:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -213,6 +280,12 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
         block, end, tensor = host_overheads(cfg) if cfg is not None else (0.0, 0.0, 0.0)
         host = {"overhead_block_s": block, "overhead_end_s": end, "overhead_tensor_s": tensor,
                 "cpus_per_host": len(os.sched_getaffinity(0))}
+        if cfg is not None:
+            torch.set_num_threads(1)  # one rank's thread, as the rates
+            try:
+                host["trainer_fit"] = trainer_fit(cfg, membw, tensor)
+            finally:
+                torch.set_num_threads(threads)
     return Cluster(name=f"calibrated {name}", device=device.type, hosts=hosts,
                    ranks_per_host=ranks_per_host, peak_flops=peak, memory_bytes=memory,
                    membw_Bps=membw, intra=link, inter=inter, gemm_efficiency=0.7,

@@ -43,6 +43,14 @@ _PEAKS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12)
           ("A10", 125e12), ("V100", 125e12))
 
 
+def model_signature(cfg, esize: int) -> str:
+    """What a trainer fit depends on: the layers' shapes, kinds and element size (not their
+    count, the recompute, tp or cp, which the planner varies and scales for)."""
+    return (f"V{cfg.vocab_size}.T{cfg.seq_len}.h{cfg.hidden}.nh{cfg.heads}.kv{cfg.num_kv_heads}"
+            f".f{cfg.ffn_size}.{cfg.mlp}.{cfg.norm}.{cfg.positions}.bias{int(cfg.bias)}"
+            f".moe{cfg.moe_experts}x{cfg.moe_top_k}/{cfg.moe_every}.e{esize}")
+
+
 def read_json(path: str, flag: str):
     """The JSON in ``path``; ValueError naming ``flag`` and the file when it cannot be read or
     is not JSON (the planner's files: --cluster, --hf-config)."""
@@ -111,6 +119,15 @@ class Cluster:
     overhead_end_s: float = 0.0
     overhead_tensor_s: float = 0.0
     cpus_per_host: int = 0
+    # the trainer's own step measured on one rank for one model (calibrate.trainer_fit):
+    # (model signature, block (a, b), end layer (a, b), step_s): a layer's forward and backward
+    # take a + b n seconds per microbatch of n tokens, a step's host work step_s beyond them
+    trainer_fit: tuple | None = None
+
+    def fit_for(self, cfg, esize: int) -> tuple | None:
+        """``trainer_fit`` when it was measured on ``cfg``'s model at ``esize``, else None."""
+        fit = self.trainer_fit
+        return fit if fit is not None and fit[0] == model_signature(cfg, esize) else None
 
     @property
     def share(self) -> float:
@@ -176,6 +193,10 @@ class Cluster:
                            "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host}
         if self.inter is not None:
             out["inter"] = dataclasses.asdict(self.inter)
+        if self.trainer_fit is not None:
+            sig, block, end, step = self.trainer_fit
+            out["trainer"] = {"model": sig, "block_s": list(block), "end_s": list(end),
+                              "step_s": step}
         return out
 
     def save(self, path: str) -> None:
@@ -238,6 +259,22 @@ class Cluster:
                     "overhead_tensor_s": num("tensor_s", src, at, positive=False),
                     "cpus_per_host": num("cpus", src, at, integer=True)}
 
+        def trainer(src):
+            if src is None:
+                return None
+            at = f"{where}: trainer"
+            if not isinstance(src, dict) or not isinstance(src.get("model"), str):
+                raise ValueError(f"{at} must be an object with model, block_s, end_s, step_s")
+            pair = []
+            for key in ("block_s", "end_s"):
+                v = src.get(key)
+                if not (isinstance(v, list) and len(v) == 2 and all(
+                        isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in v)):
+                    raise ValueError(f"{at}: {key} must be two numbers >= 0 (seconds per "
+                                     f"microbatch, per token), got {v!r}")
+                pair.append(tuple(float(x) for x in v))
+            return (src["model"], *pair, num("step_s", src, at, positive=False))
+
         device = d.get("device", "cuda")
         if device not in ("cuda", "cpu"):
             raise ValueError(f"{where}: device must be 'cuda' or 'cpu', got {device!r}")
@@ -254,7 +291,8 @@ class Cluster:
                 gemm_efficiency=ge, gemm_points=gp, attention_efficiency=ae,
                 attention_points=ap,
                 causal_skip=bool(d.get("attention", {}).get("causal_skip", True)),
-                rates_per_core=bool(d.get("rates_per_core", False)), **host(d.get("host")))
+                rates_per_core=bool(d.get("rates_per_core", False)),
+                trainer_fit=trainer(d.get("trainer")), **host(d.get("host")))
         if c.hosts > 1:
             c.link("inter")
         return c

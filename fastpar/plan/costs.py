@@ -173,6 +173,49 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
     return work
 
 
+COMM_PREFIXES = ("tp ", "cp ", "ep ")  # Work terms that are collectives, not the rank's own work
+
+
+def _own(work: Work, math_only: bool) -> dict:
+    """Each phase's seconds of ``work`` but its collectives (and, ``math_only``, but its host
+    overhead: what the rate model says of the math alone)."""
+    out = {"f": 0.0, "i": 0.0, "w": 0.0}
+    for name, t in work.terms.items():
+        phase, what = name.split(":", 1)
+        if what.startswith(COMM_PREFIXES) or (math_only and what == "host overhead"):
+            continue
+        out[phase] += t
+    return out
+
+
+def fitted(work: Work, base: Work, fit: tuple, tokens: float, scale: float) -> Work:
+    """``work`` (one layer at a layout) with its own work replaced by the trainer's measured
+    time for the layer (``fit``: seconds ``a + b n`` per microbatch of n tokens, forward and
+    backward, at tp 1 without recompute: ``base``'s conditions). The part per token scales by
+    the rate model's math at the layout over its math at ``base`` (tp shards the GEMMs,
+    recompute adds a forward); the part per microbatch (host: Python, dispatch, autograd)
+    only by the rate model's host overhead at the layout over base's (a recomputed forward). Split over f, i and w as the rate model splits the layout's own work; the
+    collectives are kept; ``scale``: how much longer a rank takes on a shared host."""
+    a, b = fit
+    math_t, math_1 = _own(work, True), _own(base, True)
+    ratio = sum(math_t.values()) / sum(math_1.values()) if sum(math_1.values()) else 1.0
+    host_t, host_1 = (sum(t for k, t in w.terms.items() if k.endswith(":host overhead"))
+                      for w in (work, base))
+    host = host_t / host_1 if host_1 else 1.0  # full recompute runs the forward's host work again
+    own = _own(work, False)
+    total = sum(own.values())
+    measured = scale * (a * host + b * tokens * ratio) if total else 0.0
+    out = Work()
+    for phase, t in own.items():
+        if t:
+            out.add("measured layer (trainer fit)", phase, measured * t / total)
+    for name, t in work.terms.items():
+        phase, what = name.split(":", 1)
+        if what.startswith(COMM_PREFIXES):
+            out.add(what, phase, t)
+    return out
+
+
 def p2p_time(cfg: GPTConfig, cluster: Cluster, *, tp: int, cp: int, dp: int, stage: int,
              rows: int, esize: int) -> float:
     """Seconds to send one microbatch's activation (or its gradient) from ``stage`` to the

@@ -154,10 +154,21 @@ class Predictor:
             ("moe" if self.cfg.is_moe(index) else "block")
         key = ("layer", recompute, tp, cp, ep, rows, kind)
         if key not in self._memo:
-            cfg = model_for(self.cfg, Layout(tp=tp, pp=1, dp=1, cp=cp, recompute=recompute))
-            self._memo[key] = costs.layer_work(cfg, self.cluster, index=index, tp=tp, cp=cp,
-                                               ep=ep, rows=rows, esize=self.esize,
-                                               causal_skip=self.cluster.causal_skip)
+            def work(tp, recompute):
+                cfg = model_for(self.cfg, Layout(tp=tp, pp=1, dp=1, cp=cp, recompute=recompute))
+                return costs.layer_work(cfg, self.cluster, index=index, tp=tp, cp=cp, ep=ep,
+                                        rows=rows, esize=self.esize,
+                                        causal_skip=self.cluster.causal_skip)
+
+            w = work(tp, recompute)
+            fit = self.cluster.fit_for(self.cfg, self.esize)
+            if fit is not None:  # measured by the trainer at tp 1 without recompute
+                ab = fit[2] if kind == "embedding" or kind == "head" else fit[1]
+                if kind == "embedding" or kind == "head":  # the fit's end is both: half each
+                    ab = (ab[0] / 2, ab[1] / 2)
+                w = costs.fitted(w, work(1, "none"), ab, rows * self.cfg.seq_len / cp,
+                                 self.cluster.overhead_scale)
+            self._memo[key] = w
         return self._memo[key]
 
     def bounds(self, tp: int, ep: int, stages: int) -> tuple:
@@ -261,16 +272,19 @@ class Predictor:
             red = costs.reduction_terms(self.cluster, zero=lay.zero, elements=elements,
                                         shard=shard, tp=lay.tp, cp=lay.cp, dp=lay.dp,
                                         esize=self.esize, tensors=tensors)
+            fit = self.cluster.fit_for(self.cfg, self.esize)
+            if fit is not None:  # the step's host work beyond layers and optimizer, measured
+                red["trainer step host"] = fit[3] * self.cluster.overhead_scale
             out.append({"red": red, "layers": len(layers), "elements": elements})
         return out
 
     def _after(self, red: dict, layers: int, pipeline_s: float) -> dict:
         """The after-pipeline terms of a rank whose pipeline ends at ``pipeline_s``: with
         ``overlap_dp`` the reduction hides behind the rank's compute but one layer's share."""
-        comm_s = sum(t for k, t in red.items() if k != "optimizer")
+        comm_s = sum(t for k, t in red.items() if k.startswith("dp "))
         if self.overlap_dp and comm_s > 0:
             hidden = 1 - max(comm_s - pipeline_s, comm_s / max(1, layers)) / comm_s
-            red = {k: t if k == "optimizer" else t * (1 - hidden) for k, t in red.items()}
+            red = {k: t * (1 - hidden) if k.startswith("dp ") else t for k, t in red.items()}
         return red
 
     def lower_bound(self, lay: Layout) -> float:
