@@ -28,7 +28,10 @@ ranks_per_host`` cores of the ``host`` entry's ``cpus``. ``"host": {"block_s",
 "end_s", "tensor_s", "cpus"}`` (``--calibrate`` on a CPU): host time beyond the math, per
 block and per embedding or head layer for a microbatch's forward and backward, per parameter
 tensor for a step's clip and AdamW, measured by one process; with more ranks than ``cpus`` on
-a host each takes ``ranks / cpus`` times as long.
+a host each takes ``ranks / cpus`` times as long. ``"trainer": {"model", "block_s": [a, b],
+"end_s": [a, b], "step_s"}`` (``--calibrate`` with a model, ``calibrate.trainer_fit``): the
+trainer's own step measured for that model (``model_signature``), which replaces the rates
+for its layers' own work (``costs.fitted``; docs/design.md, "The trainer fit").
 """
 
 from __future__ import annotations
