@@ -233,7 +233,7 @@ def body_trainer_fit():
     import torch
 
     from fastpar.models import PRESETS
-    from fastpar.plan.calibrate import trainer_fit
+    from fastpar.plan.trainer_fit import trainer_fit
 
     torch.set_num_threads(1)
     return list(trainer_fit(PRESETS["tiny"], membw=5e9, tensor_s=1e-5, rows=2, steps=5,

@@ -91,10 +91,11 @@ def cluster_of(args, p):
     hosts, rph = (1, args.ranks) if args.ranks is not None else (args.hosts, args.ranks_per_host)
     if args.calibrate:
         from fastpar.plan.calibrate import calibrate
+        from fastpar.plan.trainer_fit import trainer_fit
 
         path = args.cluster or "fastpar_cluster.json"
         cluster = calibrate(hosts=hosts, ranks_per_host=rph, inter=_inter(args),
-                            cfg=model_of(args))
+                            cfg=model_of(args), fit=trainer_fit)
         cluster.save(path)
         print(f"[fastpar plan] calibrated this machine: {path}", flush=True)
         return cluster

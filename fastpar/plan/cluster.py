@@ -29,7 +29,7 @@ ranks_per_host`` cores of the ``host`` entry's ``cpus``. ``"host": {"block_s",
 block and per embedding or head layer for a microbatch's forward and backward, per parameter
 tensor for a step's clip and AdamW, measured by one process; with more ranks than ``cpus`` on
 a host each takes ``ranks / cpus`` times as long. ``"trainer": {"model", "block_s": [a, b],
-"end_s": [a, b], "step_s"}`` (``--calibrate`` with a model, ``calibrate.trainer_fit``): the
+"end_s": [a, b], "step_s"}`` (``--calibrate`` with a model, ``plan.trainer_fit``): the
 trainer's own step measured for that model (``model_signature``), which replaces the rates
 for its layers' own work (``costs.fitted``; docs/design.md, "The trainer fit").
 """
@@ -122,7 +122,7 @@ class Cluster:
     overhead_end_s: float = 0.0
     overhead_tensor_s: float = 0.0
     cpus_per_host: int = 0
-    # the trainer's own step measured on one rank for one model (calibrate.trainer_fit):
+    # the trainer's own step measured on one rank for one model (plan.trainer_fit):
     # (model signature, block (a, b), end layer (a, b), step_s): a layer's forward and backward
     # take a + b n seconds per microbatch of n tokens, a step's host work step_s beyond them
     trainer_fit: tuple | None = None
