@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fastpar.nn.attention import apply_rotary, rotary_tables
+from fastpar.nn import context_math
 from fastpar.nn.context_math import keep_mask
 from fastpar.testing import Checks
 from tests.multirank import run_ranks
@@ -26,6 +27,9 @@ P_DROP = 0.3
 CASES = [(kind, causal, hkv, p) for kind in ("ring", "ulysses")
          for causal in (True, False) for hkv, p in ((4, 0.0), (2, 0.0), (1, 0.0), (2, P_DROP))]
 CASES += [("ring-shared", True, hkv, p) for hkv, p in ((1, 0.0), (2, P_DROP))]
+# the ring's written-out blocks without dropout (on the CPU those run torch's fused kernel;
+# a GPU, or dropout, runs the written-out math, which is what these check here)
+CASES += [("ring-written", causal, hkv, 0.0) for causal, hkv in ((True, 2), (False, 1))]
 
 
 def serial_attention(q, k, v, causal, p=0.0, seed=0):
@@ -64,9 +68,17 @@ def _check_layout(group, seed, checks: Checks):
         serial = _reference(full, dout, causal, p, drop_seed, torch.float32)
         local = [context.context_split(x, group, 2).detach().requires_grad_() for x in full]
         attend = {"ring": context.ring_attention, "ulysses": context.ulysses_attention,
-                  "ring-shared": lambda *a, **kw: context.ring_attention(*a, engine="shared", **kw)}
-        out = attend[kind](*local, group, causal=causal, dropout_p=p, dropout_seed=drop_seed)
-        out.backward(context.context_split(dout, group, 2))
+                  "ring-shared": lambda *a, **kw: context.ring_attention(*a, engine="shared", **kw),
+                  "ring-written": context.ring_attention}
+        fused, asked = context_math._fused, []
+        if kind == "ring-written":
+            context_math._fused = lambda q, keep: asked.append(1) and False
+        try:
+            out = attend[kind](*local, group, causal=causal, dropout_p=p, dropout_seed=drop_seed)
+            out.backward(context.context_split(dout, group, 2))
+        finally:
+            context_math._fused = fused
+        assert kind != "ring-written" or asked, "the ring never asked for a block's kernel"
         got = [context.context_gather(t.detach(), group, 2)
                for t in (out, *(x.grad for x in local))]
         name = f"{kind} causal={causal} hkv={hkv} p={p}"
