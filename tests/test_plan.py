@@ -208,6 +208,15 @@ def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives(
     ends = fit._layer("none", 1, 1, 1, rows, 0), fit._layer("none", 1, 1, 1, rows,
                                                              cfg.layers + 1)
     assert sum(w.f + w.i + w.w for w in ends) == pytest.approx(3e-3 + 2e-5 * n)
+    # the head's vocabulary GEMM and loss are most of the ends' math: most of the fit's part
+    # per token is the head's
+    assert ends[1].f + ends[1].i + ends[1].w > 2 * (ends[0].f + ends[0].i + ends[0].w)
+    # one thread's fit: a rank with two cores does the per-token part twice as fast; four
+    # ranks on two cores take twice as long for both parts
+    for cpus, host, per_token in ((8, 1, 0.5), (2, 2, 2)):
+        shared = dataclasses.replace(cluster, rates_per_core=True, cpus_per_host=cpus)
+        w = P.Predictor(cfg, shared, 16, dtype=torch.float32)._layer("none", 1, 1, 1, rows, 1)
+        assert w.f + w.i + w.w == pytest.approx(host * 2e-3 + per_token * 1e-5 * n)
     two, ref2, ref1 = (fit._layer("none", 2, 1, 1, rows, 1), plain._layer("none", 2, 1, 1, rows, 1),
                        plain._layer("none", 1, 1, 1, rows, 1))
 

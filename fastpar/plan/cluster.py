@@ -51,7 +51,8 @@ def model_signature(cfg, esize: int) -> str:
     count, the recompute, tp or cp, which the planner varies and scales for)."""
     return (f"V{cfg.vocab_size}.T{cfg.seq_len}.h{cfg.hidden}.nh{cfg.heads}.kv{cfg.num_kv_heads}"
             f".f{cfg.ffn_size}.{cfg.mlp}.{cfg.norm}.{cfg.positions}.bias{int(cfg.bias)}"
-            f".moe{cfg.moe_experts}x{cfg.moe_top_k}/{cfg.moe_every}.e{esize}")
+            f".tie{int(cfg.tie_embeddings)}.drop{cfg.dropout:g}"
+            f".moe{cfg.moe_experts}x{cfg.moe_top_k}/{cfg.moe_every}c{cfg.moe_capacity}.e{esize}")
 
 
 def read_json(path: str, flag: str):

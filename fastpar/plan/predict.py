@@ -154,7 +154,7 @@ class Predictor:
             ("moe" if self.cfg.is_moe(index) else "block")
         key = ("layer", recompute, tp, cp, ep, rows, kind)
         if key not in self._memo:
-            def work(tp, recompute):
+            def work(tp, recompute, index=index):
                 cfg = model_for(self.cfg, Layout(tp=tp, pp=1, dp=1, cp=cp, recompute=recompute))
                 return costs.layer_work(cfg, self.cluster, index=index, tp=tp, cp=cp, ep=ep,
                                         rows=rows, esize=self.esize,
@@ -163,11 +163,11 @@ class Predictor:
             w = work(tp, recompute)
             fit = self.cluster.fit_for(self.cfg, self.esize)
             if fit is not None:  # measured by the trainer at tp 1 without recompute
-                ab = fit[2] if kind == "embedding" or kind == "head" else fit[1]
-                if kind == "embedding" or kind == "head":  # the fit's end is both: half each
-                    ab = (ab[0] / 2, ab[1] / 2)
-                w = costs.fitted(w, work(1, "none"), ab, rows * self.cfg.seq_len / cp,
-                                 self.cluster.overhead_scale)
+                base = work(1, "none")
+                ab = fit[1]
+                if kind in ("embedding", "head"):  # the fit's end is both: each its share
+                    ab = costs.end_share(fit[2], base, [work(1, "none", i) for i in (0, L + 1)])
+                w = costs.fitted(w, base, ab, rows * self.cfg.seq_len / cp, self.cluster)
             self._memo[key] = w
         return self._memo[key]
 
