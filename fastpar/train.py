@@ -398,7 +398,6 @@ class Trainer:
         return {"mfu": tokens_per_s * flops / (peak * self.topo.world_size)}
 
 
-# Dense bf16 peak FLOP/s by device-name substring (vendor data sheets, SXM parts).
 def main(argv=None) -> int:
     import fastpar
 

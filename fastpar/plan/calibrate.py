@@ -7,8 +7,9 @@ Measured: GEMM throughput at a sweep of shapes (squares and the tall-skinny shap
 many tokens, a few hundred to a thousand features), causal attention (SDPA, forward and
 backward) at a few sequence lengths, a large copy (memory bandwidth), and the intra-host link:
 all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on the ranks per host (a
-CPU: even past its cores, as the job runs; a GPU: at most its devices) launched with ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by
-least squares. The inter-host link cannot be measured from one host: it comes from
+CPU: even past its cores, as the job runs; a GPU: at most its devices) launched with
+``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by least squares. The
+inter-host link cannot be measured from one host: it comes from
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
 A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
 a CPU the rates are measured by this one process on all the host's cores, so the file says
@@ -18,6 +19,7 @@ wait for each other) and each rank gets its share of the host's cores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -119,7 +121,7 @@ def _overheads(cfg, reps: int, budget_s: float) -> tuple[float, float, float]:
     for _ in range(reps):  # of each: what the host work costs when it gets the core
         for j, model in enumerate(models):
             t0 = time.perf_counter()
-            gpt_loss(models[j](x), x).backward()
+            gpt_loss(model(x), x).backward()
             rounds[j].append(time.perf_counter() - t0)
     times = [min(r[1:]) for r in rounds]
     block = max(0.0, (times[1] - times[0]) / cfg.layers)
@@ -180,6 +182,18 @@ def measure_link(ranks: int, timeout: float = 60.0) -> Link | None:
     return Link(alpha, busbw, d["engine"])
 
 
+@contextlib.contextmanager
+def _one_thread(yes: bool):
+    """torch's intra-op threads at 1 inside (``yes``), put back after."""
+    threads = torch.get_num_threads()
+    if yes:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None,
               cfg=None, fit=None) -> Cluster:
     """This machine as a ``Cluster``. With ``cfg`` on a CPU: the model's host overheads, and
@@ -187,15 +201,10 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
     pass it, the trainer's own ``--layout auto`` does not) the trainer fit."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # one core's rates (Cluster.rates_per_core)
-    try:
+    with _one_thread(device.type == "cpu"):  # one core's rates (Cluster.rates_per_core)
         gemm = gemm_points(device, dtype)
         attn = attention_points(device, dtype)
         membw = memory_bandwidth(device)
-    finally:
-        torch.set_num_threads(threads)
     if device.type == "cuda":
         from fastpar.plan.cluster import gpu_peak_flops
 
@@ -217,11 +226,8 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
         host = {"overhead_block_s": block, "overhead_end_s": end, "overhead_tensor_s": tensor,
                 "cpus_per_host": len(os.sched_getaffinity(0))}
         if cfg is not None and fit is not None:
-            torch.set_num_threads(1)  # one rank's thread, as the rates
-            try:
+            with _one_thread(True):  # one rank's thread, as the rates
                 host["trainer_fit"] = fit(cfg, membw, tensor)
-            finally:
-                torch.set_num_threads(threads)
     return Cluster(name=f"calibrated {name}", device=device.type, hosts=hosts,
                    ranks_per_host=ranks_per_host, peak_flops=peak, memory_bytes=memory,
                    membw_Bps=membw, intra=link, inter=inter, gemm_efficiency=0.7,

@@ -188,18 +188,23 @@ def _own(work: Work, math_only: bool) -> dict:
     return out
 
 
+def _host(work: Work) -> float:
+    """The rate model's host overhead in ``work`` (every phase)."""
+    return sum(t for k, t in work.terms.items() if k.endswith(":host overhead"))
+
+
+def _math(work: Work) -> float:
+    """The rate model's math in ``work``: its own work but the host overhead."""
+    return sum(_own(work, True).values())
+
+
 def end_share(fit: tuple, end: Work, ends: list) -> tuple:
     """The part of the fit's end layers (embedding and head together) that is ``end``'s: its
     host part by the rate model's host overhead, its per-token part by its math."""
-    def host(w):
-        return sum(t for k, t in w.terms.items() if k.endswith(":host overhead"))
-
-    def math(w):
-        return sum(_own(w, True).values())
-
     a, b = fit
-    hosts, maths = sum(map(host, ends)), sum(map(math, ends))
-    return (a * (host(end) / hosts if hosts else 0.5), b * (math(end) / maths if maths else 0.5))
+    hosts, maths = sum(map(_host, ends)), sum(map(_math, ends))
+    return (a * (_host(end) / hosts if hosts else 0.5),
+            b * (_math(end) / maths if maths else 0.5))
 
 
 def fitted(work: Work, base: Work, fit: tuple, tokens: float, cluster: Cluster) -> Work:
@@ -208,16 +213,14 @@ def fitted(work: Work, base: Work, fit: tuple, tokens: float, cluster: Cluster) 
     backward, at tp 1 without recompute: ``base``'s conditions). The part per token scales by
     the rate model's math at the layout over its math at ``base`` (tp shards the GEMMs,
     recompute adds a forward); the part per microbatch (host: Python, dispatch, autograd)
-    only by the rate model's host overhead at the layout over base's (a recomputed forward). Split over f, i and w as the rate model splits the layout's own work; the
-    collectives are kept. The fit is one thread's: the per-token part runs at the rank's
+    only by the rate model's host overhead at the layout over base's (a recomputed forward).
+    Split over f, i and w as the rate model splits the layout's own work; the collectives
+    are kept. The fit is one thread's: the per-token part runs at the rank's
     ``share`` of the host's cores (more than one core each: faster), the host part takes
     ``overhead_scale`` as long (ranks outnumbering cores wait for them)."""
     a, b = fit
-    math_t, math_1 = _own(work, True), _own(base, True)
-    ratio = sum(math_t.values()) / sum(math_1.values()) if sum(math_1.values()) else 1.0
-    host_t, host_1 = (sum(t for k, t in w.terms.items() if k.endswith(":host overhead"))
-                      for w in (work, base))
-    host = host_t / host_1 if host_1 else 1.0  # full recompute runs the forward's host work again
+    ratio = _math(work) / _math(base) if _math(base) else 1.0
+    host = _host(work) / _host(base) if _host(base) else 1.0  # a recomputed forward's host work
     own = _own(work, False)
     total = sum(own.values())
     measured = (cluster.overhead_scale * a * host + b * tokens * ratio / cluster.share) \

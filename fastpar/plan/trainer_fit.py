@@ -21,8 +21,9 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     the meters, clip, AdamW, the loss's all-reduce) timed on this process as a one-rank job on
     one thread, for ``cfg``'s layers at 1 and 3 blocks, 1, ``rows`` / 2 and ``rows`` rows and
     1 and 2 microbatches (16 steps each). From each point's fastest step after ``warmup``
-    less the optimizer's modelled time (32 bytes per parameter at ``membw``, ``tensor_s`` per
-    tensor: the planner adds it per rank itself), fitted by non-negative least squares to
+    less the optimizer's modelled time (``OPTIMIZER_BYTES`` a parameter at ``membw``,
+    ``tensor_s`` a tensor: the planner adds it per rank itself), fitted by non-negative least
+    squares to
     ``step = S + m (end(n) + L block(n))``, ``end`` and ``block`` each ``a + b n`` over a
     microbatch's n tokens, then scaled by the points' median step over fastest (a run reports
     the median). Returns ``Cluster.trainer_fit``, or None: inside a job (``--layout auto``
@@ -37,6 +38,7 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
 
     from fastpar import runtime
     from fastpar.plan.cluster import model_signature
+    from fastpar.plan.costs import OPTIMIZER_BYTES
     from fastpar.training.memory_plan import layer_tensors
 
     if runtime.is_initialized() or (cfg.moe_experts and cfg.moe_every != 1):
@@ -53,7 +55,7 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     def optimizer_s(layers: int) -> float:
         model = dataclasses.replace(base, layers=layers)
         tensors = sum(len(layer_tensors(model, 1, i, 1)) for i in range(layers + 2))
-        return 32 * model.num_params() / membw + tensor_s * tensors
+        return OPTIMIZER_BYTES * model.num_params() / membw + tensor_s * tensors
 
     def step_s(layers: int, batch: int, microbatches: int) -> tuple[float, float]:
         import fastpar
@@ -61,7 +63,7 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
         from fastpar.training.args import parse_args
 
         args = parse_args(["--preset", "tiny", "--global-batch", str(batch), "--microbatches",
-                           str(microbatches), "--steps", str(steps), "--clip", "1.0"])
+                           str(microbatches), "--steps", str(steps)])
         with contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()), torch.random.fork_rng():
             try:
