@@ -21,7 +21,10 @@ rotation needs no communication.
 ``recompute_core=True`` is Megatron's selective recomputation: the attention core
 ``softmax(q k^T / sqrt(hd) + mask) -> dropout -> @ v`` keeps only q, k, v for backward and runs
 again there (``fastpar.nn.recompute``, same dropout mask), dropping the (B, nh/tp, T, T)
-probabilities and mask, the largest activations of a block and few of its FLOPs.
+probabilities and mask, the largest activations of a block and few of its FLOPs. With attention
+dropout on the CPU the core is ``fastpar.nn.attention_core.dropout_attention`` instead: it keeps
+the dropout mask as bits and recomputes the probabilities itself, as torch's kernel would have
+to draw the mask again, which costs more than the rest of the core.
 
 ``context_parallel="ring"`` or ``"ulysses"`` with ``cp_group``: ``x`` holds this rank's slice of
 every sequence, (B, T/cp, H) in ``fastpar.nn.context``'s layout (chunks r and 2cp-1-r); the
@@ -41,6 +44,7 @@ from torch import nn
 
 from fastpar.nn import context
 from fastpar.nn import random as tp_random
+from fastpar.nn.attention_core import dropout_attention
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, pieces_argument
 from fastpar.nn.recomputation import recompute
 from fastpar.nn.sharding import generator, resolve_group
@@ -153,9 +157,20 @@ class ParallelSelfAttention(nn.Module):
         gqa = self.local_heads != self.local_kv_heads
         if p:
             with tp_random.fork("tp", self.group):
+                if self._keeps_mask(q):  # selective: the mask's bits kept, the rest recomputed
+                    return dropout_attention(q, k, v, p, self.causal)
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p,
                                                       is_causal=self.causal, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
+
+    def _keeps_mask(self, q) -> bool:
+        """Whether selective recomputation runs ``dropout_attention`` (its own recompute, the
+        dropout mask kept as bits) instead of ``recompute`` around torch's kernel: on the CPU
+        with attention dropout, where torch's math kernel would draw the mask again (module
+        docstring). GPUs' fused kernels keep no probabilities and draw masks in registers."""
+        return (self.recompute_core and self.training and self.attn_dropout > 0
+                and self.context_parallel is None and q.device.type == "cpu"
+                and torch.is_grad_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one entry communication for q, k and v (overlapped with their GEMMs by policy)
@@ -171,7 +186,10 @@ class ParallelSelfAttention(nn.Module):
                 pos = context.context_positions(T * self.cp, self.cp_group, q.device)
                 cos, sin = cos[pos], sin[pos]  # (T/cp, hd/2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        h = recompute(self._core, q, k, v) if self.recompute_core else self._core(q, k, v)
+        if self.recompute_core and not self._keeps_mask(q):
+            h = recompute(self._core, q, k, v)
+        else:
+            h = self._core(q, k, v)
         h = h.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)  # (B, T, nh/tp*hd)
         y = self.o_proj(h)
         if self.dropout and self.training:
