@@ -22,6 +22,8 @@ Variants:
   fsdp2        torch.distributed.fsdp.fully_shard on each block, then on the root (its docs'
                recipe; runs on CPU/gloo in torch 2.13; mesh: the dp group) + AdamW
   zero1/2/3    fastpar.optim.DistributedOptimizer(AdamW, stage=1/2/3), no DataParallel
+  zero3-nopf   zero3 with prefetch=False: each block gathered when used (one block's
+               parameters fewer held, the gathers not overlapped): ZeRO-3 at FSDP2's memory
 Recompute: ``none``; ``full``: each block keeps only its input (fastpar.nn.recompute of the
 block's body, as GPTBlock does: around the block's call, ZeRO-3's and FSDP2's hooks would run
 again in backward); ``selective`` (the GPTs only): each attention core.
@@ -87,7 +89,7 @@ SIZES = {  # per rank; "full" is the default, "tiny" (--tiny) the smoke run's
 MODELS, RECOMPUTE = ("mlp", "gpt", "gpt-dropout"), ("none", "selective", "full")
 DROPOUT = 0.1  # gpt-dropout's: attention then keeps its probabilities (the math kernel)
 LAYOUTS = ("dp2", "dp4", "tp2xdp2")
-VARIANTS = ("dp", "ddp", "torch-zero", "fsdp2", "zero1", "zero2", "zero3")
+VARIANTS = ("dp", "ddp", "torch-zero", "fsdp2", "zero1", "zero2", "zero3", "zero3-nopf")
 PLANS = {
     "default": [("mlp", "dp2", v, r) for v in VARIANTS for r in ("none", "full")]
     + [("mlp", lay, v, "none") for lay in ("dp4", "tp2xdp2") for v in VARIANTS]
@@ -221,10 +223,10 @@ def wrap(variant: str, module, blocks, topo):
         sharded = list(module.parameters())  # DTensors; a unit in use shows its gathered ones
         return module, opt, lambda: owned([*module.parameters(), *sharded], opt), \
             lambda: 0, False
-    stage = int(variant[-1])
+    stage = int(variant[4])
     opt = fastpar.optim.DistributedOptimizer(module.parameters(), torch.optim.AdamW,
                                              stage=stage, module=module if stage == 3 else None,
-                                             **kw)
+                                             prefetch=variant != "zero3-nopf", **kw)
     staging = (lambda: opt.grads.peak_staging) if opt.grads is not None else (lambda: 0)
     return module, opt, lambda: owned(module.parameters(), opt), staging, True
 
@@ -306,10 +308,11 @@ def worker(job: str, size: dict) -> None:
     meter = Meter(tensors, extra)
     meter.heap_base = heap_base
     state_pred = None
-    if variant == "zero3":  # float32: master shard, Adam's m and v, master gradient (16 s),
-        # the two largest gather units (one in use, one prefetched), one run's staging, and
-        # the one float32 NaN every released parameter shows
-        state_pred = 16 * sum(f.shard for f in opt.flat) + sum(units[:2]) + 4 * dp * max(
+    held = sum(units[:1 if variant == "zero3-nopf" else 2])  # gathered at once by ZeRO-3
+    if variant.startswith("zero3"):  # float32: master shard, Adam's m and v, master gradient
+        # (16 s), the largest gather units held at once (one in use, one prefetched), one
+        # run's staging, and the one float32 NaN every released parameter shows
+        state_pred = 16 * sum(f.shard for f in opt.flat) + held + 4 * dp * max(
             run.piece for f in opt.flat for run in f.runs) + 4
     gen = torch.Generator().manual_seed(1 + topo.dp_rank)
     # dropout: every row draws the same masks. Seeding the "tp" stream here matters: one first
@@ -345,7 +348,8 @@ def worker(job: str, size: dict) -> None:
         for h in hooks:
             h.remove()
     rec = {"rank": topo.rank, "tp": tp, "dp": dp, "n_params": n_params,
-           "two_units": sum(units[:2]), **{k: meter.peak[k] for k in CATS},
+           "two_units": sum(units[:2]), "units_held": held,
+           **{k: meter.peak[k] for k in CATS},
            "buffers_visible": visible, "state": meter.total, "activations": act,
            "act_pred": pred, "state_pred": state_pred, "heap": meter.heap,
            "losses": losses, "peak_pss_mib": meter.pss / MiB,
@@ -409,8 +413,8 @@ def run_job(job, size_name: str) -> dict | str:
     ranks = json.loads(line[7:])
     row = {"model": model, "layout": layout, "variant": variant, "recompute": recompute,
            "tp": tp, "dp": dp, "n_params": ranks[0]["n_params"],
-           **{k: ranks[0][k] for k in ("two_units", "buffers_visible", "act_pred",
-                                       "state_pred")}}
+           **{k: ranks[0][k] for k in ("two_units", "units_held", "buffers_visible",
+                                       "act_pred", "state_pred")}}
     for k in (*CATS, "state", "activations", "heap", "peak_rss_mib", "peak_pss_mib"):
         row[k] = max(r[k] for r in ranks)
     row["step_ms"] = statistics.median(r["step_ms"] for r in ranks)
@@ -498,31 +502,33 @@ def targets(rows) -> list[dict]:
 
     for (model, layout, variant, rc), row in find.items():
         where = f"{model} {layout}" + ("" if rc == "none" else f" {rc} recompute")
-        if variant == "zero3":
+        if variant.startswith("zero3"):
+            label = "ZeRO-3" + (" without prefetch" if variant == "zero3-nopf" else "")
             z0, z1, f2 = (find.get((model, layout, v, rc)) for v in ("dp", "zero1", "fsdp2"))
+            held = row["units_held"]  # the gathered units held at once (1 without prefetch)
             if z0:
                 zero0 = sum(z0[k] for k in ("params", "grads", "optimizer"))
                 # each gather unit is padded to a multiple of dp elements (16 bytes each: the
                 # parameter, Adam's m and v, the gradient); released parameters show one NaN
-                pad = row["state_pred"] - 16 * row["n_params"] // row["dp"] - \
-                    row["two_units"] - row["buffers"]
-                bound = zero0 / row["dp"] + row["two_units"] + row["buffers"] + pad
-                check("ZeRO-3 model state <= ZeRO-0's / dp + two layers + buffers", where,
-                      row["state"], bound,
+                pad = row["state_pred"] - 16 * row["n_params"] // row["dp"] - held - \
+                    row["buffers"]
+                bound = zero0 / row["dp"] + held + row["buffers"] + pad
+                check(f"{label} model state <= ZeRO-0's / dp + the layers gathered + buffers",
+                      where, row["state"], bound,
                       f"{row['state'] / MiB:.1f} MiB vs {zero0 / MiB:.1f} / {row['dp']} + "
-                      f"{row['two_units'] / MiB:.1f} + {row['buffers'] / MiB:.1f} "
+                      f"{held / MiB:.1f} + {row['buffers'] / MiB:.1f} "
                       f"+ {pad} B (padding, the NaN) = {bound / MiB:.1f} MiB")
             if row["state_pred"]:
                 err = abs(row["state"] / row["state_pred"] - 1)
-                check("ZeRO-3 model state within 5% of the prediction", where, err, 0.05,
+                check(f"{label} model state within 5% of the prediction", where, err, 0.05,
                       f"{row['state'] / MiB:.2f} MiB measured, {row['state_pred'] / MiB:.2f} "
                       f"predicted ({100 * err:.1f}% off)")
             if z1:
-                ratio("ZeRO-3 step <= 1.3 x ZeRO-1's", where, row, z1, 1.3)
+                ratio(f"{label} step <= 1.3 x ZeRO-1's", where, row, z1, 1.3)
             if f2:
-                ratio("ZeRO-3 step <= FSDP2's", where, row, f2, 1.0,
+                ratio(f"{label} step <= FSDP2's", where, row, f2, 1.0,
                       f"; heap {row['heap'] / MiB:.1f} vs {f2['heap'] / MiB:.1f} MiB")
-                check("ZeRO-3 heap <= FSDP2's (the same memory)", where,
+                check(f"{label} heap <= FSDP2's (the same memory)", where,
                       row["heap"] / f2["heap"], 1.0,
                       f"{row['heap'] / MiB:.1f} vs {f2['heap'] / MiB:.1f} MiB = "
                       f"{row['heap'] / f2['heap']:.2f}")

@@ -265,6 +265,8 @@ def check_errors(c, topo):
         DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=4, lr=0.1)
     with pytest.raises(ValueError, match="needs module="):
         DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=3, lr=0.1)
+    with pytest.raises(ValueError, match="prefetch=False changes stage 3's"):
+        DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=2, prefetch=False, lr=0.1)
     with pytest.raises(ValueError, match="no trainable"):
         DistributedOptimizer(net.a.parameters(), torch.optim.SGD, lr=0.1)
     opt = DistributedOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
@@ -309,6 +311,39 @@ def check_released(c, topo, seed):
         assert not torch.equal(net.b.weight, first["b.weight"])
         assert not torch.isnan(net.b.weight).any()
     c.checked.append("stage3.released")
+
+
+def check_prefetch(c, topo, seed):
+    """Stage 3 with ``prefetch=False``: the same training, bitwise, holding one unit fewer:
+    inside b's forward the root's own unit and b's are gathered, not c's as well."""
+    from fastpar.optim import DistributedOptimizer
+
+    x, y = batches(seed, 1)[0]
+    x, y = x.chunk(topo.dp_size)[topo.dp_rank], y.chunk(topo.dp_size)[topo.dp_rank]
+    trained, most = [], []
+    for prefetch in (True, False):
+        torch.manual_seed(seed)
+        net = Net()
+        opt = DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=3, module=net,
+                                   lr=0.1, prefetch=prefetch)
+        held = []
+
+        def count(*_):  # after ZeRO-3's pre-hook: the unit is gathered, the next launched
+            held.append(sum(e[2].untyped_storage().nbytes() > 0
+                            for e in opt.sharded.runs.values()))
+        hooks = [m.register_forward_pre_hook(count) for m in (net.b, net.c)]
+        for _ in range(2):
+            F.mse_loss(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        for h in hooks:
+            h.remove()
+        with opt.gathered():
+            trained.append({k: v.clone() for k, v in net.state_dict().items()})
+        most.append(max(held))
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+    assert most == [3, 2], most
+    c.checked.append("stage3.prefetch")
 
 
 def check_tp(c, topo, seed, stage):
@@ -369,6 +404,7 @@ def body_zero(seed, tp=1, stages=(1,)):
         check_checkpoints(c, topo, seed, stage)
         if stage == 3:
             check_released(c, topo, seed)
+            check_prefetch(c, topo, seed)
     return {"checked": c.checked, "worst": c.worst}
 
 

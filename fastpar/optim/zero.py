@@ -77,13 +77,16 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
     quantize float32 and bfloat16 tensors (a bfloat16 model's gradients reduce in float32); the
     gathers and reductions of a float64 group stay full precision, as ``DataParallel`` keeps its
     float64 buckets.
+    ``prefetch`` (stage 3): gather the next module's parameters while the current one computes
+    (True: two modules gathered at a time); False gathers each module when it is used, holding
+    one module's parameters fewer at the cost of collectives that no longer overlap compute.
     ``param_groups`` and ``state`` are the inner optimizer's, so ``torch.optim.lr_scheduler``
     drives it. Masters are ``float32`` (or ``float64`` for ``float64`` parameters).
     """
 
     def __init__(self, params, optimizer_cls, *, group=None, stage: int = 1, module=None,
                  bucket_mb: float = 25.0, quant_weights=None, quant_grads=None,
-                 error_feedback: bool = False, **kwargs):
+                 error_feedback: bool = False, prefetch: bool = True, **kwargs):
         # torch.optim.Optimizer.__init__ is not called: it would build param_groups of the
         # full parameters; this class delegates them to the inner optimizer instead.
         params = list(params)
@@ -112,6 +115,9 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                              f"parameters' all-gather of stage 3; stage {stage} gathers no "
                              "parameters before use (its all-gather after the step sends the "
                              "weights of record)")
+        if not prefetch and stage != 3:
+            raise ValueError(f"DistributedOptimizer: prefetch=False changes stage 3's parameter "
+                             f"gathers; stage {stage} gathers no parameters before use")
         if error_feedback and self.quant_grads is None:
             raise ValueError("DistributedOptimizer: error_feedback=True needs quant_grads")
         self.error_feedback = bool(error_feedback)
@@ -142,7 +148,7 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                 self._build_buffers(f)
         else:
             self.sharded = ShardedParams(self.flat, self.group, self.dp_rank, module, units,
-                                         quant=self.quant_weights)
+                                         quant=self.quant_weights, prefetch=bool(prefetch))
         if stage >= 2:
             self.grads = GradReducer(self.flat, self.group, self.dp_size,
                                      quant=self.quant_grads, error_feedback=self.error_feedback)

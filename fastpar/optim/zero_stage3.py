@@ -15,7 +15,8 @@ swapping ``.data``, keeps every tensor autograd saved from a parameter (``weight
 linear) a view of memory that the backward's gather fills again::
 
     forward pre-hook of unit u:   wait u's gather (prefetched) or gather now;
-                                  launch the gather of unit u + 1 (forward order)
+                                  launch the gather of unit u + 1 (forward order; not with
+                                  prefetch=False, which holds one unit fewer)
     forward hook of unit u:       hook u's outputs (backward pre-hook); free u
     backward pre-hook of unit u:  wait or gather u; launch the gather of unit u - 1
     post-accumulate-grad hooks:   once every parameter of u has its gradient, free u
@@ -79,8 +80,9 @@ def unit_cuts(flat_params: list, units) -> list[int]:
 class ShardedParams:
     """Owns the gather buffers of every run and the module hooks of ZeRO-3."""
 
-    def __init__(self, flat, group, dp_rank: int, root: nn.Module, units, quant=None):
-        self.group, self.dp_rank, self.quant = group, dp_rank, quant
+    def __init__(self, flat, group, dp_rank: int, root: nn.Module, units, quant=None,
+                 prefetch: bool = True):
+        self.group, self.dp_rank, self.quant, self.prefetch = group, dp_rank, quant, prefetch
         self.runs = {}  # (id(f), run.index) -> [f, run, buffer, handle or None, gathered]
         self._nan = {}  # (dtype, device) -> one NaN element: what a released parameter shows
         with torch.no_grad():
@@ -151,9 +153,11 @@ class ShardedParams:
     # ---- units ---------------------------------------------------------------------------------
 
     def gather_unit(self, u: int, prefetch: int | None = None) -> None:
+        """Gather unit ``u`` (wait for it) and launch the gather of unit ``prefetch`` (when the
+        optimizer prefetches)."""
         for key in self.units[u][1]:
             self._launch(key)
-        if prefetch is not None and 0 <= prefetch < len(self.units):
+        if self.prefetch and prefetch is not None and 0 <= prefetch < len(self.units):
             for key in self.units[prefetch][1]:  # overlaps the compute of unit u
                 self._launch(key)
         for key in self.units[u][1]:
