@@ -3,7 +3,7 @@ ZeroRedundancyOptimizer and FSDP2, with and without activation recomputation; ea
 of its own (the same model and data), so one row's peak never hides another's.
 
     python bench/memory.py                    # the default plan: 34 jobs, ~7 min on 2 cores
-    python bench/memory.py --quick            # mlp at dp 2: dp, zero1, zero3, fsdp2, +- recompute
+    python bench/memory.py --quick            # mlp dp 2: dp, zero1, zero3(-nopf), fsdp2, +- full
     python bench/memory.py --plan all --layouts dp4 --variants zero1,zero3 --json out.json
     python bench/memory.py --tiny --quick     # tiny sizes: the test suite's smoke run
 
@@ -94,7 +94,7 @@ PLANS = {
     "default": [("mlp", "dp2", v, r) for v in VARIANTS for r in ("none", "full")]
     + [("mlp", lay, v, "none") for lay in ("dp4", "tp2xdp2") for v in VARIANTS]
     + [(m, "dp2", "dp", r) for m in MODELS[1:] for r in RECOMPUTE],
-    "quick": [("mlp", "dp2", v, r) for v in ("dp", "zero1", "zero3", "fsdp2")
+    "quick": [("mlp", "dp2", v, r) for v in ("dp", "zero1", "zero3", "zero3-nopf", "fsdp2")
               for r in ("none", "full")],
 }
 CATS = ("params", "grads", "optimizer", "buffers")
@@ -551,8 +551,8 @@ def main() -> None:
     p.add_argument("--plan", default="default", choices=("default", "quick", "all"),
                    help="default: mlp at dp2 (every variant, +- full recompute), dp4 and "
                    "tp2xdp2 (every variant); gpt and gpt-dropout at dp2 (dp x none, "
-                   "selective, full); quick: mlp dp2 dp/zero1/zero3/fsdp2 +- full; all: every "
-                   "combination of the filters")
+                   "selective, full); quick: mlp dp2 dp/zero1/zero3/zero3-nopf/fsdp2 +- "
+                   "full; all: every combination of the filters")
     p.add_argument("--quick", action="store_true", help="--plan quick")
     p.add_argument("--models", default=None, help=f"filter, of {','.join(MODELS)}")
     p.add_argument("--layouts", default=None, help=f"filter, e.g. {','.join(LAYOUTS)}")

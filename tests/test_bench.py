@@ -192,16 +192,18 @@ def test_overlap_bench_runs(tmp_path):
 
 
 def test_memory_bench_counts_model_state_and_activations(tmp_path):
-    # Two jobs of two tiny ranks each (the bench launches every row as its own job): dp and
-    # ZeRO-3 under full recompute (without recompute, activations are checked against their
-    # prediction in test_train's memory rows)
+    # Three jobs of two tiny ranks each (the bench launches every row as its own job): dp and
+    # ZeRO-3 with and without prefetch under full recompute (without recompute, activations
+    # are checked against their prediction in test_train's memory rows)
     out = tmp_path / "m.json"
     proc = launch([sys.executable, "bench/memory.py", "--tiny", "--quick", "--variants",
-                   "dp,zero3", "--recompute", "full", "--json", str(out)], timeout=400)
+                   "dp,zero3,zero3-nopf", "--recompute", "full", "--json", str(out)],
+                  timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     cfg, rows = result["config"], result["rows"]
-    assert [(r["variant"], r["recompute"]) for r in rows] == [("dp", "full"), ("zero3", "full")]
+    assert [(r["variant"], r["recompute"]) for r in rows] == [
+        ("dp", "full"), ("zero3", "full"), ("zero3-nopf", "full")]
     h, blocks, n = cfg["hidden"], cfg["blocks"], cfg["batch"] * cfg["seq"]
     P = 4 * blocks * (8 * h * h + 5 * h)  # float32 bytes of the parameters (no padding here)
     for r in rows:
@@ -217,14 +219,18 @@ def test_memory_bench_counts_model_state_and_activations(tmp_path):
         else:  # the master shard + AdamW's moments of it; each run (block) padded to even
             assert r["optimizer"] == 3 * P // 2 and r["two_units"] == 2 * P // blocks, r
             # the shard (16 bytes per element: parameter, m, v, gradient), two of the four
-            # blocks gathered, one block's (dp x piece) staging, the released parameters' NaN
-            assert blocks == 4 and r["variant"] == "zero3", r
-            assert r["state"] == r["state_pred"] == 2 * P + P // 2 + P // 4 + 4, r
-    assert "same losses mlp dp2: 2 rows" in result["agreement"][0], result["agreement"]
+            # blocks gathered (one without prefetch), one block's (dp x piece) staging, the
+            # released parameters' NaN
+            held = 1 if r["variant"] == "zero3-nopf" else 2
+            assert blocks == 4 and r["units_held"] == held * P // blocks, r
+            assert r["state"] == r["state_pred"] == 2 * P + held * P // 4 + P // 4 + 4, r
+    assert "same losses mlp dp2: 3 rows" in result["agreement"][0], result["agreement"]
     met = {(t["target"], t["where"]): t["met"] for t in result["targets"]}
     where = "mlp dp2 full recompute"
-    assert met[("ZeRO-3 model state <= ZeRO-0's / dp + two layers + buffers", where)], met
-    assert met[("ZeRO-3 model state within 5% of the prediction", where)], met
+    for label in ("ZeRO-3", "ZeRO-3 without prefetch"):
+        assert met[(f"{label} model state <= ZeRO-0's / dp + the layers gathered + buffers",
+                    where)], met
+        assert met[(f"{label} model state within 5% of the prediction", where)], met
     assert all(met[k] for k in met if k[0].startswith("activations")), met
     assert result["failed"] == []
 
