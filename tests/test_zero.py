@@ -315,7 +315,9 @@ def check_released(c, topo, seed):
 
 def check_prefetch(c, topo, seed):
     """Stage 3 with ``prefetch=False``: the same training, bitwise, holding one unit fewer:
-    inside b's forward the root's own unit and b's are gathered, not c's as well."""
+    inside b's forward the root's own unit and b's are gathered, not c's as well; as c's
+    backward starts, c's, not b's as well (the root's gathers after: its hook on the same
+    output tensor was registered later)."""
     from fastpar.optim import DistributedOptimizer
 
     x, y = batches(seed, 1)[0]
@@ -326,12 +328,16 @@ def check_prefetch(c, topo, seed):
         net = Net()
         opt = DistributedOptimizer(net.parameters(), torch.optim.SGD, stage=3, module=net,
                                    lr=0.1, prefetch=prefetch)
-        held = []
+        held = {"forward": [], "backward": []}
 
-        def count(*_):  # after ZeRO-3's pre-hook: the unit is gathered, the next launched
-            held.append(sum(e[2].untyped_storage().nbytes() > 0
-                            for e in opt.sharded.runs.values()))
-        hooks = [m.register_forward_pre_hook(count) for m in (net.b, net.c)]
+        def count(phase):  # after ZeRO-3's hooks: the unit is gathered, the next launched
+            held[phase].append(sum(e[2].untyped_storage().nbytes() > 0
+                                   for e in opt.sharded.runs.values()))
+
+        def on_output(module, args, out):  # its grad hook runs after ZeRO-3's gather
+            out.register_hook(lambda g: count("backward"))
+        hooks = [m.register_forward_pre_hook(lambda *_: count("forward"))
+                 for m in (net.b, net.c)] + [net.c.register_forward_hook(on_output)]
         for _ in range(2):
             F.mse_loss(net(x), y).backward()
             opt.step()
@@ -340,9 +346,9 @@ def check_prefetch(c, topo, seed):
             h.remove()
         with opt.gathered():
             trained.append({k: v.clone() for k, v in net.state_dict().items()})
-        most.append(max(held))
+        most.append((max(held["forward"]), max(held["backward"])))
     assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
-    assert most == [3, 2], most
+    assert most == [(3, 2), (2, 1)], most
     c.checked.append("stage3.prefetch")
 
 

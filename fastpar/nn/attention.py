@@ -167,10 +167,11 @@ class ParallelSelfAttention(nn.Module):
         """Whether selective recomputation runs ``dropout_attention`` (its own recompute, the
         dropout mask kept as bits) instead of ``recompute`` around torch's kernel: on the CPU
         with attention dropout, where torch's math kernel would draw the mask again (module
-        docstring). GPUs' fused kernels keep no probabilities and draw masks in registers."""
+        docstring). GPUs' fused kernels keep no probabilities and draw masks in registers.
+        Not under CPU autocast: its backward would recompute in another precision."""
         return (self.recompute_core and self.training and self.attn_dropout > 0
                 and self.context_parallel is None and q.device.type == "cpu"
-                and torch.is_grad_enabled())
+                and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one entry communication for q, k and v (overlapped with their GEMMs by policy)

@@ -33,6 +33,8 @@ float32 and float64 compute in their own dtype; bfloat16 and float16 in float32.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -41,11 +43,16 @@ __all__ = ["dropout_attention", "pack_bits", "unpack_bits"]
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A bool tensor as uint8, eight elements a byte (element 8i + j is bit j of byte i; the
-    last byte padded with zeros). ``unpack_bits(pack_bits(m), m.shape)`` is ``m``."""
+    last byte padded with zeros). ``unpack_bits(pack_bits(m), m.shape)`` is ``m``. Eight bytes
+    are read as one little-endian int64 (x86, ARM)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("pack_bits reads eight bools as a little-endian int64")
     flat = mask.reshape(-1).view(torch.uint8)  # each byte 0 or 1
     pad = -flat.numel() % 8
     if pad:
         flat = F.pad(flat, (0, pad))
+    elif flat.storage_offset() % 8:  # a view off the int64 grid
+        flat = flat.clone()
     x = flat.view(torch.int64)  # eight 0/1 bytes per word: bit 8j -> bit j
     x = x | (x >> 7)
     x = x | (x >> 14)
@@ -62,22 +69,6 @@ def unpack_bits(packed: torch.Tensor, shape) -> torch.Tensor:
     return y.view(torch.uint8)[:shape.numel()].view(torch.bool).view(shape)
 
 
-_CAUSAL: dict = {}  # (T, G, dtype, device) -> the (G * T, T) additive causal mask
-
-
-def _causal_bias(t: int, groups: int, dtype, device) -> torch.Tensor:
-    """0 on and below the diagonal, -inf above, for each of ``groups`` query heads stacked by
-    rows (the last few are kept: one model uses one or two shapes)."""
-    key = (t, groups, dtype, device)
-    if key not in _CAUSAL:
-        above = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
-        bias = torch.zeros(t, t, dtype=dtype, device=device).masked_fill_(above, float("-inf"))
-        if len(_CAUSAL) >= 8:
-            _CAUSAL.clear()
-        _CAUSAL[key] = bias.repeat(groups, 1)
-    return _CAUSAL[key]
-
-
 def _operands(q, k, v, work):
     """q as (B * Hkv, G * T, D) (each kv head's G query heads stacked by rows), k and v as
     (B * Hkv, Tk, D), in the working dtype."""
@@ -88,12 +79,12 @@ def _operands(q, k, v, work):
 
 
 def _probabilities(q3, k3, causal: bool, scale: float, t: int) -> torch.Tensor:
-    """softmax(q k^T scale (+ causal mask)), (B * Hkv, G * T, Tk)."""
-    if causal:
-        bias = _causal_bias(t, q3.shape[1] // t, q3.dtype, q3.device)
-        s = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
-    else:
-        s = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)
+    """softmax(q k^T scale (+ causal mask)), (B * Hkv, G * T, Tk): the same kernels on the same
+    values in forward and backward, so the same probabilities."""
+    s = torch.bmm(q3 * scale, k3.transpose(1, 2))
+    if causal:  # -inf above the diagonal of each query head's (T, T) block
+        bias = torch.full((t, t), float("-inf"), dtype=s.dtype, device=s.device).triu_(1)
+        s.view(s.shape[0], -1, t, t).add_(bias)
     return torch.softmax(s, -1)
 
 
@@ -116,6 +107,7 @@ class _DropoutAttention(torch.autograd.Function):
         return out.transpose(1, 2)  # (B, H, T, D), a view of the (B, T, H, D) storage kept
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, keep = ctx.saved_tensors
         p, causal, scale = ctx.args
@@ -131,10 +123,11 @@ class _DropoutAttention(torch.autograd.Function):
         dv = torch.bmm(dropped.transpose(1, 2), do)  # summed over each kv head's G query heads
         ds = torch.bmm(do, v3.transpose(1, 2)).mul_(dropped).addcmul_(prob, delta, value=-1.0)
         del dropped, prob
-        dq = torch.bmm(ds, k3).mul_(scale)
-        dk = torch.bmm(ds.transpose(1, 2), q3).mul_(scale)
-        return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
-                dv.view(v.shape).to(v.dtype), None, None, None)
+        need_q, need_k = ctx.needs_input_grad[:2]
+        dq = torch.bmm(ds, k3).mul_(scale).view(q.shape).to(q.dtype) if need_q else None
+        dk = torch.bmm(ds.transpose(1, 2), q3).mul_(scale).view(k.shape).to(k.dtype) \
+            if need_k else None
+        return dq, dk, dv.view(v.shape).to(v.dtype), None, None, None
 
 
 def dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float,

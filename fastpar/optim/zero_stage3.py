@@ -1,5 +1,5 @@
 """ZeRO-3 parameters: 1/dp shards that are all-gathered around each module's forward and
-backward, the next module's gather prefetched, and freed after use.
+backward, the next module's gather prefetched (unless ``prefetch=False``), and freed after use.
 
 Units are modules: the root and every ``nn.Sequential`` / ``nn.ModuleList`` / ``nn.ModuleDict``
 are opened, any other module is one unit (a GPT block, an embedding, a ``Linear``); what the root
@@ -18,7 +18,8 @@ linear) a view of memory that the backward's gather fills again::
                                   launch the gather of unit u + 1 (forward order; not with
                                   prefetch=False, which holds one unit fewer)
     forward hook of unit u:       hook u's outputs (backward pre-hook); free u
-    backward pre-hook of unit u:  wait or gather u; launch the gather of unit u - 1
+    backward pre-hook of unit u:  wait or gather u; launch the gather of unit u - 1 (not with
+                                  prefetch=False)
     post-accumulate-grad hooks:   once every parameter of u has its gradient, free u
 
 ``gathered()`` pins every unit full for its duration (``fastpar.train`` runs a pipeline step,
