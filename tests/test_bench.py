@@ -235,8 +235,27 @@ def test_memory_bench_counts_model_state_and_activations(tmp_path):
     assert result["failed"] == []
 
 
+def test_recompute_bench_runs(tmp_path):
+    """bench/recompute.py on the tiny GPT, one round: every variant checked against none, full
+    keeps the least, selective with dropout less than none."""
+    out = tmp_path / "rc.json"
+    proc = launch([sys.executable, "bench/recompute.py", "--tiny", "--rounds", "1",
+                   "--warmup", "0", "--json", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["dropout"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == sorted([(0.0, v) for v in ("none", "selective", "full",
+                                                       "torch-selective", "torch-full")]
+                                  + [(0.1, v) for v in ("none", "selective", "full")]), rows
+    for (rate, variant), r in rows.items():
+        assert r["check"] <= 1e-5 and r["min_ms"] > 0 and r["min_vs_none"] > 0, r
+        none = rows[(rate, "none")]["saved_bytes"]
+        if variant.endswith("full"):
+            assert r["saved_bytes"] < none / 2, (rate, variant, r["saved_bytes"], none)
+    assert rows[(0.1, "selective")]["saved_bytes"] < rows[(0.1, "none")]["saved_bytes"]
+
+
 BENCHES = ["bootstrap", "collectives", "context", "data_parallel", "gemm", "memory", "moe",
-           "overlap", "pipeline", "tp_layers", "train_throughput"]
+           "overlap", "pipeline", "recompute", "tp_layers", "train_throughput"]
 
 
 def body_bad_flags(cases):
