@@ -1,8 +1,17 @@
 """GPU-marked tests run only where CUDA is available (tests/gpu_check.sh on a GPU machine);
-elsewhere they are reported as skipped, never as passed."""
+elsewhere they are reported as skipped, never as passed.
+
+A suite started in the background by a shell (``cmd &``, ``nohup``) inherits SIGINT ignored, and
+so would every process it starts: the tests that interrupt a rank with SIGINT then wait for
+nothing. A handler here (not ``SIG_IGN``) puts each started program back on the default."""
+
+import signal
 
 import pytest
 import torch
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

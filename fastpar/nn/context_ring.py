@@ -59,6 +59,7 @@ import torch.distributed as dist
 from fastpar.comm.collectives import all_reduce
 from fastpar.comm.p2p_engines import TorchSend
 from fastpar.comm.symmetric import symmetric_slots
+from fastpar.nn import context_math
 from fastpar.nn.context_math import (block_backward, block_forward, grouped, keep_mask,
                                      merge_into)
 from fastpar.runtime import group_rank, is_initialized, topology
@@ -278,7 +279,9 @@ class RingAttention(torch.autograd.Function):
         hkv, c, r, n = k.shape[1], q.shape[2] // 2, ring.index, ring.n
         q5 = grouped(q.to(work), hkv)
         do, o5 = grouped(dout.to(work), hkv), grouped(out.to(work), hkv)  # (B, Hkv, G, T/n, D)
-        delta = (do * o5).sum(-1)  # (B, Hkv, G, T/n)
+        # rowsum(do * o) for the written-out blocks (B, Hkv, G, T/n); the fused kernel forms it
+        fused = not p and context_math._fused(q5, None)  # every block: no mask to apply
+        delta = None if fused else (do * o5).sum(-1)
         dq = torch.zeros_like(q5)
         heads = torch.arange(H, device=q.device)
         my_pos = ring.positions(r).to(q.device)
@@ -292,7 +295,7 @@ class RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = block_backward(
                 q5[..., rows, :], kv[0, :, :, None, cols].to(work),
                 kv[1, :, :, None, cols].to(work), do[..., rows, :], o5[..., rows, :],
-                lse[..., rows], delta[..., rows], scale, diag, keep, p)
+                lse[..., rows], None if fused else delta[..., rows], scale, diag, keep, p)
             dq[..., rows, :] += dq_b
             share = torch.zeros((2, *k.shape), dtype=work, device=k.device)  # block j's
             share[0, :, :, cols] = dk_b[:, :, 0]
