@@ -103,12 +103,22 @@ def _fused(q, keep) -> bool:
     return keep is None and q.device.type == "cpu"
 
 
-def _heads(q, t):
-    """q (B, Hkv, G, Tq, D) -> (B*Hkv, G, Tq, D); t (B, Hkv, 1, Tk, D) -> (B*Hkv, G, Tk, D)
-    (each kv head repeated for its G query heads: the fused kernel takes equal head counts)."""
+def _rows(q, causal: bool) -> tuple:
+    """The fused kernel's shape for q-shaped tensors (B, Hkv, G, Tq, D): causal, one head per
+    query head, (B*Hkv, G, Tq, D); otherwise each kv head's G query heads stacked by rows as one
+    head, (B*Hkv, 1, G*Tq, D) (rows are independent without a mask; ``_heads``)."""
+    B, hkv, G, tq, d = q.shape
+    return (B * hkv, G, tq, d) if causal else (B * hkv, 1, G * tq, d)
+
+
+def _heads(q, t, causal: bool):
+    """t (B, Hkv, 1, Tk, D) as the fused kernel's k or v beside ``_rows(q)``: causal, each kv
+    head repeated for its G query heads (the kernel takes equal head counts and masks by
+    position within a head), (B*Hkv, G, Tk, D); otherwise the kv head once, (B*Hkv, 1, Tk, D)."""
     B, hkv, G = q.shape[:3]
-    return (q.reshape(B * hkv, G, *q.shape[3:]),
-            t.expand(B, hkv, G, *t.shape[3:]).reshape(B * hkv, G, *t.shape[3:]))
+    if causal:
+        return t.expand(B, hkv, G, *t.shape[3:]).reshape(B * hkv, G, *t.shape[3:])
+    return t.reshape(B * hkv, 1, *t.shape[3:])
 
 
 def block_forward(q, k, v, scale: float, causal: bool, keep, p: float):
@@ -117,9 +127,9 @@ def block_forward(q, k, v, scale: float, causal: bool, keep, p: float):
     must see at least one key (true of every block ``fastpar.nn.context`` forms). Without
     dropout on the CPU: torch's fused kernel (``_fused``); else written out."""
     if _fused(q, keep):
-        qf, kf = _heads(q, k)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qf, kf, _heads(q, v)[1], 0.0, causal, attn_mask=None, scale=scale)
+            q.reshape(_rows(q, causal)), _heads(q, k, causal), _heads(q, v, causal), 0.0,
+            causal, attn_mask=None, scale=scale)
         return o.view(q.shape), lse.view(q.shape[:-1])
     s = _scores(q, k, scale, causal)  # (B, Hkv, G, Tq, Tk)
     lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Tq)
@@ -136,11 +146,13 @@ def block_backward(q, k, v, do, o, lse, delta, scale: float, causal: bool, keep,
     kv head. Without dropout on the CPU, torch's fused backward given the whole attention's
     ``o`` and ``lse`` (it forms delta itself)."""
     if _fused(q, keep):
-        qf, kf = _heads(q, k)
-        flat = (q.shape[0] * q.shape[1], *q.shape[2:])
+        flat = _rows(q, causal)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.reshape(flat), qf, kf, _heads(q, v)[1], o.reshape(flat),
-            lse.reshape(flat[:-1]).contiguous(), 0.0, causal, attn_mask=None, scale=scale)
+            do.reshape(flat), q.reshape(flat), _heads(q, k, causal), _heads(q, v, causal),
+            o.reshape(flat), lse.reshape(flat[:-1]).contiguous(), 0.0, causal, attn_mask=None,
+            scale=scale)
+        if not causal:  # one head per kv head: the G query heads' shares are summed already
+            return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
         kv_shape = (*q.shape[:3], *k.shape[3:])
         return (dq.view(q.shape), dk.view(kv_shape).sum(2, keepdim=True),
                 dv.view(kv_shape).sum(2, keepdim=True))
