@@ -309,11 +309,10 @@ def worker(job: str, size: dict) -> None:
     meter.heap_base = heap_base
     state_pred = None
     held = None  # ZeRO-3's gather units held at once (one in use, one prefetched)
-    if variant.startswith("zero3"):
+    if variant.startswith("zero3"):  # float32: master shard, Adam's m and v, master gradient
+        # (16 s), the largest gather units held at once, one run's staging, and the one float32
+        # NaN every released parameter shows
         held = sum(units[:1 if variant == "zero3-nopf" else 2])
-    if held is not None:  # float32: master shard, Adam's m and v, master gradient (16 s),
-        # the largest gather units held at once, one run's staging, and the one float32 NaN
-        # every released parameter shows
         state_pred = 16 * sum(f.shard for f in opt.flat) + held + 4 * dp * max(
             run.piece for f in opt.flat for run in f.runs) + 4
     gen = torch.Generator().manual_seed(1 + topo.dp_rank)

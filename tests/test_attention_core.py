@@ -92,7 +92,7 @@ def test_gradients_only_where_asked_and_no_double_backward():
         torch.randn(1, 2, 8, 4, requires_grad=True)
     out = dropout_attention(q, k, v, 0.2, True)
     dq, dv = torch.autograd.grad(out.sum(), (q, v), create_graph=True)
-    assert dq.shape == q.shape and dv.shape == v.shape and k.grad is None
+    assert dq.shape == q.shape and dv.shape == v.shape
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         torch.autograd.grad(dq.sum(), q)
 

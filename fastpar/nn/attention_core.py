@@ -116,8 +116,9 @@ class _DropoutAttention(torch.autograd.Function):
         q3, k3, v3 = _operands(q, k, v, work)
         c = 1.0 / (1.0 - p)
         rows = q3.shape[:2]
-        delta = (dout.to(work) * out.transpose(1, 2).to(work)).sum(-1).view(*rows, 1)
-        do = (dout.to(work) * c).reshape(*rows, D)  # c do
+        dout = dout.to(work)
+        delta = (dout * out.transpose(1, 2).to(work)).sum(-1).view(*rows, 1)
+        do = (dout * c).reshape(*rows, D)  # c do
         prob = _probabilities(q3, k3, causal, scale, T)  # the forward's probabilities
         dropped = prob.clone().mul_(unpack_bits(keep, prob.shape))
         dv = torch.bmm(dropped.transpose(1, 2), do)  # summed over each kv head's G query heads
