@@ -30,14 +30,15 @@ TORCH_LIBRARY(fastpar, m) {
   // csrc/shm/shm_errors.h; reading clears it.
   m.def("shm_last_error() -> (int, int)", &fastpar::shm_last_error);
   m.def("shm_all_reduce(int comm, Tensor(a!) t, str op) -> ()", &fastpar::shm_all_reduce);
-  m.def("shm_all_reduce_symmetric(int comm, Tensor(a!) t, int[] slots, str op) -> ()",
+  m.def("shm_all_reduce_symmetric(int comm, Tensor(a!) t, int[] slots, str op, int sig) "
+        "-> ()",
         &fastpar::shm_all_reduce_symmetric);
   m.def("shm_all_gather_symmetric(int comm, Tensor(a!) out, int[] slots, int sig) -> ()",
         &fastpar::shm_all_gather_symmetric);
   m.def("shm_all_to_all_symmetric(int comm, Tensor inp, int[] slots, Tensor(a!) out, int sig) "
         "-> ()", &fastpar::shm_all_to_all_symmetric);
   m.def("shm_reduce_scatter_symmetric(int comm, Tensor inp, int[] slots, Tensor(a!) out, "
-        "str op) -> ()", &fastpar::shm_reduce_scatter_symmetric);
+        "str op, int sig) -> ()", &fastpar::shm_reduce_scatter_symmetric);
   m.def("shm_all_gather(int comm, Tensor inp, Tensor(a!) out, int sig) -> ()",
         &fastpar::shm_all_gather);
   m.def("shm_reduce_scatter(int comm, Tensor inp, Tensor(a!) out, str op) -> ()",

@@ -152,14 +152,14 @@ void symmetric_slots(const shm::Comm& c, at::IntArrayRef slots, const at::Tensor
 }  // namespace
 
 void shm_all_reduce_symmetric(int64_t handle, at::Tensor& t, at::IntArrayRef slots,
-                              const std::string& op) {
+                              const std::string& op, int64_t sig) {
   check_cpu(t, "tensor");
   auto& c = get(handle);
   void* ptrs[64];
   symmetric_slots(c, slots, t, "all_reduce", ptrs);
   auto dt = dtype_of(t);
   auto o = op_of(op);
-  run([&] { shm::all_reduce_symmetric(c, ptrs, t.numel(), dt, o); });
+  run([&] { shm::all_reduce_symmetric(c, ptrs, t.numel(), dt, o, uint64_t(sig)); });
 }
 
 void shm_all_gather_symmetric(int64_t handle, at::Tensor& out, at::IntArrayRef slots,
@@ -188,7 +188,7 @@ void shm_all_to_all_symmetric(int64_t handle, const at::Tensor& in, at::IntArray
 }
 
 void shm_reduce_scatter_symmetric(int64_t handle, const at::Tensor& in, at::IntArrayRef slots,
-                                  at::Tensor& out, const std::string& op) {
+                                  at::Tensor& out, const std::string& op, int64_t sig) {
   check_cpu(in, "input");
   check_cpu(out, "output");
   auto& c = get(handle);
@@ -200,7 +200,8 @@ void shm_reduce_scatter_symmetric(int64_t handle, const at::Tensor& in, at::IntA
   symmetric_slots(c, slots, in, "reduce_scatter", ptrs);
   auto dt = dtype_of(in);
   auto o = op_of(op);
-  run([&] { shm::reduce_scatter_symmetric(c, ptrs, out.data_ptr(), out.numel(), dt, o); });
+  run([&] { shm::reduce_scatter_symmetric(c, ptrs, out.data_ptr(), out.numel(), dt, o,
+                                            uint64_t(sig)); });
 }
 
 void shm_all_gather(int64_t handle, const at::Tensor& in, at::Tensor& out, int64_t sig) {

@@ -21,10 +21,10 @@ int64_t shm_attach(int64_t base, int64_t rank, int64_t world, int64_t slot_bytes
                    double timeout_s, bool oversubscribed);
 void shm_detach(int64_t comm);
 void shm_all_reduce(int64_t comm, at::Tensor& t, const std::string& op);
-// t is this rank's slot of a symmetric segment; slots[p] the address of rank p's slot in this
-// process (fastpar/comm/symmetric.py).
+// t is this rank's part of a symmetric segment; slots[p] the address of rank p's same part in
+// this process, sig what it is (fastpar/comm/symmetric.py; compared across ranks).
 void shm_all_reduce_symmetric(int64_t comm, at::Tensor& t, at::IntArrayRef slots,
-                              const std::string& op);
+                              const std::string& op, int64_t sig);
 // out: this rank's symmetric buffer of world blocks, its own block filled; slots as above.
 void shm_all_gather_symmetric(int64_t comm, at::Tensor& out, at::IntArrayRef slots, int64_t sig);
 // in: this rank's symmetric buffer of world equal blocks; out: a plain tensor of in's bytes.
@@ -32,7 +32,7 @@ void shm_all_to_all_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRe
                               at::Tensor& out, int64_t sig);
 // in: this rank's symmetric buffer of world blocks; out may be in's block of this rank.
 void shm_reduce_scatter_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRef slots,
-                                  at::Tensor& out, const std::string& op);
+                                  at::Tensor& out, const std::string& op, int64_t sig);
 // sig: the caller's dtype/shape signature, compared across ranks (fastpar/comm/shm.py).
 void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t sig);
 void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,

@@ -1,9 +1,13 @@
 """Symmetric tensors (fastpar/comm/symmetric.py over csrc/shm/shm_symmetric.cpp): an all_reduce
 of a ``comm.symmetric_empty`` tensor, an all_gather into one and a reduce_scatter of one are
-bitwise the copying shm path's, on every rank, for every dtype, sum and max, odd sizes on both sides of the
-small-message limit, at world 2, 3 and 4; a view of part of it takes the copying path; ranks that
-disagree on the size get a ValueError naming both; a killed peer is named at once and no
-segment is left in /dev/shm, also when the creator dies while the others have not mapped it."""
+bitwise the copying shm path's, on every rank, for every dtype, sum and max, odd sizes on both
+sides of the small-message limit, at world 2, 3 and 4; a contiguous part of one takes the
+symmetric path too, bitwise the same; ``symmetric_parts`` (one segment, page-aligned parts with
+storages of their own) whose pages ``release`` gives back (``resident_bytes`` counts them);
+ranks that disagree on the size get a ValueError naming both, ranks that pass different parts
+(or different symmetric tensors) get the kernel's mismatch error on every rank instead of each
+other's bytes; a killed peer is named at once and no segment is left in /dev/shm, also when
+the creator dies while the others have not mapped it."""
 
 import os
 import signal
@@ -60,19 +64,22 @@ def body_bitwise():
                                    ref.reshape(-1).view(torch.uint8)):
                     bad.append(f"{dtype} {op} {count}")
                 digests.append(hashlib.sha1(x.reshape(-1).view(torch.uint8).numpy()).hexdigest())
-                if count == 20011:  # a view of part of it: the copying path, still right
-                    part, want = x[1:].clone(), x[1:].clone()
+                if count == 20011:  # a part of it: the symmetric path too, bitwise the copying
+                    part, want = x[1:].clone(), x[1:].clone()  # path's, the rest untouched
                     before = taken()
-                    view = x[1:]
+                    view = x.reshape(-1)[1:]
                     comm.all_reduce(view, op=op)
-                    comm.all_reduce(want, op=op)
-                    assert taken() == before, "a partial view took the symmetric path"
-                    assert torch.equal(view.view(torch.uint8), want.view(torch.uint8)), part
+                    comm.all_reduce(want.reshape(-1), op=op)
+                    assert taken() == before + 1, "a part did not take the symmetric path"
+                    assert torch.equal(view.view(torch.uint8),
+                                       want.reshape(-1).view(torch.uint8)), part
+                    assert torch.equal(x.reshape(-1)[:1].view(torch.uint8),  # NaN under max
+                                       ref.reshape(-1)[:1].view(torch.uint8))
     # The symmetric kernel from SYMMETRIC_ALL_REDUCE_MIN bytes (below, the copying kernel's one
-    # round is faster and works on the same memory).
+    # round is faster and works on the same memory); the parts of 20011 elements as well.
     big = sum(c * torch.empty((), dtype=d).element_size() >= SYMMETRIC_ALL_REDUCE_MIN
               for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-              for c in COUNTS) * 2  # sum and max
+              for c in COUNTS) * 2 + 4 * 2  # sum and max
     assert taken() == big and 0 < big < cases, (taken(), big, cases)
     bad += gather_and_scatter_cases(me, n, digests)
     # Ranks that disagree: a ValueError on every rank naming each rank's size, no segment made.
@@ -310,3 +317,126 @@ def test_segment_setup_failure_closes_and_unlinks():
     assert out["KeyboardInterrupt"] == "KeyboardInterrupt: injected", out
     assert out["closed"] == [True, True] and out["left"] == [], out
     assert out["ok"] == [8192, []], out  # mapped, and its name already gone
+
+
+def body_parts():
+    """``symmetric_parts``: page-aligned parts of one segment, each its own storage; collectives
+    on a part and on a piece of one in place, bitwise the copying path; ``release`` gives a
+    part's pages back (zeros after, ``resident_bytes`` down by them, the other parts intact)
+    and the part works again when written; bad input to ``release`` is refused."""
+    import torch
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm import symmetric
+    from fastpar.comm.shm import ShmCommunicator
+
+    topo = fastpar.init(timeout=60)
+    comm.use_backend("shm")
+    me, n = topo.rank, topo.world_size
+    calls = count_calls(ShmCommunicator, "all_gather_symmetric", "reduce_scatter_symmetric",
+                        "all_reduce_symmetric")
+    out = {}
+    sizes = [(n * 50000, torch.float32), (n * 3001, torch.bfloat16), (0, torch.float32),
+             (n * 70001, torch.float64)]
+    base = symmetric.resident_bytes()
+    parts = comm.symmetric_parts(sizes)
+    out["shapes"] = [(tuple(p.shape), p.dtype == d) for p, (_, d) in zip(parts, sizes)]
+    out["aligned"] = [p.data_ptr() % 4096 == 0 for p in parts if p.numel()]
+    out["storage"] = [p.untyped_storage().nbytes() == p.nbytes for p in parts]
+    a, b, _, c = parts
+    g = torch.Generator().manual_seed(me)
+    for p in (a, b, c):
+        p.copy_(torch.randn(p.numel(), generator=g).to(p.dtype))
+    held = symmetric.resident_bytes() - base
+    out["held"] = held >= a.nbytes + b.nbytes + c.nbytes
+    bad = []
+    # reduce_scatter of a part, all_gather into a part (its own block in place), all_reduce of
+    # a piece in the middle of a part: each bitwise the copying path's on a plain copy
+    ref = comm.reduce_scatter(a.clone())
+    got = comm.reduce_scatter(a)
+    bad += [] if torch.equal(got, ref) else ["reduce_scatter"]
+    k = c.numel() // n
+    want = comm.all_gather(c[me * k:(me + 1) * k].clone())
+    comm.all_gather(c[me * k:(me + 1) * k], out=c)
+    bad += [] if torch.equal(c, want) else ["all_gather"]
+    piece = a[1000:40000]
+    want = comm.all_reduce(piece.clone())
+    comm.all_reduce(piece)
+    bad += [] if torch.equal(piece, want) else ["all_reduce of a piece"]
+    out["calls"] = dict(calls)
+    # release: c's pages go (zeros), a and b stay; written again, c works again
+    a_before, b_before = a.clone(), b.clone()
+    before = symmetric.resident_bytes()
+    symmetric.release(c)
+    out["released"] = before - symmetric.resident_bytes() >= c.nbytes - 4096
+    out["zeros"] = bool((c == 0).all())
+    out["others"] = torch.equal(a, a_before) and torch.equal(b, b_before)
+    c.fill_(me + 1)
+    comm.all_reduce(c)
+    out["again"] = bool((c == n * (n + 1) / 2).all())
+    errors = []
+    for t in (a[1:], torch.ones(4096)):  # not on a page; not symmetric
+        try:
+            symmetric.release(t)
+        except ValueError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    out["bad"] = bad
+    fastpar.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_symmetric_parts_release_and_run_in_place(nranks):
+    for out in run_ranks(nranks, body_parts, timeout=240).values():
+        assert out["bad"] == [], out
+        assert out["shapes"] == [[[nranks * 50000], True], [[nranks * 3001], True],
+                                 [[0], True], [[nranks * 70001], True]], out  # (JSON lists)
+        assert all(out["aligned"]) and all(out["storage"]) and out["held"], out
+        # reduce_scatter (input over 256 KiB), all_gather (over 64 KiB a rank), the piece
+        assert out["calls"] == {"all_gather_symmetric": 1, "reduce_scatter_symmetric": 1,
+                                "all_reduce_symmetric": 1}, out
+        assert out["released"] and out["zeros"] and out["others"] and out["again"], out
+        assert len(out["errors"]) == 2 and all("part of symmetric_parts" in e
+                                               for e in out["errors"]), out
+
+
+def body_mismatch():
+    """Each case on a fresh group (a failed call leaves its group's segment unusable): ranks
+    that pass pieces at different offsets of one symmetric tensor, or different symmetric
+    tensors of the same size, fail on every rank with the mismatch error."""
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar import comm
+    from fastpar.comm.native_errors import ShmError
+
+    topo = fastpar.init(timeout=60)
+    comm.use_backend("shm")
+    me = topo.rank
+    out = {}
+    for case in ("offsets", "tensors", "gather"):
+        g = dist.new_group(list(range(topo.world_size)))
+        x = comm.symmetric_empty(1 << 17, group=g)
+        y = comm.symmetric_empty(1 << 17, group=g)
+        t = x[1024 * me:1024 * me + 100000] if case == "offsets" else x if me == 0 else y
+        try:
+            if case == "gather":
+                k = t.numel() // topo.world_size
+                comm.all_gather(t[me * k:(me + 1) * k], group=g, out=t)
+            else:
+                comm.all_reduce(t, group=g)
+            out[case] = "returned"
+        except ShmError as exc:
+            out[case] = str(exc)
+    fastpar.shutdown()
+    return out
+
+
+def test_ranks_passing_different_symmetric_memory_fail_alike():
+    for rank, out in enumerate(run_ranks(2, body_mismatch, timeout=120).values()):
+        for case, words in out.items():
+            assert "rank 1 passed" in words and "but rank 0 passed" in words, (case, words)
+            assert "of a symmetric tensor" in words, (case, words)  # this rank's, described
+            assert "in other symmetric memory" in words, (case, words)  # the peer's

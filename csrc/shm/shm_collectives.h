@@ -116,7 +116,12 @@ void all_reduce(Comm& c, void* data, size_t count, DType dt, Op op);
 // The call's flags are this Comm's (two signals: entry, then every slice written). Bitwise the
 // result of all_reduce: same reduction code, same order. A rank passing a plain all_reduce
 // where the others pass this one gets the descriptor mismatch error.
-void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op);
+// `sig` (every symmetric call): the caller's description of which symmetric memory this is
+// (fastpar/comm/symmetric.py hashes the segment, the offset in the slot, dtype and shape into
+// it), compared across ranks like the count: ranks that pass different symmetric tensors, or
+// views at different offsets, fail on every rank instead of reading each other's other bytes.
+void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op,
+                          uint64_t sig = 0);
 
 // Over a symmetric buffer of world*bytes per rank: slots[p] is rank p's buffer, whose block p
 // (bytes [p*bytes, (p+1)*bytes)) rank p filled before the call. Rank r copies block p of
@@ -133,7 +138,7 @@ void all_to_all_symmetric(Comm& c, void* const* slots, void* out, size_t bytes, 
 // of slots[p][rank*count : (rank+1)*count]; bitwise reduce_scatter's result. `out` may be this
 // rank's own block of its input (slots[rank] + rank*count).
 void reduce_scatter_symmetric(Comm& c, void* const* slots, void* out, size_t count, DType dt,
-                              Op op);
+                              Op op, uint64_t sig = 0);
 
 // out[r*bytes:(r+1)*bytes] = in of rank r. `out` holds world*bytes; `in` may alias
 // out + rank*bytes.

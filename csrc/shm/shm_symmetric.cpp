@@ -39,8 +39,9 @@ void reduce_blocks(const void* const* srcs_base, int world, size_t b, size_t e, 
 
 }  // namespace
 
-void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op) {
-  const Desc d = begin_call(c, Kind::AllReduceSymmetric, dt, op, count, 0);
+void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, Op op,
+                          uint64_t sig) {
+  const Desc d = begin_call(c, Kind::AllReduceSymmetric, dt, op, count, 0, sig);
   if (c.world == 1) return;
   const size_t es = dtype_size(dt);
   first_round_sync(c, d);  // entry: every input in place, no rank still reads the last result
@@ -85,8 +86,8 @@ void all_to_all_symmetric(Comm& c, void* const* slots, void* out, size_t bytes, 
 }
 
 void reduce_scatter_symmetric(Comm& c, void* const* slots, void* out, size_t count, DType dt,
-                              Op op) {
-  const Desc d = begin_call(c, Kind::ReduceScatterSymmetric, dt, op, count, 0);
+                              Op op, uint64_t sig) {
+  const Desc d = begin_call(c, Kind::ReduceScatterSymmetric, dt, op, count, 0, sig);
   const size_t es = dtype_size(dt);
   if (c.world == 1) {
     std::memmove(out, slots[0], count * es);

@@ -104,7 +104,7 @@ def _exchange(name, t, send, recv, group, async_op, out=None):
     sym = _symmetric(route, inp) if equal else None
     if sym is not None:  # every rank reads its block of each peer's input where it lies
         out = torch.empty_like(inp) if out is None else out
-        route.comm.all_to_all_symmetric(inp, sym.slots, out)
+        route.comm.all_to_all_symmetric(inp, sym, out)
         work = None
     else:
         out, recv, work = adapter(route.engine).all_to_all(route, inp, send, recv, out,
@@ -124,9 +124,10 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _symmetric(route, inp: torch.Tensor):
-    """The segment of a whole symmetric input of this group that the shm engine's symmetric
-    all-to-all takes (equal splits, from ``SYMMETRIC_ALL_TO_ALL_MIN`` bytes), else None. Every
-    rank decides alike: the registry entry and the size are the group's, made collectively;
+    """Where a symmetric input of this group (or a contiguous part of one) lies, for the shm
+    engine's symmetric all-to-all (equal splits, from ``SYMMETRIC_ALL_TO_ALL_MIN`` bytes), else
+    None. Every rank decides alike: the registry entry and the size are the group's, made
+    collectively (the kernel checks that every rank passed the same part of the same one);
     the caller passes only plain ``all_to_all`` calls (equal splits by the call, not by counts
     that one rank's could match and another's not)."""
     if route.engine != "shm" or inp.nbytes < SYMMETRIC_ALL_TO_ALL_MIN:

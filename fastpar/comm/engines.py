@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from fastpar.comm import symmetric
 from fastpar.comm.flat import Mpi, Torch
-from fastpar.comm.shm import signature as shm_signature
 
 # Below these sizes the copying shm kernels' single round beats the symmetric kernels' entry and
 # exit signals (measured: 2 and 4 ranks on 2 cores, bench/collectives.py --symmetric; the
@@ -74,31 +73,31 @@ class NcclMpi(Native):
 
 
 class Shm(Native):
-    """fastpar's shared-memory kernels; a whole ``symmetric_empty`` tensor of the group (above
-    the sizes where it pays) is worked on where it lies, no copy in or out."""
+    """fastpar's shared-memory kernels; a symmetric tensor of the group, or a contiguous part
+    of one (above the sizes where it pays), is worked on where it lies, no copy in or out."""
 
     @staticmethod
     def all_reduce(route, t, op, async_op):
-        sym = symmetric.lookup(t, route.group, op) if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN \
+        at = symmetric.lookup(t, route.group, op) if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN \
             else None
-        if sym is None:
+        if at is None:
             return Native.all_reduce(route, t, op, async_op)
-        route.comm.all_reduce_symmetric(t, sym.slots, op)
+        route.comm.all_reduce_symmetric(t, at, op)
 
     @staticmethod
     def all_gather_into(route, block, out, async_op):
-        sym = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
-        if sym is None:
+        at = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
+        if at is None:
             return Native.all_gather_into(route, block, out, async_op)
-        route.comm.all_gather_symmetric(out, sym.slots, shm_signature(block))
+        route.comm.all_gather_symmetric(out, at)
 
     @staticmethod
     def reduce_scatter(route, inp, out, op, async_op):
-        sym = symmetric.lookup(inp, route.group, op) if inp.nbytes >= SYMMETRIC_SCATTER_MIN \
+        at = symmetric.lookup(inp, route.group, op) if inp.nbytes >= SYMMETRIC_SCATTER_MIN \
             else None
-        if sym is None:
+        if at is None:
             return Native.reduce_scatter(route, inp, out, op, async_op)
-        route.comm.reduce_scatter_symmetric(inp, sym.slots, out, op)
+        route.comm.reduce_scatter_symmetric(inp, at, out, op)
 
 
 class CudaIpc:

@@ -42,13 +42,17 @@ def signature(t: torch.Tensor) -> int:
     return (code << 56) | (min(t.dim(), 255) << 48) | (hash(t.shape) & (1 << 48) - 1)
 
 
-def _describe(sig: int, mine: dict) -> str:
-    """A signature in words; this rank's own ones with their shapes."""
+def _describe(sig: int, mine: dict, symmetric: bool = False) -> str:
+    """A signature in words; this rank's own ones with their shapes. ``symmetric``: the
+    signature of a symmetric call, whose hash covers which symmetric memory too."""
     if sig in mine:
         return f" of {mine[sig]}"
     code, ndim = sig >> 56, (sig >> 48) & 0xFF
     dtype = str(dtypes.DTYPES[code - 1]).removeprefix("torch.") if 1 <= code <= len(
         dtypes.DTYPES) else "another dtype"
+    if symmetric:
+        return (f" of {dtype} with {ndim} dims in other symmetric memory (another symmetric "
+                f"tensor, or another part of it; hash {sig & (1 << 48) - 1:012x})")
     return f" of {dtype} with {ndim} dims (shape hash {sig & (1 << 48) - 1:012x})"
 
 
@@ -114,24 +118,29 @@ class ShmCommunicator:
         self._quantized_all_reduce = self._ops.shm_quantized_all_reduce.default
         self._all_to_all = self._ops.shm_all_to_all.default
 
-    def _failed(self, exc: RuntimeError, t: torch.Tensor | None = None) -> ShmError:
+    def _failed(self, exc: RuntimeError, t: torch.Tensor | None = None,
+                said: dict | None = None) -> ShmError:
         """The kernel numbers ranks within the group; name the global ranks where they differ,
-        and the dtypes and shapes behind signatures (``t``: this rank's tensor). Call it right
-        after catching ``exc``: it reads the error's kind (``native_errors``)."""
+        and the dtypes and shapes behind signatures (``t``: this rank's tensor; ``said``: what
+        other signatures of this rank are, ``{sig: words}``). Call it right after catching
+        ``exc``: it reads the error's kind (``native_errors``)."""
         def globalise(m):
             k = int(m.group(1))
             if k >= self.world or self.ranks[k] == k:
                 return m.group(0)
             return f"rank {k} (global rank {self.ranks[k]})"
 
-        mine = {} if t is None else {
-            signature(t): f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"}
-        text = _SIG.sub(lambda m: _describe(int(m.group(1), 16), mine), str(exc))
+        mine = dict(said or {})
+        if t is not None:
+            mine[signature(t)] = f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+        text = _SIG.sub(lambda m: _describe(int(m.group(1), 16), mine, said is not None),
+                        str(exc))
         text = re.sub(r"\brank (\d+)", globalise, text)
         return shm_error(f"{text} [shm group of global ranks {self.ranks}; after an error "
                          "the group's segment is unusable and later calls on it fail too]")
 
-    def _call(self, name: str, kernel, *args, t: torch.Tensor | None = None) -> None:
+    def _call(self, name: str, kernel, *args, t: torch.Tensor | None = None,
+              said: dict | None = None) -> None:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"fastpar shm: {name} on the group of global ranks {self.ranks} was called "
@@ -142,7 +151,7 @@ class ShmCommunicator:
             kernel(self._comm, *args)
             return
         except RuntimeError as exc:
-            error = self._failed(exc, t)
+            error = self._failed(exc, t, said)
         finally:
             self._busy.release()
         raise_after_kernel(error)
@@ -150,31 +159,34 @@ class ShmCommunicator:
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         self._call("all_reduce", self._all_reduce, t, op)
 
-    def all_reduce_symmetric(self, t: torch.Tensor, slots: list[int], op: str) -> None:
-        """``t`` is this rank's slot of a symmetric segment of this group, ``slots`` every
-        rank's slot address in this process (fastpar/comm/symmetric.py): no copy in or out."""
-        self._call("all_reduce", self._all_reduce_symmetric, t, slots, op)
+    def all_reduce_symmetric(self, t: torch.Tensor, at, op: str) -> None:
+        """``t`` lies in a symmetric segment of this group; ``at`` (``symmetric.Placement``):
+        every rank's address of it in this process and its signature. No copy in or out."""
+        self._call("all_reduce", self._all_reduce_symmetric, t, at.slots, op, at.sig,
+                   said=at.describe(t))
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor) -> None:
         self._call("all_gather", self._all_gather, inp, out, signature(inp), t=inp)
 
-    def all_gather_symmetric(self, out: torch.Tensor, slots: list[int], sig: int) -> None:
-        """``out``: this rank's symmetric buffer of ``world`` blocks, its own block filled."""
-        self._call("all_gather", self._all_gather_symmetric, out, slots, sig)
+    def all_gather_symmetric(self, out: torch.Tensor, at) -> None:
+        """``out``: ``world`` blocks in a symmetric segment, this rank's block filled."""
+        self._call("all_gather", self._all_gather_symmetric, out, at.slots, at.sig,
+                   said=at.describe(out))
 
-    def all_to_all_symmetric(self, inp: torch.Tensor, slots: list[int],
-                             out: torch.Tensor) -> None:
-        """Equal splits; ``inp``: this rank's symmetric buffer of ``world`` blocks, read by the
-        peers where it lies (no copy in); ``out``: a plain tensor of its shape."""
-        self._call("all_to_all", self._all_to_all_symmetric, inp, slots, out, signature(inp))
+    def all_to_all_symmetric(self, inp: torch.Tensor, at, out: torch.Tensor) -> None:
+        """Equal splits; ``inp``: ``world`` blocks in a symmetric segment, read by the peers
+        where it lies (no copy in); ``out``: a plain tensor of its shape."""
+        self._call("all_to_all", self._all_to_all_symmetric, inp, at.slots, out, at.sig,
+                   said=at.describe(inp))
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op: str) -> None:
         self._call("reduce_scatter", self._reduce_scatter, inp, out, op)
 
-    def reduce_scatter_symmetric(self, inp: torch.Tensor, slots: list[int], out: torch.Tensor,
+    def reduce_scatter_symmetric(self, inp: torch.Tensor, at, out: torch.Tensor,
                                  op: str) -> None:
-        """``inp``: this rank's symmetric buffer of ``world`` blocks; no copy in."""
-        self._call("reduce_scatter", self._reduce_scatter_symmetric, inp, slots, out, op)
+        """``inp``: ``world`` blocks in a symmetric segment; no copy in."""
+        self._call("reduce_scatter", self._reduce_scatter_symmetric, inp, at.slots, out, op,
+                   at.sig, said=at.describe(inp))
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         self._call("broadcast", self._broadcast, t, root, signature(t), t=t)

@@ -43,9 +43,11 @@ class CommState:
         self._ipc: dict = {}  # id(group) -> CudaIpcCommunicator, or None where IPC is off
         self._nccl_mpi: dict = {}  # id(group) -> NcclMpiCommunicator
         self._hier: dict = {}  # id(group) -> HierCommunicator (its parts live in the tables)
-        # data_ptr of a symmetric tensor -> its SymmetricSegment (fastpar/comm/symmetric.py);
-        # an entry goes with the tensor's mapping, or at close()
-        self.symmetric: dict = {}
+        # this rank's slot address -> its SymmetricSegment (fastpar/comm/symmetric.py
+        # Registry); an entry goes with the segment's mapping, or at close()
+        from fastpar.comm.symmetric import Registry  # (symmetric.py imports this module)
+
+        self.symmetric = Registry()
         # (owner, id(group), key) -> buffers a layer keeps per group and shape (nn.context_ring:
         # the shared K/V slots of a cp group); dropped at close()
         self.buffers: dict = {}

@@ -3,14 +3,29 @@
     x = comm.symmetric_empty(4096, 1024, dtype=torch.float32, group=topo.dp_group)
     x.copy_(grads)              # or compute straight into x
     comm.all_reduce(x, group=topo.dp_group)   # in place, no copy in or out
+    comm.all_reduce(x[:512], group=topo.dp_group)   # a contiguous part of it: in place too
+    a, b = comm.symmetric_parts([(n, torch.float32), (m, torch.bfloat16)], group=g)
+    symmetric.release(a)        # a's pages go back to the system (ZeRO-3's gather buffers)
 
 ``symmetric_empty`` is collective over the group: every rank calls it with the same size and
 dtype, in the same order. The segment holds ``world`` slots of the tensor's bytes rounded up to
-a page; rank r's tensor is slot r. An all_reduce of the whole tensor on its own group takes the
-symmetric shm path (``csrc/shm/README.md``, "all_reduce, symmetric"): rank r reduces slice r of
-every slot in rank order and writes it into slice r of every slot, so each byte is read and
-written once; the result is bitwise that of the copying path. Anything else (a view of part of
-it, another group, another engine, min/prod) takes the ordinary path, correct but copying.
+a page; rank r's tensor is slot r. An all_reduce of it on its own group takes the symmetric
+shm path (``csrc/shm/README.md``, "all_reduce, symmetric"): rank r reduces slice r of every
+slot in rank order and writes it into slice r of every slot, so each byte is read and written
+once; the result is bitwise that of the copying path. So do all_gather into it, reduce_scatter
+and all_to_all of it, and the same calls on any contiguous part of it (CPU): the kernel gets
+every rank's address of that part. Every rank must then pass the same part of the same tensor:
+the call's signature (``Placement.sig``: dtype, shape, the segment's token drawn at its
+creation, the offset in the slot) is compared across ranks in the kernel's first round, and
+ranks that differ fail alike instead of reading each other's other bytes. Anything else
+(another group, another engine, min/prod, below the sizes where it pays) takes the ordinary
+path, correct but copying.
+
+``symmetric_parts`` makes several tensors in one segment (one setup), each on its own pages
+and with its own storage; ``release`` gives one part's pages back (it reads zeros after, and
+takes memory again where written), which a segment per tensor could not do per tensor:
+ZeRO-3's gather buffers come and go that way. ``resident_bytes`` counts what this rank's slots
+hold in memory now (``mincore``), for memory reports.
 
 Lifetime: the name in ``/dev/shm`` exists only while the group sets the segment up (a reaper
 unlinks it if the creating rank dies meanwhile) and is unlinked once every rank has mapped it,
@@ -22,15 +37,20 @@ is an ordinary tensor.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import ctypes.util
 import logging
+import mmap
 import os
+import secrets
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm import ipc_exchange
+from fastpar.comm import dtypes, ipc_exchange
 from fastpar.comm.segments import map_segments
 from fastpar.comm.state import current
 
@@ -41,20 +61,108 @@ _OPS = ("sum", "max")  # the ops the symmetric kernel reduces with
 
 
 class SymmetricSegment:
-    """What routes a symmetric tensor: its group, dtype, size and every rank's slot address
-    (in this process's mapping). Holds no reference to the tensor or the mapping."""
+    """What routes a symmetric tensor: its group, every rank's slot address (in this process's
+    mapping), the slot's bytes and the segment's token (alike on every rank of the group, drawn
+    at its collective creation). Holds no reference to the tensor or the mapping.
 
-    __slots__ = ("group", "ranks", "dtype", "numel", "slots")
+    ``views``: any contiguous part of the slot may take the symmetric path (CPU segments: the
+    shm kernels take any address); else only the whole tensor, of ``dtype`` and ``numel``
+    (CUDA IPC: its kernel wants the padded allocation it was made from)."""
 
-    def __init__(self, group, ranks, dtype, numel, slots):
+    __slots__ = ("group", "ranks", "dtype", "numel", "slots", "mine", "nbytes", "token", "views")
+
+    def __init__(self, group, ranks, dtype, numel, slots, nbytes=None, token=0, views=False):
         self.group, self.ranks, self.dtype, self.numel = group, ranks, dtype, numel
         self.slots = slots  # list of ints: rank p's slot address, p in group order
+        self.mine = slots[ranks.index(current().topo.rank)]  # this rank's
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = numel * esize if nbytes is None else nbytes
+        self.token, self.views = token, views
 
-    def serves(self, t: torch.Tensor, group, op: str = "sum") -> bool:
-        """Whether a collective on ``t`` (contiguous, starting at a slot) over ``group`` with
-        ``op`` can take the symmetric path: the whole tensor, its own group, a kernel op."""
-        return (group is self.group and op in _OPS and t.dtype == self.dtype
-                and t.numel() == self.numel)
+    def place(self, t: torch.Tensor, group, op: str = "sum") -> Placement | None:
+        """Where a collective on ``t`` over ``group`` with ``op`` runs on the symmetric path:
+        every rank's address of ``t``'s bytes and the signature the kernel compares across
+        ranks; None when it cannot (another group, an op the kernels do not reduce with, not
+        contiguous, not inside this rank's slot, or a part of a segment that takes whole
+        tensors only)."""
+        if group is not self.group or op not in _OPS or not t.is_contiguous():
+            return None
+        offset = t.data_ptr() - self.mine
+        if self.views:
+            if offset < 0 or offset + t.nbytes > self.nbytes:
+                return None
+        elif offset != 0 or t.dtype != self.dtype or t.numel() != self.numel:
+            return None
+        return Placement([s + offset for s in self.slots], _signature(t, self.token, offset),
+                         offset)
+
+
+class Placement:
+    """A tensor on the symmetric path: ``slots[p]`` is rank p's copy of its bytes in this
+    process; ``sig`` its signature (dtype, shape, segment and offset), which the kernel
+    compares across ranks, so ranks that pass different symmetric memory fail alike."""
+
+    __slots__ = ("slots", "sig", "offset")
+
+    def __init__(self, slots, sig, offset):
+        self.slots, self.sig, self.offset = slots, sig, offset
+
+    def describe(self, t: torch.Tensor) -> dict:
+        """``{sig: words}`` for an error message (``ShmCommunicator._failed``)."""
+        return {self.sig: f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} at byte "
+                          f"{self.offset} of a symmetric tensor"}
+
+
+def _signature(t: torch.Tensor, token: int, offset: int) -> int:
+    """``fastpar.comm.shm.signature``'s layout (bits 56-63 the dtype, 48-55 the dims) with the
+    low 48 bits hashing the shape, the segment's token and the offset in the slot (ints and
+    tuples of ints hash alike in every process)."""
+    code = dtypes.CODE.get(t.dtype, 255)
+    return (code << 56) | (min(t.dim(), 255) << 48) | (
+        hash((tuple(t.shape), token, offset)) & (1 << 48) - 1)
+
+
+class Registry:
+    """This job's symmetric segments by this rank's slot address (``CommState.symmetric``):
+    ``get`` the entry of a whole tensor, ``find`` the one whose slot holds an address."""
+
+    def __init__(self):
+        self._by_start: dict[int, SymmetricSegment] = {}
+        self._starts: list[int] = []  # sorted
+
+    def __len__(self) -> int:
+        return len(self._by_start)
+
+    def __contains__(self, start: int) -> bool:
+        return start in self._by_start
+
+    def get(self, start: int, default=None):
+        return self._by_start.get(start, default)
+
+    def __setitem__(self, start: int, seg: SymmetricSegment) -> None:
+        if start not in self._by_start:
+            bisect.insort(self._starts, start)
+        self._by_start[start] = seg
+
+    def pop(self, start: int, default=None):
+        seg = self._by_start.pop(start, None)
+        if seg is None:
+            return default
+        self._starts.pop(bisect.bisect_left(self._starts, start))
+        return seg
+
+    def clear(self) -> None:
+        self._by_start.clear()
+        self._starts.clear()
+
+    def values(self):
+        return self._by_start.values()
+
+    def find(self, address: int) -> SymmetricSegment | None:
+        """The segment whose slot (this rank's) starts at or before ``address`` nearest; the
+        caller checks the end (``SymmetricSegment.place``)."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        return self._by_start[self._starts[i]] if i >= 0 else None
 
 
 def symmetric_available(group, op: str = "all_reduce") -> bool:
@@ -72,11 +180,15 @@ def symmetric_available(group, op: str = "all_reduce") -> bool:
     return choice.engine == "shm"
 
 
-def lookup(t: torch.Tensor, group, op: str = "sum") -> SymmetricSegment | None:
-    """The segment of ``t`` if ``t`` is a whole symmetric tensor that a collective over
-    ``group`` with ``op`` can run in place on; else None."""
-    sym = current().symmetric.get(t.data_ptr())
-    return sym if sym is not None and sym.serves(t, group, op) else None
+def lookup(t: torch.Tensor, group, op: str = "sum") -> Placement | None:
+    """Where a collective over ``group`` with ``op`` runs on ``t`` in place: a whole symmetric
+    tensor, or (CPU) any contiguous part of one; None otherwise. Every rank of the group must
+    pass the same part of the same symmetric tensor (the kernel checks, and fails on every rank
+    where they differ)."""
+    if t.numel() == 0:
+        return None
+    sym = current().symmetric.find(t.data_ptr())
+    return sym.place(t, group, op) if sym is not None else None
 
 
 def _size_of(size) -> tuple[int, ...]:
@@ -87,15 +199,40 @@ def _size_of(size) -> tuple[int, ...]:
     return tuple(size)
 
 
-def _agree(group, ranks, size, dtype) -> None:
-    """ValueError on every rank, naming each rank's size and dtype, unless they all agree."""
+def _agree(group, ranks, size, dtype, what: str = "symmetric_empty") -> int:
+    """ValueError on every rank, naming each rank's size and dtype, unless they all agree;
+    else the segment's token, alike on every rank (the group's first rank's draw)."""
     everyone = [None] * len(ranks)
-    dist.all_gather_object(everyone, (list(size), str(dtype)), group=group)
-    if any(e != everyone[0] for e in everyone):
+    dist.all_gather_object(everyone, (list(size), str(dtype), secrets.randbits(40)),
+                           group=group)
+    if any(e[:2] != everyone[0][:2] for e in everyone):
         said = ", ".join(f"global rank {r}: size {tuple(s)} {d}"
-                         for r, (s, d) in zip(ranks, everyone))
-        raise ValueError("symmetric_empty is collective: every rank of the group must pass the "
+                         for r, (s, d, _) in zip(ranks, everyone))
+        raise ValueError(f"{what} is collective: every rank of the group must pass the "
                          f"same size and dtype, in the same order; got {said}")
+    return everyone[0][2]
+
+
+def _cpu_segment(st, group, ranks, nbytes: int, token: int, what: str):
+    """One registered CPU segment of ``len(ranks)`` slots of ``nbytes`` (rounded up to a page):
+    ``(memoryview of the whole mapping, this rank's slot offset in it)``. The registry entry
+    goes when the memoryview does (every tensor made from it holds it)."""
+    group_rank = ranks.index(st.topo.rank)
+    slot = -(-nbytes // _PAGE) * _PAGE
+    mapping = map_segments(group, st.topo.rank, {"sym": (ranks[0], ranks)}, slot * len(ranks),
+                           f"fastpar {what}: setting up the segment of the group of global "
+                           f"ranks {ranks}", tag="sym-")["sym"]
+    view = memoryview(mapping)
+    anchor = torch.frombuffer(view, dtype=torch.uint8, count=1)  # the mapping's address
+    base = anchor.data_ptr()
+    del anchor
+    key = base + group_rank * slot
+    st.symmetric[key] = SymmetricSegment(group, ranks, torch.uint8, nbytes,
+                                         [base + p * slot for p in range(len(ranks))],
+                                         token=token, views=True)
+    # Runs when the last tensor goes, before the mapping does (`view` holds it).
+    weakref.finalize(view, st.symmetric.pop, key, None)
+    return view, group_rank * slot
 
 
 def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
@@ -105,10 +242,12 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
     contents start as zeros on the CPU (uninitialised on a GPU). A group of one rank, or one
     spread over hosts, gets a plain ``torch.empty`` (no shared memory to use).
 
-    ``device``: CPU (default) uses a shared-memory segment; a CUDA device uses CUDA IPC: each
-    rank allocates its tensor and maps its peers' (``_cuda_symmetric``), and the CUDA IPC
-    engine's all_reduce reduces it in place (two-shot kernel). A GPU symmetric tensor keeps its
-    memory and its peers' mappings until ``fastpar.shutdown``."""
+    On the CPU any contiguous part of it takes the symmetric kernels too, when every rank
+    passes the same part (``lookup``). ``device``: CPU (default) uses a shared-memory segment;
+    a CUDA device uses CUDA IPC: each rank allocates its tensor and maps its peers'
+    (``_cuda_symmetric``), and the CUDA IPC engine's all_reduce reduces the whole tensor in
+    place (two-shot kernel). A GPU symmetric tensor keeps its memory and its peers' mappings
+    until ``fastpar.shutdown``."""
     size = _size_of(size)
     st = current()
     group, ranks, layout = st.resolve(group)
@@ -125,25 +264,93 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
     if device.type != "cpu":
         raise ValueError(f"symmetric_empty: device must be cpu or cuda, got {device}")
     _native.require("symmetric tensors")
-    _agree(group, ranks, size, dtype)
+    token = _agree(group, ranks, size, dtype)
     if numel == 0:
         return torch.empty(size, dtype=dtype)
-    group_rank = ranks.index(st.topo.rank)
     esize = torch.empty((), dtype=dtype).element_size()
-    slot = -(-numel * esize // _PAGE) * _PAGE  # (bytes rounded up to a page)
-    mapping = map_segments(group, st.topo.rank, {"sym": (ranks[0], ranks)}, slot * len(ranks),
-                           f"fastpar symmetric_empty: setting up the segment of the group of "
-                           f"global ranks {ranks}", tag="sym-")["sym"]
-    view = memoryview(mapping)
+    view, mine = _cpu_segment(st, group, ranks, numel * esize, token, "symmetric_empty")
     # The storage holds `view`, `view` holds the mapping: both live while any tensor does.
-    t = torch.frombuffer(view, dtype=dtype, count=numel, offset=group_rank * slot).view(size)
-    base = t.data_ptr() - group_rank * slot
-    key = t.data_ptr()
-    st.symmetric[key] = SymmetricSegment(group, ranks, dtype, numel,
-                                         [base + p * slot for p in range(len(ranks))])
-    # Runs when the last tensor goes, before the mapping does (`view` holds it).
-    weakref.finalize(view, st.symmetric.pop, key, None)
-    return t
+    return torch.frombuffer(view, dtype=dtype, count=numel, offset=mine).view(size)
+
+
+def symmetric_parts(parts, group=None) -> list[torch.Tensor] | None:
+    """Several symmetric tensors in one segment (one setup), for buffers whose pages come and
+    go: ``parts`` is ``[(numel, dtype)]``; returns a 1-dim tensor of each, each starting on a
+    page and owning its bytes up to the next part's page, each with its own storage (its
+    ``untyped_storage().nbytes()`` is its own bytes), so ``release`` can give one part's pages
+    back while the others stay. Collective over ``group`` like ``symmetric_empty`` (same parts,
+    same order); CPU, zeros to start; None where ``symmetric_empty`` would be a plain tensor
+    (one rank, several hosts). Collectives on a part, or a contiguous piece of one, run in
+    place as on ``symmetric_empty``'s tensors."""
+    st = current()
+    group, ranks, layout = st.resolve(group)
+    if len(ranks) == 1 or not layout.same_host:
+        return None
+    _native.require("symmetric tensors")
+    parts = [(int(n), dtype) for n, dtype in parts]
+    if any(n < 0 for n, _ in parts):
+        raise ValueError(f"symmetric_parts: sizes must be non-negative, got {parts}")
+    token = _agree(group, ranks, [n for n, _ in parts], [str(d) for _, d in parts],
+                   "symmetric_parts")
+    offsets, total = [], 0
+    for n, dtype in parts:
+        offsets.append(total)
+        total += -(-n * torch.empty((), dtype=dtype).element_size() // _PAGE) * _PAGE
+    if total == 0:
+        return [torch.empty(0, dtype=dtype) for _, dtype in parts]
+    view, mine = _cpu_segment(st, group, ranks, total, token, "symmetric_parts")
+    return [torch.frombuffer(view, dtype=dtype, count=n, offset=mine + off) if n else
+            torch.empty(0, dtype=dtype) for (n, dtype), off in zip(parts, offsets)]
+
+
+def _libc():
+    lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return lib
+
+
+_LIBC = None
+
+
+def release(t: torch.Tensor) -> None:
+    """Give the pages of a part of ``symmetric_parts`` back to the system (its bytes up to the
+    next page): it reads as zeros afterwards and takes memory again where written. Local (no
+    communication); the caller makes sure no peer reads it meanwhile (a finished collective
+    has read it)."""
+    global _LIBC
+    sym = current().symmetric.find(t.data_ptr()) if t.numel() else None
+    start = t.data_ptr()
+    if sym is None or not sym.views or start % _PAGE or start + t.nbytes > sym.mine + sym.nbytes:
+        raise ValueError("symmetric.release: the tensor must be a part of symmetric_parts "
+                         f"(CPU, starting on a page); got {t.numel()} elements at "
+                         f"0x{start:x}")
+    _LIBC = _LIBC or _libc()
+    length = -(-t.nbytes // _PAGE) * _PAGE
+    if _LIBC.madvise(start, length, mmap.MADV_REMOVE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"symmetric.release: madvise(MADV_REMOVE) of {length} bytes: "
+                           f"{os.strerror(err)}")
+
+
+def resident_bytes() -> int:
+    """Bytes of this rank's own slots of its CPU symmetric segments that are in memory now
+    (``mincore``): what those segments hold for this rank, pages given back by ``release``
+    and never written not counted. (A page of a peer's slot that this rank read counts in the
+    peer's.)"""
+    global _LIBC
+    st = current()
+    _LIBC = _LIBC or _libc()
+    total = 0
+    for sym in list(st.symmetric.values()):
+        if not sym.views:
+            continue
+        start = sym.mine
+        pages = -(-sym.nbytes // _PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        if _LIBC.mincore(start, pages * _PAGE, vec) == 0:
+            total += sum(v & 1 for v in vec) * _PAGE
+    return total
 
 
 def symmetric_slots(*size, dtype: torch.dtype = torch.float32, group=None):
@@ -158,7 +365,7 @@ def symmetric_slots(*size, dtype: torch.dtype = torch.float32, group=None):
     group, ranks, layout = st.resolve(group)
     if len(ranks) == 1 or not layout.same_host:
         return None
-    _agree(group, ranks, size, dtype)
+    _agree(group, ranks, size, dtype, "symmetric_slots")
     numel = 1
     for s in size:
         numel *= s
