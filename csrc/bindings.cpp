@@ -35,6 +35,8 @@ TORCH_LIBRARY(fastpar, m) {
         &fastpar::shm_all_reduce_symmetric);
   m.def("shm_all_gather_symmetric(int comm, Tensor(a!) out, int[] slots, int sig) -> ()",
         &fastpar::shm_all_gather_symmetric);
+  m.def("shm_all_gather_from_symmetric(int comm, Tensor inp, int[] slots, Tensor(a!) out, "
+        "int sig) -> ()", &fastpar::shm_all_gather_from_symmetric);
   m.def("shm_all_to_all_symmetric(int comm, Tensor inp, int[] slots, Tensor(a!) out, int sig) "
         "-> ()", &fastpar::shm_all_to_all_symmetric);
   m.def("shm_reduce_scatter_symmetric(int comm, Tensor inp, int[] slots, Tensor(a!) out, "

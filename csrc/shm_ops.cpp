@@ -173,6 +173,20 @@ void shm_all_gather_symmetric(int64_t handle, at::Tensor& out, at::IntArrayRef s
   run([&] { shm::all_gather_symmetric(c, ptrs, out.nbytes() / c.world, uint64_t(sig)); });
 }
 
+void shm_all_gather_from_symmetric(int64_t handle, const at::Tensor& in, at::IntArrayRef slots,
+                                   at::Tensor& out, int64_t sig) {
+  check_cpu(in, "input");
+  check_cpu(out, "output");
+  auto& c = get(handle);
+  TORCH_CHECK(out.nbytes() == in.nbytes() * c.world && out.is_contiguous(),
+              "fastpar shm all_gather (from symmetric): input of ", in.nbytes(), " bytes for ",
+              c.world, " ranks, contiguous output of ", out.nbytes());
+  void* ptrs[64];
+  symmetric_slots(c, slots, in, "all_gather (from symmetric)", ptrs);
+  void* to = out.data_ptr();
+  run([&] { shm::all_gather_from_symmetric(c, ptrs, to, in.nbytes(), uint64_t(sig)); });
+}
+
 void shm_all_to_all_symmetric(int64_t handle, const at::Tensor& in, at::IntArrayRef slots,
                               at::Tensor& out, int64_t sig) {
   check_cpu(in, "input");

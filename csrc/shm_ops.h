@@ -27,6 +27,9 @@ void shm_all_reduce_symmetric(int64_t comm, at::Tensor& t, at::IntArrayRef slots
                               const std::string& op, int64_t sig);
 // out: this rank's symmetric buffer of world blocks, its own block filled; slots as above.
 void shm_all_gather_symmetric(int64_t comm, at::Tensor& out, at::IntArrayRef slots, int64_t sig);
+// in: this rank's source in a symmetric segment (slots: every rank's); out: world x in, plain.
+void shm_all_gather_from_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRef slots,
+                                   at::Tensor& out, int64_t sig);
 // in: this rank's symmetric buffer of world equal blocks; out: a plain tensor of in's bytes.
 void shm_all_to_all_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRef slots,
                               at::Tensor& out, int64_t sig);

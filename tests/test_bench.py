@@ -212,7 +212,7 @@ def test_memory_bench_counts_model_state_and_activations(tmp_path):
         # recompute each block's input only
         assert r["activations"] == r["act_pred"] == blocks * n * h * 4, r
         assert r["step_ms"] >= r["best_ms"] > 0 and r["peak_rss_mib"] > 0, r
-        assert r["peak_pss_mib"] > 0 and r["load"] >= 0 and r["heap"] >= r["state"], r
+        assert r["peak_pss_mib"] > 0 and r["load"] >= 0 and r["held"] >= r["state"] and r["held"] >= r["heap"], r
         if r["variant"] == "dp":  # P, gradients in P of buckets, AdamW's two moments
             assert (r["params"], r["grads"], r["optimizer"], r["buffers"]) == (P, P, 2 * P, 0)
             assert r["state"] == 4 * P, r

@@ -2,8 +2,9 @@
 of a ``comm.symmetric_empty`` tensor, an all_gather into one and a reduce_scatter of one are
 bitwise the copying shm path's, on every rank, for every dtype, sum and max, odd sizes on both
 sides of the small-message limit, at world 2, 3 and 4; a contiguous part of one takes the
-symmetric path too, bitwise the same; ``symmetric_parts`` (one segment, page-aligned parts with
-storages of their own) whose pages ``release`` gives back (``resident_bytes`` counts them);
+symmetric path too, bitwise the same; an all_gather from symmetric pieces into a plain output
+reads them in place; ``release`` gives a symmetric tensor's pages back (``resident_bytes``
+counts them);
 ranks that disagree on the size get a ValueError naming both, ranks that pass different parts
 (or different symmetric tensors) get the kernel's mismatch error on every rank instead of each
 other's bytes; a killed peer is named at once and no segment is left in /dev/shm, also when
@@ -319,11 +320,12 @@ def test_segment_setup_failure_closes_and_unlinks():
     assert out["ok"] == [8192, []], out  # mapped, and its name already gone
 
 
-def body_parts():
-    """``symmetric_parts``: page-aligned parts of one segment, each its own storage; collectives
-    on a part and on a piece of one in place, bitwise the copying path; ``release`` gives a
-    part's pages back (zeros after, ``resident_bytes`` down by them, the other parts intact)
-    and the part works again when written; bad input to ``release`` is refused."""
+def body_release_and_gather_from():
+    """``release`` gives a symmetric tensor's pages back (zeros after, ``resident_bytes`` down
+    by them, other symmetric memory intact) and it works again when written; bad input is
+    refused. ``all_gather(t, out=plain)`` with ``t`` a piece of a symmetric tensor (ZeRO-3's
+    master pieces) reads every rank's ``t`` where it lies, bitwise the copying path, also for
+    pieces at an offset; a symmetric ``out`` whose block ``t`` is takes the in-place kernel."""
     import torch
 
     import fastpar
@@ -334,53 +336,43 @@ def body_parts():
     topo = fastpar.init(timeout=60)
     comm.use_backend("shm")
     me, n = topo.rank, topo.world_size
-    calls = count_calls(ShmCommunicator, "all_gather_symmetric", "reduce_scatter_symmetric",
-                        "all_reduce_symmetric")
-    out = {}
-    sizes = [(n * 50000, torch.float32), (n * 3001, torch.bfloat16), (0, torch.float32),
-             (n * 70001, torch.float64)]
-    base = symmetric.resident_bytes()
-    parts = comm.symmetric_parts(sizes)
-    out["shapes"] = [(tuple(p.shape), p.dtype == d) for p, (_, d) in zip(parts, sizes)]
-    out["aligned"] = [p.data_ptr() % 4096 == 0 for p in parts if p.numel()]
-    out["storage"] = [p.untyped_storage().nbytes() == p.nbytes for p in parts]
-    a, b, _, c = parts
+    calls = count_calls(ShmCommunicator, "all_gather_from_symmetric", "all_gather_symmetric")
+    out, bad = {}, []
     g = torch.Generator().manual_seed(me)
-    for p in (a, b, c):
-        p.copy_(torch.randn(p.numel(), generator=g).to(p.dtype))
-    held = symmetric.resident_bytes() - base
-    out["held"] = held >= a.nbytes + b.nbytes + c.nbytes
-    bad = []
-    # reduce_scatter of a part, all_gather into a part (its own block in place), all_reduce of
-    # a piece in the middle of a part: each bitwise the copying path's on a plain copy
-    ref = comm.reduce_scatter(a.clone())
-    got = comm.reduce_scatter(a)
-    bad += [] if torch.equal(got, ref) else ["reduce_scatter"]
-    k = c.numel() // n
-    want = comm.all_gather(c[me * k:(me + 1) * k].clone())
-    comm.all_gather(c[me * k:(me + 1) * k], out=c)
-    bad += [] if torch.equal(c, want) else ["all_gather"]
-    piece = a[1000:40000]
-    want = comm.all_reduce(piece.clone())
-    comm.all_reduce(piece)
-    bad += [] if torch.equal(piece, want) else ["all_reduce of a piece"]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        src = comm.symmetric_empty(3 * 40001, dtype=dtype)
+        src.copy_(torch.randn(src.numel(), generator=g).to(dtype))
+        for piece in (src[:40001], src[40001:80002]):  # at offset 0 and in the middle
+            ref = comm.all_gather(piece.clone())
+            got = comm.all_gather(piece, out=torch.full((n * 40001,), -1.0).to(dtype))
+            bad += [] if torch.equal(got.view(torch.uint8), ref.view(torch.uint8)) else \
+                [f"gather from {dtype}"]
+        k = 40000  # out symmetric too, t its own block: the in-place kernel, not this one
+        whole = comm.symmetric_empty(n * k, dtype=dtype)
+        whole[me * k:(me + 1) * k].fill_(me)
+        comm.all_gather(whole[me * k:(me + 1) * k], out=whole)
+        bad += [] if torch.equal(whole, torch.arange(n).repeat_interleave(k).to(dtype)) \
+            else [f"in place {dtype}"]
     out["calls"] = dict(calls)
-    # release: c's pages go (zeros), a and b stay; written again, c works again
-    a_before, b_before = a.clone(), b.clone()
+    a = comm.symmetric_empty(300000)
+    b = comm.symmetric_empty(300000).fill_(7)
+    a.fill_(me + 1)
     before = symmetric.resident_bytes()
-    symmetric.release(c)
-    out["released"] = before - symmetric.resident_bytes() >= c.nbytes - 4096
-    out["zeros"] = bool((c == 0).all())
-    out["others"] = torch.equal(a, a_before) and torch.equal(b, b_before)
-    c.fill_(me + 1)
-    comm.all_reduce(c)
-    out["again"] = bool((c == n * (n + 1) / 2).all())
+    symmetric.release(a)
+    out["released"] = before - symmetric.resident_bytes() >= a.nbytes - 4096
+    out["a_resident"] = symmetric.resident_bytes(a)
+    out["zeros"] = bool((a == 0).all())
+    out["others"] = bool((b == 7).all())
+    a.fill_(me + 1)
+    comm.all_reduce(a)
+    out["again"] = bool((a == n * (n + 1) / 2).all())
     errors = []
-    for t in (a[1:], torch.ones(4096)):  # not on a page; not symmetric
+    for t in (a[1:], torch.ones(4096), a[::2]):  # not on a page; not symmetric; not contiguous
         try:
             symmetric.release(t)
         except ValueError as exc:
             errors.append(str(exc))
+    symmetric.release(a[:0])  # nothing to give back: no error
     out["errors"] = errors
     out["bad"] = bad
     fastpar.shutdown()
@@ -388,17 +380,14 @@ def body_parts():
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
-def test_symmetric_parts_release_and_run_in_place(nranks):
-    for out in run_ranks(nranks, body_parts, timeout=240).values():
+def test_release_and_gather_from_symmetric(nranks):
+    for out in run_ranks(nranks, body_release_and_gather_from, timeout=240).values():
         assert out["bad"] == [], out
-        assert out["shapes"] == [[[nranks * 50000], True], [[nranks * 3001], True],
-                                 [[0], True], [[nranks * 70001], True]], out  # (JSON lists)
-        assert all(out["aligned"]) and all(out["storage"]) and out["held"], out
-        # reduce_scatter (input over 256 KiB), all_gather (over 64 KiB a rank), the piece
-        assert out["calls"] == {"all_gather_symmetric": 1, "reduce_scatter_symmetric": 1,
-                                "all_reduce_symmetric": 1}, out
-        assert out["released"] and out["zeros"] and out["others"] and out["again"], out
-        assert len(out["errors"]) == 2 and all("part of symmetric_parts" in e
+        # two pieces of each dtype from their symmetric source; one in place each
+        assert out["calls"] == {"all_gather_from_symmetric": 6, "all_gather_symmetric": 3}, out
+        assert out["released"] and out["a_resident"] == 0 and out["zeros"], out
+        assert out["others"] and out["again"], out
+        assert len(out["errors"]) == 3 and all("starting on a page" in e
                                                for e in out["errors"]), out
 
 

@@ -71,6 +71,31 @@ def make_opt(model, cls, stage, **kw):
                                 **kw)
 
 
+class in_place_calls:
+    """Counts the shm engine's in-place (symmetric) all-gathers and reduce-scatters until
+    ``restore()``; ``lower``: take them at any size (this test's buffers are small)."""
+
+    def __init__(self, lower: bool):
+        from fastpar.comm import engines
+        from fastpar.comm.shm import ShmCommunicator
+        from tests.multirank import count_calls
+
+        self.engines, self.cls = engines, ShmCommunicator
+        self.limits = {k: getattr(engines, k) for k in (
+            "SYMMETRIC_GATHER_MIN", "SYMMETRIC_SCATTER_MIN", "SYMMETRIC_ALL_REDUCE_MIN")}
+        if lower:
+            for k in self.limits:
+                setattr(engines, k, 0)
+        self.counts = count_calls(ShmCommunicator, "all_gather_symmetric",
+                                  "all_gather_from_symmetric", "reduce_scatter_symmetric")
+
+    def restore(self) -> None:
+        for k, v in self.limits.items():
+            setattr(self.engines, k, v)
+        for name in self.counts:
+            setattr(self.cls, name, getattr(self.cls, name).__wrapped__)
+
+
 def zero_step(net, opt, x, y, group, max_norm=None):
     from fastpar.runtime import group_rank, group_size
 
@@ -112,12 +137,16 @@ def check_training(c, topo, seed, stage):
         trainable = [p for p in ser.parameters() if p.requires_grad]
         opts = [cls([p for p in m.parameters() if p.requires_grad], **kw) for m in (ser, ref)]
         # SGD takes the copying path (plain buffers), the others symmetric buffers when dp > 1
-        # (the group's collectives go to shm here): both must match the serial optimizer.
-        os.environ["FASTPAR_SYMMETRIC"] = "0" if cls is torch.optim.SGD else "1"
+        # (the group's collectives go to shm here): both must match the serial optimizer. This
+        # model's buffers are below the sizes where the in-place kernels pay, so the symmetric
+        # cases lower those to 0 and count the in-place calls: every stage takes them.
+        symmetric = topo.dp_size > 1 and cls is not torch.optim.SGD
+        os.environ["FASTPAR_SYMMETRIC"] = "1" if symmetric else "0"
         opt = make_opt(par, cls, stage, **kw)
         del os.environ["FASTPAR_SYMMETRIC"]
-        assert opt.symmetric == (stage == 1 and topo.dp_size > 1 and cls is not torch.optim.SGD), \
-            repr(opt)
+        assert opt.symmetric == symmetric, repr(opt)
+        assert opt.grads is None or opt.grads.symmetric == symmetric, repr(opt)
+        inplace = in_place_calls(symmetric)
         scheds = []
         if gamma is not None:
             scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=gamma) for o in (*opts, opt)]
@@ -131,6 +160,13 @@ def check_training(c, topo, seed, stage):
             for s in scheds:
                 s.step()
             compare(c, f"{tag}.step{step}", par, ref, ser, opt)
+        inplace.restore()
+        if symmetric:  # the parameters' all-gathers and the gradients' reduce-scatters in place
+            gathers = "all_gather_from_symmetric" if stage == 3 else "all_gather_symmetric"
+            assert inplace.counts[gathers] >= len(data), (tag, inplace.counts)
+            assert inplace.counts["reduce_scatter_symmetric"] >= len(data), (tag, inplace.counts)
+        else:
+            assert sum(inplace.counts.values()) == 0, (tag, inplace.counts)
         if scheds:
             lrs = {o.param_groups[0]["lr"] for o in (*opts, opt)}
             assert lrs == {kw["lr"] * gamma ** len(data)}, lrs
@@ -322,7 +358,7 @@ def check_prefetch(c, topo, seed):
 
     x, y = batches(seed, 1)[0]
     x, y = x.chunk(topo.dp_size)[topo.dp_rank], y.chunk(topo.dp_size)[topo.dp_rank]
-    trained, most = [], []
+    trained, most, kinds = [], [], set()
     for prefetch in (True, False):
         torch.manual_seed(seed)
         net = Net()
@@ -330,9 +366,11 @@ def check_prefetch(c, topo, seed):
                                    lr=0.1, prefetch=prefetch)
         held = {"forward": [], "backward": []}
 
+        def holds(buf):  # memory, not bookkeeping
+            return buf.untyped_storage().nbytes() > 0
+
         def count(phase):  # after ZeRO-3's hooks: the unit is gathered, the next launched
-            held[phase].append(sum(e[2].untyped_storage().nbytes() > 0
-                                   for e in opt.sharded.runs.values()))
+            held[phase].append(sum(holds(e[2]) for e in opt.sharded.runs.values()))
 
         def on_output(module, args, out):  # its grad hook runs after ZeRO-3's gather
             out.register_hook(lambda g: count("backward"))
@@ -347,8 +385,11 @@ def check_prefetch(c, topo, seed):
         with opt.gathered():
             trained.append({k: v.clone() for k, v in net.state_dict().items()})
         most.append((max(held["forward"]), max(held["backward"])))
+        kinds.add(opt.symmetric)  # the masters, which the gathers read in place
+        assert sum(holds(e[2]) for e in opt.sharded.runs.values()) == 0  # all released
     assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
     assert most == [(3, 2), (2, 1)], most
+    assert kinds == {topo.dp_size > 1}, kinds  # the group's collectives go to shm here
     c.checked.append("stage3.prefetch")
 
 

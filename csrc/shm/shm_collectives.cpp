@@ -39,6 +39,7 @@ const char* kind_name(Kind k) {
     case Kind::QuantReduceScatter: return "reduce_scatter (int8)";
     case Kind::AllToAll: return "all_to_all";
     case Kind::AllToAllSymmetric: return "all_to_all (symmetric)";
+    case Kind::AllGatherFromSymmetric: return "all_gather (from symmetric)";
   }
   return "?";
 }

@@ -129,6 +129,14 @@ void all_reduce_symmetric(Comm& c, void* const* slots, size_t count, DType dt, O
 // (Implemented in shm_symmetric.cpp, like the other two symmetric calls.)
 void all_gather_symmetric(Comm& c, void* const* slots, size_t bytes, uint64_t sig = 0);
 
+// Every rank's source in symmetric memory, the output plain: srcs[p] is rank p's `bytes` as
+// this process maps them; block p of `out` (world*bytes) = srcs[p], this rank's own included.
+// Entry round, one read and one write per byte, exit signal (nobody reads a source any more,
+// so its owner may change it): ZeRO-3 gathers its parameters straight from the peers' master
+// shards into a buffer of its own. `out` must not overlap a source.
+void all_gather_from_symmetric(Comm& c, void* const* srcs, void* out, size_t bytes,
+                               uint64_t sig = 0);
+
 // Equal-split all-to-all over symmetric inputs of world*bytes per rank: block p of `out` is
 // block r (this rank) of slots[p]; each byte is read once and written once, no copy in.
 // `out` must not be a symmetric input of this call (peers read those until the exit signal).

@@ -28,7 +28,7 @@ enum class Kind : uint32_t {
   AllReduce = 1, AllGather = 2, ReduceScatter = 3, Broadcast = 4, AllReduceSymmetric = 5,
   AllGatherSymmetric = 6, ReduceScatterSymmetric = 7, QuantAllReduce = 8, QuantAllGather = 9,
   QuantReduceScatter = 10, AllToAll = 11,  // AllToAll: shm_alltoall.cpp
-  AllToAllSymmetric = 12
+  AllToAllSymmetric = 12, AllGatherFromSymmetric = 13
 };
 
 inline bool quantized(Kind k) {

@@ -68,6 +68,23 @@ void all_gather_symmetric(Comm& c, void* const* slots, size_t bytes, uint64_t si
   signal_and_wait(c, Kind::AllGatherSymmetric);  // exit: nobody reads my part any more
 }
 
+void all_gather_from_symmetric(Comm& c, void* const* srcs, void* out, size_t bytes,
+                               uint64_t sig) {
+  const Desc d = begin_call(c, Kind::AllGatherFromSymmetric, DType::F32, Op::Sum, bytes, 0, sig);
+  char* to = static_cast<char*>(out);
+  if (c.world == 1) {
+    std::memmove(to, srcs[0], bytes);
+    return;
+  }
+  first_round_sync(c, d);  // entry: every source in place
+  ++c.rounds;
+  for (int i = 0; i < c.world; ++i) {  // from this rank on: the ranks read different sources
+    const int p = (c.rank + i) % c.world;
+    std::memcpy(to + size_t(p) * bytes, srcs[p], bytes);
+  }
+  signal_and_wait(c, Kind::AllGatherFromSymmetric);  // exit: nobody reads my source any more
+}
+
 void all_to_all_symmetric(Comm& c, void* const* slots, void* out, size_t bytes, uint64_t sig) {
   const Desc d = begin_call(c, Kind::AllToAllSymmetric, DType::F32, Op::Sum, bytes, 0, sig);
   char* to = static_cast<char*>(out);

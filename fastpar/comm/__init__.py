@@ -8,7 +8,6 @@
     y = comm.all_to_all_v(x, send_counts=[3, 0, 5, 2], group=ep)  # rows to each rank, and back
     x = comm.symmetric_empty(n, group=g)              # every rank maps it: all_reduce(x) in place
     comm.all_gather(x[r*k:(r+1)*k], group=g, out=x)   # x symmetric: gathered where it lies
-    a, b = comm.symmetric_parts([(n, torch.float32), (m, torch.bfloat16)], group=g)  # one segment
 
 Each collective exists twice: the raw call above (result or ``Handle``), and an autograd
 Function behind a wrapper (``copy_to_tp``, ``reduce_from_tp``, ... in ``autograd.py``) whose
@@ -26,12 +25,10 @@ from fastpar.comm.autograd import (all_gather_sequence, all_to_all_rows, copy_to
 from fastpar.comm.collectives import (Handle, all_gather, all_reduce, broadcast, engine_for,
                                       reduce_scatter, use_backend)
 from fastpar.comm.quant import Quant
-from fastpar.comm.symmetric import (symmetric_available, symmetric_empty, symmetric_parts,
-                                    symmetric_slots)
+from fastpar.comm.symmetric import symmetric_available, symmetric_empty, symmetric_slots
 
 __all__ = ["Handle", "Quant", "all_gather", "all_gather_sequence", "all_reduce", "all_to_all",
            "all_to_all_rows", "all_to_all_v", "all_to_all_v_device", "broadcast",
            "copy_to_tp", "engine_for", "gather_from_tp", "gather_sequence", "reduce_from_tp",
            "reduce_scatter", "reduce_scatter_sequence", "scatter_sequence", "scatter_to_tp",
-           "symmetric_available", "symmetric_empty", "symmetric_parts", "symmetric_slots",
-           "use_backend"]
+           "symmetric_available", "symmetric_empty", "symmetric_slots", "use_backend"]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm import symmetric
-from fastpar.comm.collectives import Handle, _check_tensor, _done, _route
+from fastpar.comm.collectives import Handle, _check_tensor, _done, _overlaps, _route
 from fastpar.comm.engines import SYMMETRIC_ALL_TO_ALL_MIN, adapter
 from fastpar.comm.flat import byte_view
 
@@ -115,12 +115,6 @@ def _exchange(name, t, send, recv, group, async_op, out=None):
             return Handle(alias, work, lambda: alias.copy_(result)), send, recv
         out = alias.copy_(result)
     return (Handle(out, work) if async_op else out), send, recv
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors on one device share bytes."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a.device == b.device and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 def _symmetric(route, inp: torch.Tensor):

@@ -232,6 +232,12 @@ def _done(result, async_op):
     return Handle(result) if async_op else result
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors on one device share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.device == b.device and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
 def _through_contiguous(t: torch.Tensor, call, async_op: bool):
     """Run ``call`` (an in-place collective) on a contiguous copy of ``t`` and copy the result
     back: at once for synchronous engines, in ``wait()`` for asynchronous ones."""
@@ -276,8 +282,10 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     A 0-dim tensor is gathered into shape ``(n,)`` for a group of ``n`` ranks (``(1,)`` alone,
     a view). ``out`` (``dim=0`` only): a contiguous ``(n * t.shape[0], ...)`` tensor to gather
     into, returned; ``t`` may already be this rank's block of it (then nothing is copied in).
-    When ``out`` is a whole ``symmetric_empty`` tensor of this group on the shm engine, every
-    rank copies its peers' blocks straight from their buffers (no staging copy). ``quant``: see
+    When ``out`` is symmetric memory of this group on the shm engine (``comm.symmetric_empty``,
+    or a part of it), every rank copies its peers' blocks straight from their buffers (no
+    staging copy); so it does when ``t`` is symmetric memory and ``out`` a plain tensor (ZeRO-3
+    gathers its parameters from the peers' master shards that way). ``quant``: see
     the module docstring; every rank's block, this rank's too, is what its int8 says."""
     _check_tensor("all_gather", t)  # arguments are checked before any communication
     if t.dim() == 0:
@@ -343,6 +351,9 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
     me = route.ranks.index(current().topo.rank)
     block = out.narrow(0, me * t.shape[0], t.shape[0])
     if block.data_ptr() != t.data_ptr() or block.stride() != t.stride():
+        if route.engine == "shm" and t.is_contiguous() and not _overlaps(t, out) and \
+                adapter("shm").gather_from(route, t, out):
+            return _done(out, async_op)  # t in symmetric memory: read where it lies
         block.copy_(t)
     work = None if route.engine == "local" else \
         adapter(route.engine).all_gather_into(route, block, out, async_op)

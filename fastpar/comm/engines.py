@@ -92,6 +92,17 @@ class Shm(Native):
         route.comm.all_gather_symmetric(out, at)
 
     @staticmethod
+    def gather_from(route, t, out) -> bool:
+        """``all_gather(t, out=out)`` with ``t`` (not ``out``'s block) in symmetric memory: every
+        rank copies each rank's ``t`` into ``out`` where it lies. False (nothing done) when
+        ``t`` is not symmetric memory of the group, or too small to pay."""
+        at = symmetric.lookup(t, route.group) if t.nbytes >= SYMMETRIC_GATHER_MIN else None
+        if at is None or symmetric.lookup(out, route.group) is not None:
+            return False  # (a symmetric out: the in-place kernel, after the copy in)
+        route.comm.all_gather_from_symmetric(t, at, out)
+        return True
+
+    @staticmethod
     def reduce_scatter(route, inp, out, op, async_op):
         at = symmetric.lookup(inp, route.group, op) if inp.nbytes >= SYMMETRIC_SCATTER_MIN \
             else None

@@ -110,6 +110,7 @@ class ShmCommunicator:
         self._all_gather = self._ops.shm_all_gather.default
         self._all_gather_symmetric = self._ops.shm_all_gather_symmetric.default
         self._all_to_all_symmetric = self._ops.shm_all_to_all_symmetric.default
+        self._all_gather_from_symmetric = self._ops.shm_all_gather_from_symmetric.default
         self._reduce_scatter_symmetric = self._ops.shm_reduce_scatter_symmetric.default
         self._reduce_scatter = self._ops.shm_reduce_scatter.default
         self._broadcast = self._ops.shm_broadcast.default
@@ -172,6 +173,12 @@ class ShmCommunicator:
         """``out``: ``world`` blocks in a symmetric segment, this rank's block filled."""
         self._call("all_gather", self._all_gather_symmetric, out, at.slots, at.sig,
                    said=at.describe(out))
+
+    def all_gather_from_symmetric(self, inp: torch.Tensor, at, out: torch.Tensor) -> None:
+        """``inp``: this rank's source in a symmetric segment (``at``: every rank's); ``out``:
+        a plain tensor of ``world`` blocks that every rank fills from the sources in place."""
+        self._call("all_gather", self._all_gather_from_symmetric, inp, at.slots, out, at.sig,
+                   said=at.describe(inp))
 
     def all_to_all_symmetric(self, inp: torch.Tensor, at, out: torch.Tensor) -> None:
         """Equal splits; ``inp``: ``world`` blocks in a symmetric segment, read by the peers

@@ -80,6 +80,7 @@ class FlatGroup:
         # buffer, stage 1's gradient buffer and the parameters' views of it
         self.param_buf = self.grad_buf = self.grad_views = None
         self.master_is_view = False
+        self.master_symmetric = False  # ZeRO-3: the master in symmetric memory, read in place
 
     @torch.no_grad()
     def flat_params(self) -> torch.Tensor:

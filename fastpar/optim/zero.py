@@ -19,16 +19,27 @@ each sharded over the dp ranks r = 0..dp-1). Per step::
 
 What each stage keeps per rank (P parameter bytes, G gradient bytes, S optimizer state):
 
-- stage 1: the parameters are views of one flat buffer and their gradients views of another
-  (symmetric memory where the dp group's collectives go to shm, so the reduce-scatter and
-  all-gather read and write them in place); the fp32 master of a float32 model is this rank's
-  block of the parameter buffer itself. P + G + S / dp (+ a G / dp reduced shard).
+- stage 1: the parameters are views of one flat buffer and their gradients views of another;
+  the fp32 master of a float32 model is this rank's block of the parameter buffer itself.
+  P + G + S / dp (+ a G / dp reduced shard).
 - stage 2: runs of about ``bucket_mb`` are reduce-scattered as backward fills them
   (``fastpar.optim.zero_grads``), overlapped with the rest of backward; their ``.grad`` are
-  dropped at launch, so no full-size gradient outlives its run. P + (P + G + S) / dp.
+  dropped at launch, so no full-size gradient outlives its run. P + (P + G + S) / dp + one
+  run's staging.
 - stage 3: the parameters themselves are 1/dp shards (the masters); each module's are
   all-gathered around its forward and backward (``fastpar.optim.zero_stage3``).
-  (P + G + S) / dp + the gathered modules.
+  (P + G + S) / dp + the gathered modules + one run's staging.
+
+Where the dp group's collectives go to shm (CPU ranks on one host; ``FASTPAR_SYMMETRIC=0``
+turns it off) these buffers are symmetric memory (``fastpar.comm.symmetric``), so the shm
+kernels read and write them in place, no staging copies: stage 1's flat parameter and gradient
+buffers, stage 2's parameter buffer (each run's block is gathered in place), stages 2 and 3's
+reduce-scatter staging (one buffer of the largest run, reused by every run: one is in flight at
+a time; its pages are given back at the end of each reduction), and stage 3's master shards of
+a float32 or float64 model, which every rank's gathers read in place (the gather buffers stay
+ordinary memory: ``fastpar.optim.zero_stage3``). ``opt.symmetric`` says whether the
+parameters' buffers (stage 3: the masters) are; ``opt.grads.symmetric`` whether the staging
+is.
 
 A bfloat16 model keeps float32 masters and reduces its gradients in float32 (a float32 copy of
 the gradient buffer at stage 1). The inner optimizer (``optimizer_cls``: Adam, AdamW, SGD, ...)
@@ -138,20 +149,33 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         units = module_units(module) if stage == 3 else None
         self.flat = [FlatGroup(ps, self.dp_size, self.dp_rank, self._cuts(ps, units, bucket_mb))
                      for ps in by_key.values()]
-        # Stage 1 in symmetric memory when the dp group's collectives go to shm: the gradient
-        # reduce-scatter then reads every rank's buffer where it lies, and the parameter
-        # all-gather copies the peers' shards straight out of theirs (no staging copies).
-        self.symmetric = stage == 1 and comm.symmetric_available(self.group, "all_gather")
+        # Symmetric memory where the dp group's collectives go to shm (CPU, one host): the
+        # reduce-scatters read every rank's gradients where they lie (stage 1's flat gradient
+        # buffer, stages 2 and 3's staging) and the all-gathers copy the peers' shards straight
+        # out of their buffers (the parameter buffer, stage 3's gather buffers): no staging
+        # copies. Not for what goes quantized (its kernels stage the int8 anyway).
+        cpu = all(f.device.type == "cpu" for f in self.flat)
+        gather = cpu and comm.symmetric_available(self.group, "all_gather")
+        scatter = cpu and comm.symmetric_available(self.group, "reduce_scatter")
+        self.symmetric = gather and scatter if stage == 1 else gather
         self.grads = self.sharded = None
         if stage < 3:
             for f in self.flat:
                 self._build_buffers(f)
         else:
+            self.symmetric = gather and self.quant_weights is None
+            for f in self.flat:  # collective: the same groups, dtypes, order on every rank
+                if self.symmetric and f.dtype == master_dtype(f.dtype):
+                    shard = comm.symmetric_empty(f.shard, dtype=f.master.dtype, group=self.group)
+                    f.master = torch.nn.Parameter(shard.copy_(f.master.detach()))
+                    f.master_symmetric = True
+            self.symmetric = any(f.master_symmetric for f in self.flat)
             self.sharded = ShardedParams(self.flat, self.group, self.dp_rank, module, units,
                                          quant=self.quant_weights, prefetch=bool(prefetch))
         if stage >= 2:
             self.grads = GradReducer(self.flat, self.group, self.dp_size,
-                                     quant=self.quant_grads, error_feedback=self.error_feedback)
+                                     quant=self.quant_grads, error_feedback=self.error_feedback,
+                                     symmetric=scatter and self.quant_grads is None)
         self.residuals = {}  # stage 1's error feedback: a float32 flat buffer per group
         self.optimizer_cls, self.kwargs = optimizer_cls, dict(kwargs)
         self.inner = optimizer_cls([f.master for f in self.flat], **kwargs)
@@ -174,7 +198,7 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         return cuts
 
     def _alloc(self, numel: int, dtype, device) -> torch.Tensor:
-        if self.symmetric and device.type == "cpu":  # collective: same order on every rank
+        if self.symmetric:  # collective: same order on every rank
             return comm.symmetric_empty(numel, dtype=dtype, group=self.group).zero_()
         return torch.zeros(numel, dtype=dtype, device=device)
 
@@ -210,7 +234,8 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
     def __repr__(self) -> str:
         groups = "; ".join(f.describe() for f in self.flat)
         return (f"DistributedOptimizer({self.optimizer_cls.__name__}, stage={self.stage}, "
-                f"dp={self.dp_size}, dp_rank={self.dp_rank}, symmetric={self.symmetric}, "
+                f"dp={self.dp_size}, dp_rank={self.dp_rank}, symmetric={self.symmetric}"
+                f"{'' if self.grads is None else f', symmetric staging={self.grads.symmetric}'}, "
                 f"{groups})")
 
     # ---- the step ----------------------------------------------------------------------------
@@ -278,7 +303,7 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                 mine = block[self.dp_rank * run.piece:(self.dp_rank + 1) * run.piece]
                 if not f.master_is_view:  # cast (a bfloat16 model) or copy (stage 2's runs)
                     mine.copy_(f.master.detach()[run.soff:run.soff + run.piece])
-                # symmetric (stage 1): each rank copies its peers' shards out of their buffers
+                # symmetric: each rank copies its peers' shards out of their buffers
                 comm.all_gather(mine, group=self.group, out=block)
 
     @torch.no_grad()

@@ -15,7 +15,11 @@ One cycle per optimizer step (``DistributedOptimizer.reduce`` ends it):
     completes run k - 1, which had all of run k's backward to finish in; so the reduce-scatter
     keeps one staging tensor alive (``peak_staging``: the largest run's ``dp * piece``, in the
     master dtype), not one per run, and no reduced piece waits for the step beside the master
-    gradient it belongs in.
+    gradient it belongs in. Where the dp group's reduce-scatter goes to shm the staging is one
+    symmetric buffer of the largest run's bytes, made once and reused by every run (the kernel
+    reads each rank's where it lies; ``symmetric``); its pages are given back when a reduction
+    ends, as the ordinary staging is freed (taking them again costs a page fault per 4 KiB at
+    the first run of the next step).
   - ``reduce()`` launches what is left (runs whose parameters got no gradient count as zero)
     and completes the last.
   - inside ``no_sync()`` (every microbatch but the last, or around a whole pipeline step) the
@@ -28,15 +32,30 @@ import torch
 
 from fastpar import comm
 from fastpar.comm import quant as quant_codec
+from fastpar.comm.symmetric import release as release_pages
 from fastpar.optim.flat import master_dtype
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class GradReducer:
     """The reduce-scatter cycle of a ``DistributedOptimizer``'s flat groups over ``group``."""
 
-    def __init__(self, flat, group, dp_size: int, quant=None, error_feedback: bool = False):
+    def __init__(self, flat, group, dp_size: int, quant=None, error_feedback: bool = False,
+                 symmetric: bool = False):
         self.flat, self.group, self.dp_size = flat, group, dp_size
         self.quant, self.error_feedback = quant, error_feedback
+        # symmetric: one staging buffer of the largest run (bytes, in the master dtype),
+        # in symmetric memory so the reduce-scatter reads every rank's where it lies; every run
+        # reuses it (one is in flight at a time). Collective: every rank derives the same runs.
+        self.staging = None
+        if symmetric:
+            largest = max(run.piece * dp_size * _esize(master_dtype(f.dtype))
+                          for f in flat for run in f.runs)
+            self.staging = comm.symmetric_empty(largest, dtype=torch.uint8, group=group)
+        self.symmetric = symmetric
         self.residuals = {}  # (id(f), run.index) -> float32 (dp * piece): error feedback
         # launch order: the last run of the last group first
         self.order = [(f, run) for f in flat for run in f.runs][::-1]
@@ -52,6 +71,8 @@ class GradReducer:
         self.reset()
 
     def reset(self) -> None:
+        if self.staging is not None:  # between reductions the staging holds no memory
+            release_pages(self.staging)
         self.pending = [run.last - run.first for _, run in self.order]
         self.fired: set[int] = set()
         self.next = 0
@@ -90,14 +111,20 @@ class GradReducer:
             for g in self.flat:
                 if g.master.grad is None:
                     g.master.grad = torch.empty_like(g.master)
-        buf = torch.zeros(run.piece * self.dp_size, dtype=master_dtype(f.dtype),
-                          device=f.device)
+        dtype, n = master_dtype(f.dtype), run.piece * self.dp_size
+        if self.staging is None:
+            buf = torch.zeros(n, dtype=dtype, device=f.device)
+        else:  # the reused staging: what no gradient fills is zeroed (a run's parameters lie
+            buf = self.staging[:n * _esize(dtype)].view(dtype)  # end to end, padding last)
+            buf[run.hi - run.lo:].zero_()
         for i in range(run.first, run.last):
             p = f.params[i]
+            a = f.offsets[i] - run.lo
             if p.grad is not None:
-                a = f.offsets[i] - run.lo
                 buf[a:a + f.numels[i]].copy_(p.grad.reshape(-1))
                 p.grad = None
+            elif self.staging is not None:
+                buf[a:a + f.numels[i]].zero_()
         self.staged = buf.numel() * buf.element_size()
         self.peak_staging = max(self.peak_staging, self.staged)
         dst = f.master.grad[run.soff:run.soff + run.piece]
