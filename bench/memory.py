@@ -34,9 +34,10 @@ backward, and after forward, backward and the optimizer step:
   params grads optim bufs   each category's peak: the tensors the runtime owns, each storage
         once, in its first category (fastpar.training.memory's count, as fastpar.train
         reports it). bufs: communication storage that is neither params nor grads: fastpar's
-        DataParallel buckets, ZeRO-2/3's reduce-scatter staging (one run's (dp x piece)
-        tensor, GradReducer.peak_staging, as fastpar.train reports it; it lives only while its
-        run is in flight, but is counted in every sample: an upper bound; the pieces are
+        DataParallel buckets, ZeRO-2/3's reduce-scatter staging (GradReducer.peak_staging, as
+        fastpar.train reports it, counted in every sample: where the dp group's collectives go
+        to shm, dp symmetric rows of at most 1 MiB, kept; otherwise one run's (dp x piece)
+        tensor that lives only while its run is reduced, so an upper bound; the pieces are
         reduced straight into the master gradient), DDP's buckets (sizes from its logging
         data); FSDP2's all-gather and
         reduce-scatter buffers are not visible from Python ("-"), its gathered parameters are
@@ -47,7 +48,8 @@ backward, and after forward, backward and the optimizer step:
   held   malloc's bytes in use (glibc mallinfo2, every arena and mmap'd chunk) less what they
         were before the model was built, plus the pages of this rank's slots of fastpar's
         symmetric segments in memory (``comm.symmetric.resident_bytes``: ZeRO's and
-        DataParallel's buffers there, ZeRO-3's gathered runs), the largest sum at a sample:
+        DataParallel's buffers there, ZeRO-3's float32 masters; not the shm communicators' own
+        segments, 4 MiB a rank and group), the largest sum at a sample:
         everything the training holds at those points, visible to Python or not (FSDP2's and
         gloo's buffers too), so the engines compare at the same memory here; transients
         between samples are not seen. (``heap`` in the JSON: malloc's part alone.)
@@ -302,6 +304,7 @@ def worker(job: str, size: dict) -> None:
     import torch.distributed as dist
 
     import fastpar
+    from fastpar.optim.zero_grads import staging_bytes
     from fastpar.optim.zero_stage3 import module_units
 
     model_name, layout, variant, recompute = job.split(",")
@@ -318,11 +321,11 @@ def worker(job: str, size: dict) -> None:
     state_pred = None
     held = None  # ZeRO-3's gather units held at once (one in use, one prefetched)
     if variant.startswith("zero3"):  # float32: master shard, Adam's m and v, master gradient
-        # (16 s), the largest gather units held at once, one run's staging, and the one float32
+        # (16 s), the largest gather units held at once, the staging, and the one float32
         # NaN every released parameter shows
         held = sum(units[:1 if variant == "zero3-nopf" else 2])
-        state_pred = 16 * sum(f.shard for f in opt.flat) + held + 4 * dp * max(
-            run.piece for f in opt.flat for run in f.runs) + 4
+        state_pred = 16 * sum(f.shard for f in opt.flat) + held + staging_bytes(
+            opt.flat, dp, opt.grads.symmetric) + 4
     gen = torch.Generator().manual_seed(1 + topo.dp_rank)
     # dropout: every row draws the same masks. Seeding the "tp" stream here matters: one first
     # made inside a recompute region is not restored for its recompute (other masks in backward)

@@ -34,6 +34,7 @@ def body_bitwise():
 
     import fastpar
     from fastpar import comm
+    from fastpar.comm import symmetric
     from fastpar.comm.engines import SYMMETRIC_ALL_REDUCE_MIN
     from fastpar.comm.shm import ShmCommunicator
     from fastpar.comm.state import current
@@ -65,22 +66,25 @@ def body_bitwise():
                                    ref.reshape(-1).view(torch.uint8)):
                     bad.append(f"{dtype} {op} {count}")
                 digests.append(hashlib.sha1(x.reshape(-1).view(torch.uint8).numpy()).hexdigest())
-                if count == 20011:  # a part of it: the symmetric path too, bitwise the copying
-                    part, want = x[1:].clone(), x[1:].clone()  # path's, the rest untouched
-                    before = taken()
-                    view = x.reshape(-1)[1:]
-                    comm.all_reduce(view, op=op)
-                    comm.all_reduce(want.reshape(-1), op=op)
-                    assert taken() == before + 1, "a part did not take the symmetric path"
-                    assert torch.equal(view.view(torch.uint8),
-                                       want.reshape(-1).view(torch.uint8)), part
-                    assert torch.equal(x.reshape(-1)[:1].view(torch.uint8),  # NaN under max
-                                       ref.reshape(-1)[:1].view(torch.uint8))
+                if count == 20011:  # a registered part: the symmetric path too; another
+                    # (ranks could pass different ones): the copying path. Both bitwise the
+                    # copying path's on a copy, the rest untouched.
+                    flat = x.reshape(-1)
+                    symmetric.register_parts(flat, [(0, count - 1)])
+                    for view, symmetric_path in ((flat[:-1], True), (flat[1:], False)):
+                        part, want = view.clone(), view.clone()
+                        before, edge = taken(), flat[-1:] if symmetric_path else flat[:1]
+                        kept = edge.clone()
+                        comm.all_reduce(view, op=op)
+                        comm.all_reduce(want, op=op)
+                        assert taken() == before + symmetric_path, (symmetric_path, taken())
+                        assert torch.equal(view.view(torch.uint8), want.view(torch.uint8)), part
+                        assert torch.equal(edge.view(torch.uint8), kept.view(torch.uint8))
     # The symmetric kernel from SYMMETRIC_ALL_REDUCE_MIN bytes (below, the copying kernel's one
     # round is faster and works on the same memory); the parts of 20011 elements as well.
     big = sum(c * torch.empty((), dtype=d).element_size() >= SYMMETRIC_ALL_REDUCE_MIN
               for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-              for c in COUNTS) * 2 + 4 * 2  # sum and max
+              for c in COUNTS) * 2 + 4 * 2  # sum and max; the parts from the start
     assert taken() == big and 0 < big < cases, (taken(), big, cases)
     bad += gather_and_scatter_cases(me, n, digests)
     # Ranks that disagree: a ValueError on every rank naming each rank's size, no segment made.
@@ -91,7 +95,7 @@ def body_bitwise():
         mismatch = str(exc)
     x = comm.symmetric_empty(3, dtype=torch.float32).fill_(me + 1)
     assert comm.all_reduce(x).tolist() == [n * (n + 1) / 2] * 3
-    del x, view, part
+    del x, view, part, flat, want, edge, kept
     gc.collect()
     left = len(current().symmetric)  # every tensor gone: no registry entry left
     fastpar.shutdown()
@@ -342,14 +346,19 @@ def body_release_and_gather_from():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         src = comm.symmetric_empty(3 * 40001, dtype=dtype)
         src.copy_(torch.randn(src.numel(), generator=g).to(dtype))
-        for piece in (src[:40001], src[40001:80002]):  # at offset 0 and in the middle
+        symmetric.register_parts(src, [(0, 40001), (40001, 40001)])  # collective
+        # registered parts at offset 0 and in the middle: from symmetric; each rank's own
+        # block of another (offsets differ by rank, not registered): the copying path
+        other = comm.symmetric_empty(n * 40001, dtype=dtype)
+        other[me * 40001:(me + 1) * 40001].copy_(src[:40001])
+        for piece in (src[:40001], src[40001:80002], other[me * 40001:(me + 1) * 40001]):
             ref = comm.all_gather(piece.clone())
             got = comm.all_gather(piece, out=torch.full((n * 40001,), -1.0).to(dtype))
             bad += [] if torch.equal(got.view(torch.uint8), ref.view(torch.uint8)) else \
                 [f"gather from {dtype}"]
         k = 40000  # out symmetric too, t its own block: the in-place kernel, not this one
         whole = comm.symmetric_empty(n * k, dtype=dtype)
-        whole[me * k:(me + 1) * k].fill_(me)
+        whole[me * k:(me + 1) * k].fill_(me)  # (its block: out's own, no registration)
         comm.all_gather(whole[me * k:(me + 1) * k], out=whole)
         bad += [] if torch.equal(whole, torch.arange(n).repeat_interleave(k).to(dtype)) \
             else [f"in place {dtype}"]
@@ -383,7 +392,8 @@ def body_release_and_gather_from():
 def test_release_and_gather_from_symmetric(nranks):
     for out in run_ranks(nranks, body_release_and_gather_from, timeout=240).values():
         assert out["bad"] == [], out
-        # two pieces of each dtype from their symmetric source; one in place each
+        # two pieces of each dtype from their symmetric source (not each rank's own block:
+        # copying); one in place each
         assert out["calls"] == {"all_gather_from_symmetric": 6, "all_gather_symmetric": 3}, out
         assert out["released"] and out["a_resident"] == 0 and out["zeros"], out
         assert out["others"] and out["again"], out
@@ -393,12 +403,14 @@ def test_release_and_gather_from_symmetric(nranks):
 
 def body_mismatch():
     """Each case on a fresh group (a failed call leaves its group's segment unusable): ranks
-    that pass pieces at different offsets of one symmetric tensor, or different symmetric
-    tensors of the same size, fail on every rank with the mismatch error."""
+    that pass different registered parts of one symmetric tensor, or different symmetric
+    tensors of the same size, fail on every rank with the mismatch error; ranks that register
+    different parts get a ValueError naming both."""
     import torch.distributed as dist
 
     import fastpar
     from fastpar import comm
+    from fastpar.comm import symmetric
     from fastpar.comm.native_errors import ShmError
 
     topo = fastpar.init(timeout=60)
@@ -409,6 +421,7 @@ def body_mismatch():
         g = dist.new_group(list(range(topo.world_size)))
         x = comm.symmetric_empty(1 << 17, group=g)
         y = comm.symmetric_empty(1 << 17, group=g)
+        symmetric.register_parts(x, [(0, 100000), (1024, 100000)])
         t = x[1024 * me:1024 * me + 100000] if case == "offsets" else x if me == 0 else y
         try:
             if case == "gather":
@@ -419,12 +432,20 @@ def body_mismatch():
             out[case] = "returned"
         except ShmError as exc:
             out[case] = str(exc)
+    x = comm.symmetric_empty(1000)
+    try:  # register_parts is collective: ranks that differ get a ValueError naming both
+        symmetric.register_parts(x, [(0, 10 + me)])
+        out["register"] = "returned"
+    except ValueError as exc:
+        out["register"] = str(exc)
     fastpar.shutdown()
     return out
 
 
 def test_ranks_passing_different_symmetric_memory_fail_alike():
     for rank, out in enumerate(run_ranks(2, body_mismatch, timeout=120).values()):
+        words = out.pop("register")
+        assert "global rank 0: [(0, 10)]; global rank 1: [(0, 11)]" in words, words
         for case, words in out.items():
             assert "rank 1 passed" in words and "but rank 0 passed" in words, (case, words)
             assert "of a symmetric tensor" in words, (case, words)  # this rank's, described

@@ -73,25 +73,28 @@ def make_opt(model, cls, stage, **kw):
 
 class in_place_calls:
     """Counts the shm engine's in-place (symmetric) all-gathers and reduce-scatters until
-    ``restore()``; ``lower``: take them at any size (this test's buffers are small)."""
+    ``restore()``; ``lower``: take them at any size (this test's buffers are small), and stage
+    ZeRO-2/3's gradients through 64-byte rows, so that a run takes several chunks."""
 
     def __init__(self, lower: bool):
         from fastpar.comm import engines
         from fastpar.comm.shm import ShmCommunicator
+        from fastpar.optim import zero_grads
         from tests.multirank import count_calls
 
         self.engines, self.cls = engines, ShmCommunicator
-        self.limits = {k: getattr(engines, k) for k in (
+        self.limits = {(engines, k): getattr(engines, k) for k in (
             "SYMMETRIC_GATHER_MIN", "SYMMETRIC_SCATTER_MIN", "SYMMETRIC_ALL_REDUCE_MIN")}
+        self.limits[(zero_grads, "STAGING_ROW_BYTES")] = zero_grads.STAGING_ROW_BYTES
         if lower:
-            for k in self.limits:
-                setattr(engines, k, 0)
+            for (module, k) in self.limits:
+                setattr(module, k, 64 if k == "STAGING_ROW_BYTES" else 0)
         self.counts = count_calls(ShmCommunicator, "all_gather_symmetric",
                                   "all_gather_from_symmetric", "reduce_scatter_symmetric")
 
     def restore(self) -> None:
-        for k, v in self.limits.items():
-            setattr(self.engines, k, v)
+        for (module, k), v in self.limits.items():
+            setattr(module, k, v)
         for name in self.counts:
             setattr(self.cls, name, getattr(self.cls, name).__wrapped__)
 
@@ -142,11 +145,13 @@ def check_training(c, topo, seed, stage):
         # cases lower those to 0 and count the in-place calls: every stage takes them.
         symmetric = topo.dp_size > 1 and cls is not torch.optim.SGD
         os.environ["FASTPAR_SYMMETRIC"] = "1" if symmetric else "0"
+        inplace = in_place_calls(symmetric)
         opt = make_opt(par, cls, stage, **kw)
         del os.environ["FASTPAR_SYMMETRIC"]
         assert opt.symmetric == symmetric, repr(opt)
         assert opt.grads is None or opt.grads.symmetric == symmetric, repr(opt)
-        inplace = in_place_calls(symmetric)
+        if symmetric and opt.grads is not None:  # 16-element rows: runs in several chunks
+            assert opt.grads.staging.numel() == 64 * topo.dp_size, opt.grads.staging.shape
         scheds = []
         if gamma is not None:
             scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=gamma) for o in (*opts, opt)]
@@ -393,6 +398,40 @@ def check_prefetch(c, topo, seed):
     c.checked.append("stage3.prefetch")
 
 
+def check_no_room(c, topo, seed, stage):
+    """A /dev/shm without room for the symmetric buffers (as in a container's 64 MiB): the
+    optimizer keeps ordinary memory on every rank (one rank short is enough) and trains the
+    same as with room, bitwise."""
+    from unittest import mock
+
+    from fastpar.comm import symmetric
+    from fastpar.optim import DistributedOptimizer
+
+    x, y = batches(seed, 1)[0]
+    x, y = x.chunk(topo.dp_size)[topo.dp_rank], y.chunk(topo.dp_size)[topo.dp_rank]
+    real, trained, kinds = symmetric.os.statvfs, [], []
+
+    def full(path):  # the last rank's /dev/shm is (nearly) full
+        st = real(path)
+        if topo.rank != topo.world_size - 1:
+            return st
+        return type("St", (), {"f_bavail": 1, "f_frsize": st.f_frsize})()
+    for room in (True, False):
+        torch.manual_seed(seed)
+        net = Net()
+        with mock.patch.object(symmetric.os, "statvfs", real if room else full):
+            opt = DistributedOptimizer(net.parameters(), torch.optim.Adam, stage=stage,
+                                       module=net, lr=0.1)
+        kinds.append(opt.symmetric)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+        with opt.gathered():
+            trained.append([p.detach().clone() for p in net.parameters()])
+    assert kinds == [topo.dp_size > 1, False], kinds
+    assert all(torch.equal(a, b) for a, b in zip(*trained))
+    c.checked.append(f"stage{stage}.no_room")
+
+
 def check_tp(c, topo, seed, stage):
     """tp x dp: ParallelMLP shards, ZeRO over the dp group; clip_grad_norm_(model=) sums the
     shards over tp once and the replicated fc2 bias once."""
@@ -452,6 +491,7 @@ def body_zero(seed, tp=1, stages=(1,)):
         if stage == 3:
             check_released(c, topo, seed)
             check_prefetch(c, topo, seed)
+        check_no_room(c, topo, seed, stage)
     return {"checked": c.checked, "worst": c.worst}
 
 

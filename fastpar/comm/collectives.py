@@ -253,8 +253,9 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *,
                residual: torch.Tensor | None = None):
     """In place: ``t = op over the group's ranks of t``. Returns ``t`` (or a ``Handle``).
 
-    On the shm and CUDA IPC engines a whole ``symmetric_empty`` tensor of this group is reduced
-    where it lies (no copy in or out; bitwise the copying path's result). ``quant``,
+    On the shm and CUDA IPC engines a whole ``symmetric_empty`` tensor of this group (on shm
+    also a registered part of one, ``symmetric.register_parts``) is reduced where it lies (no
+    copy in or out; bitwise the copying path's result). ``quant``,
     ``residual``: see the module docstring (quantized calls complete before they return)."""
     route, spec, _ = _routed("all_reduce", t, group, op, quant, residual)
     engine, op = route.engine, route.op
@@ -283,8 +284,8 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     a view). ``out`` (``dim=0`` only): a contiguous ``(n * t.shape[0], ...)`` tensor to gather
     into, returned; ``t`` may already be this rank's block of it (then nothing is copied in).
     When ``out`` is symmetric memory of this group on the shm engine (``comm.symmetric_empty``,
-    or a part of it), every rank copies its peers' blocks straight from their buffers (no
-    staging copy); so it does when ``t`` is symmetric memory and ``out`` a plain tensor (ZeRO-3
+    or a registered part of one), every rank copies its peers' blocks straight from their
+    buffers (no staging copy); so it does when ``t`` is (and ``out`` a plain tensor: ZeRO-3
     gathers its parameters from the peers' master shards that way). ``quant``: see
     the module docstring; every rank's block, this rank's too, is what its int8 says."""
     _check_tensor("all_gather", t)  # arguments are checked before any communication
@@ -365,8 +366,8 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
                    residual: torch.Tensor | None = None):
     """This rank's shard along ``dim`` of ``op`` over the group of ``t``.
 
-    On the shm engine a whole ``symmetric_empty`` tensor of this group (``dim=0``) is reduced
-    where it lies: no copy in. ``out`` (``dim=0`` only): a contiguous ``(t.shape[0] / n, ...)``
+    On the shm engine a whole ``symmetric_empty`` tensor of this group, or a registered part
+    of one (``dim=0``), is reduced where it lies: no copy in. ``out`` (``dim=0`` only): a contiguous ``(t.shape[0] / n, ...)``
     tensor of ``t``'s dtype and device to write the shard into, returned (a view of a larger
     buffer is fine: ZeRO-2/3 reduce straight into their gradient shard). ``quant``,
     ``residual``: see the module docstring."""

@@ -3,7 +3,8 @@
     x = comm.symmetric_empty(4096, 1024, dtype=torch.float32, group=topo.dp_group)
     x.copy_(grads)              # or compute straight into x
     comm.all_reduce(x, group=topo.dp_group)   # in place, no copy in or out
-    comm.all_reduce(x[:512], group=topo.dp_group)   # a contiguous part of it: in place too
+    symmetric.register_parts(x.view(-1), [(8192, 4096)])   # collective: this part in place too
+    comm.all_reduce(x.view(-1)[8192:12288], group=topo.dp_group)   # every rank: that part
     symmetric.release(x)        # x's pages go back to the system (reads zeros, refills on write)
 
 ``symmetric_empty`` is collective over the group: every rank calls it with the same size and
@@ -12,13 +13,15 @@ a page; rank r's tensor is slot r. An all_reduce of it on its own group takes th
 shm path (``csrc/shm/README.md``, "all_reduce, symmetric"): rank r reduces slice r of every
 slot in rank order and writes it into slice r of every slot, so each byte is read and written
 once; the result is bitwise that of the copying path. So do all_gather into it, reduce_scatter
-and all_to_all of it, and the same calls on any contiguous part of it (CPU): the kernel gets
-every rank's address of that part. Every rank must then pass the same part of the same tensor:
-the call's signature (``Placement.sig``: dtype, shape, the segment's token drawn at its
-creation, the offset in the slot) is compared across ranks in the kernel's first round, and
-ranks that differ fail alike instead of reading each other's other bytes. Anything else
-(another group, another engine, min/prod, below the sizes where it pays) takes the ordinary
-path, correct but copying.
+and all_to_all of it, an all_gather of it into a plain tensor, and (CPU) the same calls on a
+part of it that the group registered (``register_parts``: ZeRO's per-run blocks, master pieces
+and staging rows), which every rank then passes alike; the kernel gets every rank's address
+of that part. Every rank must then pass the same part of the
+same tensor: the call's signature (``Placement.sig``: dtype, shape, the segment's token drawn
+at its creation, the offset in the slot) is compared across ranks in the kernel's first round,
+and ranks that differ fail alike instead of reading each other's other bytes. Anything else
+(other parts, such as each rank's own block; another group, another engine, min/prod, below
+the sizes where it pays) takes the ordinary path, correct but copying.
 
 ``release`` gives a symmetric tensor's pages back (it reads zeros after, and takes memory again
 where written: ZeRO-2/3's staging between reductions); ``resident_bytes`` counts what this
@@ -64,11 +67,16 @@ class SymmetricSegment:
     mapping), the slot's bytes and the segment's token (alike on every rank of the group, drawn
     at its collective creation). Holds no reference to the tensor or the mapping.
 
-    ``views``: any contiguous part of the slot may take the symmetric path (CPU segments: the
-    shm kernels take any address); else only the whole tensor, of ``dtype`` and ``numel``
-    (CUDA IPC: its kernel wants the padded allocation it was made from)."""
+    ``views`` (CPU segments: the shm kernels take any address): one of ``parts`` may take the
+    symmetric path too (``register_parts``: byte ranges the group agreed on, each a promise
+    that a collective on it gets the same part from every rank). Other parts (say each rank's
+    own block, at offsets that differ by rank) take the copying path, as they must: which path
+    a call takes is decided on each rank alone. Without ``views``, only the whole tensor, of
+    ``dtype`` and ``numel`` (CUDA IPC: its kernel wants the padded allocation it was made
+    from)."""
 
-    __slots__ = ("group", "ranks", "dtype", "numel", "slots", "mine", "nbytes", "token", "views")
+    __slots__ = ("group", "ranks", "dtype", "numel", "slots", "mine", "nbytes", "token", "views",
+                 "parts")
 
     def __init__(self, group, ranks, dtype, numel, slots, nbytes=None, token=0, views=False):
         self.group, self.ranks, self.dtype, self.numel = group, ranks, dtype, numel
@@ -77,18 +85,19 @@ class SymmetricSegment:
         esize = torch.empty((), dtype=dtype).element_size()
         self.nbytes = numel * esize if nbytes is None else nbytes
         self.token, self.views = token, views
+        self.parts: set[tuple[int, int]] = set()  # (byte offset, bytes) agreed by the group
 
     def place(self, t: torch.Tensor, group, op: str = "sum") -> Placement | None:
         """Where a collective on ``t`` over ``group`` with ``op`` runs on the symmetric path:
         every rank's address of ``t``'s bytes and the signature the kernel compares across
         ranks; None when it cannot (another group, an op the kernels do not reduce with, not
-        contiguous, not inside this rank's slot, or a part of a segment that takes whole
-        tensors only)."""
+        contiguous, not inside this rank's slot, or a part that ranks may not pass alike)."""
         if group is not self.group or op not in _OPS or not t.is_contiguous():
             return None
         offset = t.data_ptr() - self.mine
         if self.views:
-            if offset < 0 or offset + t.nbytes > self.nbytes:
+            if not (offset == 0 and t.nbytes == self.nbytes) and \
+                    (offset, t.nbytes) not in self.parts:
                 return None
         elif offset != 0 or t.dtype != self.dtype or t.numel() != self.numel:
             return None
@@ -181,13 +190,63 @@ def symmetric_available(group, op: str = "all_reduce") -> bool:
 
 def lookup(t: torch.Tensor, group, op: str = "sum") -> Placement | None:
     """Where a collective over ``group`` with ``op`` runs on ``t`` in place: a whole symmetric
-    tensor, or (CPU) any contiguous part of one; None otherwise. Every rank of the group must
-    pass the same part of the same symmetric tensor (the kernel checks, and fails on every rank
+    tensor, or (CPU) a registered part of one (``register_parts``); None otherwise. Every rank
+    of the group must pass the same tensor or part (the kernel checks, and fails on every rank
     where they differ)."""
     if t.numel() == 0:
         return None
     sym = current().symmetric.find(t.data_ptr())
     return sym.place(t, group, op) if sym is not None else None
+
+
+def register_parts(t: torch.Tensor, parts) -> None:
+    """Let parts of the symmetric tensor ``t`` take the symmetric path: ``parts`` is
+    ``[(start, numel)]`` in elements of ``t`` (flattened), the same list on every rank of its
+    group (collective; a ValueError on every rank, naming each rank's list, where they differ).
+    A collective on exactly one of those parts then runs in place like one on the whole tensor;
+    registering one promises that every rank passes that same part when one does (ZeRO's
+    per-run blocks, master pieces and staging rows), as a collective on a symmetric tensor
+    must get that tensor from every rank: ranks that break it fail alike (the kernel compares
+    which memory each passed). Nothing for a plain tensor (one rank, across hosts)."""
+    st = current()
+    sym = st.symmetric.find(t.data_ptr()) if t.numel() else None
+    if sym is None or not sym.views:
+        return
+    parts = [(int(a), int(n)) for a, n in parts]
+    if any(a < 0 or n < 0 or a + n > t.numel() for a, n in parts):
+        raise ValueError(f"symmetric.register_parts: parts {parts} do not lie in a tensor of "
+                         f"{t.numel()} elements")
+    everyone = [None] * len(sym.ranks)
+    dist.all_gather_object(everyone, parts, group=sym.group)
+    if any(e != parts for e in everyone):
+        said = "; ".join(f"global rank {r}: {e}" for r, e in zip(sym.ranks, everyone))
+        raise ValueError("symmetric.register_parts is collective: every rank of the group "
+                         f"must pass the same parts; got {said}")
+    base, es = t.data_ptr() - sym.mine, t.element_size()
+    sym.parts.update((base + a * es, n * es) for a, n in parts if n)
+
+
+def room_for(nbytes: int, group=None, what: str = "symmetric buffers") -> bool:
+    """Whether ``/dev/shm`` has room for ``nbytes`` of symmetric memory per rank of ``group``
+    (CPU, one host): its free bytes now against the group's total, with a tenth to spare.
+    Collective: every rank answers what the most constrained rank saw, so they decide alike.
+    Pages of a segment are taken when first written, so a full ``/dev/shm`` would otherwise
+    show as a SIGBUS in the middle of a step; callers keep ordinary memory instead (logged)."""
+    group, ranks, _ = current().resolve(group)
+    try:
+        fs = os.statvfs("/dev/shm")
+        free = fs.f_bavail * fs.f_frsize
+    except OSError:
+        free = 0
+    everyone = [None] * len(ranks)
+    dist.all_gather_object(everyone, free, group=group)
+    need = int(nbytes * len(ranks) * 1.1)
+    if min(everyone) < need:
+        log.warning("%s: /dev/shm has %.1f MiB free, %.1f MiB wanted for global ranks %s: "
+                    "ordinary memory instead (the copying collectives)", what,
+                    min(everyone) / 2**20, need / 2**20, ranks)
+        return False
+    return True
 
 
 def _size_of(size) -> tuple[int, ...]:

@@ -24,20 +24,21 @@ What each stage keeps per rank (P parameter bytes, G gradient bytes, S optimizer
   P + G + S / dp (+ a G / dp reduced shard).
 - stage 2: runs of about ``bucket_mb`` are reduce-scattered as backward fills them
   (``fastpar.optim.zero_grads``), overlapped with the rest of backward; their ``.grad`` are
-  dropped at launch, so no full-size gradient outlives its run. P + (P + G + S) / dp + one
-  run's staging.
+  dropped at launch, so no full-size gradient outlives its run. P + (P + G + S) / dp + the
+  staging (one run's gradients, or dp symmetric rows of at most 1 MiB).
 - stage 3: the parameters themselves are 1/dp shards (the masters); each module's are
   all-gathered around its forward and backward (``fastpar.optim.zero_stage3``).
-  (P + G + S) / dp + the gathered modules + one run's staging.
+  (P + G + S) / dp + the gathered modules + the staging.
 
 Where the dp group's collectives go to shm (CPU ranks on one host; ``FASTPAR_SYMMETRIC=0``
 turns it off) these buffers are symmetric memory (``fastpar.comm.symmetric``), so the shm
 kernels read and write them in place, no staging copies: stage 1's flat parameter and gradient
 buffers, stage 2's parameter buffer (each run's block is gathered in place), stages 2 and 3's
-reduce-scatter staging (one buffer of the largest run, reused by every run: one is in flight at
-a time; its pages are given back at the end of each reduction), and stage 3's master shards of
-a float32 or float64 model, which every rank's gathers read in place (the gather buffers stay
-ordinary memory: ``fastpar.optim.zero_stage3``). ``opt.symmetric`` says whether the
+reduce-scatter staging (dp rows of at most 1 MiB, kept: every run goes through them a chunk
+at a time, ``fastpar.optim.zero_grads``), and stage 3's master shards of a float32 or float64
+model, which every rank's gathers read in place (the gather buffers stay ordinary memory:
+``fastpar.optim.zero_stage3``). Where ``/dev/shm`` has no room for them
+(``comm.symmetric.room_for``) they are ordinary memory, with a warning. ``opt.symmetric`` says whether the
 parameters' buffers (stage 3: the masters) are; ``opt.grads.symmetric`` whether the staging
 is.
 
@@ -61,6 +62,7 @@ import torch
 
 from fastpar import comm
 from fastpar.comm import quant as quant_codec
+from fastpar.comm import symmetric
 from fastpar.optim.clip import check_max_norm, clip_by_global_norm_, counted
 from fastpar.optim.flat import FlatGroup, master_dtype
 from fastpar.optim.inner import InnerOptimizerView
@@ -152,11 +154,16 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         # Symmetric memory where the dp group's collectives go to shm (CPU, one host): the
         # reduce-scatters read every rank's gradients where they lie (stage 1's flat gradient
         # buffer, stages 2 and 3's staging) and the all-gathers copy the peers' shards straight
-        # out of their buffers (the parameter buffer, stage 3's gather buffers): no staging
+        # out of their buffers (the parameter buffer, stage 3's master shards): no staging
         # copies. Not for what goes quantized (its kernels stage the int8 anyway).
         cpu = all(f.device.type == "cpu" for f in self.flat)
         gather = cpu and comm.symmetric_available(self.group, "all_gather")
         scatter = cpu and comm.symmetric_available(self.group, "reduce_scatter")
+        if gather or scatter:  # at most: each group's padded buffer and its float32 copy, rows
+            need = sum(f.padded * (torch.empty((), dtype=f.dtype).element_size() + 8)
+                       for f in self.flat) + self.dp_size * 2**20
+            if not symmetric.room_for(need, self.group, "DistributedOptimizer"):
+                gather = scatter = False
         self.symmetric = gather and scatter if stage == 1 else gather
         self.grads = self.sharded = None
         if stage < 3:
@@ -167,6 +174,8 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
             for f in self.flat:  # collective: the same groups, dtypes, order on every rank
                 if self.symmetric and f.dtype == master_dtype(f.dtype):
                     shard = comm.symmetric_empty(f.shard, dtype=f.master.dtype, group=self.group)
+                    # each run's piece: the same offset on every rank, gathered in place
+                    symmetric.register_parts(shard, [(r.soff, r.piece) for r in f.runs])
                     f.master = torch.nn.Parameter(shard.copy_(f.master.detach()))
                     f.master_symmetric = True
             self.symmetric = any(f.master_symmetric for f in self.flat)
@@ -207,6 +216,9 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         """Stages 1 and 2: the parameters become views of one padded flat buffer (their values
         kept); stage 1 also puts the gradients in one (views when the dtype is the master's)."""
         f.param_buf = self._alloc(f.padded, f.dtype, f.device)
+        if self.symmetric:  # each run's block: the same offset on every rank, gathered in place
+            symmetric.register_parts(f.param_buf, [(r.poff, r.piece * self.dp_size)
+                                                   for r in f.runs])
         for i, p in enumerate(f.params):
             view = f.padded_view(f.param_buf, i)
             view.copy_(p.detach())

@@ -16,10 +16,10 @@ One cycle per optimizer step (``DistributedOptimizer.reduce`` ends it):
     keeps one staging tensor alive (``peak_staging``: the largest run's ``dp * piece``, in the
     master dtype), not one per run, and no reduced piece waits for the step beside the master
     gradient it belongs in. Where the dp group's reduce-scatter goes to shm the staging is one
-    symmetric buffer of the largest run's bytes, made once and reused by every run (the kernel
-    reads each rank's where it lies; ``symmetric``); its pages are given back when a reduction
-    ends, as the ordinary staging is freed (taking them again costs a page fault per 4 KiB at
-    the first run of the next step).
+    symmetric buffer of ``dp`` rows of at most ``STAGING_ROW_BYTES`` (1 MiB), made once and
+    kept: each run is reduce-scattered through it a chunk of columns at a time, the kernel
+    reading every rank's rows where they lie (``symmetric``), straight into the master
+    gradient; dp MiB at most instead of a whole run.
   - ``reduce()`` launches what is left (runs whose parameters got no gradient count as zero)
     and completes the last.
   - inside ``no_sync()`` (every microbatch but the last, or around a whole pipeline step) the
@@ -32,12 +32,50 @@ import torch
 
 from fastpar import comm
 from fastpar.comm import quant as quant_codec
-from fastpar.comm.symmetric import release as release_pages
+from fastpar.comm import symmetric as symmetric_memory
 from fastpar.optim.flat import master_dtype
+
+
+# Bytes of one rank's row of the symmetric staging: a run is reduce-scattered (dp, w) columns
+# at a time through one symmetric buffer of dp rows, so the staging is dp x 1 MiB at most,
+# whatever the runs (the ordinary staging is one whole run). Large enough that each call takes
+# the in-place kernel (from SYMMETRIC_SCATTER_MIN, 256 KiB of input) and the calls' signals are
+# a small part of their time.
+STAGING_ROW_BYTES = 1 << 20
 
 
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def staging_bytes(flat, dp_size: int, symmetric: bool) -> int:
+    """The reduce-scatter staging's bytes at its largest (what ``peak_staging`` reaches): the
+    largest run's ``dp * piece`` in its master dtype, or with the symmetric staging ``dp`` rows
+    of at most ``STAGING_ROW_BYTES`` (each a whole number of elements)."""
+    sizes = []
+    for f in flat:
+        es = _esize(master_dtype(f.dtype))
+        for run in f.runs:
+            row = run.piece * es if not symmetric else \
+                min(run.piece, max(1, STAGING_ROW_BYTES // es)) * es
+            sizes.append(dp_size * row)
+    return max(sizes)
+
+
+def _fill(row: torch.Tensor, grads, x0: int) -> None:
+    """``row`` = the run's flat gradient ``[x0, x0 + len(row))``: each gradient's part that
+    falls there, zeros between and after (padding, parameters without a gradient)."""
+    x1, pos = x0 + row.numel(), x0
+    for a, b, g in grads:
+        lo, hi = max(a, x0), min(b, x1)
+        if lo >= hi or g is None:  # (no gradient: zeroed with the gap after it)
+            continue
+        if lo > pos:
+            row[pos - x0:lo - x0].zero_()
+        row[lo - x0:hi - x0].copy_(g[lo - a:hi - a])
+        pos = hi
+    if pos < x1:
+        row[pos - x0:].zero_()
 
 
 class GradReducer:
@@ -47,14 +85,22 @@ class GradReducer:
                  symmetric: bool = False):
         self.flat, self.group, self.dp_size = flat, group, dp_size
         self.quant, self.error_feedback = quant, error_feedback
-        # symmetric: one staging buffer of the largest run (bytes, in the master dtype),
-        # in symmetric memory so the reduce-scatter reads every rank's where it lies; every run
-        # reuses it (one is in flight at a time). Collective: every rank derives the same runs.
+        # symmetric: one staging buffer of dp rows (``staging_bytes``) in symmetric memory, so
+        # the reduce-scatter reads every rank's where it lies; every run goes through it a
+        # chunk at a time. Collective: every rank derives the same runs.
         self.staging = None
         if symmetric:
-            largest = max(run.piece * dp_size * _esize(master_dtype(f.dtype))
-                          for f in flat for run in f.runs)
-            self.staging = comm.symmetric_empty(largest, dtype=torch.uint8, group=group)
+            self.staging = comm.symmetric_empty(staging_bytes(flat, dp_size, True),
+                                                dtype=torch.uint8, group=group)
+            # the rows each chunk takes (prefixes: all but each run's last chunk are full)
+            rows = set()
+            for f in flat:
+                es = _esize(master_dtype(f.dtype))
+                width = max(1, self.staging.numel() // (dp_size * es))
+                for run in f.runs:
+                    last = run.piece - (-(-run.piece // width) - 1) * width
+                    rows |= {dp_size * min(width, run.piece) * es, dp_size * last * es}
+            symmetric_memory.register_parts(self.staging, [(0, n) for n in sorted(rows)])
         self.symmetric = symmetric
         self.residuals = {}  # (id(f), run.index) -> float32 (dp * piece): error feedback
         # launch order: the last run of the last group first
@@ -71,8 +117,6 @@ class GradReducer:
         self.reset()
 
     def reset(self) -> None:
-        if self.staging is not None:  # between reductions the staging holds no memory
-            release_pages(self.staging)
         self.pending = [run.last - run.first for _, run in self.order]
         self.fired: set[int] = set()
         self.next = 0
@@ -111,20 +155,21 @@ class GradReducer:
             for g in self.flat:
                 if g.master.grad is None:
                     g.master.grad = torch.empty_like(g.master)
-        dtype, n = master_dtype(f.dtype), run.piece * self.dp_size
-        if self.staging is None:
-            buf = torch.zeros(n, dtype=dtype, device=f.device)
-        else:  # the reused staging: what no gradient fills is zeroed (a run's parameters lie
-            buf = self.staging[:n * _esize(dtype)].view(dtype)  # end to end, padding last)
-            buf[run.hi - run.lo:].zero_()
+        if self.staging is not None:
+            self._reduce_in_chunks(f, run)
+        else:
+            self._launch_whole(f, run)
+        for callback in self.on_launch:
+            callback(f, run)
+
+    def _launch_whole(self, f, run) -> None:
+        buf = torch.zeros(run.piece * self.dp_size, dtype=master_dtype(f.dtype), device=f.device)
         for i in range(run.first, run.last):
             p = f.params[i]
-            a = f.offsets[i] - run.lo
             if p.grad is not None:
+                a = f.offsets[i] - run.lo
                 buf[a:a + f.numels[i]].copy_(p.grad.reshape(-1))
                 p.grad = None
-            elif self.staging is not None:
-                buf[a:a + f.numels[i]].zero_()
         self.staged = buf.numel() * buf.element_size()
         self.peak_staging = max(self.peak_staging, self.staged)
         dst = f.master.grad[run.soff:run.soff + run.piece]
@@ -137,8 +182,32 @@ class GradReducer:
                 residual = self.residuals[(id(f), run.index)] = torch.zeros_like(buf)
         self.handles.append((f, run, comm.reduce_scatter(
             buf, group=self.group, async_op=True, out=dst, quant=quant, residual=residual)))
-        for callback in self.on_launch:
-            callback(f, run)
+
+    def _reduce_in_chunks(self, f, run) -> None:
+        """The symmetric staging, ``(dp, w)`` at a time: row r holds columns ``[c, c + w)`` of
+        rank r's block of the run (its gradients where they lie in it, zeros elsewhere: padding,
+        parameters without a gradient), reduce-scattered into the same columns of this rank's
+        piece; synchronous (the staging is written again next). Then the piece is averaged."""
+        dtype, dp, piece = master_dtype(f.dtype), self.dp_size, run.piece
+        grads = []  # (start, end, flat gradient or None) in the run's flat order
+        for i in range(run.first, run.last):
+            a = f.offsets[i] - run.lo
+            g = f.params[i].grad
+            grads.append((a, a + f.numels[i], None if g is None else g.reshape(-1)))
+        dst = f.master.grad[run.soff:run.soff + piece]
+        width = max(1, self.staging.numel() // (dp * _esize(dtype)))
+        for c in range(0, piece, width):
+            w = min(width, piece - c)
+            rows = self.staging[:dp * w * _esize(dtype)].view(dtype).view(dp, w)
+            for r in range(dp):
+                _fill(rows[r], grads, r * piece + c)
+            self.staged = rows.numel() * rows.element_size()
+            self.peak_staging = max(self.peak_staging, self.staged)
+            comm.reduce_scatter(rows.view(-1), group=self.group, out=dst[c:c + w])
+        if dp > 1:
+            dst.div_(dp)
+        for i in range(run.first, run.last):
+            f.params[i].grad = None
 
     @torch.no_grad()
     def _complete(self) -> None:

@@ -175,7 +175,9 @@ def trainer_meter(trainer) -> MemoryMeter:
                     rows=trainer.rows, zero=args.zero,
                     dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
                     virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
-                    ep=topo.ep_size, cp=topo.cp_size)
+                    ep=topo.ep_size, cp=topo.cp_size,
+                    symmetric_staging=bool(getattr(getattr(trainer.opt, "grads", None),
+                                                   "symmetric", False)))
     return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, layout)
 
 

@@ -16,13 +16,15 @@ the flat order: ZeRO-1 one, ZeRO-2 one per 25 MiB, ZeRO-3 one per layer, its gat
     bf16            2P       2P + 4P (master grads)      12P (masters+m,v)  4 sum pad16(n_i)
     ZeRO-1 fp32     4ds      4ds (flat) + 4s             8s (master: view)  0
     ZeRO-1 bf16     2ds      2P + 4s                     12s                4ds (fp32 flat)
-    ZeRO-2/3        e ds     max(eP, 4s)                 12s                4d max ceil(r/d)
+    ZeRO-2/3        e ds     max(eP, 4s)                 12s                4d max ceil(r/d) (*)
     error feedback (dp > 1): buffers + 4 sum pad16(n_i) (no ZeRO) or + 4ds (ZeRO)
 
 ZeRO-2/3 in the trainer: a pipeline step accumulates full gradients (``no_sync``) and ZeRO-3
 keeps the stage's parameters gathered across its microbatches, so their peaks are the full ones;
 the reduce-scatter stages one run at a time in float32 (``fastpar.optim.zero_grads``), so its
-buffer is the largest run's, ``r`` ranging over the runs. ZeRO-2's runs are cut as
+buffer is the largest run's, ``r`` ranging over the runs; (*) where that staging is symmetric
+memory (CPU ranks whose dp collectives go to shm: ``symmetric_staging``) it is dp rows of at
+most ``STAGING_ROW_BYTES``, 4d min(max ceil(r/d), 2^18). ZeRO-2's runs are cut as
 ``DistributedOptimizer`` cuts them (``zero2_runs``: 25 MiB of float32, its ``bucket_mb``).
 Adam's ``step`` counters (0-dim) are not counted.
 
@@ -41,6 +43,7 @@ import functools
 import torch
 
 from fastpar.models.config import GPTConfig
+from fastpar.optim.zero_grads import STAGING_ROW_BYTES
 from fastpar.pipeline.schedules import compile_schedule
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -65,6 +68,7 @@ class Layout:
     dtype: torch.dtype = torch.float32
     virtual_stages: int = 1
     error_feedback: bool = False  # quantized gradients' residuals (float32, one per bucket/run)
+    symmetric_staging: bool = False  # ZeRO-2/3's staging in symmetric rows (CPU ranks on shm)
     ep: int = 1  # expert-parallel ranks: a MoE block holds moe_experts / ep experts here
     cp: int = 1  # context-parallel ranks: each holds seq_len / cp tokens of every sequence
 
@@ -221,8 +225,11 @@ def state_bytes(layout: Layout) -> dict[str, int]:
             out = {"params": e * d * s, "grads": (e * P if bf16 else flat) + 4 * s,
                    "optimizer": (12 if bf16 else 8) * s, "buffers": flat if bf16 else 0}
         else:
+            row = max(-(-r // d) for r in runs)  # elements of the largest piece
+            if layout.symmetric_staging:  # dp rows of at most STAGING_ROW_BYTES
+                row = min(row, STAGING_ROW_BYTES // 4)
             out = {"params": e * d * s, "grads": max(e * P, 4 * s), "optimizer": 12 * s,
-                   "buffers": 4 * d * max(-(-r // d) for r in runs)}
+                   "buffers": 4 * d * row}
     if layout.error_feedback and d > 1:  # a float32 copy of what the reduction sends
         out["buffers"] += buckets if layout.zero == 0 else flat
     return {k: int(v) for k, v in out.items()}
