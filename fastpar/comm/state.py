@@ -8,6 +8,8 @@ group's first collective that the policy sends to that engine (a collective over
 
 from __future__ import annotations
 
+import bisect
+
 import logging
 import os
 import zlib
@@ -45,8 +47,6 @@ class CommState:
         self._hier: dict = {}  # id(group) -> HierCommunicator (its parts live in the tables)
         # this rank's slot address -> its SymmetricSegment (fastpar/comm/symmetric.py
         # Registry); an entry goes with the segment's mapping, or at close()
-        from fastpar.comm.symmetric import Registry  # (symmetric.py imports this module)
-
         self.symmetric = Registry()
         # (owner, id(group), key) -> buffers a layer keeps per group and shape (nn.context_ring:
         # the shared K/V slots of a cp group); dropped at close()
@@ -226,6 +226,49 @@ class CommState:
                 first = first or exc
         if first is not None:
             raise first
+
+
+class Registry:
+    """This job's symmetric segments by this rank's slot address (``CommState.symmetric``):
+    ``get`` the entry of a whole tensor, ``find`` the one whose slot holds an address."""
+
+    def __init__(self):
+        self._by_start: dict = {}
+        self._starts: list[int] = []  # sorted
+
+    def __len__(self) -> int:
+        return len(self._by_start)
+
+    def __contains__(self, start: int) -> bool:
+        return start in self._by_start
+
+    def get(self, start: int, default=None):
+        return self._by_start.get(start, default)
+
+    def __setitem__(self, start: int, seg) -> None:
+        if start not in self._by_start:
+            bisect.insort(self._starts, start)
+        self._by_start[start] = seg
+
+    def pop(self, start: int, default=None):
+        seg = self._by_start.pop(start, None)
+        if seg is None:
+            return default
+        self._starts.pop(bisect.bisect_left(self._starts, start))
+        return seg
+
+    def clear(self) -> None:
+        self._by_start.clear()
+        self._starts.clear()
+
+    def values(self):
+        return self._by_start.values()
+
+    def find(self, address: int):
+        """The segment whose slot (this rank's) starts at or before ``address`` nearest; the
+        caller checks the end (``SymmetricSegment.place``)."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        return self._by_start[self._starts[i]] if i >= 0 else None
 
 
 def current() -> CommState:

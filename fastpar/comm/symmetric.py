@@ -39,7 +39,6 @@ is an ordinary tensor.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import ctypes.util
 import logging
@@ -128,49 +127,6 @@ def _signature(t: torch.Tensor, token: int, offset: int) -> int:
     code = dtypes.CODE.get(t.dtype, 255)
     return (code << 56) | (min(t.dim(), 255) << 48) | (
         hash((tuple(t.shape), token, offset)) & (1 << 48) - 1)
-
-
-class Registry:
-    """This job's symmetric segments by this rank's slot address (``CommState.symmetric``):
-    ``get`` the entry of a whole tensor, ``find`` the one whose slot holds an address."""
-
-    def __init__(self):
-        self._by_start: dict[int, SymmetricSegment] = {}
-        self._starts: list[int] = []  # sorted
-
-    def __len__(self) -> int:
-        return len(self._by_start)
-
-    def __contains__(self, start: int) -> bool:
-        return start in self._by_start
-
-    def get(self, start: int, default=None):
-        return self._by_start.get(start, default)
-
-    def __setitem__(self, start: int, seg: SymmetricSegment) -> None:
-        if start not in self._by_start:
-            bisect.insort(self._starts, start)
-        self._by_start[start] = seg
-
-    def pop(self, start: int, default=None):
-        seg = self._by_start.pop(start, None)
-        if seg is None:
-            return default
-        self._starts.pop(bisect.bisect_left(self._starts, start))
-        return seg
-
-    def clear(self) -> None:
-        self._by_start.clear()
-        self._starts.clear()
-
-    def values(self):
-        return self._by_start.values()
-
-    def find(self, address: int) -> SymmetricSegment | None:
-        """The segment whose slot (this rank's) starts at or before ``address`` nearest; the
-        caller checks the end (``SymmetricSegment.place``)."""
-        i = bisect.bisect_right(self._starts, address) - 1
-        return self._by_start[self._starts[i]] if i >= 0 else None
 
 
 def symmetric_available(group, op: str = "all_reduce") -> bool:
