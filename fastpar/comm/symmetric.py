@@ -24,7 +24,8 @@ and ranks that differ fail alike instead of reading each other's other bytes. An
 the sizes where it pays) takes the ordinary path, correct but copying.
 
 ``release`` gives a symmetric tensor's pages back (it reads zeros after, and takes memory again
-where written: ZeRO-2/3's staging between reductions); ``resident_bytes`` counts what this
+where written; nothing in the library releases pages per use: bench/zero_gather.py measures
+why); ``resident_bytes`` counts what this
 rank's slots hold in memory now (``mincore``), for memory reports. Pages given back and taken
 again cost a fault each, in every rank that maps them: 2 ranks gathering into an 8 MiB
 symmetric buffer released after each call took 8.9 ms against 1.4 ms with its pages kept.
