@@ -11,15 +11,22 @@ AdamW (``fastpar.train.Trainer``), takes a step so the optimizer has state, and 
   sharded save    every rank writes its pieces (ShardedCheckpointer.save, synchronous)
   async stall     what an async save costs the training: save() returning plus how much
                   longer the next training step takes while the pieces are written behind it,
-                  against a step without a save (median of 3); "staged" copies the pieces to
-                  a staging buffer first (the second such save, reusing the buffer, is shown),
+                  against a plain step just before it (median over ``--repeat`` pairs, the
+                  kinds alternating); "staged" copies the pieces to a staging buffer first
+                  (the first such save, allocating the buffer, is timed apart),
                   "held" writes them where they lie and the step waits for the write before
-                  its optimizer update (what fastpar.train does on the CPU)
+                  its optimizer update (what fastpar.train does on the CPU); "none" pairs two
+                  plain steps alike: the stall the step's own variation reads as (the floor);
+                  "blocked": the part the training waited on (save() returning + the step's
+                  wait_for_reads), the rest being the writer's competition for the machine
   load            both formats, at the saved layout; then a second trainer (the same
                   processes) at ``--load-layout`` (default dp 4 with ZeRO-1) saves its own
-                  checkpoint and loads it ("load 2") and the first layout's ("resharded")
-Times are the slowest rank's. Rank 0's extra memory during a save is its resident set sampled
-every millisecond by a thread, peak minus the level before the save: the gathered format holds
+                  checkpoint and loads it ("load 2") and the first layout's ("resharded"),
+                  alternating, ``--repeat`` times each: the fastest of each (the median in
+                  the JSON)
+Times are the slowest rank's; a synchronous save is the median of ``--repeat``. Rank 0's
+extra memory during a save is its resident set sampled every millisecond by a thread, peak
+minus the level before the save (the largest over the rounds): the gathered format holds
 the whole model and optimizer state there (twice: tensors and serialised bytes), the sharded
 one its own pieces (sync: nothing more; async: the staging copy). The table also gives the
 checkpoint's bytes over the save time against the disk's rate (a ``--disk-mib`` write + fsync
@@ -126,33 +133,64 @@ def run_layout(args, model, mode, layout, base) -> dict:
     t.train_step(0)
     directory = os.path.join(base, model)
     gdir, sdir = os.path.join(directory, "gathered"), os.path.join(directory, "sharded")
+    reps = args.repeat
     if mode == "save":
         peak = RssPeak()
         rec["gathered_save_s"], _ = timed(lambda: gathered_save(t, gdir, 1))
         rec["gathered_rank0_extra"] = peak.stop()
-        peak = RssPeak()
-        rec["sharded_save_s"], _ = timed(lambda: t.ckpt.save(sdir, 1, t.pipe, t.opt,
-                                                            meta=run_state.run_meta(t), keep=None))
-        rec["sharded_rank0_extra"] = peak.stop()
-        plain = [timed(lambda: t.train_step(1))[0] for _ in range(3)]
-        rec["step_s"] = statistics.median(plain)
-        # staged: the first save allocates the staging buffer, the second reuses it; held (what
-        # the trainer does on the CPU): no copy, the step waits for the write before its update
-        for step, hold in ((2, False), (3, False), (4, True)):
+        syncs, extras = [], []
+        for i in range(reps):  # step 1 is kept for the loads; the others are removed
             peak = RssPeak()
-            stage, _ = timed(lambda: t.ckpt.save(sdir, step, t.pipe, t.opt,
-                                                 meta=run_state.run_meta(t), async_save=True, keep=None,
-                                                 hold=hold))
-            during, _ = timed(lambda: t.train_step(step))  # waits before its optimizer step
-            extra = peak.stop()
-            t.ckpt.wait()
-            kind = "held" if hold else "staged"
-            rec["write_cpu_s"] = slowest(t.ckpt.write_cpu_s)
-            if step == 2:
-                rec["staged_first_stage_s"] = stage
-            rec[f"{kind}_stage_s"], rec[f"{kind}_step_during_s"] = stage, during
-            rec[f"{kind}_rank0_extra"] = extra
-            rec[f"{kind}_stall_s"] = stage + max(0.0, during - rec["step_s"])
+            syncs.append(timed(lambda: t.ckpt.save(sdir, 1 + 100 * i, t.pipe, t.opt,
+                                                  meta=run_state.run_meta(t), keep=None))[0])
+            extras.append(peak.stop())
+            _drop_steps(t, sdir, 1 + 100 * i, keep=1)
+        rec["sharded_save_s"], rec["sharded_save_all_s"] = statistics.median(syncs), syncs
+        rec["sharded_rank0_extra"] = max(extras)
+        # staged: the first save allocates the staging buffer (timed apart), the later ones
+        # reuse it; held (what the trainer does on the CPU): no copy, the step waits for the
+        # write before its update. Each save's step is paired with a plain step just before it,
+        # and the kinds alternate, so the machine's drift falls on both sides of a pair.
+        rec["staged_first_stage_s"], _ = timed(lambda: t.ckpt.save(
+            sdir, 2, t.pipe, t.opt, meta=run_state.run_meta(t), async_save=True, keep=None))
+        t.train_step(2)
+        t.ckpt.wait()
+        _drop_steps(t, sdir, 2, keep=1)
+        # "none": two plain steps, the second in place of a save's: its "stall" is what the
+        # step's own variation alone reads as one (the measurement's floor)
+        kinds = ("staged", "held", "none")
+        pairs = {kind: [] for kind in kinds}
+        for i in range(reps):
+            for kind in kinds[i % 3:] + kinds[:i % 3]:
+                plain, _ = timed(lambda: t.train_step(3))
+                step = 3 + 100 * i + kinds.index(kind)
+                peak = RssPeak()
+                stage = 0.0
+                if kind != "none":
+                    stage, _ = timed(lambda: t.ckpt.save(sdir, step, t.pipe, t.opt,
+                                                         meta=run_state.run_meta(t),
+                                                         async_save=True, keep=None,
+                                                         hold=kind == "held"))
+                t.ckpt.read_wait_s = 0.0
+                during, _ = timed(lambda: t.train_step(step))  # waits before its update
+                extra = peak.stop()
+                blocked = slowest(t.ckpt.read_wait_s)
+                t.ckpt.wait()
+                pairs[kind].append((plain, stage, during, extra, blocked))
+                if kind != "none":
+                    _drop_steps(t, sdir, step, keep=1)
+        rec["write_cpu_s"] = slowest(t.ckpt.write_cpu_s)
+        rec["step_s"] = statistics.median(p[0] for ps in pairs.values() for p in ps)
+        for kind, ps in pairs.items():
+            stalls = [stage + max(0.0, during - plain) for plain, stage, during, *_ in ps]
+            rec[f"{kind}_stall_s"], rec[f"{kind}_stall_all_s"] = statistics.median(stalls), stalls
+            rec[f"{kind}_stage_s"] = statistics.median(p[1] for p in ps)
+            rec[f"{kind}_step_during_s"] = statistics.median(p[2] for p in ps)
+            rec[f"{kind}_rank0_extra"] = max(p[3] for p in ps)
+            # what the training waited on: save() returning + the step's wait for the write
+            blocked = [stage + wait for _, stage, _, _, wait in ps]
+            rec[f"{kind}_blocked_s"], rec[f"{kind}_blocked_all_s"] = \
+                statistics.median(blocked), blocked
         rec["staging_bytes"] = t.ckpt._staging.numel()
         rec["own_bytes"] = sum(p.data.numel() * p.data.element_size() for p in
                                _own_pieces(t))
@@ -162,23 +200,40 @@ def run_layout(args, model, mode, layout, base) -> dict:
                                       for f in fs)
         rec["gathered_bytes"] = sum(os.path.getsize(os.path.join(dp, f))
                                     for dp, _, fs in os.walk(gdir) for f in fs)
+        loads = {"gathered": [(gdir, "")], "sharded": [(sdir, "")]}
     else:  # this layout's own checkpoints (the same layout), beside the first one's (resharded)
         gown, sown = gdir + "-" + mode, sdir + "-" + mode
         gathered_save(t, gown, 1)
         t.ckpt.save(sown, 1, t.pipe, t.opt, meta=run_state.run_meta(t), keep=None)
-        rec["gathered_resharded_load_s"], _ = timed(lambda: run_state._resume_serial(
-            t, os.path.join(gdir, "step_00000001")))
-        rec["sharded_resharded_load_s"], _ = timed(lambda: t.ckpt.load(
-            os.path.join(sdir, "step_00000001"), t.pipe, t.opt))
-        gdir, sdir = gown, sown
-    rec["gathered_load_s"], _ = timed(lambda: run_state._resume_serial(
-        t, os.path.join(gdir, "step_00000001")))
-    rec["sharded_load_s"], _ = timed(lambda: t.ckpt.load(
-        os.path.join(sdir, "step_00000001"), t.pipe, t.opt))
+        loads = {"gathered": [(gdir, "_resharded"), (gown, "")],
+                 "sharded": [(sdir, "_resharded"), (sown, "")]}
+    # the loads alternate (resharded, own, resharded, ...): the fastest of each is its time
+    # (other work on the machine only adds), the median beside it
+    for fmt, sources in loads.items():
+        times = {suffix: [] for _, suffix in sources}
+        for i in range(reps):
+            for directory, suffix in sources if i % 2 == 0 else sources[::-1]:
+                path = os.path.join(directory, "step_00000001")
+                load = (lambda: run_state._resume_serial(t, path)) if fmt == "gathered" else \
+                    (lambda: t.ckpt.load(path, t.pipe, t.opt))
+                times[suffix].append(timed(load)[0])
+        for suffix, ts in times.items():
+            rec[f"{fmt}{suffix}_load_s"] = min(ts)
+            rec[f"{fmt}{suffix}_load_median_s"] = statistics.median(ts)
     rows = [None] * t.topo.world_size
     dist.all_gather_object(rows, rec)
     fastpar.shutdown()
     return rows
+
+
+def _drop_steps(t, directory: str, step: int, keep: int) -> None:
+    """Remove ``step``'s checkpoint unless it is ``keep`` (the disk holds a few, not dozens)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if step != keep and t.topo.rank == 0:
+        shutil.rmtree(os.path.join(directory, f"step_{step:08d}"), ignore_errors=True)
+    dist.barrier()
 
 
 def _own_pieces(t):
@@ -212,6 +267,8 @@ def main() -> None:
     p.add_argument("--data", default=None, help="the trainer's --data (default: its stdlib "
                    "corpus; a small text file starts faster)")
     p.add_argument("--disk-mib", type=int, default=256, help="size of the disk-rate probe")
+    p.add_argument("--repeat", type=int, default=5, help="rounds of each timed save and load "
+                   "(the saves' medians, the loads' fastest)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     lead = int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))) == 0
@@ -229,10 +286,9 @@ def main() -> None:
         r0 = saved[0]
         table.append({**{k: v for k, v in r0.items() if k != "rank"},
                       "world": len(saved), "rank0_own_bytes": r0["own_bytes"],
-                      "load_other_gathered_s": loaded[0]["gathered_load_s"],
-                      "load_other_sharded_s": loaded[0]["sharded_load_s"],
-                      "load_resharded_gathered_s": loaded[0]["gathered_resharded_load_s"],
-                      "load_resharded_sharded_s": loaded[0]["sharded_resharded_load_s"],
+                      **{f"load_{other}_{fmt}{m}_s": loaded[0][f"{fmt}{suffix}_load{m}_s"]
+                         for other, suffix in (("other", ""), ("resharded", "_resharded"))
+                         for fmt in ("gathered", "sharded") for m in ("", "_median")},
                       "load_layout": args.load_layout,
                       "disk_bytes_per_s": rate if lead else None})
     if not lead:
@@ -258,7 +314,15 @@ def main() -> None:
             print(f"{'':<6} async {kind}: save() returns in {r[f'{kind}_stage_s']:.3f} s{first}, "
                   f"step {r['step_s']:.3f} s -> {r[f'{kind}_step_during_s']:.3f} s while "
                   f"writing; stall {r[f'{kind}_stall_s']:.3f} s = {100 * stall:.0f}% of a sync "
-                  f"save (target <= 10%); rank 0 +{r[f'{kind}_rank0_extra'] / MiB:.1f} MiB")
+                  f"save (target <= 10%), of which blocked {r[f'{kind}_blocked_s']:.3f} s = "
+                  f"{100 * r[f'{kind}_blocked_s'] / r['sharded_save_s']:.0f}%; "
+                  f"rank 0 +{r[f'{kind}_rank0_extra'] / MiB:.1f} MiB")
+        print(f"{'':<6} (two plain steps, paired alike: the second longer by "
+              f"{r['none_stall_s']:.3f} s = {100 * r['none_stall_s'] / r['sharded_save_s']:.0f}%"
+              f" of a sync save, the step's own variation: the floor of these stalls)")
+        print(f"{'':<6} sharded loads, median of {args.repeat}: {r['sharded_load_median_s']:.3f}"
+              f" s; at {args.load_layout}: its own {r['load_other_sharded_median_s']:.3f} s, "
+              f"resharded {r['load_resharded_sharded_median_s']:.3f} s")
         print(f"{'':<6} rank 0 owns {r['rank0_own_bytes'] / MiB:.1f} MiB of pieces, staging "
               f"buffer {r['staging_bytes'] / MiB:.1f} MiB; writing a rank's file costs "
               f"{r['write_cpu_s']:.3f} CPU-s (hashing, copies into the page cache), which "

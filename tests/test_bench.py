@@ -331,7 +331,7 @@ def test_checkpoint_bench_runs(tmp_path):
                               "--save-layout=--tp 2", "--load-layout=--zero 1", "--dir",
                               str(tmp_path / "d"), "--json", str(out), "--data",
                               os.path.join(ROOT, "docs", "design.md"), "--disk-mib", "8",
-                              timeout=240))
+                              "--repeat", "2", timeout=240))
     row = json.loads(out.read_text())["rows"][0]
     for key in ("gathered_save_s", "sharded_save_s", "staged_stall_s", "held_stall_s",
                 "gathered_load_s", "sharded_load_s", "load_other_gathered_s",

@@ -100,6 +100,7 @@ class ShardedCheckpointer:
         self._copied = None  # a GPU staging copy's event, until the writer has waited on it
         self.last_path: str | None = None
         self.write_cpu_s = 0.0  # CPU time the last save's file took this rank (bench/)
+        self.read_wait_s = 0.0  # how long the last wait_for_reads() blocked (bench/)
 
     # ---- collectives over this object's group ---------------------------------------------
 
@@ -297,7 +298,9 @@ class ShardedCheckpointer:
         written); its commit may still be going on, and its errors come from ``wait()``. What
         a held save's caller waits for before changing them (``fastpar.train``: before its
         optimizer step)."""
+        t0 = time.perf_counter()
         self._read.wait()
+        self.read_wait_s = time.perf_counter() - t0
 
     def wait(self) -> str | None:
         """Block until the async save in flight (if any) has committed; re-raise its error."""
