@@ -146,6 +146,15 @@ def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"trainer: block_s must be two numbers >= 0 .*"
                                          r"got \[0.001, -1\]"):
         Cluster.from_json(d)
+    busy = dataclasses.replace(CLUSTER, cpus_per_host=2, busy_sync=(2e-4, 0.3))
+    busy.save(str(path))
+    assert Cluster.load(str(path)) == busy
+    d = busy.to_json()
+    d["host"]["sync_ratio"] = -0.5
+    with pytest.raises(ValueError, match=r"host: sync_ratio must be a number >= 0, got -0.5"):
+        Cluster.from_json(d)
+    del d["host"]["sync_s"], d["host"]["sync_ratio"]  # a file from before: no waits
+    assert Cluster.from_json(d).busy_sync == (0.0, 0.0)
     d = CLUSTER.to_json()
     d["peak_flops"] = -1
     with pytest.raises(ValueError, match=r"peak_flops must be a number > 0, got -1"):
@@ -237,6 +246,78 @@ def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives(
     assert "f:measured layer (trainer fit)" not in bf16._layer("none", 1, 1, 1, rows, 1).terms
 
 
+def test_busy_peers_wait_per_mid_layer_collective_and_with_the_compute_before_it():
+    """cluster.busy_sync (s0, k): each phase with s collectives that all of a group must reach
+    mid-layer (tp's two per block and phase, again in a full recompute; cp's ring steps) adds
+    s s0 + k x the phase's own work; layers without such collectives add nothing."""
+    cfg, rows = PRESETS["tiny"], 4
+    s0, k = 3e-4, 0.4
+    waits = dataclasses.replace(CLUSTER, cpus_per_host=2, rates_per_core=True, busy_sync=(s0, k))
+    plain = dataclasses.replace(waits, busy_sync=(0.0, 0.0))
+    name = "peer waits (ranks share cores)"
+    for recompute, tp, cp, f_syncs, i_syncs in (("none", 2, 1, 2, 2), ("full", 2, 1, 2, 4),
+                                                 ("none", 1, 2, 1, 1), ("none", 1, 1, 0, 0)):
+        w = P.Predictor(cfg, waits, 16, dtype=torch.float32)._layer(recompute, tp, cp, 1, rows, 1)
+        ref = P.Predictor(cfg, plain, 16, dtype=torch.float32)._layer(recompute, tp, cp, 1,
+                                                                       rows, 1)
+        assert {k_: t for k_, t in w.terms.items() if name not in k_} == ref.terms
+        own = {ph: sum(t for k_, t in ref.terms.items() if k_.startswith(ph + ":")
+                       and not k_.split(":")[1].startswith(("tp ", "cp "))) for ph in "fiw"}
+        for phase, syncs in (("f", f_syncs), ("i", i_syncs), ("w", 0)):
+            got = w.terms.get(f"{phase}:{name}", 0.0)
+            want = syncs * s0 + k * own[phase] if syncs else 0.0
+            assert got == pytest.approx(want, rel=1e-12), (recompute, tp, cp, phase)
+    # the embedding's one all-reduce forward, the head's three loss all-reduces forward and
+    # one backward (tp 2)
+    pred = P.Predictor(cfg, waits, 16, dtype=torch.float32)
+    assert pred._layer("none", 2, 1, 1, rows, 0).syncs == {"f": 1, "i": 0, "w": 0}
+    assert pred._layer("none", 2, 1, 1, rows, cfg.layers + 1).syncs == {"f": 3, "i": 1, "w": 0}
+    lay = parse("tp2.pp1.dp2.zero0.none.1f1b.mb2")
+    assert pred.predict(lay).step_time_s > P.Predictor(cfg, plain, 16, dtype=torch.float32) \
+        .predict(lay).step_time_s
+
+
+def test_zero_steps_one_flat_shard_not_every_parameter_tensor():
+    """The optimizer's host loop (clip + AdamW, ``overhead_tensor_s`` per tensor) runs over the
+    rank's parameter tensors without ZeRO and over its one flat shard with it."""
+    cfg = PRESETS["tiny"]
+    host = dataclasses.replace(CLUSTER, cpus_per_host=4, overhead_tensor_s=1e-4)
+    pred = P.Predictor(cfg, host, 16, dtype=torch.float32)
+    tensors = pred.tensors(parse("tp1.pp1.dp4.zero0.none.1f1b.mb2"))[0][1]
+    assert tensors > 10
+    for zero, count in ((0, tensors), (1, 1), (2, 1), (3, 1)):
+        lay = parse(f"tp1.pp1.dp4.zero{zero}.none.1f1b.mb2")
+        assert pred.rank_terms(lay)[0]["red"]["optimizer host"] == pytest.approx(1e-4 * count)
+
+
+def test_fit_busy_recovers_a_line_and_clamps_at_zero():
+    from fastpar.plan.calibrate import fit_busy
+
+    pts = [(c, 3e-4 + 0.4 * c) for c in (2e-4, 1e-3, 4e-3)]
+    assert fit_busy(pts) == pytest.approx((3e-4, 0.4), rel=1e-9)
+    assert fit_busy([(1e-3, 5e-4), (4e-3, 2e-4)]) == pytest.approx((3.5e-4, 0.0))  # falling
+    s0, k = fit_busy([(1e-3, 1e-4), (2e-3, 5e-4), (4e-3, 1.3e-3)])  # intercept < 0: origin
+    assert s0 == 0.0 and k == pytest.approx((1e-7 + 1e-6 + 5.2e-6) / (1e-6 + 4e-6 + 16e-6))
+    assert fit_busy([]) == (0.0, 0.0)
+
+
+def body_busy_points():
+    import fastpar
+    from fastpar import comm
+    from fastpar.plan.calibrate import busy_points
+
+    topo = fastpar.init(timeout=60)
+    return busy_points(topo, comm, segments=(1, 4), rounds=1)
+
+
+def test_busy_points_time_pairs_of_busy_ranks():
+    from tests.multirank import run_ranks
+
+    for points in run_ranks(2, body_busy_points, timeout=120).values():
+        assert len(points) == 2 and all(extra >= 0 for _, extra in points)
+        assert 0 < points[0][0] < points[1][0] < 1.0  # four matmuls take longer than one
+
+
 def body_trainer_fit():
     """calibrate.trainer_fit on a one-rank job's process (its own Trainers, as --calibrate)."""
     import torch
@@ -262,6 +343,7 @@ def test_trainer_fit_trains_the_plans_model_and_fits_nonnegative_terms():
 @pytest.mark.parametrize("preset,change", [
     ("small", {}), ("small", {"memory_bytes": 30 * 2**20}),
     ("tiny", {"trainer_fit": FIT}),
+    ("tiny", {"cpus_per_host": 2, "rates_per_core": True, "busy_sync": (3e-4, 0.4)}),
     ("tiny", {"hosts": 2, "ranks_per_host": 2, "inter": Link(5e-5, 1e8)}),
     ("small", {"ranks_per_host": 8, "memory_bytes": 60 * 2**20})])
 def test_pruned_search_is_the_exhaustive_one(preset, change):

@@ -164,8 +164,28 @@ def fit(n: int, points: list[tuple[int, float]]) -> tuple[float, float]:
     return alpha, 1.0 / max(inv_bw, 1e-30)
 
 
-def measure_link(ranks: int, timeout: float = 60.0) -> Link | None:
-    """The intra-host link from an ``mpirun -np ranks`` of this module (None: no mpirun)."""
+def fit_busy(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``extra = s0 + k segment`` (s0, k >= 0) over ``busy_points``' (segment
+    seconds, extra seconds per collective)."""
+    if not points:
+        return 0.0, 0.0
+    n = len(points)
+    sx = sum(c for c, _ in points)
+    sy = sum(e for _, e in points)
+    sxx = sum(c * c for c, _ in points)
+    sxy = sum(c * e for c, e in points)
+    det = n * sxx - sx * sx
+    s0, k = ((sy * sxx - sx * sxy) / det, (n * sxy - sx * sy) / det) if det > 0 else (-1.0, 0.0)
+    if k < 0 or det <= 0:  # no growth with the segment to see: a constant wait
+        return max(0.0, sy / n), 0.0
+    if s0 < 0:  # through the origin
+        return 0.0, max(0.0, sxy / sxx) if sxx else 0.0
+    return s0, k
+
+
+def measure_link(ranks: int, timeout: float = 60.0) -> tuple[Link, tuple] | None:
+    """The intra-host link and ``fit_busy`` of the busy ranks' waits, from an ``mpirun -np
+    ranks`` of this module (None: no mpirun)."""
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep +
                           os.environ.get("PATH", ""))
     if mpirun is None or ranks < 2:
@@ -179,7 +199,7 @@ def measure_link(ranks: int, timeout: float = 60.0) -> Link | None:
         with open(out) as f:
             d = json.load(f)
     alpha, busbw = fit(d["ranks"], [tuple(p) for p in d["points"]])
-    return Link(alpha, busbw, d["engine"])
+    return Link(alpha, busbw, d["engine"]), fit_busy([tuple(p) for p in d["busy"]])
 
 
 @contextlib.contextmanager
@@ -219,12 +239,12 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
     # step then waits for peers the scheduler has taken off, which the job's steps pay too)
     n = max(2, ranks_per_host) if device.type == "cpu" else \
         min(ranks_per_host, torch.cuda.device_count())
-    link = measure_link(n) or Link(2e-6, membw / 2, "memcpy estimate")
+    link, busy = measure_link(n) or (Link(2e-6, membw / 2, "memcpy estimate"), (0.0, 0.0))
     host = {}
     if device.type == "cpu":
         block, end, tensor = host_overheads(cfg) if cfg is not None else (0.0, 0.0, 0.0)
         host = {"overhead_block_s": block, "overhead_end_s": end, "overhead_tensor_s": tensor,
-                "cpus_per_host": len(os.sched_getaffinity(0))}
+                "cpus_per_host": len(os.sched_getaffinity(0)), "busy_sync": busy}
         if cfg is not None and fit is not None:
             with _one_thread(True):  # one rank's thread, as the rates
                 host["trainer_fit"] = fit(cfg, membw, tensor)
@@ -250,16 +270,63 @@ def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,
     return points, engine
 
 
+BUSY_SEGMENTS = (2, 8, 24)  # compute between two collectives, in 160 x 160 matmuls
+
+
+def busy_points(topo, comm, segments=BUSY_SEGMENTS, rounds: int = 3) -> list[tuple]:
+    """Every rank (collective over the world): the ranks in pairs (0, 1), (2, 3), ... as tp's
+    groups of 2 are, each computing a segment of ``segments[j]`` small matmuls and then
+    all-reducing 32 KiB with its pair, as a tp layer's ranks do, against the same loop without
+    the all-reduce (a last odd rank computes alone). ``[(segment s, extra s per all-reduce)]``,
+    each the fastest of ``rounds`` on the slowest rank. What a pair waits for beyond the
+    all-reduce itself is the peer being off the core: on a CPU host with more ranks than
+    cores it grows with the segment (``fit_busy``)."""
+    import torch.distributed as dist
+
+    world, rank = topo.world_size, topo.rank
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    a, x = torch.randn(160, 160), torch.ones(8192)
+    points = []
+    for mm in segments:
+        iters = max(10, 240 // mm)
+
+        def loop(sync: bool) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                for _ in range(mm):
+                    torch.mm(a, a)
+                if sync and mine is not None:
+                    comm.all_reduce(x, mine)
+            return (time.perf_counter() - t0) / iters
+
+        best = [float("inf")] * 2
+        for _ in range(rounds):
+            best = [min(best[0], loop(False)), min(best[1], loop(True))]
+        t = torch.tensor(best, dtype=torch.float64)
+        comm.all_reduce(t, op="max")
+        plain, synced = t.tolist()
+        points.append((plain, max(0.0, synced - plain)))
+    for g in pairs:
+        dist.destroy_process_group(g)
+    return points
+
+
 def _link_worker(out: str) -> None:
-    """Each rank: ``link_points``; rank 0 writes them."""
+    """Each rank: ``link_points`` and, one thread each as the job's ranks, ``busy_points``;
+    rank 0 writes them."""
     import fastpar
     from fastpar import comm
 
     topo = fastpar.init()
     points, engine = link_points(topo, comm)
+    with _one_thread(topo.device.type == "cpu"):
+        busy = busy_points(topo, comm) if topo.device.type == "cpu" else []
     if topo.rank == 0:
         with open(out, "w") as f:
-            json.dump({"ranks": topo.world_size, "engine": engine, "points": points}, f)
+            json.dump({"ranks": topo.world_size, "engine": engine, "points": points,
+                       "busy": busy}, f)
     fastpar.shutdown()
 
 

@@ -123,6 +123,11 @@ class Cluster:
     overhead_end_s: float = 0.0
     overhead_tensor_s: float = 0.0
     cpus_per_host: int = 0
+    # (s0, k): a collective among ranks that compute between collectives (tp's, cp's) waits
+    # s0 + k x the compute since the one before, beyond its alpha-beta time (measured on the
+    # host with every rank busy, calibrate.busy_points: ranks sharing cores wait for the peer
+    # the scheduler took off); (0, 0) where not measured
+    busy_sync: tuple = (0.0, 0.0)
     # the trainer's own step measured on one rank for one model (plan.trainer_fit):
     # (model signature, block (a, b), end layer (a, b), step_s): a layer's forward and backward
     # take a + b n seconds per microbatch of n tokens, a step's host work step_s beyond them
@@ -194,7 +199,8 @@ class Cluster:
             out["rates_per_core"] = True
         if self.cpus_per_host:
             out["host"] = {"block_s": self.overhead_block_s, "end_s": self.overhead_end_s,
-                           "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host}
+                           "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host,
+                           "sync_s": self.busy_sync[0], "sync_ratio": self.busy_sync[1]}
         if self.inter is not None:
             out["inter"] = dataclasses.asdict(self.inter)
         if self.trainer_fit is not None:
@@ -256,12 +262,14 @@ class Cluster:
                 return {}
             if not isinstance(src, dict):
                 raise ValueError(f"{where}: host must be an object (block_s, end_s, tensor_s, "
-                                 "cpus)")
+                                 "cpus, optional sync_s and sync_ratio)")
             at = f"{where}: host"
             return {"overhead_block_s": num("block_s", src, at, positive=False),
                     "overhead_end_s": num("end_s", src, at, positive=False),
                     "overhead_tensor_s": num("tensor_s", src, at, positive=False),
-                    "cpus_per_host": num("cpus", src, at, integer=True)}
+                    "cpus_per_host": num("cpus", src, at, integer=True),
+                    "busy_sync": tuple(num(k, src, at, positive=False) if k in src else 0.0
+                                       for k in ("sync_s", "sync_ratio"))}
 
         def trainer(src):
             if src is None:

@@ -35,6 +35,8 @@ class Work:
     i: float = 0.0
     w: float = 0.0
     terms: dict = dataclasses.field(default_factory=dict)
+    # collectives per phase that every member of a group must reach mid-layer (tp, cp, ep)
+    syncs: dict = dataclasses.field(default_factory=lambda: {"f": 0, "i": 0, "w": 0})
 
     def add(self, name: str, phase: str, seconds: float) -> None:
         setattr(self, phase, getattr(self, phase) + seconds)
@@ -113,6 +115,7 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         work.add("embedding gather", "f", act / membw)
         if tp > 1:
             work.add("tp all-reduce", "f", tp_s)
+            work.syncs["f"] += 1
         return work
     if index == cfg.layers + 1:
         gemm = _gemm(work, cluster, "head", n, cfg.vocab_size // tp, h)
@@ -123,6 +126,8 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
             work.add("tp all-reduce", "i", tp_exposed(cfg, cluster, tp, tp_s, gemm, act))
             work.add("tp loss all-reduces", "f", 3 * group_time(cluster, "all_reduce", 4 * n,
                                                                  tp, 1))
+            work.syncs["f"] += 3
+            work.syncs["i"] += 1
         return work
     # attention: q, k, v projections, the core, the output projection
     _gemm(work, cluster, "qkv", n, q + 2 * kv, h, full)
@@ -143,6 +148,8 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         work.add("cp ring (exposed)", "f", (cp - 1) * max(0.0, hop - core / cp))
         work.add("cp ring (exposed)", "i", (cp - 1) * max(0.0, 2 * hop -
                                                             ATTN_BACKWARD * core / cp))
+        work.syncs["f"] += cp - 1
+        work.syncs["i"] += (cp - 1) * (2 if full else 1)
     # the MLP (or the experts)
     if cfg.is_moe(index):
         k = cfg.moe_top_k
@@ -153,6 +160,9 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         a2a = group_time(cluster, "all_to_all", n * k * h * esize, ep, tp * cp)
         work.add("ep all-to-all", "f", 2 * a2a)
         work.add("ep all-to-all", "i", 2 * a2a * (2 if full else 1))
+        if ep > 1:
+            work.syncs["f"] += 2
+            work.syncs["i"] += 2 * (2 if full else 1)
         down = 0.0
         width = cfg.ffn_size * k
     else:
@@ -170,10 +180,30 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
             tp_exposed(cfg, cluster, tp, tp_s, down, act)
         work.add("tp collectives", "f", fwd)
         work.add("tp collectives", "i", fwd * (2 if full else 1))
+        work.syncs["f"] += 2
+        work.syncs["i"] += 2 * (2 if full else 1)
     return work
 
 
-COMM_PREFIXES = ("tp ", "cp ", "ep ")  # Work terms that are collectives, not the rank's own work
+def peer_waits(work: Work, cluster: Cluster) -> Work:
+    """``work`` plus what its mid-layer collectives wait for busy peers (``cluster.busy_sync``
+    (s0, k), measured by ``calibrate.busy_points``): a phase with s of them, each after a
+    share of the phase's own compute, waits s s0 + k x that compute. On a host whose ranks
+    outnumber its cores this is what tp costs beyond its bytes: the partner is often off
+    the core when a rank arrives (4 ranks on 2 cores: ~1 ms per all-reduce after 1.4 ms of
+    compute, against 0.04 ms for the all-reduce alone)."""
+    s0, k = cluster.busy_sync
+    if not (s0 or k):
+        return work
+    own = _own(work, False)
+    for phase, n in work.syncs.items():
+        if n:
+            work.add("peer waits (ranks share cores)", phase, n * s0 + k * own[phase])
+    return work
+
+
+COMM_PREFIXES = ("tp ", "cp ", "ep ", "peer waits")  # Work terms that are collectives (and
+# their waits), not the rank's own work
 
 
 def _own(work: Work, math_only: bool) -> dict:
@@ -225,7 +255,7 @@ def fitted(work: Work, base: Work, fit: tuple, tokens: float, cluster: Cluster) 
     total = sum(own.values())
     measured = (cluster.overhead_scale * a * host + b * tokens * ratio / cluster.share) \
         if total else 0.0
-    out = Work()
+    out = Work(syncs=dict(work.syncs))
     for phase, t in own.items():
         if t:
             out.add("measured layer (trainer fit)", phase, measured * t / total)

@@ -168,7 +168,7 @@ class Predictor:
                 if kind in ("embedding", "head"):  # the fit's end is both: each its share
                     ab = costs.end_share(fit[2], base, [work(1, "none", i) for i in (0, L + 1)])
                 w = costs.fitted(w, base, ab, rows * self.cfg.seq_len / cp, self.cluster)
-            self._memo[key] = w
+            self._memo[key] = costs.peer_waits(w, self.cluster)
         return self._memo[key]
 
     def bounds(self, tp: int, ep: int, stages: int) -> tuple:
@@ -269,9 +269,11 @@ class Predictor:
         out = []
         for layers, (elements, tensors) in zip(self.rank_layers(lay), self.tensors(lay)):
             shard = -(-elements // (lay.dp * lay.cp)) if lay.zero else elements
+            # ZeRO's inner optimizer and clip loop over its flat shard: one tensor (per dtype
+            # and parameter group; the plan's model has one of each), not the parameters
             red = costs.reduction_terms(self.cluster, zero=lay.zero, elements=elements,
                                         shard=shard, tp=lay.tp, cp=lay.cp, dp=lay.dp,
-                                        esize=self.esize, tensors=tensors)
+                                        esize=self.esize, tensors=1 if lay.zero else tensors)
             fit = self.cluster.fit_for(self.cfg, self.esize)
             if fit is not None:  # the step's host work beyond layers and optimizer, measured
                 red["trainer step host"] = fit[3] * self.cluster.overhead_scale
