@@ -271,6 +271,7 @@ def main() -> None:
                    "(the saves' medians, the loads' fastest)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    p.check(args.repeat >= 1, f"--repeat must be at least 1, got {args.repeat}")
     lead = int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))) == 0
     base = args.dir or os.path.join(tempfile.gettempdir(), "fastpar-bench-checkpoint")
     if lead:

@@ -87,7 +87,7 @@ def run(lay, args, tmp: str) -> dict:
 
 
 def main() -> int:
-    p = Parser(prog="bench/plan_accuracy.py", description=__doc__)
+    p = Parser(description=__doc__)
     p.add_argument("--preset", default=PRESET)
     p.add_argument("--ranks", type=int, default=RANKS)
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)

@@ -303,7 +303,9 @@ def body_bad_flags(cases):
 
 def test_benches_answer_bad_flags_in_one_line_from_one_rank():
     cases = [(f"bench/{name}.py", ["--no-such-flag"]) for name in BENCHES]
-    cases += [("bench/bootstrap.py", ["--repeat", "0"]),
+    cases += [("bench/checkpoint.py", ["--repeat", "0"]),
+              ("bench/plan_accuracy.py", ["--rounds", "0"]),
+              ("bench/bootstrap.py", ["--repeat", "0"]),
               ("bench/memory.py", ["--layouts", "dp2,tp2dp2"]),
               ("bench/train_throughput.py", ["--engines", "default,smh"])]
     rank0, rank1 = run_ranks(2, body_bad_flags, cases=cases).values()
@@ -315,6 +317,8 @@ def test_benches_answer_bad_flags_in_one_line_from_one_rank():
         assert text1 == "", text1
     assert "unrecognized arguments: --no-such-flag" in rank0[0][1]
     assert "--repeat must be at least 1, got 0" in rank0[-3][1]
+    assert "--repeat must be at least 1, got 0" in rank0[-5][1]  # checkpoint.py
+    assert "--rounds must be at least 1, got 0" in rank0[-4][1]
     assert "--layouts: ['tp2dp2'] not among dpN, tpAxdpB" in rank0[-2][1]
     assert "--engines: ['smh'] not among default" in rank0[-1][1]
 
