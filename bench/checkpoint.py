@@ -24,7 +24,8 @@ AdamW (``fastpar.train.Trainer``), takes a step so the optimizer has state, and 
                   checkpoint and loads it ("load 2") and the first layout's ("resharded"),
                   alternating, ``--repeat`` times each: the fastest of each (the median in
                   the JSON)
-Times are the slowest rank's; a synchronous save is the median of ``--repeat``. Rank 0's
+Times are the slowest rank's; a synchronous sharded save is the median of ``--repeat`` (the
+gathered save is timed once: it takes seconds at the larger model). Rank 0's
 extra memory during a save is its resident set sampled every millisecond by a thread, peak
 minus the level before the save (the largest over the rounds): the gathered format holds
 the whole model and optimizer state there (twice: tensors and serialised bytes), the sharded

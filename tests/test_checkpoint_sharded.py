@@ -388,6 +388,36 @@ def body_refusals(root, full_dir=None, ro_dir=None, seed=5):
     finally:
         files.write = real
     assert not os.path.exists(os.path.join(root, "held", "step_00000001"))
+    # a staged save reads nothing live once save() returns: the tensors may change while its
+    # file is still being written (held back here), and it keeps the values of the save
+    import threading
+    import time
+
+    from fastpar.checkpoint.holdings import model_pieces, optimizer_pieces
+
+    def values(m, o):
+        return [p.data.clone() for p in model_pieces(m, o) + optimizer_pieces(m, o)[0]]
+    before, gate = values(par, opt), threading.Event()
+
+    def write_late(*args, **kwargs):
+        gate.wait(10)
+        return real(*args, **kwargs)
+    files.write = write_late
+    try:
+        ckpt.save(os.path.join(root, "staged"), 1, par, opt, meta={}, async_save=True)
+        t0 = time.perf_counter()
+        ckpt.wait_for_reads()
+        waited, writing = time.perf_counter() - t0, not gate.is_set()
+        scramble(par, opt)
+        gate.set()
+        ckpt.wait()
+    finally:
+        gate.set()
+        files.write = real
+    assert writing and waited < 5, waited  # it did not wait for the held-back write
+    fresh, fopt = build(layout, grps, seed + 4)
+    ckpt.load(os.path.join(root, "staged"), fresh, fopt)
+    assert all(torch.equal(a, b) for a, b in zip(values(fresh, fopt), before))
     # another model: the same names, other shapes
     other = pnn.ParallelMLP(HIDDEN, 2 * FFN, seed=seed, group=grps[(1, world)][0])
     oopt = torch.optim.AdamW(other.parameters(), lr=0.1)

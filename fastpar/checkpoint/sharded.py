@@ -98,6 +98,7 @@ class ShardedCheckpointer:
         self._plan = None  # (every rank's digest of its pieces, this rank's ranges)
         self._staging: torch.Tensor | None = None
         self._copied = None  # a GPU staging copy's event, until the writer has waited on it
+        self._staged = None  # the same event, until the trainer's stream has waited on it
         self.last_path: str | None = None
         self.write_cpu_s = 0.0  # CPU time the last save's file took this rank (bench/)
         self.read_wait_s = 0.0  # how long the last wait_for_reads() blocked (bench/)
@@ -188,7 +189,11 @@ class ShardedCheckpointer:
         if not async_save:
             return self._write(*job)
         self._error = None
-        self._read.clear()
+        self._staged = None
+        if hold:  # the writer reads the live tensors until its file is written
+            self._read.clear()
+        else:  # staged: the copies hold it all (a GPU's: once the event has passed)
+            self._staged = self._copied
         self._thread = threading.Thread(target=self._background, args=job, daemon=True,
                                         name=f"fastpar-checkpoint-{step}")
         self._thread.start()
@@ -294,11 +299,15 @@ class ShardedCheckpointer:
             for k, (sec, name, shape, box, d) in zip(keys, items)]}
 
     def wait_for_reads(self) -> None:
-        """Block until the save in flight no longer reads the model and optimizer (its file is
-        written); its commit may still be going on, and its errors come from ``wait()``. What
-        a held save's caller waits for before changing them (``fastpar.train``: before its
-        optimizer step)."""
+        """Block until the save in flight no longer reads the model and optimizer: a held
+        save's file is written; a staged save read them into its copies before returning
+        (from a GPU: the current stream is made to wait for the copies, the host does not).
+        Its commit may still be going on, and its errors come from ``wait()``. What a caller
+        waits for before changing them (``fastpar.train``: before its optimizer step)."""
         t0 = time.perf_counter()
+        if self._staged is not None:  # later work on this stream waits for the staging copies
+            torch.cuda.current_stream().wait_event(self._staged)
+            self._staged = None
         self._read.wait()
         self.read_wait_s = time.perf_counter() - t0
 

@@ -199,7 +199,10 @@ def measure_link(ranks: int, timeout: float = 60.0) -> tuple[Link, tuple] | None
         with open(out) as f:
             d = json.load(f)
     alpha, busbw = fit(d["ranks"], [tuple(p) for p in d["points"]])
-    return Link(alpha, busbw, d["engine"]), fit_busy([tuple(p) for p in d["busy"]])
+    link = Link(alpha, busbw, d["engine"])
+    # the waits beyond the pair's all-reduce itself, which the planner charges apart
+    own = link.time("all_reduce", 2, BUSY_BYTES)
+    return link, fit_busy([(c, max(0.0, e - own)) for c, e in d["busy"]])
 
 
 @contextlib.contextmanager
@@ -271,6 +274,7 @@ def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,
 
 
 BUSY_SEGMENTS = (2, 8, 24)  # compute between two collectives, in 160 x 160 matmuls
+BUSY_BYTES = 32 << 10  # what each pair all-reduces
 
 
 def busy_points(topo, comm, segments=BUSY_SEGMENTS, rounds: int = 3) -> list[tuple]:
@@ -278,15 +282,16 @@ def busy_points(topo, comm, segments=BUSY_SEGMENTS, rounds: int = 3) -> list[tup
     groups of 2 are, each computing a segment of ``segments[j]`` small matmuls and then
     all-reducing 32 KiB with its pair, as a tp layer's ranks do, against the same loop without
     the all-reduce (a last odd rank computes alone). ``[(segment s, extra s per all-reduce)]``,
-    each the fastest of ``rounds`` on the slowest rank. What a pair waits for beyond the
-    all-reduce itself is the peer being off the core: on a CPU host with more ranks than
-    cores it grows with the segment (``fit_busy``)."""
+    each the fastest of ``rounds`` on the slowest rank (the extra includes the all-reduce
+    itself: ``measure_link`` takes its alpha-beta time off before ``fit_busy``). What a pair
+    waits for beyond the all-reduce itself is the peer being off the core: on a CPU host with
+    more ranks than cores it grows with the segment (``fit_busy``)."""
     import torch.distributed as dist
 
     world, rank = topo.world_size, topo.rank
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
     mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
-    a, x = torch.randn(160, 160), torch.ones(8192)
+    a, x = torch.randn(160, 160), torch.ones(BUSY_BYTES // 4)
     points = []
     for mm in segments:
         iters = max(10, 240 // mm)

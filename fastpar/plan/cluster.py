@@ -181,7 +181,11 @@ class Cluster:
                              self.peak_flops * self.attention_efficiency)
 
     def with_ranks(self, hosts: int, ranks_per_host: int) -> "Cluster":
-        return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host)
+        """The same machines with another job's ranks; busy peers' waits, measured with this
+        many ranks a host, do not carry to another count (more or fewer ranks a core)."""
+        busy = self.busy_sync if ranks_per_host == self.ranks_per_host else (0.0, 0.0)
+        return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host,
+                                   busy_sync=busy)
 
     # ---- the file ------------------------------------------------------------------------
 
