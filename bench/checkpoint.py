@@ -145,7 +145,8 @@ def run_layout(args, model, mode, layout, base) -> dict:
             syncs.append(timed(lambda: t.ckpt.save(sdir, 1 + 100 * i, t.pipe, t.opt,
                                                   meta=run_state.run_meta(t), keep=None))[0])
             extras.append(peak.stop())
-            _drop_steps(t, sdir, 1 + 100 * i, keep=1)
+            if i:
+                _drop_step(t, sdir, 1 + 100 * i)
         rec["sharded_save_s"], rec["sharded_save_all_s"] = statistics.median(syncs), syncs
         rec["sharded_rank0_extra"] = max(extras)
         # staged: the first save allocates the staging buffer (timed apart), the later ones
@@ -156,7 +157,7 @@ def run_layout(args, model, mode, layout, base) -> dict:
             sdir, 2, t.pipe, t.opt, meta=run_state.run_meta(t), async_save=True, keep=None))
         t.train_step(2)
         t.ckpt.wait()
-        _drop_steps(t, sdir, 2, keep=1)
+        _drop_step(t, sdir, 2)
         # "none": two plain steps, the second in place of a save's: its "stall" is what the
         # step's own variation alone reads as one (the measurement's floor)
         kinds = ("staged", "held", "none")
@@ -179,7 +180,7 @@ def run_layout(args, model, mode, layout, base) -> dict:
                 t.ckpt.wait()
                 pairs[kind].append((plain, stage, during, extra, blocked))
                 if kind != "none":
-                    _drop_steps(t, sdir, step, keep=1)
+                    _drop_step(t, sdir, step)
         rec["write_cpu_s"] = slowest(t.ckpt.write_cpu_s)
         rec["step_s"] = statistics.median(p[0] for ps in pairs.values() for p in ps)
         for kind, ps in pairs.items():
@@ -227,13 +228,16 @@ def run_layout(args, model, mode, layout, base) -> dict:
     return rows
 
 
-def _drop_steps(t, directory: str, step: int, keep: int) -> None:
-    """Remove ``step``'s checkpoint unless it is ``keep`` (the disk holds a few, not dozens)."""
+def _drop_step(t, directory: str, step: int) -> None:
+    """Remove ``step``'s checkpoint once every rank is past it (collective; the disk holds a
+    few checkpoints, not dozens)."""
     import torch.distributed as dist
 
+    from fastpar.checkpoint.store import step_name
+
     dist.barrier()
-    if step != keep and t.topo.rank == 0:
-        shutil.rmtree(os.path.join(directory, f"step_{step:08d}"), ignore_errors=True)
+    if t.topo.rank == 0:
+        shutil.rmtree(os.path.join(directory, step_name(step)), ignore_errors=True)
     dist.barrier()
 
 

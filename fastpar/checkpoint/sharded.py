@@ -189,11 +189,11 @@ class ShardedCheckpointer:
         if not async_save:
             return self._write(*job)
         self._error = None
-        self._staged = None
-        if hold:  # the writer reads the live tensors until its file is written
+        # held: the writer reads the live tensors until its file is written; staged: the
+        # copies hold it all (a GPU's once their event has passed on the trainer's stream)
+        self._staged = None if hold else self._copied
+        if hold:
             self._read.clear()
-        else:  # staged: the copies hold it all (a GPU's: once the event has passed)
-            self._staged = self._copied
         self._thread = threading.Thread(target=self._background, args=job, daemon=True,
                                         name=f"fastpar-checkpoint-{step}")
         self._thread.start()

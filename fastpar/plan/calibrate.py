@@ -20,6 +20,7 @@ wait for each other) and each rank gets its share of the host's cores.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -164,22 +165,31 @@ def fit(n: int, points: list[tuple[int, float]]) -> tuple[float, float]:
     return alpha, 1.0 / max(inv_bw, 1e-30)
 
 
+def nnls(design: list, y: list) -> list[float]:
+    """Least squares with every coefficient >= 0, exactly, for a few columns: the best of the
+    unconstrained fits on each subset of the columns whose coefficients are all >= 0."""
+    a = torch.tensor(design, dtype=torch.float64)
+    b = torch.tensor(y, dtype=torch.float64).unsqueeze(1)
+    best, coef = float(b.square().sum()), [0.0] * a.shape[1]
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            x = torch.linalg.lstsq(a[:, cols], b).solution.squeeze(1)
+            if (x < 0).any():
+                continue
+            err = float((a[:, cols] @ x - b.squeeze(1)).square().sum())
+            if err < best:
+                best, coef = err, [0.0] * a.shape[1]
+                for j, v in zip(cols, x.tolist()):
+                    coef[j] = v
+    return coef
+
+
 def fit_busy(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``extra = s0 + k segment`` (s0, k >= 0) over ``busy_points``' (segment
-    seconds, extra seconds per collective)."""
+    """``extra = s0 + k segment`` with s0, k >= 0 (``nnls``) over ``busy_points``' (segment
+    seconds, extra seconds per collective); (0, 0) without points."""
     if not points:
         return 0.0, 0.0
-    n = len(points)
-    sx = sum(c for c, _ in points)
-    sy = sum(e for _, e in points)
-    sxx = sum(c * c for c, _ in points)
-    sxy = sum(c * e for c, e in points)
-    det = n * sxx - sx * sx
-    s0, k = ((sy * sxx - sx * sxy) / det, (n * sxy - sx * sy) / det) if det > 0 else (-1.0, 0.0)
-    if k < 0 or det <= 0:  # no growth with the segment to see: a constant wait
-        return max(0.0, sy / n), 0.0
-    if s0 < 0:  # through the origin
-        return 0.0, max(0.0, sxy / sxx) if sxx else 0.0
+    s0, k = nnls([[1.0, c] for c, _ in points], [e for _, e in points])
     return s0, k
 
 

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from fastpar.plan.calibrate import nnls
+
 
 def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 16,
                 warmup: int = 4, budget_s: float = 0.5) -> tuple | None:
@@ -94,26 +96,5 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     # fitted on each point's fastest step (steady where medians jump between runs), then
     # scaled to the median step (what a run's step time reports) by the points' median ratio
     scale = statistics.median(ratios)
-    step, e0, e1, b0, b1 = (scale * x for x in _nnls(design, fastest))
+    step, e0, e1, b0, b1 = (scale * x for x in nnls(design, fastest))
     return (model_signature(cfg, 4), (b0, b1), (e0, e1), step)
-
-
-def _nnls(design: list, y: list) -> list[float]:
-    """Least squares with every coefficient >= 0, exactly, for a few columns: the best of the
-    unconstrained fits on each subset of the columns whose coefficients are all >= 0."""
-    import itertools
-
-    a = torch.tensor(design, dtype=torch.float64)
-    b = torch.tensor(y, dtype=torch.float64).unsqueeze(1)
-    best, coef = float(b.square().sum()), [0.0] * a.shape[1]
-    for k in range(1, a.shape[1] + 1):
-        for cols in itertools.combinations(range(a.shape[1]), k):
-            x = torch.linalg.lstsq(a[:, cols], b).solution.squeeze(1)
-            if (x < 0).any():
-                continue
-            err = float((a[:, cols] @ x - b.squeeze(1)).square().sum())
-            if err < best:
-                best, coef = err, [0.0] * a.shape[1]
-                for j, v in zip(cols, x.tolist()):
-                    coef[j] = v
-    return coef
