@@ -5,6 +5,7 @@ then trained (``fastpar.train``, a few steps) and measured: step time and memory
     python bench/plan_accuracy.py                              # calibrate, then every layout
     python bench/plan_accuracy.py --layouts tp2.pp2,dp4.zero3 --steps 12 --json out.json
     python bench/plan_accuracy.py --cluster c.json             # a calibration made before
+    python bench/plan_accuracy.py --hosts 2 --rate 1gbit       # 2 x 2 namespaced hosts (root)
 
 Per layout: ``mpirun -np RANKS python -m fastpar.train --preset PRESET`` with its flags,
 ``--metrics``; the measured step time is the median of rank 0's steps after ``--warmup`` (each
@@ -18,12 +19,23 @@ within 5%; memory within 5% per category; the top 3 layouts by prediction the to
 Timings on a shared machine are noisy: the header and the JSON carry ``uptime``'s load before
 and after; ``--rounds N`` runs every layout N times (the order reversed every other round) and
 keeps each layout's fastest run (``rounds_s`` in the JSON: every run's step).
+
+``--hosts H`` runs every job on H hosts made of namespaces on this machine
+(``fastpar.testing.cluster``, root; ``--rate`` shapes each host's link): ``mpirun -hosts
+h0,.. -ppn RANKS/H`` from h0, so that groups spanning hosts go through the hierarchical engine
+and pipeline sends between hosts through gloo, as on a real cluster. The plan's cluster is this
+machine's calibration with the hosts' link measured between them (``fastpar.plan.calibrate``'s
+link launch with one rank a host: gloo's all-reduce over the link, alpha-beta fitted), and each
+host given its share of this machine's cores: the namespaced hosts share them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +48,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from fastpar.plan.cluster import Cluster  # noqa: E402
+from fastpar.plan import calibrate  # noqa: E402
+from fastpar.plan.cluster import Cluster, Link  # noqa: E402
 from fastpar.plan.layouts import parse, why_not  # noqa: E402
 from fastpar.plan.predict import Predictor  # noqa: E402
 from fastpar.runtime.cli import Parser  # noqa: E402
@@ -62,16 +75,42 @@ def flags(lay) -> list[str]:
     return out + (["--zero", str(lay.zero)] if lay.zero else [])
 
 
-def run(lay, args, tmp: str) -> dict:
+def job_env() -> dict:
+    return {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+
+
+def launch(argv: list[str], args, hosts, timeout: float,
+           ppn: int | None = None) -> subprocess.CompletedProcess:
+    """``mpirun -np RANKS argv`` here, or from h0 over the namespaced ``hosts`` (``ppn`` ranks
+    a host, default RANKS / hosts). On timeout the whole job is killed (its ranks with it:
+    no orphan left to slow the next job) and subprocess.TimeoutExpired raised."""
+    if hosts is not None:
+        return hosts.mpirun(argv, ppn=ppn or args.ranks // args.hosts, env=job_env(),
+                            timeout=timeout)
+    p = subprocess.Popen([MPIRUN, "-np", str(args.ranks), *argv],
+                         env=dict(os.environ, **job_env()), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def run(lay, args, tmp: str, hosts=None) -> dict:
     """One training of ``lay``: rank 0's step times and every rank's memory record."""
     metrics = os.path.join(tmp, f"{lay.name}.jsonl")
-    cmd = [MPIRUN, "-np", str(args.ranks), sys.executable, "-m", "fastpar.train", "--preset",
-           args.preset, "--steps", str(args.steps), "--global-batch", str(args.global_batch),
-           "--no-progress", "--plot", "", "--log-every", str(args.steps), "--val-every", "1000",
-           "--metrics", metrics, *flags(lay)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    argv = [sys.executable, "-m", "fastpar.train", "--preset", args.preset, "--steps",
+            str(args.steps), "--global-batch", str(args.global_batch), "--no-progress",
+            "--plot", "", "--log-every", str(args.steps), "--val-every", "1000", "--metrics",
+            metrics, *flags(lay)]
+    try:
+        r = launch(argv, args, hosts, args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {args.timeout:.0f} s"}
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
     steps, memory = [], {}
@@ -86,6 +125,43 @@ def run(lay, args, tmp: str) -> dict:
             "memory": memory}
 
 
+def inter_link(hosts, args, tmp: str) -> Link:
+    """The link between the namespaced hosts: ``fastpar.plan.calibrate``'s link launch with one
+    rank a host (``--link-only``: all_reduce 4 KiB .. 16 MiB on the engine the policy picks
+    across hosts), fitted to alpha-beta as the intra-host link is; then its ``busy_p2p`` from
+    the same module at the job's ranks a host, pipeline neighbours paired across the hosts
+    (``--across``: the pairs cross the link at once, each at its share of it)."""
+    ppn = args.ranks // args.hosts
+    got = {}
+    for name, n, mode in (("link", 1, "--link-only"), ("p2p", ppn, "--across")):
+        out = os.path.join(tmp, f"inter_{name}.json")
+        try:
+            r = launch([sys.executable, "-m", "fastpar.plan.calibrate", out, mode], args,
+                       hosts, args.timeout, ppn=n)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"measuring the hosts' link ({mode}) took over --timeout "
+                             f"{args.timeout:g} s") from None
+        if r.returncode != 0:
+            raise SystemExit(f"measuring the hosts' link ({mode}) failed: "
+                             f"{r.stderr.strip()[-500:]}")
+        with open(out) as f:
+            got[name] = json.load(f)
+    d = got["link"]
+    alpha, busbw = calibrate.fit(d["ranks"], [tuple(x) for x in d["points"]])
+    return calibrate.with_busy_p2p(Link(alpha, busbw, d["engine"]), got["p2p"].get("p2p", []),
+                                   share=1.0 / ppn)
+
+
+def across(base: Cluster, args, link: Link) -> Cluster:
+    """This machine's calibration (``args.ranks`` ranks on one host) as ``args.hosts`` hosts
+    joined by ``link``, each with its share of the cores (the namespaced hosts share them).
+    The busy peers' waits carry over: the ranks per core are the same."""
+    cpus = base.cpus_per_host // args.hosts
+    return dataclasses.replace(base, name=f"{base.name}, {args.hosts} namespaced hosts",
+                               hosts=args.hosts, ranks_per_host=args.ranks // args.hosts,
+                               cpus_per_host=cpus, inter=link)
+
+
 def main() -> int:
     p = Parser(description=__doc__)
     p.add_argument("--preset", default=PRESET)
@@ -98,15 +174,37 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--rounds", type=int, default=1, help="runs of every layout, alternating "
                    "order; each row is its fastest run's")
+    p.add_argument("--hosts", type=int, default=1, help="run on this many hosts made of "
+                   "namespaces on this machine (root), the ranks split evenly")
+    p.add_argument("--rate", default=None, help="with --hosts: shape each host's link, e.g. "
+                   "1gbit (default: unshaped)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    p.check(args.hosts in (1, 2) and args.ranks % args.hosts == 0,
+            f"--hosts {args.hosts} must be 1 or 2 (neighbours are paired across two) and "
+            f"divide --ranks {args.ranks}")
+    p.check(args.rate is None or args.hosts > 1, "--rate shapes the link between --hosts; "
+            "give --hosts 2")
+    if args.hosts > 1:
+        from fastpar.testing._link import tbf_burst
+        from fastpar.testing.cluster import Cluster as Hosts, cluster_unavailable
+
+        why = cluster_unavailable()
+        p.check(why is None, f"--hosts {args.hosts}: no namespaced hosts here ({why})")
+        if args.rate is not None:
+            try:
+                tbf_burst(args.rate)
+            except ValueError as exc:
+                p.error(f"--rate: {exc}")
     p.check(args.steps > args.warmup, f"--steps {args.steps} must exceed --warmup {args.warmup}")
     p.check(args.rounds >= 1, f"--rounds must be at least 1, got {args.rounds}")
     from fastpar.models import PRESETS
 
     cfg = PRESETS[args.preset]
     loads = [load()]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, (
+            Hosts(args.hosts, rate=args.rate) if args.hosts > 1
+            else contextlib.nullcontext()) as hosts:
         path = args.cluster
         if path is None:
             path = os.path.join(tmp, "cluster.json")
@@ -117,6 +215,17 @@ def main() -> int:
                            env=dict(os.environ, PYTHONPATH=ROOT))
             print(f"calibrated in {time.perf_counter() - t0:.0f} s (load {loads[0]})", flush=True)
         cluster = Cluster.load(path).with_ranks(1, args.ranks)
+        p.check(hosts is None or cluster.cpus_per_host % args.hosts == 0,
+                f"--hosts {args.hosts}: the cluster's {cluster.cpus_per_host} cores do not "
+                "split evenly over the hosts (a rank's share of them would change)")
+        if hosts is not None:
+            t0 = time.perf_counter()
+            cluster = across(cluster, args, inter_link(hosts, args, tmp))
+            print(f"measured the hosts' link in {time.perf_counter() - t0:.0f} s: alpha "
+                  f"{cluster.inter.alpha_s * 1e6:.0f} us, {cluster.inter.busbw_Bps / 1e6:.0f} "
+                  f"MB/s ({cluster.inter.engine}); a busy pipeline message waits "
+                  f"{cluster.inter.busy_p2p[0] * 1e3:.2f} ms + {cluster.inter.busy_p2p[1]:.2f} x "
+                  f"the compute before it", flush=True)
         calibration = cluster.to_json()
         pred = Predictor(cfg, cluster, args.global_batch, dtype=torch.float32)
         layouts = []
@@ -132,7 +241,7 @@ def main() -> int:
         runs = {lay.name: [] for lay in layouts}
         for i in range(args.rounds):
             for lay in layouts if i % 2 == 0 else layouts[::-1]:
-                got = run(lay, args, tmp)
+                got = run(lay, args, tmp, hosts)
                 runs[lay.name].append({**got, "load": load()})
                 if args.rounds > 1:
                     print(f"round {i + 1}: {lay.name:<34} "
@@ -170,7 +279,9 @@ def main() -> int:
     for r in ok:
         r["rank_predicted"] = by_pred.index(r) + 1
         r["rank_measured"] = by_meas.index(r) + 1
-    print(f"\n{args.preset} preset, {args.ranks} ranks, global batch {args.global_batch}, "
+    where = f" on {args.hosts} hosts" + (f" at {args.rate}" if args.rate else "") \
+        if args.hosts > 1 else ""
+    print(f"\n{args.preset} preset, {args.ranks} ranks{where}, global batch {args.global_batch}, "
           f"{args.steps} steps (median after {args.warmup}); load {loads[0]} -> {loads[1]}")
     head = f"{'layout':<34} {'pred ms':>8} {'meas ms':>8} {'error':>7} {'rank p/m':>8} " + \
         " ".join(f"{c[:7]:>8}" for c in CATEGORIES)
@@ -198,7 +309,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"config": {"preset": args.preset, "ranks": args.ranks, "global_batch":
                                   args.global_batch, "steps": args.steps, "warmup": args.warmup,
-                                  "rounds": args.rounds,
+                                  "rounds": args.rounds, "hosts": args.hosts,
+                                  "rate": args.rate,
                                   "load": loads, "cluster": calibration},
                        "rows": rows, "summary": summary}, f, indent=1)
     return 0

@@ -303,7 +303,9 @@ def body_bad_flags(cases):
 
 def test_benches_answer_bad_flags_in_one_line_from_one_rank():
     cases = [(f"bench/{name}.py", ["--no-such-flag"]) for name in BENCHES]
-    cases += [("bench/checkpoint.py", ["--repeat", "0"]),
+    cases += [("bench/plan_accuracy.py", ["--hosts", "3"]),
+              ("bench/plan_accuracy.py", ["--rate", "1gbit"]),
+              ("bench/checkpoint.py", ["--repeat", "0"]),
               ("bench/plan_accuracy.py", ["--rounds", "0"]),
               ("bench/bootstrap.py", ["--repeat", "0"]),
               ("bench/memory.py", ["--layouts", "dp2,tp2dp2"]),
@@ -321,6 +323,9 @@ def test_benches_answer_bad_flags_in_one_line_from_one_rank():
     assert "--rounds must be at least 1, got 0" in rank0[-4][1]
     assert "--layouts: ['tp2dp2'] not among dpN, tpAxdpB" in rank0[-2][1]
     assert "--engines: ['smh'] not among default" in rank0[-1][1]
+    assert "--hosts 3 must be 1 or 2 (neighbours are paired across two) and divide --ranks 4" \
+        in rank0[-7][1]
+    assert "--rate shapes the link between --hosts; give --hosts 2" in rank0[-6][1]
 
 
 def test_checkpoint_bench_runs(tmp_path):

@@ -131,7 +131,7 @@ def test_long_pipelines_are_extended_from_their_steady_state(monkeypatch, schedu
 
 
 # A trainer fit for the tiny preset in float32 (the shape of calibrate.trainer_fit's answer)
-FIT = (model_signature(PRESETS["tiny"], 4), (2e-3, 1e-5), (3e-3, 2e-5), 4e-3)
+FIT = (model_signature(PRESETS["tiny"], 4), (2e-3, 1e-5), (3e-3, 2e-5), 4e-3, (5e-4, 8e-4))
 
 
 def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
@@ -142,6 +142,11 @@ def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
     fitted.save(str(path))
     assert Cluster.load(str(path)) == fitted
     d = fitted.to_json()
+    del d["trainer"]["zb_s"]  # a file from before: no split backward's extra
+    assert Cluster.from_json(d).trainer_fit == (*FIT[:4], (0.0, 0.0))
+    d["trainer"]["zb_s"] = [1e-3]
+    with pytest.raises(ValueError, match=r"trainer: zb_s must be two numbers >= 0 .*"):
+        Cluster.from_json(d)
     d["trainer"]["block_s"] = [1e-3, -1]
     with pytest.raises(ValueError, match=r"trainer: block_s must be two numbers >= 0 .*"
                                          r"got \[0.001, -1\]"):
@@ -155,6 +160,20 @@ def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
         Cluster.from_json(d)
     del d["host"]["sync_s"], d["host"]["sync_ratio"]  # a file from before: no waits
     assert Cluster.from_json(d).busy_sync == (0.0, 0.0)
+    p2p = dataclasses.replace(busy, intra=dataclasses.replace(busy.intra, busy_p2p=(5e-4, 0.2)))
+    p2p.save(str(path))
+    assert Cluster.load(str(path)) == p2p
+    d = p2p.to_json()
+    d["intra"]["busy_p2p"] = [5e-4]
+    with pytest.raises(ValueError, match=r"intra: busy_p2p must be two numbers >= 0 .*"
+                                         r"got \[0.0005\]"):
+        Cluster.from_json(d)
+    del d["intra"]["busy_p2p"]  # a file from before: no waits
+    assert Cluster.from_json(d).intra.busy_p2p == (0.0, 0.0)
+    # measured at 4 ranks a host: at 4 they stay, at 2 (fewer ranks a core) none carries
+    assert p2p.with_ranks(2, 4) == dataclasses.replace(p2p, hosts=2)
+    other = p2p.with_ranks(1, 2)
+    assert other.intra.busy_p2p == (0.0, 0.0) and other.busy_sync == (0.0, 0.0)
     d = CLUSTER.to_json()
     d["peak_flops"] = -1
     with pytest.raises(ValueError, match=r"peak_flops must be a number > 0, got -1"):
@@ -246,6 +265,29 @@ def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives(
     assert "f:measured layer (trainer fit)" not in bf16._layer("none", 1, 1, 1, rows, 1).terms
 
 
+def test_zb_weight_passes_carry_the_split_backwards_measured_extra():
+    """The trainer fit's zb extra (per block and microbatch, the ends' together) lands on W
+    under zb only, each stage its layers' (a block's, half the ends' each), as long as the
+    host's shared cores make host work; other schedules' actions are unchanged."""
+    cfg = PRESETS["tiny"]
+    shared = dataclasses.replace(CLUSTER, rates_per_core=True, cpus_per_host=2)
+    plain = P.Predictor(cfg, dataclasses.replace(shared, trainer_fit=(*FIT[:4], (0.0, 0.0))),
+                        16, dtype=torch.float32)
+    fit = P.Predictor(cfg, dataclasses.replace(shared, trainer_fit=FIT), 16,
+                      dtype=torch.float32)
+    for name in ("tp1.pp2.dp2.zero0.none.zb.mb4", "tp1.pp2.dp2.zero0.none.1f1b.mb4"):
+        lay = parse(name, 4)
+        a, b = plain.action_costs(lay), fit.action_costs(lay)
+        bounds = fit.stages(lay)[2]
+        for s in range(2):
+            layers = range(bounds[s], bounds[s + 1])
+            extra = 2 * sum(4e-4 if i in (0, cfg.layers + 1) else 5e-4 for i in layers)
+            want = extra if lay.schedule == "zb" else 0.0
+            for kind in ("F", "B", "I", "W"):
+                assert b[s, 0, kind] - a[s, 0, kind] == pytest.approx(
+                    want if kind == "W" else 0.0, abs=1e-15), (name, s, kind)
+
+
 def test_busy_peers_wait_per_mid_layer_collective_and_with_the_compute_before_it():
     """cluster.busy_sync (s0, k): each phase with s collectives that all of a group must reach
     mid-layer (tp's two per block and phase, again in a full recompute; cp's ring steps) adds
@@ -293,6 +335,46 @@ def test_zero_steps_one_flat_shard_not_every_parameter_tensor():
         assert pred.rank_terms(lay)[0]["red"]["optimizer host"] == pytest.approx(1e-4 * count)
 
 
+def test_accuracy_bench_splits_this_machine_into_namespaced_hosts():
+    """bench/plan_accuracy.py --hosts 2: this machine's calibration of 4 ranks becomes 2 hosts
+    of 2 ranks, each with half the cores (the namespaced hosts share them: a rank's share is
+    unchanged), joined by the measured link, the busy peers' waits kept (the ranks per core
+    are the same); a cross-host dp group then pays the link."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "plan_accuracy", os.path.join(ROOT, "bench", "plan_accuracy.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    one = dataclasses.replace(CLUSTER, cpus_per_host=2, rates_per_core=True,
+                              busy_sync=(1e-4, 0.3))
+    link = Link(5e-4, 1e8, "gloo")
+    two = bench.across(one, argparse.Namespace(hosts=2, ranks=4), link)
+    assert (two.hosts, two.ranks_per_host, two.cpus_per_host, two.inter) == (2, 2, 1, link)
+    assert two.share == one.share == 0.5 and two.busy_sync == (1e-4, 0.3)
+    cfg, lay = PRESETS["tiny"], parse("tp1.pp1.dp4.zero0.none.1f1b.mb2")
+    red = [P.Predictor(cfg, c, 16, dtype=torch.float32).rank_terms(lay)[0]["red"]
+           for c in (one, two)]
+    assert red[1]["dp all-reduce"] > red[0]["dp all-reduce"] + 2 * 5e-4, red
+
+
+def test_link_fit_keeps_the_latency_of_a_slow_link():
+    """calibrate.fit: an exact alpha-beta curve comes back; on a slow link (1 Gbit/s, 0.4 ms a
+    step) whose 16 MiB point is 170x its 4 KiB one, with 5% noise, the latency is still found
+    (in seconds the large sizes would decide alone and zero it)."""
+    from fastpar.plan.calibrate import LINK_SIZES, fit
+
+    for alpha, bw in ((4e-4, 1.2e8), (6e-5, 2.5e9)):
+        exact = [(s, 2 * alpha + s / bw) for s in LINK_SIZES]  # 2 ranks: 2 steps, factor 1
+        assert fit(2, exact) == pytest.approx((alpha, bw), rel=1e-9)
+        rng = random.Random(7)
+        noisy = [(s, t * (1 + rng.uniform(-0.05, 0.05))) for s, t in exact]
+        got = fit(2, noisy)
+        assert got[0] == pytest.approx(alpha, rel=0.2) and got[1] == pytest.approx(bw, rel=0.1)
+    assert fit(2, [(s, s / 1e9) for s in LINK_SIZES]) == pytest.approx((0.0, 1e9))
+
+
 def test_fit_busy_recovers_a_line_and_clamps_at_zero():
     from fastpar.plan.calibrate import fit_busy
 
@@ -307,18 +389,94 @@ def test_fit_busy_recovers_a_line_and_clamps_at_zero():
 def body_busy_points():
     import fastpar
     from fastpar import comm
-    from fastpar.plan.calibrate import busy_points
+    from fastpar.plan.calibrate import busy_p2p_points, busy_points
 
     topo = fastpar.init(timeout=60)
-    return busy_points(topo, comm, segments=(1, 4), rounds=1)
+    return (busy_points(topo, comm, segments=(1, 4), rounds=1),
+            busy_p2p_points(topo, comm, [[0, 1]], segments=(1, 4), rounds=1))
 
 
 def test_busy_points_time_pairs_of_busy_ranks():
+    """busy_points (pairs all-reducing) and busy_p2p_points (pairs as pipeline neighbours,
+    through Channels) in one 2-rank job: each segment timed, four matmuls longer than one."""
     from tests.multirank import run_ranks
 
-    for points in run_ranks(2, body_busy_points, timeout=120).values():
-        assert len(points) == 2
-        assert 0 < points[0][0] < points[1][0] < 1.0  # four matmuls take longer than one
+    for sync, (p2p, engine) in run_ranks(2, body_busy_points, timeout=120).values():
+        assert engine == "shm"
+        for points in (sync, p2p):
+            assert len(points) == 2
+            assert 0 < points[0][0] < points[1][0] < 1.0
+
+
+def test_rank_pairs_in_a_host_and_across_two():
+    from fastpar.plan.calibrate import rank_pairs
+
+    assert rank_pairs(4, False) == [[0, 1], [2, 3]]
+    assert rank_pairs(3, False) == [[0, 1]]  # the odd rank computes alone
+    assert rank_pairs(4, True) == [[0, 2], [1, 3]]
+    assert rank_pairs(8, True) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_busy_pairs_take_medians_of_back_to_back_differences():
+    """calibrate._paired: plain and communicating loops alternate; the segment is the plain
+    loops' median and the extra the median of the pairs' differences (one round that lost a
+    time slice moves neither; a negative difference is no wait), on the slowest rank's times
+    (``slowest`` reduces in place)."""
+    from fastpar.plan.calibrate import _paired
+
+    times = iter([1.0, 1.5, 1.1, 1.4, 5.0, 9.0, 0.9, 1.3, 1.0, 1.2])
+
+    def loop(messages):
+        return next(times)
+
+    def slowest(t):
+        t.mul_(2)  # as though another rank were twice as slow
+
+    assert _paired(loop, 5, slowest) == pytest.approx((2.0, 0.8))
+    times = iter([1.0, 0.5, 1.0, 0.7, 1.0, 0.9])
+    assert _paired(loop, 3, lambda t: None) == (1.0, 0.0)
+
+
+def test_busy_p2p_fit_takes_the_messages_own_time_off_at_its_share():
+    """with_busy_p2p: each point's extra less the 32 KiB message's alpha-beta time on the link
+    (at 1/pairs of its bandwidth when that many pairs crossed it at once), fitted s0 + k x c."""
+    from fastpar.plan.calibrate import BUSY_BYTES, with_busy_p2p
+
+    link = Link(1e-4, 1e8, "gloo")
+    for share in (1.0, 0.5):
+        own = 1e-4 + BUSY_BYTES / (1e8 * share)
+        pts = [(c, own + 2e-3 + 0.25 * c) for c in (5e-4, 2e-3, 5e-3)]
+        got = with_busy_p2p(link, pts, share=share)
+        assert got.busy_p2p == pytest.approx((2e-3, 0.25), rel=1e-9)
+        assert (got.alpha_s, got.busbw_Bps, got.engine) == (1e-4, 1e8, "gloo")
+    assert with_busy_p2p(link, []).busy_p2p == (0.0, 0.0)  # not measured: no waits
+
+
+def test_pipeline_sends_wait_for_busy_neighbours_on_their_link():
+    """A link's busy_p2p (s0, k) adds s0 + k x the sending action's compute to each action
+    that sends: F but on the last stage, B and I but on the first, over the link the message
+    crosses (pp 4 on 2 hosts of 2: stage 1 -> 2 crosses, 0 -> 1 does not); W sends nothing."""
+    cfg = PRESETS["tiny"]
+    quiet = dataclasses.replace(CLUSTER, hosts=2, ranks_per_host=2,
+                                inter=Link(1e-4, 1e9, "gloo"))
+    busy = dataclasses.replace(quiet, intra=dataclasses.replace(quiet.intra,
+                                                                busy_p2p=(3e-4, 0.2)),
+                               inter=dataclasses.replace(quiet.inter, busy_p2p=(2e-3, 0.5)))
+    lay = parse("tp1.pp4.dp1.zero0.none.zb.mb8", 4)
+    base = P.Predictor(cfg, quiet, 16, dtype=torch.float32)
+    got = P.Predictor(cfg, busy, 16, dtype=torch.float32)
+    a, b = base.action_costs(lay), got.action_costs(lay)
+    st = base.stages(lay)[1]
+    level = [(3e-4, 0.2), (2e-3, 0.5), (3e-4, 0.2)]  # the link after stage s
+    for s in range(4):
+        fwd = level[s][0] + level[s][1] * st[s]["f"] if s < 3 else 0.0
+        assert b[s, 0, "F"] - a[s, 0, "F"] == pytest.approx(fwd, rel=1e-12, abs=1e-15)
+        s0, k = level[s - 1] if s else (0.0, 0.0)
+        assert b[s, 0, "I"] - a[s, 0, "I"] == pytest.approx(s0 + k * st[s]["i"], abs=1e-15)
+        assert b[s, 0, "B"] - a[s, 0, "B"] == pytest.approx(
+            s0 + k * (st[s]["i"] + st[s]["w"]), abs=1e-15)
+        assert b[s, 0, "W"] == a[s, 0, "W"]
+    assert got.predict(lay).step_time_s > base.predict(lay).step_time_s
 
 
 def body_trainer_fit():
@@ -336,9 +494,9 @@ def body_trainer_fit():
 def test_trainer_fit_trains_the_plans_model_and_fits_nonnegative_terms():
     from tests.multirank import run_ranks
 
-    sig, block, end, step = run_ranks(1, body_trainer_fit, timeout=120).values()[0]
+    sig, block, end, step, zb = run_ranks(1, body_trainer_fit, timeout=120).values()[0]
     assert sig == model_signature(PRESETS["tiny"], 4)
-    assert all(x >= 0 for x in (*block, *end, step))
+    assert all(x >= 0 for x in (*block, *end, step, *zb))
     # a step of the tiny model on 2 blocks of 2 rows takes milliseconds here, not nothing
     assert 1e-4 < block[0] + end[0] + 2 * 64 * (block[1] + end[1]) + step < 1.0
 

@@ -2,13 +2,18 @@
 
     cluster = calibrate(hosts=1, ranks_per_host=4)     # then cluster.save(path)
     mpirun -np 2 python -m fastpar.plan.calibrate OUT.json   # the link part alone
+    mpirun -np 2 python -m fastpar.plan.calibrate OUT.json --link-only    # all_reduce alone
+    mpirun -np 4 python -m fastpar.plan.calibrate OUT.json --across   # neighbours' waits,
+                                            # paired across two hosts of 2 (busy_p2p_points)
 
 Measured: GEMM throughput at a sweep of shapes (squares and the tall-skinny shapes of layers:
 many tokens, a few hundred to a thousand features), causal attention (SDPA, forward and
 backward) at a few sequence lengths, a large copy (memory bandwidth), and the intra-host link:
 all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on the ranks per host (a
 CPU: even past its cores, as the job runs; a GPU: at most its devices) launched with
-``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by least squares. The
+``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by least squares of the
+relative error; on a CPU in the same launch the waits of busy ranks that meet in pairs
+(``busy_points``: all-reducing, ``busy_p2p_points``: as pipeline neighbours). The
 inter-host link cannot be measured from one host: it comes from
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
 A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
@@ -20,6 +25,7 @@ wait for each other) and each rank gets its share of the host's cores.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -149,15 +155,17 @@ def memory_bandwidth(device) -> float:
 
 
 def fit(n: int, points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares ``t = STEPS alpha + FACTOR S / busbw`` (alpha >= 0) over (bytes, s)."""
+    """``t = STEPS alpha + FACTOR S / busbw`` (alpha >= 0) over (bytes, s), by least squares of
+    the relative error: the sizes span 4 KiB .. 16 MiB, and in seconds the largest would
+    decide alone (a shaped 1 Gbit/s link: 0.5 ms at 4 KiB, 140 ms at 16 MiB), leaving the
+    latency that small messages pay unfitted."""
     a, b = STEPS["all_reduce"](n), FACTOR["all_reduce"](n)
-    xs = [(a, b * s) for s, _ in points]
-    ys = [t for _, t in points]
+    xs = [(a / t, b * s / t) for s, t in points]  # each row divided by its time
     sxx = sum(x * x for x, _ in xs)
     syy = sum(y * y for _, y in xs)
     sxy = sum(x * y for x, y in xs)
-    rx = sum(x * t for (x, _), t in zip(xs, ys))
-    ry = sum(y * t for (_, y), t in zip(xs, ys))
+    rx = sum(x for x, _ in xs)  # the right-hand side is 1 in every row
+    ry = sum(y for _, y in xs)
     det = sxx * syy - sxy * sxy
     alpha, inv_bw = (rx * syy - ry * sxy) / det, (sxx * ry - sxy * rx) / det
     if alpha < 0:  # latency too small to see: bandwidth alone
@@ -193,9 +201,9 @@ def fit_busy(points: list[tuple[float, float]]) -> tuple[float, float]:
     return s0, k
 
 
-def measure_link(ranks: int, timeout: float = 60.0) -> tuple[Link, tuple] | None:
-    """The intra-host link and ``fit_busy`` of the busy ranks' waits, from an ``mpirun -np
-    ranks`` of this module (None: no mpirun)."""
+def measure_link(ranks: int, timeout: float = 180.0) -> tuple[Link, tuple] | None:
+    """The intra-host link (with its ``busy_p2p`` on a CPU) and ``fit_busy`` of the busy
+    ranks' waits, from an ``mpirun -np ranks`` of this module (None: no mpirun)."""
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep +
                           os.environ.get("PATH", ""))
     if mpirun is None or ranks < 2:
@@ -212,7 +220,17 @@ def measure_link(ranks: int, timeout: float = 60.0) -> tuple[Link, tuple] | None
     link = Link(alpha, busbw, d["engine"])
     # the waits beyond the pair's all-reduce itself, which the planner charges apart
     own = link.time("all_reduce", 2, BUSY_BYTES)
-    return link, fit_busy([(c, max(0.0, e - own)) for c, e in d["busy"]])
+    busy = fit_busy([(c, max(0.0, e - own)) for c, e in d.get("busy", [])])
+    return with_busy_p2p(link, d.get("p2p", [])), busy
+
+
+def with_busy_p2p(link: Link, points: list, share: float = 1.0) -> Link:
+    """``link`` with ``busy_p2p`` fitted (``fit_busy``) to ``busy_p2p_points``' extras less
+    the message's own alpha-beta time on ``link`` at ``share`` of its bandwidth (the planner
+    charges that apart; ``share``: 1 / the pairs that crossed it at once)."""
+    own = link.time("sendrecv", 2, BUSY_BYTES, share=share)
+    return dataclasses.replace(link, busy_p2p=fit_busy(
+        [(c, max(0.0, e - own)) for c, e in points]))
 
 
 @contextlib.contextmanager
@@ -284,23 +302,39 @@ def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,
 
 
 BUSY_SEGMENTS = (2, 8, 24)  # compute between two collectives, in 160 x 160 matmuls
-BUSY_BYTES = 32 << 10  # what each pair all-reduces
+BUSY_ROUNDS = 5
+BUSY_BYTES = 32 << 10  # what each pair all-reduces, or sends each way
 
 
-def busy_points(topo, comm, segments=BUSY_SEGMENTS, rounds: int = 3) -> list[tuple]:
+def _paired(loop, rounds: int, slowest) -> tuple[float, float]:
+    """``(segment, extra)``: ``loop(False)`` (compute alone) and ``loop(True)`` (with the
+    communication) back to back ``rounds`` times, each on the slowest rank (``slowest``
+    all-reduces a tensor's max in place); the median plain time and the median of the
+    rounds' differences (at least 0). Pairs taken back to back keep the machine's drift out
+    of the difference; the median keeps one round that lost a time slice out of the fit."""
+    times = [t for _ in range(rounds) for t in (loop(False), loop(True))]
+    t = torch.tensor(times, dtype=torch.float64)
+    slowest(t)
+    plain, comm = t[0::2].tolist(), t[1::2].tolist()
+    return (statistics.median(plain),
+            max(0.0, statistics.median(c - p for p, c in zip(plain, comm))))
+
+
+def busy_points(topo, comm, segments=BUSY_SEGMENTS,
+                rounds: int = BUSY_ROUNDS) -> list[tuple]:
     """Every rank (collective over the world): the ranks in pairs (0, 1), (2, 3), ... as tp's
     groups of 2 are, each computing a segment of ``segments[j]`` small matmuls and then
     all-reducing 32 KiB with its pair, as a tp layer's ranks do, against the same loop without
-    the all-reduce (a last odd rank computes alone). ``[(segment s, extra s per all-reduce)]``,
-    each the fastest of ``rounds`` on the slowest rank (the extra includes the all-reduce
-    itself: ``measure_link`` takes its alpha-beta time off before ``fit_busy``). What a pair
+    the all-reduce (a last odd rank computes alone). ``[(segment s, extra s per all-reduce)]``
+    (``_paired``: medians over ``rounds`` back-to-back pairs on the slowest rank; the extra
+    includes the all-reduce itself: ``measure_link`` takes its alpha-beta time off before
+    ``fit_busy``). What a pair
     waits for beyond the all-reduce itself is the peer being off the core: on a CPU host with
     more ranks than cores it grows with the segment (``fit_busy``)."""
     import torch.distributed as dist
 
-    world, rank = topo.world_size, topo.rank
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-    mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+    pairs = [dist.new_group(p) for p in rank_pairs(topo.world_size, False)]
+    mine = pairs[topo.rank // 2] if topo.rank // 2 < len(pairs) else None
     a, x = torch.randn(160, 160), torch.ones(BUSY_BYTES // 4)
     points = []
     for mm in segments:
@@ -316,34 +350,97 @@ def busy_points(topo, comm, segments=BUSY_SEGMENTS, rounds: int = 3) -> list[tup
                     comm.all_reduce(x, mine)
             return (time.perf_counter() - t0) / iters
 
-        best = [float("inf")] * 2
-        for _ in range(rounds):
-            best = [min(best[0], loop(False)), min(best[1], loop(True))]
-        t = torch.tensor(best, dtype=torch.float64)
-        comm.all_reduce(t, op="max")
-        plain, synced = t.tolist()
-        points.append((plain, max(0.0, synced - plain)))
+        points.append(_paired(loop, rounds, lambda t: comm.all_reduce(t, op="max")))
     for g in pairs:
         dist.destroy_process_group(g)
     return points
 
 
-def _link_worker(out: str) -> None:
-    """Each rank: ``link_points`` and, one thread each as the job's ranks, ``busy_points``;
-    rank 0 writes them."""
+def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
+                    rounds: int = BUSY_ROUNDS) -> tuple[list[tuple], str]:
+    """Every rank (collective over the world; ``pairs`` cover it, two ranks each): each pair
+    as two pipeline neighbours in their steady state, through the pipeline's own
+    ``Channels`` (the engine a pipeline between them would get: shm rings in a host, gloo
+    across hosts): both compute a segment of ``segments[j]`` small matmuls, then each sends
+    the other 32 KiB and receives the other's, against the same loop without the messages.
+    ``([(segment s, extra s per message)], engine)`` (``_paired``, as ``busy_points``; the
+    extra includes the message itself: ``with_busy_p2p`` takes its alpha-beta time off). On a
+    CPU host with more ranks than cores the extra is the partner being off the core, and a
+    receive's wake-up."""
+    import torch.distributed as dist
+
+    from fastpar.comm.p2p import Channels
+
+    if any(len(p) != 2 for p in pairs) or sorted(r for p in pairs for r in p) != \
+            list(range(topo.world_size)):
+        raise ValueError(f"busy_p2p_points: pairs {pairs} must cover the world of "
+                         f"{topo.world_size} two by two")
+    groups = [dist.new_group(p) for p in pairs]
+    ch = Channels(next(g for g, p in zip(groups, pairs) if topo.rank in p), all_groups=pairs)
+    a, x = torch.randn(160, 160), torch.ones(BUSY_BYTES // 4)
+    points = []
+    for mm in segments:
+        iters = max(10, 240 // mm)
+
+        def loop(messages: bool) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                for _ in range(mm):
+                    torch.mm(a, a)
+                if messages:
+                    if ch.index == 0:
+                        ch.send_forward(x, mb=0, stage=1)
+                        ch.recv_backward(mb=0, stage=1)
+                    else:
+                        ch.send_backward(x, mb=0, stage=1)
+                        ch.recv_forward(mb=0, stage=1)
+                    ch.finish_step()
+            return (time.perf_counter() - t0) / iters
+
+        points.append(_paired(loop, rounds, lambda t: comm.all_reduce(t, op="max")))
+    engine = ch.engine_name
+    ch.close()
+    for g in groups:
+        dist.destroy_process_group(g)
+    return points, engine
+
+
+def rank_pairs(world: int, across: bool) -> list[list[int]]:
+    """Pairs of ranks: (0, 1), (2, 3), .. (in a host; a last odd rank left out), or with
+    ``across`` (r, r + world / 2) (on two hosts of world / 2 ranks each; world even)."""
+    if across:
+        half = world // 2
+        return [[r, r + half] for r in range(half)]
+    return [[r, r + 1] for r in range(0, world - 1, 2)]
+
+
+def _link_worker(out: str, mode: str = "") -> None:
+    """Each rank: ``link_points`` and, one thread each as the job's ranks, ``busy_points`` and
+    (an even world) ``busy_p2p_points`` of neighbours in a host; ``mode`` "--link-only":
+    ``link_points`` alone; "--across" (an even world on two hosts, half on each):
+    ``busy_p2p_points`` of neighbours paired across them alone. Rank 0 writes them."""
     import fastpar
     from fastpar import comm
 
     topo = fastpar.init()
-    points, engine = link_points(topo, comm)
-    with _one_thread(topo.device.type == "cpu"):
-        busy = busy_points(topo, comm) if topo.device.type == "cpu" else []
+    cpu, world = topo.device.type == "cpu", topo.world_size
+    if mode == "--across" and world % 2:
+        raise ValueError(f"--across pairs ranks over two hosts: an even world, not {world}")
+    result = {"ranks": world}
+    if mode != "--across":
+        result["points"], result["engine"] = link_points(topo, comm)
+    with _one_thread(cpu):
+        if cpu and not mode:
+            result["busy"] = busy_points(topo, comm)
+        if cpu and mode != "--link-only" and world % 2 == 0:
+            result["p2p"], result["p2p_engine"] = busy_p2p_points(
+                topo, comm, rank_pairs(world, mode == "--across"))
     if topo.rank == 0:
         with open(out, "w") as f:
-            json.dump({"ranks": topo.world_size, "engine": engine, "points": points,
-                       "busy": busy}, f)
+            json.dump(result, f)
     fastpar.shutdown()
 
 
 if __name__ == "__main__":
-    _link_worker(sys.argv[1])
+    _link_worker(sys.argv[1], *sys.argv[2:3])

@@ -21,15 +21,18 @@ A GEMM's rate is the measured point nearest its shape (distance in log m, log n,
 head dim). ``intra`` is one rank's bus bandwidth inside a host (nccl-tests' busbw: a ring
 collective of S bytes over n ranks takes ``steps x alpha + factor(n) x S / busbw``); ``inter``
 is one host's bandwidth to the others (all its NICs together), which the host's ranks share
-when they send at once. ``"rates_per_core": true`` (what ``--calibrate`` writes on a CPU): the
-GEMM, attention and memory rates are one core's (measured on one thread: several threads on
-a loaded machine wait for each other), and each of a host's ranks gets ``cpus /
-ranks_per_host`` cores of the ``host`` entry's ``cpus``. ``"host": {"block_s",
+when they send at once. A link's optional ``"busy_p2p": [s0, k]`` (``--calibrate`` on a CPU):
+a pipeline message on it waits s0 + k x the sender's compute before it for busy neighbours.
+``"rates_per_core": true`` (what ``--calibrate`` writes on a CPU): the GEMM, attention and
+memory rates are one core's (measured on one thread: several threads on a loaded machine wait
+for each other), and each of a host's ranks gets ``cpus / ranks_per_host`` cores of the
+``host`` entry's ``cpus``. ``"host": {"block_s",
 "end_s", "tensor_s", "cpus"}`` (``--calibrate`` on a CPU): host time beyond the math, per
 block and per embedding or head layer for a microbatch's forward and backward, per parameter
 tensor for a step's clip and AdamW, measured by one process; with more ranks than ``cpus`` on
-a host each takes ``ranks / cpus`` times as long. ``"trainer": {"model", "block_s": [a, b],
-"end_s": [a, b], "step_s"}`` (``--calibrate`` with a model, ``plan.trainer_fit``): the
+a host each takes ``ranks / cpus`` times as long; its optional ``"sync_s"``, ``"sync_ratio"``:
+``busy_sync``. ``"trainer": {"model", "block_s": [a, b], "end_s": [a, b], "step_s", "zb_s":
+[block, ends]}`` (``--calibrate`` with a model, ``plan.trainer_fit``; ``zb_s`` optional): the
 trainer's own step measured for that model (``model_signature``), which replaces the rates
 for its layers' own work (``costs.fitted``; docs/design.md, "The trainer fit").
 """
@@ -83,11 +86,15 @@ FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """Alpha-beta of one hierarchy level: ``alpha_s`` per ring step, ``busbw_Bps``."""
+    """Alpha-beta of one hierarchy level: ``alpha_s`` per ring step, ``busbw_Bps``; and
+    ``busy_p2p`` (s0, k): what a pipeline message between neighbours on this level that
+    compute between messages waits beyond it, s0 + k x the sender's compute before it
+    (``calibrate.busy_p2p_points``; (0, 0) where not measured)."""
 
     alpha_s: float
     busbw_Bps: float
     engine: str = ""
+    busy_p2p: tuple = (0.0, 0.0)
 
     def time(self, op: str, n: int, nbytes: float, share: float = 1.0) -> float:
         """Seconds of ``op`` on ``nbytes`` over ``n`` ranks, at ``share`` of the bandwidth."""
@@ -129,8 +136,10 @@ class Cluster:
     # the scheduler took off); (0, 0) where not measured
     busy_sync: tuple = (0.0, 0.0)
     # the trainer's own step measured on one rank for one model (plan.trainer_fit):
-    # (model signature, block (a, b), end layer (a, b), step_s): a layer's forward and backward
-    # take a + b n seconds per microbatch of n tokens, a step's host work step_s beyond them
+    # (model signature, block (a, b), end layer (a, b), step_s, zb (block_s, ends_s)): a
+    # layer's forward and backward take a + b n seconds per microbatch of n tokens, a step's
+    # host work step_s beyond them, zb's split backward block_s more per block and
+    # microbatch (ends_s for the embedding and head together)
     trainer_fit: tuple | None = None
 
     def fit_for(self, cfg, esize: int) -> tuple | None:
@@ -181,11 +190,15 @@ class Cluster:
                              self.peak_flops * self.attention_efficiency)
 
     def with_ranks(self, hosts: int, ranks_per_host: int) -> "Cluster":
-        """The same machines with another job's ranks; busy peers' waits, measured with this
-        many ranks a host, do not carry to another count (more or fewer ranks a core)."""
-        busy = self.busy_sync if ranks_per_host == self.ranks_per_host else (0.0, 0.0)
+        """The same machines with another job's ranks; busy peers' waits (``busy_sync``, the
+        links' ``busy_p2p``), measured with this many ranks a host, do not carry to another
+        count (more or fewer ranks a core)."""
+        if ranks_per_host == self.ranks_per_host:
+            return dataclasses.replace(self, hosts=hosts)
+        quiet = [None if x is None else dataclasses.replace(x, busy_p2p=(0.0, 0.0))
+                 for x in (self.intra, self.inter)]
         return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host,
-                                   busy_sync=busy)
+                                   busy_sync=(0.0, 0.0), intra=quiet[0], inter=quiet[1])
 
     # ---- the file ------------------------------------------------------------------------
 
@@ -198,7 +211,7 @@ class Cluster:
                "attention": {"efficiency": self.attention_efficiency,
                              "points": [list(p) for p in self.attention_points],
                              "causal_skip": self.causal_skip},
-               "intra": dataclasses.asdict(self.intra)}
+               "intra": _link_json(self.intra)}
         if self.rates_per_core:
             out["rates_per_core"] = True
         if self.cpus_per_host:
@@ -206,11 +219,11 @@ class Cluster:
                            "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host,
                            "sync_s": self.busy_sync[0], "sync_ratio": self.busy_sync[1]}
         if self.inter is not None:
-            out["inter"] = dataclasses.asdict(self.inter)
+            out["inter"] = _link_json(self.inter)
         if self.trainer_fit is not None:
-            sig, block, end, step = self.trainer_fit
+            sig, block, end, step, zb = self.trainer_fit
             out["trainer"] = {"model": sig, "block_s": list(block), "end_s": list(end),
-                              "step_s": step}
+                              "step_s": step, "zb_s": list(zb)}
         return out
 
     def save(self, path: str) -> None:
@@ -242,8 +255,14 @@ class Cluster:
             if not isinstance(src, dict):
                 raise ValueError(f"{where}: {key} must be an object with alpha_s and busbw_Bps")
             at = f"{where}: {key}"
+            busy = src.get("busy_p2p", [0.0, 0.0])
+            if not (isinstance(busy, list) and len(busy) == 2 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and
+                    math.isfinite(x) and x >= 0 for x in busy)):
+                raise ValueError(f"{at}: busy_p2p must be two numbers >= 0 (seconds, a "
+                                 f"fraction of the compute before a message), got {busy!r}")
             return Link(num("alpha_s", src, at, positive=False), num("busbw_Bps", src, at),
-                        str(src.get("engine", "")))
+                        str(src.get("engine", "")), tuple(float(x) for x in busy))
 
         def curve(key, width):
             src = d.get(key, {})
@@ -282,14 +301,16 @@ class Cluster:
             if not isinstance(src, dict) or not isinstance(src.get("model"), str):
                 raise ValueError(f"{at} must be an object with model, block_s, end_s, step_s")
             pair = []
-            for key in ("block_s", "end_s"):
-                v = src.get(key)
+            for key, what in (("block_s", "seconds per microbatch, per token"),
+                              ("end_s", "seconds per microbatch, per token"),
+                              ("zb_s", "seconds per microbatch, a block's and the ends'")):
+                v = src.get(key, [0.0, 0.0] if key == "zb_s" else None)  # zb_s: optional
                 if not (isinstance(v, list) and len(v) == 2 and all(
                         isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in v)):
-                    raise ValueError(f"{at}: {key} must be two numbers >= 0 (seconds per "
-                                     f"microbatch, per token), got {v!r}")
+                    raise ValueError(f"{at}: {key} must be two numbers >= 0 ({what}), got "
+                                     f"{v!r}")
                 pair.append(tuple(float(x) for x in v))
-            return (src["model"], *pair, num("step_s", src, at, positive=False))
+            return (src["model"], *pair[:2], num("step_s", src, at, positive=False), pair[2])
 
         device = d.get("device", "cuda")
         if device not in ("cuda", "cpu"):
@@ -316,6 +337,12 @@ class Cluster:
     @classmethod
     def load(cls, path: str) -> "Cluster":
         return cls.from_json(read_json(path, "--cluster"), where=f"--cluster {path}")
+
+
+def _link_json(link: Link) -> dict:
+    out = dataclasses.asdict(link)
+    out["busy_p2p"] = list(link.busy_p2p)
+    return out
 
 
 def _nearest(points, shape) -> float | None:

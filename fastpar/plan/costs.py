@@ -273,12 +273,29 @@ def p2p_time(cfg: GPTConfig, cluster: Cluster, *, tp: int, cp: int, dp: int, sta
     of the stage sends at once, so a send across hosts shares the host's link."""
     n = rows * cfg.seq_len // cp
     nbytes = n * cfg.hidden * esize // (tp if tp > 1 and not cfg.sequence_parallel else 1)
-    per_stage = tp * cp * dp
+    link, share = p2p_link(cluster, per_stage=tp * cp * dp, stage=stage)
+    return link.time("sendrecv", 2, nbytes, share=share)
+
+
+def p2p_link(cluster: Cluster, *, per_stage: int, stage: int):
+    """``(link, share)``: the level a send from pipeline rank ``stage`` to the next crosses
+    (a layout's stages hold ``per_stage`` ranks each; the last rank's next is rank 0) and the
+    share of it each sender gets."""
     rph = cluster.ranks_per_host
-    nxt = (stage + 1) % cluster_pp(cluster, per_stage)  # the last rank's next: rank 0
+    nxt = (stage + 1) % cluster_pp(cluster, per_stage)
     if stage * per_stage // rph == nxt * per_stage // rph:
-        return cluster.intra.time("sendrecv", 2, nbytes)
-    return cluster.link("inter").time("sendrecv", 2, nbytes, share=1.0 / min(rph, per_stage))
+        return cluster.intra, 1.0
+    return cluster.link("inter"), 1.0 / min(rph, per_stage)
+
+
+def p2p_wait(link, compute_s: float) -> float:
+    """What a pipeline message on ``link`` waits for busy neighbours after ``compute_s`` of
+    the sender's compute: ``link.busy_p2p`` (s0, k), s0 + k x compute (0 where not
+    measured, and for ``link`` None: pp 1)."""
+    if link is None:  # no other rank: a chunk's output to the same rank's next chunk
+        return 0.0
+    s0, k = link.busy_p2p
+    return s0 + k * compute_s
 
 
 def cluster_pp(cluster: Cluster, per_stage: int) -> int:

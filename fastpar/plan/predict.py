@@ -199,7 +199,8 @@ class Predictor:
 
     def stages(self, lay: Layout):
         """``(layer works by index, stages, bounds)``: per model stage ``{"layers", "f", "i",
-        "w", "send"}`` of one microbatch."""
+        "w", "send", "link", "zb"}`` of one microbatch (``link``: the one its send to the next
+        stage crosses, None at pp 1; ``zb``: ``_split_extra``)."""
         key = ("stages", lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages, lay.dp,
                lay.microbatches, lay.recompute)
         return self._cached(key, lambda: self._stages(lay))
@@ -214,31 +215,58 @@ class Predictor:
         stages = []
         for s in range(pp * v):
             works = [layer[i] for i in range(bounds[s], bounds[s + 1])]
-            send = costs.p2p_time(cfg, self.cluster, tp=lay.tp, cp=lay.cp, dp=lay.dp,
-                                  stage=s % pp, rows=rows, esize=self.esize) if pp > 1 else 0.0
+            send, link = 0.0, None
+            if pp > 1:
+                send = costs.p2p_time(cfg, self.cluster, tp=lay.tp, cp=lay.cp, dp=lay.dp,
+                                      stage=s % pp, rows=rows, esize=self.esize)
+                link = costs.p2p_link(self.cluster, per_stage=lay.tp * lay.cp * lay.dp,
+                                      stage=s % pp)[0]
             stages.append({"layers": (bounds[s], bounds[s + 1]), "f": sum(w.f for w in works),
                            "i": sum(w.i for w in works), "w": sum(w.w for w in works),
-                           "send": send})
+                           "send": send, "link": link,
+                           "zb": self._split_extra(range(bounds[s], bounds[s + 1]))})
         return layer, stages, bounds
 
+    def _split_extra(self, layers) -> float:
+        """zb's split backward's extra host work per microbatch over ``layers`` (the trainer
+        fit's, a block's each, the ends' half each; 0 without a fit), as long as the host's
+        ranks sharing its cores make it."""
+        fit = self.cluster.fit_for(self.cfg, self.esize)
+        if fit is None:
+            return 0.0
+        block, ends = fit[4]
+        last = self.cfg.layers + 1
+        return self.cluster.overhead_scale * sum(ends / 2 if i in (0, last) else block
+                                                 for i in layers)
+
     def _action_costs(self, lay: Layout, stages: list) -> dict:
-        """``{(rank, chunk, kind): seconds}``: a chunk's compute and the send it makes."""
+        """``{(rank, chunk, kind): seconds}``: a chunk's compute and the send it makes (its
+        bytes, and what it waits for busy neighbours after that compute: ``costs.p2p_wait``).
+        The activation goes to the next stage over that stage's link, the gradient back over
+        the previous stage's. Under zb, W adds the split backward's extra host work (the
+        trainer fit's: the second autograd pass over the weights)."""
         pp, v = lay.pp, lay.virtual_stages
         last = pp * v - 1
         out = {}
         for s, st in enumerate(stages):
             r, c = s % pp, s // pp
-            fwd = st["send"] if s < last else 0.0
-            bwd = stages[s - 1]["send"] if s > 0 else 0.0  # the gradient goes back one hop
-            out[r, c, "F"] = st["f"] + fwd
-            out[r, c, "I"] = st["i"] + bwd
-            out[r, c, "W"] = st["w"]
-            out[r, c, "B"] = st["i"] + st["w"] + bwd
+            prev = stages[s - 1] if s > 0 else None
+
+            def fwd(compute):
+                return st["send"] + costs.p2p_wait(st["link"], compute) if s < last else 0.0
+
+            def bwd(compute):
+                return prev["send"] + costs.p2p_wait(prev["link"], compute) if prev else 0.0
+
+            out[r, c, "F"] = st["f"] + fwd(st["f"])
+            out[r, c, "I"] = st["i"] + bwd(st["i"])
+            out[r, c, "W"] = st["w"] + (st["zb"] if lay.schedule == "zb" else 0.0)
+            out[r, c, "B"] = st["i"] + st["w"] + bwd(st["i"] + st["w"])
         return out
 
     def action_costs(self, lay: Layout) -> dict:
-        return self._cached(("costs", lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages,
-                             lay.dp, lay.microbatches, lay.recompute),
+        return self._cached(("costs", lay.schedule, lay.tp, lay.cp, lay.ep, lay.pp,
+                             lay.virtual_stages, lay.dp, lay.microbatches, lay.recompute),
                             lambda: self._action_costs(lay, self.stages(lay)[1]))
 
     def timeline(self, lay: Layout) -> tuple[list[float], float]:

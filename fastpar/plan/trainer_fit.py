@@ -22,7 +22,10 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     """The trainer's own step (``fastpar.train.Trainer.train_step``: the pipeline's executor,
     the meters, clip, AdamW, the loss's all-reduce) timed on this process as a one-rank job on
     one thread, for ``cfg``'s layers at 1 and 3 blocks, 1, ``rows`` / 2 and ``rows`` rows and
-    1 and 2 microbatches (16 steps each). From each point's fastest step after ``warmup``
+    1 and 2 microbatches (16 steps each), and at 1 and 3 blocks, ``rows`` rows and 2
+    microbatches again under zb (its split backward's extra host work per microbatch, per
+    block and for the two ends together: the zb step over the same point's 1f1b, scaled as
+    the rest). From each point's fastest step after ``warmup``
     less the optimizer's modelled time (``OPTIMIZER_BYTES`` a parameter at ``membw``,
     ``tensor_s`` a tensor: the planner adds it per rank itself), fitted by non-negative least
     squares to
@@ -59,13 +62,14 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
         tensors = sum(len(layer_tensors(model, 1, i, 1)) for i in range(layers + 2))
         return OPTIMIZER_BYTES * model.num_params() / membw + tensor_s * tensors
 
-    def step_s(layers: int, batch: int, microbatches: int) -> tuple[float, float]:
+    def step_s(layers: int, batch: int, microbatches: int,
+               schedule: str = "1f1b") -> tuple[float, float]:
         import fastpar
         from fastpar.train import Trainer
         from fastpar.training.args import parse_args
 
         args = parse_args(["--preset", "tiny", "--global-batch", str(batch), "--microbatches",
-                           str(microbatches), "--steps", str(steps)])
+                           str(microbatches), "--steps", str(steps), "--schedule", schedule])
         with contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()), torch.random.fork_rng():
             try:
@@ -81,7 +85,7 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
         return min(kept), statistics.median(kept)
 
     points = [(layers, r, m) for layers in (1, 3) for r in (1, rows // 2, rows) for m in (1, 2)]
-    design, fastest, ratios = [], [], []
+    design, fastest, ratios, split = [], [], [], []
     try:
         for layers, r, m in points:
             n = r * cfg.seq_len
@@ -89,6 +93,9 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
             low, mid = step_s(layers, r * m, m)
             fastest.append(max(0.0, low - optimizer_s(layers)))
             ratios.append(mid / low)
+        for layers in (1, 3):  # zb's split backward against the same point's 1f1b
+            low = step_s(layers, rows * 2, 2, "zb")[0] - optimizer_s(layers)
+            split.append((low - fastest[points.index((layers, rows, 2))]) / 2)
     except Exception as exc:  # noqa: BLE001 - the rest of the calibration stands without it
         print(f"[fastpar plan] note: no trainer fit ({type(exc).__name__}: {exc}); the rate "
               "model alone", file=sys.stderr, flush=True)
@@ -97,4 +104,7 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     # scaled to the median step (what a run's step time reports) by the points' median ratio
     scale = statistics.median(ratios)
     step, e0, e1, b0, b1 = (scale * x for x in nnls(design, fastest))
-    return (model_signature(cfg, 4), (b0, b1), (e0, e1), step)
+    zb_block = max(0.0, (split[1] - split[0]) / 2)  # per microbatch: 1 and 3 blocks
+    zb_end = max(0.0, split[0] - zb_block)
+    return (model_signature(cfg, 4), (b0, b1), (e0, e1), step,
+            (scale * zb_block, scale * zb_end))
