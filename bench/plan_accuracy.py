@@ -24,8 +24,9 @@ keeps each layout's fastest run (``rounds_s`` in the JSON: every run's step).
 (``fastpar.testing.cluster``, root; ``--rate`` shapes each host's link): ``mpirun -hosts
 h0,.. -ppn RANKS/H`` from h0, so that groups spanning hosts go through the hierarchical engine
 and pipeline sends between hosts through gloo, as on a real cluster. The plan's cluster is this
-machine's calibration with the hosts' link measured between them (``fastpar.plan.calibrate``'s
-link launch with one rank a host: gloo's all-reduce over the link, alpha-beta fitted), and each
+machine's calibration with the hosts' link measured between them (``inter_link``:
+``fastpar.plan.calibrate``'s link launch with one rank a host, the all-reduce across them
+fitted to alpha-beta, and its pipeline neighbours' waits at the job's ranks a host), and each
 host given its share of this machine's cores: the namespaced hosts share them.
 """
 

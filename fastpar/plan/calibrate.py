@@ -320,6 +320,31 @@ def _paired(loop, rounds: int, slowest) -> tuple[float, float]:
             max(0.0, statistics.median(c - p for p, c in zip(plain, comm))))
 
 
+def _segment_points(comm, meet, segments, rounds: int) -> list[tuple]:
+    """``[(segment s, extra s)]`` (``_paired``) per segment of ``segments[j]`` 160 x 160
+    matmuls: a loop of the segment then ``meet()`` (the communication with the pair) against
+    the same loop without ``meet``, on every rank (collective over the world)."""
+    import torch.distributed as dist
+
+    a = torch.randn(160, 160)
+    points = []
+    for mm in segments:
+        iters = max(10, 240 // mm)
+
+        def loop(meeting: bool) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                for _ in range(mm):
+                    torch.mm(a, a)
+                if meeting:
+                    meet()
+            return (time.perf_counter() - t0) / iters
+
+        points.append(_paired(loop, rounds, lambda t: comm.all_reduce(t, op="max")))
+    return points
+
+
 def busy_points(topo, comm, segments=BUSY_SEGMENTS,
                 rounds: int = BUSY_ROUNDS) -> list[tuple]:
     """Every rank (collective over the world): the ranks in pairs (0, 1), (2, 3), ... as tp's
@@ -328,29 +353,15 @@ def busy_points(topo, comm, segments=BUSY_SEGMENTS,
     the all-reduce (a last odd rank computes alone). ``[(segment s, extra s per all-reduce)]``
     (``_paired``: medians over ``rounds`` back-to-back pairs on the slowest rank; the extra
     includes the all-reduce itself: ``measure_link`` takes its alpha-beta time off before
-    ``fit_busy``). What a pair
-    waits for beyond the all-reduce itself is the peer being off the core: on a CPU host with
-    more ranks than cores it grows with the segment (``fit_busy``)."""
+    ``fit_busy``). What a pair waits for beyond the all-reduce itself is the peer being off
+    the core: on a CPU host with more ranks than cores it grows with the segment."""
     import torch.distributed as dist
 
     pairs = [dist.new_group(p) for p in rank_pairs(topo.world_size, False)]
     mine = pairs[topo.rank // 2] if topo.rank // 2 < len(pairs) else None
-    a, x = torch.randn(160, 160), torch.ones(BUSY_BYTES // 4)
-    points = []
-    for mm in segments:
-        iters = max(10, 240 // mm)
-
-        def loop(sync: bool) -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                for _ in range(mm):
-                    torch.mm(a, a)
-                if sync and mine is not None:
-                    comm.all_reduce(x, mine)
-            return (time.perf_counter() - t0) / iters
-
-        points.append(_paired(loop, rounds, lambda t: comm.all_reduce(t, op="max")))
+    x = torch.ones(BUSY_BYTES // 4)
+    points = _segment_points(comm, (lambda: comm.all_reduce(x, mine)) if mine is not None
+                             else (lambda: None), segments, rounds)
     for g in pairs:
         dist.destroy_process_group(g)
     return points
@@ -377,28 +388,18 @@ def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
                          f"{topo.world_size} two by two")
     groups = [dist.new_group(p) for p in pairs]
     ch = Channels(next(g for g, p in zip(groups, pairs) if topo.rank in p), all_groups=pairs)
-    a, x = torch.randn(160, 160), torch.ones(BUSY_BYTES // 4)
-    points = []
-    for mm in segments:
-        iters = max(10, 240 // mm)
+    x = torch.ones(BUSY_BYTES // 4)
 
-        def loop(messages: bool) -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                for _ in range(mm):
-                    torch.mm(a, a)
-                if messages:
-                    if ch.index == 0:
-                        ch.send_forward(x, mb=0, stage=1)
-                        ch.recv_backward(mb=0, stage=1)
-                    else:
-                        ch.send_backward(x, mb=0, stage=1)
-                        ch.recv_forward(mb=0, stage=1)
-                    ch.finish_step()
-            return (time.perf_counter() - t0) / iters
+    def exchange():
+        if ch.index == 0:
+            ch.send_forward(x, mb=0, stage=1)
+            ch.recv_backward(mb=0, stage=1)
+        else:
+            ch.send_backward(x, mb=0, stage=1)
+            ch.recv_forward(mb=0, stage=1)
+        ch.finish_step()
 
-        points.append(_paired(loop, rounds, lambda t: comm.all_reduce(t, op="max")))
+    points = _segment_points(comm, exchange, segments, rounds)
     engine = ch.engine_name
     ch.close()
     for g in groups:

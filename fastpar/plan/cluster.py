@@ -211,7 +211,7 @@ class Cluster:
                "attention": {"efficiency": self.attention_efficiency,
                              "points": [list(p) for p in self.attention_points],
                              "causal_skip": self.causal_skip},
-               "intra": _link_json(self.intra)}
+               "intra": dataclasses.asdict(self.intra)}
         if self.rates_per_core:
             out["rates_per_core"] = True
         if self.cpus_per_host:
@@ -219,7 +219,7 @@ class Cluster:
                            "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host,
                            "sync_s": self.busy_sync[0], "sync_ratio": self.busy_sync[1]}
         if self.inter is not None:
-            out["inter"] = _link_json(self.inter)
+            out["inter"] = dataclasses.asdict(self.inter)
         if self.trainer_fit is not None:
             sig, block, end, step, zb = self.trainer_fit
             out["trainer"] = {"model": sig, "block_s": list(block), "end_s": list(end),
@@ -255,14 +255,18 @@ class Cluster:
             if not isinstance(src, dict):
                 raise ValueError(f"{where}: {key} must be an object with alpha_s and busbw_Bps")
             at = f"{where}: {key}"
-            busy = src.get("busy_p2p", [0.0, 0.0])
-            if not (isinstance(busy, list) and len(busy) == 2 and all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) and
-                    math.isfinite(x) and x >= 0 for x in busy)):
-                raise ValueError(f"{at}: busy_p2p must be two numbers >= 0 (seconds, a "
-                                 f"fraction of the compute before a message), got {busy!r}")
             return Link(num("alpha_s", src, at, positive=False), num("busbw_Bps", src, at),
-                        str(src.get("engine", "")), tuple(float(x) for x in busy))
+                        str(src.get("engine", "")),
+                        two("busy_p2p", src, at, "seconds, a fraction of the compute before "
+                            "a message", optional=True))
+
+        def two(key, src, at, what, optional=False):
+            v = src.get(key, [0.0, 0.0] if optional else None)
+            if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and
+                    math.isfinite(x) and x >= 0 for x in v)):
+                raise ValueError(f"{at}: {key} must be two numbers >= 0 ({what}), got {v!r}")
+            return tuple(float(x) for x in v)
 
         def curve(key, width):
             src = d.get(key, {})
@@ -300,17 +304,11 @@ class Cluster:
             at = f"{where}: trainer"
             if not isinstance(src, dict) or not isinstance(src.get("model"), str):
                 raise ValueError(f"{at} must be an object with model, block_s, end_s, step_s")
-            pair = []
-            for key, what in (("block_s", "seconds per microbatch, per token"),
-                              ("end_s", "seconds per microbatch, per token"),
-                              ("zb_s", "seconds per microbatch, a block's and the ends'")):
-                v = src.get(key, [0.0, 0.0] if key == "zb_s" else None)  # zb_s: optional
-                if not (isinstance(v, list) and len(v) == 2 and all(
-                        isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in v)):
-                    raise ValueError(f"{at}: {key} must be two numbers >= 0 ({what}), got "
-                                     f"{v!r}")
-                pair.append(tuple(float(x) for x in v))
-            return (src["model"], *pair[:2], num("step_s", src, at, positive=False), pair[2])
+            per = "seconds per microbatch, per token"
+            return (src["model"], two("block_s", src, at, per), two("end_s", src, at, per),
+                    num("step_s", src, at, positive=False),
+                    two("zb_s", src, at, "seconds per microbatch, a block's and the ends'",
+                        optional=True))
 
         device = d.get("device", "cuda")
         if device not in ("cuda", "cpu"):
@@ -337,12 +335,6 @@ class Cluster:
     @classmethod
     def load(cls, path: str) -> "Cluster":
         return cls.from_json(read_json(path, "--cluster"), where=f"--cluster {path}")
-
-
-def _link_json(link: Link) -> dict:
-    out = dataclasses.asdict(link)
-    out["busy_p2p"] = list(link.busy_p2p)
-    return out
 
 
 def _nearest(points, shape) -> float | None:

@@ -267,14 +267,15 @@ def fitted(work: Work, base: Work, fit: tuple, tokens: float, cluster: Cluster) 
 
 
 def p2p_time(cfg: GPTConfig, cluster: Cluster, *, tp: int, cp: int, dp: int, stage: int,
-             rows: int, esize: int) -> float:
-    """Seconds to send one microbatch's activation (or its gradient) from ``stage`` to the
-    next: (n, h) elements, 1/tp of them under scatter-gather (tp > 1 without SP); every rank
-    of the stage sends at once, so a send across hosts shares the host's link."""
+             rows: int, esize: int):
+    """``(seconds, link)``: sending one microbatch's activation (or its gradient) from
+    ``stage`` to the next, and the link it crosses (``p2p_link``): (n, h) elements, 1/tp of
+    them under scatter-gather (tp > 1 without SP); every rank of the stage sends at once, so
+    a send across hosts shares the host's link."""
     n = rows * cfg.seq_len // cp
     nbytes = n * cfg.hidden * esize // (tp if tp > 1 and not cfg.sequence_parallel else 1)
     link, share = p2p_link(cluster, per_stage=tp * cp * dp, stage=stage)
-    return link.time("sendrecv", 2, nbytes, share=share)
+    return link.time("sendrecv", 2, nbytes, share=share), link
 
 
 def p2p_link(cluster: Cluster, *, per_stage: int, stage: int):

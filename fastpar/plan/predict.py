@@ -215,12 +215,9 @@ class Predictor:
         stages = []
         for s in range(pp * v):
             works = [layer[i] for i in range(bounds[s], bounds[s + 1])]
-            send, link = 0.0, None
-            if pp > 1:
-                send = costs.p2p_time(cfg, self.cluster, tp=lay.tp, cp=lay.cp, dp=lay.dp,
-                                      stage=s % pp, rows=rows, esize=self.esize)
-                link = costs.p2p_link(self.cluster, per_stage=lay.tp * lay.cp * lay.dp,
-                                      stage=s % pp)[0]
+            send, link = costs.p2p_time(cfg, self.cluster, tp=lay.tp, cp=lay.cp, dp=lay.dp,
+                                        stage=s % pp, rows=rows, esize=self.esize) \
+                if pp > 1 else (0.0, None)
             stages.append({"layers": (bounds[s], bounds[s + 1]), "f": sum(w.f for w in works),
                            "i": sum(w.i for w in works), "w": sum(w.w for w in works),
                            "send": send, "link": link,
