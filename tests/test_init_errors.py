@@ -120,7 +120,9 @@ def _free_port():
 def _spawn_rank(rank, world, port, timeout):
     env = launch_env(1, {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                          "MASTER_PORT": str(port)})
-    code = f"import fastpar; fastpar.init(timeout={timeout})"
+    code = (f"import time, fastpar\nstart = time.monotonic()\ntry:\n"
+            f"    fastpar.init(timeout={timeout})\nfinally:\n"
+            f"    print('init ended after', time.monotonic() - start, 's')")
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -133,6 +135,8 @@ def test_rank_that_cannot_reach_rank0():
     assert proc.returncode != 0
     assert f"rank 1 could not reach rank 0 at 127.0.0.1:{port} within 3 s" in out, out
     assert time.monotonic() - start < 30
+    took = float(out.split("init ended after ")[1].split()[0])
+    assert 2.9 <= took <= 3 + 2, out  # on time: torch's own client once took 7.8 s for 3
 
 
 def test_peer_that_never_arrives_is_named():

@@ -149,6 +149,8 @@ def _join_store(host: str, port: int, rank: int, world_size: int, is_master: boo
     import torch.distributed as dist
 
     try:
+        if not is_master:
+            _wait_listening(host, port, timeout)
         return dist.TCPStore(host, port, world_size, is_master,
                              timeout=as_timedelta(timeout),
                              wait_for_workers=False)
@@ -156,6 +158,26 @@ def _join_store(host: str, port: int, rank: int, world_size: int, is_master: boo
         what = "could not start the rendezvous store" if is_master else "could not reach rank 0"
         raise RuntimeError(f"fastpar.init: rank {rank} {what} at {host}:{port} within "
                            f"{timeout:g} s: {exc}") from exc
+
+
+def _wait_listening(host: str, port: int, timeout: float) -> None:
+    """Return once something accepts connections at host:port; ``TimeoutError`` after
+    ``timeout`` seconds. TCPStore's own client retries with a back-off that outlasts its
+    timeout (7.8 s for 3 here, torch 2.13), so a rank whose rank 0 never came would fail
+    seconds after the time it was given; here it fails on time."""
+    start = time.monotonic()
+    pause = 0.01
+    while True:
+        left = timeout - (time.monotonic() - start)
+        try:
+            socket.create_connection((host, port), timeout=max(0.01, min(left, 1.0))).close()
+            return
+        except OSError as exc:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                raise TimeoutError(f"nothing accepted a connection there ({exc})") from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.25)
 
 
 def rendezvous_mpi(comm, timeout: float):
