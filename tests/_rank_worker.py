@@ -3,8 +3,9 @@
     python -m tests._rank_worker OUTDIR MODULE:FUNC KWARGS_JSON   # one body, then exit
     python -m tests._rank_worker --pool SOCKET                    # a rank of a rank pool
 
-One body: writes ``OUTDIR/rank<r>.json`` and exits non-zero on failure (a launch of its own, for
-tests that kill ranks, abort the job or check the job's exit).
+One body: writes ``OUTDIR/pid<r>`` as it starts, ``OUTDIR/rank<r>.json`` at the end, and
+exits non-zero on failure (a launch of its own, for tests that kill ranks, abort the job or
+check the job's exit).
 
 Pool (``tests.rank_pool``): connects to the test process's Unix socket, says its rank and pid,
 then runs one body per request line ``{"target", "kwargs", "env"}`` and answers each with one
@@ -65,6 +66,8 @@ def _destroy_process_group() -> None:
 
 def _one_body(outdir: str, target: str, kwargs: dict) -> int:
     rank = _rank()
+    with open(os.path.join(outdir, f"pid{rank}"), "w") as f:  # Launch.pids
+        f.write(str(os.getpid()))
     result = _call(target, kwargs)
     tmp = os.path.join(outdir, f".rank{rank}.json")
     with open(tmp, "w") as f:

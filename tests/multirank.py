@@ -65,6 +65,7 @@ class Launch:
     elapsed: float
     output: str  # a pool body: the pool's output while it ran (forwarded late: a neighbour's too)
     results: dict[int, dict]  # rank -> {"ok": bool, "value": ..., "error": str, "traceback": str}
+    pids: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> pid, of those started
 
     @property
     def missing(self) -> list[int]:
@@ -103,9 +104,23 @@ def mpich_segments_removed():
     try:
         yield
     finally:
-        for path in set(glob.glob("/dev/shm/mpich_shm_*")) - before:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        unlink_unmapped(set(glob.glob("/dev/shm/mpich_shm_*")) - before)
+
+
+def unlink_unmapped(paths) -> None:
+    """Unlink those of MPICH's segments ``paths`` that no live process maps: a job of another
+    pytest-xdist worker, running beside this test, keeps its own (MPICH names its segments at
+    random, so the creator cannot be told from the name)."""
+    paths = {p for p in paths if os.path.exists(p)}
+    if not paths:
+        return
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        with contextlib.suppress(OSError), open(maps) as f:
+            mapped |= {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
+    for path in paths - mapped:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def launch_command(launcher: str, nranks: int, worker_args: list[str]) -> list[str]:
@@ -230,8 +245,8 @@ def _own_job(nranks, target, launcher, timeout, env, kwargs) -> Launch:
         out.seek(0)
         output = out.read()
         out.close()
-        results = read_results(outdir, nranks)
-    return Launch(nranks, launcher, returncode, elapsed, output, results)
+        results, pids = read_results(outdir, nranks), read_pids(outdir, nranks)
+    return Launch(nranks, launcher, returncode, elapsed, output, results, pids)
 
 
 def read_results(outdir: str, nranks: int) -> dict[int, dict]:
@@ -243,6 +258,25 @@ def read_results(outdir: str, nranks: int) -> dict[int, dict]:
             with open(path) as f:
                 results[r] = json.load(f)
     return results
+
+
+def read_pids(outdir: str, nranks: int) -> dict[int, int]:
+    """``{rank: pid}`` of the ranks of a one-body launch that started (``OUTDIR/pid<r>``)."""
+    pids = {}
+    for r in range(nranks):
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(outdir, f"pid{r}")) as f:
+            pids[r] = int(f.read())
+    return pids
+
+
+def late_until(store, key: str, limit: float) -> None:
+    """A rank that must stay away from a call until its peer has given up on it: wait until
+    the peer sets ``key`` in the job's store (``topo.store``; under mpirun each init makes a
+    new one, so a pool's next body starts without the key), or ``limit`` seconds. Cheaper than
+    sleeping the peer's timeout plus a margin for a loaded machine, and as sure."""
+    deadline = time.monotonic() + limit
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def count_calls(cls, *names: str) -> dict[str, int]:
@@ -262,15 +296,15 @@ def count_calls(cls, *names: str) -> dict[str, int]:
     return counts
 
 
-def segments_of(pids) -> set[str]:
-    """fastpar's segments in /dev/shm created by one of ``pids`` (their names carry the
-    creator's pid: ``fastpar-[p2p-|sym-]<pid>-...``), so that a check for
+def segments_of(pids, paths=None) -> set[str]:
+    """fastpar's segments in /dev/shm (or among ``paths``) created by one of ``pids`` (their
+    names carry the creator's pid: ``fastpar-[p2p-|sym-]<pid>-...``), so that a check for
     leftovers ignores other jobs running beside the test."""
     import re
 
     pids = {str(p) for p in pids}
     found = set()
-    for path in glob.glob("/dev/shm/fastpar-*"):
+    for path in glob.glob("/dev/shm/fastpar-*") if paths is None else paths:
         m = re.match(r"fastpar-(?:p2p-|sym-)?(\d+)-", os.path.basename(path))
         if m and m.group(1) in pids:
             found.add(path)

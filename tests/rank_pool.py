@@ -29,7 +29,8 @@ import tempfile
 import threading
 import time
 
-from tests.multirank import SESSION_ENV, Launch, launch_command, launch_env
+from tests.multirank import (SESSION_ENV, Launch, launch_command, launch_env,
+                             unlink_unmapped)
 
 START_TIMEOUT = 120.0  # seconds for every rank of a new pool to connect
 
@@ -48,7 +49,8 @@ class RankPool:
         self.log_path = os.path.join(self.dir, "output.txt")
         self.proc = None
         self.conns: dict[int, socket.socket] = {}
-        self.segments: set[str] = set()
+        self.segments: set[str] = set()   # MPICH's segments its ranks mapped: unlinked at the end
+        self.made_then: set[str] = set()  # any made while the ranks started
         self.pids: dict[int, int] = {}
         self.bodies = 0
         self.busy = threading.Lock()  # one body at a time: the ranks run one
@@ -84,7 +86,7 @@ class RankPool:
             # MPICH's segments of this job: those its ranks map when it ends (_mapped) and any
             # made before they connected; unlinked at the end, since MPICH leaves them behind
             # when its job is killed (and here, at times, when it ends).
-            self.segments |= set(glob.glob("/dev/shm/mpich_shm_*")) - before
+            self.made_then |= set(glob.glob("/dev/shm/mpich_shm_*")) - before
         except BaseException:
             self.kill()
             raise
@@ -132,7 +134,9 @@ class RankPool:
         for path in self.segments:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        self.segments = set()
+        # made while the ranks started but never seen mapped by them: perhaps another worker's
+        unlink_unmapped(self.made_then - self.segments)
+        self.segments, self.made_then = set(), set()
         if getattr(self, "log", None) is not None:
             self.log.close()
             self.log = None
@@ -197,7 +201,7 @@ class RankPool:
         finally:
             sel.close()
         return Launch(self.nranks, self.launcher, 0, time.monotonic() - start,
-                      self._output(offset), results)
+                      self._output(offset), results, dict(self.pids))
 
     def _broken(self, why: str, results: dict, start: float):
         """Collect the stacks of the ranks still in the body, kill the pool, raise."""

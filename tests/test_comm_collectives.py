@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, segments_of
 
 SIZES = [1, 7, 4099, (1 << 19) + 3]  # the last: over the 1 MiB shm chunk in every dtype
 ENGINE_DTYPES = {
@@ -179,18 +179,17 @@ def test_mismatches_raise_on_every_rank():
 def body_missing_peer():
     """A peer of a subgroup skips a call: its partner fails within the timeout, naming it by
     its global rank (the kernel numbers ranks within the group)."""
-    import time
-
     import torch
 
     import fastpar
     from fastpar import comm
+    from tests.multirank import late_until
 
     topo = fastpar.init(tp=2, timeout=3)  # dp groups: global ranks [0, 2] and [1, 3]
     x = torch.ones(4)
     comm.all_reduce(x, group=topo.dp_group)  # creates the segments; everyone takes part
     if topo.rank == 2:
-        time.sleep(6)  # never joins the next call
+        late_until(topo.store, "test/gave_up", 20)  # never joins the next call
         return "skipped"
     if topo.rank in (1, 3):
         return "other group"
@@ -202,6 +201,8 @@ def body_missing_peer():
         kinds = [exc.kind.name, exc.cause.name, isinstance(exc, TimeoutError)]
     else:
         raise AssertionError("a missing peer did not time out")
+    finally:
+        topo.store.set("test/gave_up", "1")
     try:  # the segment stays poisoned: the next call fails at once, with the first error
         comm.all_reduce(x, group=topo.dp_group)
     except RuntimeError as exc:
@@ -262,7 +263,6 @@ def body_tagged_sums(tag, calls):
 
 
 def test_two_jobs_on_one_host_do_not_collide():
-    before = _segments()
     results = {}
 
     def job(tag):
@@ -273,11 +273,14 @@ def test_two_jobs_on_one_host_do_not_collide():
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert set(results) == {1, 2}
-    # Segments are unlinked once mapped: none are visible even while the jobs run.
+    # Segments are unlinked once mapped: none of the jobs' is visible even while they run (the
+    # names carry their creators' pids: other jobs, a pytest-xdist worker's, are not these jobs')
+    pids = [pid for launch in results.values() for pid in launch.pids.values()]
+    assert len(pids) == 4, [launch.pids for launch in results.values()]
     for launch in results.values():
         for seen in launch.values():
-            assert not set(seen) - before, seen
-    assert _segments() == before
+            assert not segments_of(pids, seen), seen
+    assert not segments_of(pids)
 
 
 def body_killed_rank():
@@ -298,20 +301,18 @@ def body_killed_rank():
 
 
 def test_no_segment_left_after_a_rank_is_killed():
-    before = _segments()
     launch = run_ranks(2, body_killed_rank, check=False, timeout=60,
                        env={"FASTPAR_COMM_BACKEND": "shm"})
     assert launch.returncode not in (0, None), launch.describe()
-    assert _segments() == before
+    assert len(launch.pids) == 2 and not segments_of(launch.pids.values()), launch.describe()
 
 
 def test_no_segment_left_when_setup_fails():
-    before = _segments()
     launch = run_ranks(2, body_setup_failure, env={"FASTPAR_COMM_BACKEND": "shm"}, timeout=90,
                        check=False)
     message = launch.results[0]["value"]
     assert "setting up the shared segment of the group of global ranks [0, 1] failed" in message
-    assert _segments() == before
+    assert len(launch.pids) == 2 and not segments_of(launch.pids.values()), launch.describe()
 
 
 def body_edges():

@@ -15,17 +15,21 @@ def body_group_timeout(engine, init_timeout):
     import fastpar
     from fastpar import comm
 
+    from tests.multirank import late_until
+
     topo = fastpar.init(timeout=init_timeout)
     comm.use_backend(engine)
     comm.all_reduce(torch.ones(2), group=topo.dp_group)  # set-up done: the wait is the engine's
     if topo.rank == 1:
-        time.sleep(2 * init_timeout)
+        late_until(topo.store, "test/gave_up", 5 * init_timeout)
         return "slept"
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(2), group=topo.dp_group)
     except RuntimeError as exc:
         return [time.monotonic() - start, str(exc)]
+    finally:
+        topo.store.set("test/gave_up", "1")
     raise AssertionError("all_reduce with a sleeping peer returned")
 
 

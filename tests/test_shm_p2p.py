@@ -6,7 +6,6 @@ once, with nothing left in /dev/shm. The kernel alone: two endpoints of one proc
 each, on a small ring (wrap-around at odd offsets), its hello check and Ctrl-C."""
 
 import contextlib
-import glob
 import math
 import re
 import threading
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from fastpar.comm.native_errors import Kind
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, segments_of
 
 # ---- the message plan (shared by senders and receivers) -------------------------------------
 
@@ -207,7 +206,6 @@ def body_peer_killed():
 
 
 def test_killed_peer_is_named_at_once_and_nothing_leaks():
-    before = set(glob.glob("/dev/shm/fastpar-p2p-*"))
     launch = run_ranks(2, body_peer_killed, launcher="torchrun", check=False, timeout=90)
     assert 0 in launch.results and launch.results[0]["ok"], launch.describe()
     elapsed, message, kind = launch.results[0]["value"]
@@ -215,7 +213,7 @@ def test_killed_peer_is_named_at_once_and_nothing_leaks():
     assert "rank 0 found rank 1 dead" in message and "has exited" in message, message
     assert "tag 0 (activations)" in message, message
     assert elapsed < 5, (elapsed, message)
-    assert set(glob.glob("/dev/shm/fastpar-p2p-*")) - before == set()
+    assert len(launch.pids) == 2 and not segments_of(launch.pids.values()), launch.describe()
 
 
 # ---- the kernel alone: two endpoints in one process ------------------------------------------
