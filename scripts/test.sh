@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # The test suite on a fresh clone: sets up what it needs, then runs pytest.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k topology -x`.
-# Two pytest-xdist workers, one test module each at a time (--dist loadfile: a module's rank
-# pools and fixtures stay in one process): the suite spends about a quarter of its time waiting
-# (timeouts it tests, peers, launches), which the other worker fills. FASTPAR_TEST_WORKERS=0
-# runs it in one process.
+# FASTPAR_TEST_WORKERS=N runs N pytest-xdist workers, one test module each at a time
+# (--dist loadgroup, a group per module, tests/conftest.py). Not the default: on 2 cores the
+# suite is CPU-bound and two workers took as long as one (650-715 s against 703-718 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-workers=${FASTPAR_TEST_WORKERS:-2}
-if [ "$workers" = "0" ]; then
+workers=${FASTPAR_TEST_WORKERS:-0}
+if [ "$workers" = "0" ] || [ "$workers" = "1" ]; then
   exec python -m pytest "$@"
 fi
-exec python -m pytest -n "$workers" --dist loadfile "$@"
+exec python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"

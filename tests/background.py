@@ -107,10 +107,12 @@ def result(module, name: str, timeout: float = 300.0) -> Result | str:
     deadline = time.monotonic() + timeout
     while not os.path.exists(base + ".rc"):
         if time.monotonic() > deadline:
-            _stop(base)
+            _stop(base)  # if this process started it; else its starter ends it at close
             return Result(argv, -1, _read(base + ".out"),
-                          _read(base + ".err") + f"\n(killed: still running after {timeout:.0f} s)")
+                          _read(base + ".err") + f"\n(still running after {timeout:.0f} s)")
         time.sleep(0.2)
+    with contextlib.suppress(OSError):  # read: its starter need not wait for it at close
+        os.close(os.open(base + ".read", os.O_CREAT | os.O_WRONLY))
     with contextlib.suppress(OSError, ValueError), open(base + ".argv") as f:
         argv = json.load(f)
     return Result(argv, int(_read(base + ".rc").strip() or -1), _read(base + ".out"),
@@ -132,15 +134,18 @@ def _stop(key: str) -> None:
 
 
 def close_all(interrupted: bool = False, wait: float = 600.0) -> None:
-    """End the jobs this process started: an interrupted session kills them; otherwise they
-    may still be another worker's to read, so they are waited for (up to ``wait`` seconds).
-    The shared directory goes with the process that made it."""
-    deadline = time.monotonic() + (0 if interrupted else wait)
+    """End the jobs this process started. A pytest-xdist worker's job that no test has read
+    yet may be another worker's to read: unless the session was interrupted, it is waited for
+    (up to ``wait`` seconds). Anything else still running is killed at once (one process, a
+    session stopped early, ``--collect-only``). The shared directory goes with the process
+    that made it."""
+    worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    deadline = time.monotonic() + (wait if worker and not interrupted else 0)
     for key, proc in _STARTED.items():
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _stop(key)
+        if worker and not interrupted and not os.path.exists(key + ".read"):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        _stop(key)
     _STARTED.clear()
     _DECLARED.clear()
     while _OWN_SHARED:

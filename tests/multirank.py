@@ -10,11 +10,12 @@ and its JSON-serialisable return value is collected. ``run_ranks`` raises ``Rank
 each failed rank's traceback, or, on the timeout, the stacks of the ranks that never finished.
 
 Bodies run in a rank pool (``tests.rank_pool``): one job per (launcher, world size, launch
-environment) serves every body of the session, with ``fastpar.shutdown()`` and the environment
-put back between bodies, so a test costs its body and not a launch. A test of how a job ends
-(killed ranks, aborts, exit statuses, output) needs a job of its own: ``own_job=True``, or
-``check=False`` to get the ``Launch`` back even when ranks fail. ``launch(argv, ...)`` runs a
-command line (the trainer, a bench, ``fastpar info``) as its own job.
+environment) serves every body of the pytest process (each pytest-xdist worker has its own),
+with ``fastpar.shutdown()`` and the environment put back between bodies, so a test costs its
+body and not a launch. A test of how a job ends (killed ranks, aborts, exit statuses, output)
+needs a job of its own: ``own_job=True``, or ``check=False`` to get the ``Launch`` back even
+when ranks fail. ``launch(argv, ...)`` runs a command line (the trainer, a bench, ``fastpar
+info``) as its own job.
 """
 
 from __future__ import annotations
@@ -107,20 +108,37 @@ def mpich_segments_removed():
         unlink_unmapped(set(glob.glob("/dev/shm/mpich_shm_*")) - before)
 
 
-def unlink_unmapped(paths) -> None:
-    """Unlink those of MPICH's segments ``paths`` that no live process maps: a job of another
+def unlink_unmapped(paths, grace: float = 2.0) -> None:
+    """Unlink MPICH's segments ``paths`` once no live process maps them or holds them open. A
+    killed job's ranks may take a moment to die (``grace`` seconds are given); a job of another
     pytest-xdist worker, running beside this test, keeps its own (MPICH names its segments at
-    random, so the creator cannot be told from the name)."""
-    paths = {p for p in paths if os.path.exists(p)}
-    if not paths:
-        return
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        with contextlib.suppress(OSError), open(maps) as f:
-            mapped |= {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
-    for path in paths - mapped:
+    random, so the creator cannot be told from the name; between shm_open and mmap its
+    creator holds it open)."""
+    left = {p for p in paths if os.path.exists(p)}
+    deadline = time.monotonic() + grace
+    while left:
+        used = _mpich_segments_in_use()
+        for path in left - used:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        left &= used
+        if not left or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
+def _mpich_segments_in_use() -> set[str]:
+    used = set()
+    for proc in glob.glob("/proc/[0-9]*"):
+        with contextlib.suppress(OSError), open(f"{proc}/maps") as f:
+            used |= {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            for fd in os.listdir(f"{proc}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"{proc}/fd/{fd}")
+                    if target.startswith("/dev/shm/mpich_shm_"):
+                        used.add(target)
+    return used
 
 
 def launch_command(launcher: str, nranks: int, worker_args: list[str]) -> list[str]:
@@ -271,11 +289,18 @@ def read_pids(outdir: str, nranks: int) -> dict[int, int]:
 
 def late_until(store, key: str, limit: float) -> None:
     """A rank that must stay away from a call until its peer has given up on it: wait until
-    the peer sets ``key`` in the job's store (``topo.store``; under mpirun each init makes a
-    new one, so a pool's next body starts without the key), or ``limit`` seconds. Cheaper than
-    sleeping the peer's timeout plus a margin for a loaded machine, and as sure."""
+    the peer sets ``key`` in the job's store (``topo.store``), or ``limit`` seconds. Cheaper
+    than sleeping the peer's timeout plus a margin for a loaded machine, and as sure. A store
+    that stops answering counts as the word: under mpirun it lives in rank 0, which may end
+    its body (and the store) as soon as it has set the key. ``key`` must be new to the store
+    (a torchrun pool's agent keeps one store for every body): the test passes a fresh one."""
     deadline = time.monotonic() + limit
-    while not store.check([key]) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        try:
+            if store.check([key]):
+                return
+        except Exception:  # noqa: BLE001 - the store's host ended its body: it gave up
+            return
         time.sleep(0.05)
 
 
@@ -298,14 +323,14 @@ def count_calls(cls, *names: str) -> dict[str, int]:
 
 def segments_of(pids, paths=None) -> set[str]:
     """fastpar's segments in /dev/shm (or among ``paths``) created by one of ``pids`` (their
-    names carry the creator's pid: ``fastpar-[p2p-|sym-]<pid>-...``), so that a check for
-    leftovers ignores other jobs running beside the test."""
+    names carry the creator's pid after any tags: ``fastpar-[p2p-|sym-|slots-...]<pid>-...``),
+    so that a check for leftovers ignores other jobs running beside the test."""
     import re
 
     pids = {str(p) for p in pids}
     found = set()
     for path in glob.glob("/dev/shm/fastpar-*") if paths is None else paths:
-        m = re.match(r"fastpar-(?:p2p-|sym-)?(\d+)-", os.path.basename(path))
+        m = re.match(r"fastpar-(?:[a-z][a-z0-9]*-)*(\d+)-", os.path.basename(path))
         if m and m.group(1) in pids:
             found.add(path)
     return found

@@ -4,6 +4,7 @@ import glob
 import hashlib
 import os
 import threading
+import uuid
 import zlib
 
 import pytest
@@ -176,7 +177,7 @@ def test_mismatches_raise_on_every_rank():
         assert "(3, 2)" in msgs[3] if rank else "(2, 3)" in msgs[3], msgs[3]
 
 
-def body_missing_peer():
+def body_missing_peer(gave_up):
     """A peer of a subgroup skips a call: its partner fails within the timeout, naming it by
     its global rank (the kernel numbers ranks within the group)."""
     import torch
@@ -189,7 +190,7 @@ def body_missing_peer():
     x = torch.ones(4)
     comm.all_reduce(x, group=topo.dp_group)  # creates the segments; everyone takes part
     if topo.rank == 2:
-        late_until(topo.store, "test/gave_up", 20)  # never joins the next call
+        late_until(topo.store, gave_up, 20)  # never joins the next call
         return "skipped"
     if topo.rank in (1, 3):
         return "other group"
@@ -202,7 +203,7 @@ def body_missing_peer():
     else:
         raise AssertionError("a missing peer did not time out")
     finally:
-        topo.store.set("test/gave_up", "1")
+        topo.store.set(gave_up, "1")
     try:  # the segment stays poisoned: the next call fails at once, with the first error
         comm.all_reduce(x, group=topo.dp_group)
     except RuntimeError as exc:
@@ -212,7 +213,8 @@ def body_missing_peer():
 
 
 def test_missing_peer_times_out_naming_it():
-    values = run_ranks(4, body_missing_peer, env={"FASTPAR_COMM_BACKEND": "shm"}).values()
+    values = run_ranks(4, body_missing_peer, gave_up=uuid.uuid4().hex,
+                       env={"FASTPAR_COMM_BACKEND": "shm"}).values()
     first, second, first_kind, second_kind = values[0]
     assert first_kind == ["TIMEOUT", "TIMEOUT", True], first_kind
     assert second_kind == ["POISONED", "TIMEOUT", True], second_kind
@@ -221,26 +223,27 @@ def test_missing_peer_times_out_naming_it():
     assert "poisoned" in second and "global rank 2" in second, second
 
 
-def body_setup_failure():
+def body_setup_failure(gave_up):
     """A peer that never reaches the segment setup: the creator fails in time and unlinks."""
-    import time
-
     import torch
 
     import fastpar
     from fastpar import comm
+    from tests.multirank import late_until
 
     # A job of its own: MPI_Init first, without fastpar's watchdog, so that the 3 s bound the
     # segment's set-up and not ranks that finish importing torch seconds apart under load.
     from mpi4py import MPI  # noqa: F401
     topo = fastpar.init(timeout=3)
     if topo.rank == 1:
-        time.sleep(5)  # past rank 0's 3 s timeout, with room for a slow start
+        late_until(topo.store, gave_up, 20)  # until rank 0's set-up has failed
         return "late"
     try:
         comm.all_reduce(torch.ones(4))
     except RuntimeError as exc:
         return str(exc)
+    finally:
+        topo.store.set(gave_up, "1")
     raise AssertionError("setup with a missing peer did not fail")
 
 
@@ -308,8 +311,8 @@ def test_no_segment_left_after_a_rank_is_killed():
 
 
 def test_no_segment_left_when_setup_fails():
-    launch = run_ranks(2, body_setup_failure, env={"FASTPAR_COMM_BACKEND": "shm"}, timeout=90,
-                       check=False)
+    launch = run_ranks(2, body_setup_failure, gave_up=uuid.uuid4().hex, timeout=90,
+                       env={"FASTPAR_COMM_BACKEND": "shm"}, check=False)
     message = launch.results[0]["value"]
     assert "setting up the shared segment of the group of global ranks [0, 1] failed" in message
     assert len(launch.pids) == 2 and not segments_of(launch.pids.values()), launch.describe()

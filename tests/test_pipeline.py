@@ -12,6 +12,8 @@ CPU. One launch per layout runs every case.
 
 import copy
 
+import uuid
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -362,27 +364,27 @@ def test_tp_inside_stages_and_pp_below_the_world():
           max(max(v["worst"] for v in values) for values in launch.values()))
 
 
-def body_timeout(p2p="auto"):
-    """Stage 1 stops answering (sleeps past the timeout in its forward): stage 0's wait for the
-    gradient fails, naming itself, the peer, the action and its position, as a P2PTimeout on
-    either engine (shm's typed error; gloo's timed-out wait)."""
-    import time
-
+def body_timeout(gave_up, p2p="auto"):
+    """Stage 1 stops answering (stays in its forward until stage 0 has given up): stage 0's
+    wait for the gradient fails, naming itself, the peer, the action and its position, as a
+    P2PTimeout on either engine (shm's typed error; gloo's timed-out wait)."""
     import fastpar
     from fastpar.comm.p2p import P2PTimeout
     from fastpar.pipeline import Pipeline
+    from tests.multirank import late_until
 
     # MPI_Init first, without fastpar's watchdog (as body_stall in test_p2p_hosts): the 3 s are
     # for the stalled stage, not for ranks that finish importing torch seconds apart under load.
     from mpi4py import MPI  # noqa: F401
-    fastpar.init(pp=2, timeout=3)
+    topo = fastpar.init(pp=2, timeout=3)
 
     class Stall(nn.Module):
         calls = 0
 
         def forward(self, x):
             Stall.calls += 1
-            time.sleep(6 if Stall.calls == 1 else 0)
+            if Stall.calls == 1:
+                late_until(topo.store, gave_up, 20)
             return x
 
     pipe = Pipeline([lambda: nn.Linear(IN, OUT), Stall], loss_fn=_mse, microbatches=2,
@@ -390,6 +392,7 @@ def body_timeout(p2p="auto"):
     try:
         pipe.step(torch.randn(4, IN), torch.randn(4, OUT))
     except P2PTimeout as exc:
+        topo.store.set(gave_up, "1")
         return {"error": str(exc)}
     except Exception as exc:  # noqa: BLE001 - stage 1, once stage 0 has given up and left
         return {"error": None, "other": f"{type(exc).__name__}: {exc}"[:300]}
@@ -399,8 +402,8 @@ def body_timeout(p2p="auto"):
 @pytest.mark.parametrize("p2p", ["auto", "torch"])
 def test_peer_that_stops_answering_is_named(p2p):
     # gloo's timed-out receive stays posted: that job ends with the test (a launch of its own)
-    launch = run_ranks(2, body_timeout, p2p=p2p, timeout=120, launcher="mpirun",
-                       own_job=p2p == "torch")
+    launch = run_ranks(2, body_timeout, p2p=p2p, gave_up=uuid.uuid4().hex, timeout=120,
+                       launcher="mpirun", own_job=p2p == "torch")
     err = launch.values()[0]["error"]
     assert err is not None, "rank 0 did not time out"
     assert "pipeline rank 0 (global rank 0)" in err and "peer rank 1" in err, err

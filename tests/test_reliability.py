@@ -1,12 +1,14 @@
 """The base under stress and failure: every wait bounded by init's timeout, clear errors, nothing
 left behind."""
 
+import uuid
+
 import pytest
 
 from tests.multirank import run_ranks
 
 
-def body_group_timeout(engine, init_timeout):
+def body_group_timeout(engine, init_timeout, gave_up):
     """Rank 0 all-reduces on the dp group while rank 1 sleeps past the timeout."""
     import time
 
@@ -21,7 +23,7 @@ def body_group_timeout(engine, init_timeout):
     comm.use_backend(engine)
     comm.all_reduce(torch.ones(2), group=topo.dp_group)  # set-up done: the wait is the engine's
     if topo.rank == 1:
-        late_until(topo.store, "test/gave_up", 5 * init_timeout)
+        late_until(topo.store, gave_up, 5 * init_timeout)
         return "slept"
     start = time.monotonic()
     try:
@@ -29,7 +31,7 @@ def body_group_timeout(engine, init_timeout):
     except RuntimeError as exc:
         return [time.monotonic() - start, str(exc)]
     finally:
-        topo.store.set("test/gave_up", "1")
+        topo.store.set(gave_up, "1")
     raise AssertionError("all_reduce with a sleeping peer returned")
 
 
@@ -38,7 +40,8 @@ def test_init_timeout_bounds_collectives_on_every_group(engine):
     """init(timeout=) bounds the grid's own groups too (torch's default is 30 minutes)."""
     timeout = 3.0
     (elapsed, message), slept = run_ranks(2, body_group_timeout, engine=engine,
-                                          init_timeout=timeout, timeout=60).values()
+                                          init_timeout=timeout, gave_up=uuid.uuid4().hex,
+                                          timeout=60).values()
     assert slept == "slept"
     assert timeout * 0.9 <= elapsed <= timeout + 6, (elapsed, message)
 
