@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k topology -x`.
 # FASTPAR_TEST_WORKERS=N runs N pytest-xdist workers, one test module each at a time
 # (--dist loadgroup, a group per module, tests/conftest.py). Not the default: on 2 cores the
-# suite is CPU-bound and two workers took as long as one (650-715 s against 703-718 s).
+# suite is CPU-bound and two workers took as long as one (650-715 s against 657-719 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
