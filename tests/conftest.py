@@ -23,8 +23,9 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Modules that take longest (each launches several multi-rank jobs or trainings), run first so
-# that pytest-xdist's workers (scripts/test.sh runs two, --no-loadscope-reorder) end together
-# rather than one of them starting the longest module last. The rest keep their order.
+# that pytest-xdist's workers (FASTPAR_TEST_WORKERS=N scripts/test.sh, --no-loadscope-reorder)
+# end together rather than one of them starting the longest module last. The rest keep their
+# order.
 LONGEST_FIRST = ["test_train", "test_cluster_jobs", "test_bench", "test_reliability",
                  "test_comm_collectives", "test_checkpoint_sharded", "test_init_errors",
                  "test_pipeline", "test_symmetric", "test_shm_p2p", "test_topology"]
