@@ -129,9 +129,9 @@ def run(lay, args, tmp: str, hosts=None) -> dict:
 def inter_link(hosts, args, tmp: str) -> Link:
     """The link between the namespaced hosts: ``fastpar.plan.calibrate``'s link launch with one
     rank a host (``--link-only``: all_reduce 4 KiB .. 16 MiB on the engine the policy picks
-    across hosts), fitted to alpha-beta as the intra-host link is; then its ``busy_p2p`` from
-    the same module at the job's ranks a host, pipeline neighbours paired across the hosts
-    (``--across``: the pairs cross the link at once, each at its share of it)."""
+    across hosts), fitted to alpha-beta as the intra-host link is; then its ``busy_p2p`` and
+    ``busy_ring`` from the same module at the job's ranks a host, neighbours paired across the
+    hosts (``--across``: the pairs cross the link at once, each at its share of it)."""
     ppn = args.ranks // args.hosts
     got = {}
     for name, n, mode in (("link", 1, "--link-only"), ("p2p", ppn, "--across")):
@@ -149,8 +149,9 @@ def inter_link(hosts, args, tmp: str) -> Link:
             got[name] = json.load(f)
     d = got["link"]
     alpha, busbw = calibrate.fit(d["ranks"], [tuple(x) for x in d["points"]])
-    return calibrate.with_busy_p2p(Link(alpha, busbw, d["engine"]), got["p2p"].get("p2p", []),
+    link = calibrate.with_busy_p2p(Link(alpha, busbw, d["engine"]), got["p2p"].get("p2p", []),
                                    share=1.0 / ppn)
+    return calibrate.with_busy_ring(link, got["p2p"].get("ring", []))
 
 
 def across(base: Cluster, args, link: Link) -> Cluster:

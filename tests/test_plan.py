@@ -170,10 +170,21 @@ def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
         Cluster.from_json(d)
     del d["intra"]["busy_p2p"]  # a file from before: no waits
     assert Cluster.from_json(d).intra.busy_p2p == (0.0, 0.0)
+    ring = dataclasses.replace(p2p, intra=dataclasses.replace(p2p.intra, busy_ring=(2e-3, 0.1)))
+    ring.save(str(path))
+    assert Cluster.load(str(path)) == ring
+    d = ring.to_json()
+    d["intra"]["busy_ring"] = [2e-3, float("nan")]
+    with pytest.raises(ValueError, match=r"intra: busy_ring must be two numbers >= 0 \(seconds, "
+                                         r"a fraction of the compute between a cp ring's "
+                                         r"exchanges\), got \[0.002, nan\]"):
+        Cluster.from_json(d)
+    del d["intra"]["busy_ring"]  # a file from before: the ring's hops as alpha-beta
+    assert Cluster.from_json(d).intra.busy_ring == (0.0, 0.0)
     # measured at 4 ranks a host: at 4 they stay, at 2 (fewer ranks a core) none carries
-    assert p2p.with_ranks(2, 4) == dataclasses.replace(p2p, hosts=2)
-    other = p2p.with_ranks(1, 2)
-    assert other.intra.busy_p2p == (0.0, 0.0) and other.busy_sync == (0.0, 0.0)
+    assert ring.with_ranks(2, 4) == dataclasses.replace(ring, hosts=2)
+    other = ring.with_ranks(1, 2)
+    assert other.intra.busy_p2p == other.intra.busy_ring == other.busy_sync == (0.0, 0.0)
     d = CLUSTER.to_json()
     d["peak_flops"] = -1
     with pytest.raises(ValueError, match=r"peak_flops must be a number > 0, got -1"):
@@ -389,23 +400,25 @@ def test_fit_busy_recovers_a_line_and_clamps_at_zero():
 def body_busy_points():
     import fastpar
     from fastpar import comm
-    from fastpar.plan.calibrate import busy_p2p_points, busy_points
+    from fastpar.plan.calibrate import busy_p2p_points, busy_points, busy_ring_points
 
     topo = fastpar.init(timeout=60)
     return (busy_points(topo, comm, segments=(1, 4), rounds=1),
-            busy_p2p_points(topo, comm, [[0, 1]], segments=(1, 4), rounds=1))
+            busy_p2p_points(topo, comm, [[0, 1]], segments=(1, 4), rounds=1),
+            busy_ring_points(topo, comm, [[0, 1]], segments=(1, 4), rounds=1))
 
 
 def test_busy_points_time_pairs_of_busy_ranks():
-    """busy_points (pairs all-reducing) and busy_p2p_points (pairs as pipeline neighbours,
-    through Channels) in one 2-rank job: each segment timed. (Which segment is longer is a
-    timing, and timings are not asserted here: one of four matmuls measured shorter than one
-    of one under a loaded CI machine.)"""
+    """busy_points (pairs all-reducing), busy_p2p_points (pairs as pipeline neighbours,
+    through Channels) and busy_ring_points (as a cp ring's, through its exchange) in one
+    2-rank job: each segment timed. (Which segment is longer is a timing, and timings are not
+    asserted here: one of four matmuls measured shorter than one of one under a loaded CI
+    machine.)"""
     from tests.multirank import run_ranks
 
-    for sync, (p2p, engine) in run_ranks(2, body_busy_points, timeout=120).values():
+    for sync, (p2p, engine), ring in run_ranks(2, body_busy_points, timeout=120).values():
         assert engine == "shm"
-        for points in (sync, p2p):
+        for points in (sync, p2p, ring):
             assert len(points) == 2
             assert all(0 < point[0] < 1.0 for point in points), points
 
@@ -452,6 +465,52 @@ def test_busy_p2p_fit_takes_the_messages_own_time_off_at_its_share():
         assert got.busy_p2p == pytest.approx((2e-3, 0.25), rel=1e-9)
         assert (got.alpha_s, got.busbw_Bps, got.engine) == (1e-4, 1e8, "gloo")
     assert with_busy_p2p(link, []).busy_p2p == (0.0, 0.0)  # not measured: no waits
+
+
+def test_busy_ring_fit_keeps_the_exchange_whole():
+    """with_busy_ring: the points' extras fitted s0 + k x c as they are (the ring's transfer
+    goes through torch's engine, which the link's alpha-beta does not describe)."""
+    from fastpar.plan.calibrate import with_busy_ring
+
+    link = Link(1e-4, 1e8, "shm", busy_p2p=(1e-4, 0.1))
+    got = with_busy_ring(link, [[c, 2e-3 + 0.25 * c] for c in (5e-4, 2e-3, 5e-3)])
+    assert got.busy_ring == pytest.approx((2e-3, 0.25), rel=1e-9)
+    assert dataclasses.replace(got, busy_ring=(0.0, 0.0)) == link
+    assert with_busy_ring(link, []).busy_ring == (0.0, 0.0)  # not measured
+
+
+def test_cp_ring_exchanges_cost_what_busy_peers_make_them():
+    """A cp ring (nn.context_ring) exchanges a K/V block cp - 1 times in a block's forward and
+    2 cp - 1 times in its backward (cp - 1 K/V, cp dK/dV sums; the forward's again under full
+    recompute). With the ring's link's busy_ring (s0, k) measured, each takes s0 + k x the
+    attention computed since the last, and none is a sync point; without, a hop is alpha-beta
+    behind the attention (on this fast link: hidden) and each a sync point. On two hosts of 2,
+    cp 2 under tp 2 pairs ranks 0 and 2 across the hosts: the inter link's busy_ring is
+    charged; under tp 1 it pairs 0 and 1 in a host: the intra link's (none here)."""
+    from fastpar.plan.costs import ATTN_BACKWARD, layer_work
+
+    s0, k = 2e-3, 0.1
+    for recompute in ("none", "full"):
+        cfg = dataclasses.replace(PRESETS["tiny"], context_parallel="ring", recompute=recompute)
+        quiet = layer_work(cfg, CLUSTER, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
+        busy = dataclasses.replace(CLUSTER, intra=dataclasses.replace(CLUSTER.intra,
+                                                                      busy_ring=(s0, k)))
+        got = layer_work(cfg, busy, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
+        core = got.terms["f:attention core"]
+        fwd = s0 + k * core / 2
+        assert got.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(fwd)
+        assert got.terms["i:cp ring exchanges (busy peers)"] == pytest.approx(
+            3 * s0 + k * ATTN_BACKWARD * core + (fwd if recompute == "full" else 0.0))
+        assert got.syncs == {"f": 0, "i": 0, "w": 0}
+        assert quiet.terms["f:cp ring (exposed)"] == quiet.terms["i:cp ring (exposed)"] == 0.0
+        assert quiet.syncs == {"f": 1, "i": 2 if recompute == "full" else 1, "w": 0}
+        assert got.f - quiet.f == pytest.approx(fwd)
+    two = dataclasses.replace(CLUSTER, hosts=2, ranks_per_host=2,
+                              inter=Link(1e-4, 1e9, "gloo", busy_ring=(5e-3, 0.0)))
+    across = layer_work(cfg, two, index=1, tp=2, cp=2, ep=1, rows=4, esize=4)
+    assert across.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(5e-3)
+    inside = layer_work(cfg, two, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
+    assert "f:cp ring exchanges (busy peers)" not in inside.terms and inside.syncs["f"] == 1
 
 
 def test_pipeline_sends_wait_for_busy_neighbours_on_their_link():

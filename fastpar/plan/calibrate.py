@@ -4,7 +4,8 @@
     mpirun -np 2 python -m fastpar.plan.calibrate OUT.json   # the link part alone
     mpirun -np 2 python -m fastpar.plan.calibrate OUT.json --link-only    # all_reduce alone
     mpirun -np 4 python -m fastpar.plan.calibrate OUT.json --across   # neighbours' waits,
-                                            # paired across two hosts of 2 (busy_p2p_points)
+                                            # paired across two hosts of 2 (busy_p2p_points,
+                                            # busy_ring_points)
 
 Measured: GEMM throughput at a sweep of shapes (squares and the tall-skinny shapes of layers:
 many tokens, a few hundred to a thousand features), causal attention (SDPA, forward and
@@ -13,7 +14,8 @@ all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on the ranks
 CPU: even past its cores, as the job runs; a GPU: at most its devices) launched with
 ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by least squares of the
 relative error; on a CPU in the same launch the waits of busy ranks that meet in pairs
-(``busy_points``: all-reducing, ``busy_p2p_points``: as pipeline neighbours). The
+(``busy_points``: all-reducing, ``busy_p2p_points``: as pipeline neighbours,
+``busy_ring_points``: as a cp ring's neighbours). The
 inter-host link cannot be measured from one host: it comes from
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
 A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
@@ -221,7 +223,7 @@ def measure_link(ranks: int, timeout: float = 180.0) -> tuple[Link, tuple] | Non
     # the waits beyond the pair's all-reduce itself, which the planner charges apart
     own = link.time("all_reduce", 2, BUSY_BYTES)
     busy = fit_busy([(c, max(0.0, e - own)) for c, e in d.get("busy", [])])
-    return with_busy_p2p(link, d.get("p2p", [])), busy
+    return with_busy_ring(with_busy_p2p(link, d.get("p2p", [])), d.get("ring", [])), busy
 
 
 def with_busy_p2p(link: Link, points: list, share: float = 1.0) -> Link:
@@ -231,6 +233,13 @@ def with_busy_p2p(link: Link, points: list, share: float = 1.0) -> Link:
     own = link.time("sendrecv", 2, BUSY_BYTES, share=share)
     return dataclasses.replace(link, busy_p2p=fit_busy(
         [(c, max(0.0, e - own)) for c, e in points]))
+
+
+def with_busy_ring(link: Link, points: list) -> Link:
+    """``link`` with ``busy_ring`` fitted (``fit_busy``) to ``busy_ring_points``' extras,
+    whole: the exchange's own transfer is the ring's engine's, which the link does not
+    describe."""
+    return dataclasses.replace(link, busy_ring=fit_busy([tuple(p) for p in points]))
 
 
 @contextlib.contextmanager
@@ -407,6 +416,38 @@ def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
     return points, engine
 
 
+def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
+                     rounds: int = BUSY_ROUNDS) -> list[tuple]:
+    """Every rank (collective over the world; ``pairs`` cover it, two ranks each): each pair as
+    a cp group of 2 running ring attention, through the ring's own exchange
+    (``nn.context_ring._Ring.shift``: torch isend/irecv of a block to the next rank and from
+    the previous one, then its wait), both computing a segment of ``segments[j]`` small
+    matmuls between exchanges of 32 KiB, against the same loop without them.
+    ``[(segment s, extra s per exchange)]`` (``_paired``, as ``busy_points``), the transfer
+    included (the ring's engine is not the link's: nothing else charges it). On a CPU host
+    whose ranks outnumber its cores each exchange waits for gloo's threads and the peer to get
+    a core: ~2.5 ms on 4 ranks of 2 cores, whatever the segment."""
+    import torch.distributed as dist
+
+    from fastpar.nn.context_ring import TAG_KV, _Ring
+
+    if any(len(p) != 2 for p in pairs) or sorted(r for p in pairs for r in p) != \
+            list(range(topo.world_size)):
+        raise ValueError(f"busy_ring_points: pairs {pairs} must cover the world of "
+                         f"{topo.world_size} two by two")
+    groups = [dist.new_group(p) for p in pairs]
+    ring = _Ring(next(g for g, p in zip(groups, pairs) if topo.rank in p), positions=None)
+    x = torch.ones(BUSY_BYTES // 4)
+
+    def exchange():
+        ring.shift(x, TAG_KV)[1].wait()
+
+    points = _segment_points(comm, exchange, segments, rounds)
+    for g in groups:
+        dist.destroy_process_group(g)
+    return points
+
+
 def rank_pairs(world: int, across: bool) -> list[list[int]]:
     """Pairs of ranks: (0, 1), (2, 3), .. (in a host; a last odd rank left out), or with
     ``across`` (r, r + world / 2) (on two hosts of world / 2 ranks each; world even)."""
@@ -418,9 +459,10 @@ def rank_pairs(world: int, across: bool) -> list[list[int]]:
 
 def _link_worker(out: str, mode: str = "") -> None:
     """Each rank: ``link_points`` and, one thread each as the job's ranks, ``busy_points`` and
-    (an even world) ``busy_p2p_points`` of neighbours in a host; ``mode`` "--link-only":
-    ``link_points`` alone; "--across" (an even world on two hosts, half on each):
-    ``busy_p2p_points`` of neighbours paired across them alone. Rank 0 writes them."""
+    (an even world) ``busy_p2p_points`` and ``busy_ring_points`` of neighbours in a host;
+    ``mode`` "--link-only": ``link_points`` alone; "--across" (an even world on two hosts,
+    half on each): ``busy_p2p_points`` and ``busy_ring_points`` of neighbours paired across
+    them alone. Rank 0 writes them."""
     import fastpar
     from fastpar import comm
 
@@ -435,8 +477,9 @@ def _link_worker(out: str, mode: str = "") -> None:
         if cpu and not mode:
             result["busy"] = busy_points(topo, comm)
         if cpu and mode != "--link-only" and world % 2 == 0:
-            result["p2p"], result["p2p_engine"] = busy_p2p_points(
-                topo, comm, rank_pairs(world, mode == "--across"))
+            pairs = rank_pairs(world, mode == "--across")
+            result["p2p"], result["p2p_engine"] = busy_p2p_points(topo, comm, pairs)
+            result["ring"] = busy_ring_points(topo, comm, pairs)
     if topo.rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

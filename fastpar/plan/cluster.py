@@ -22,7 +22,9 @@ head dim). ``intra`` is one rank's bus bandwidth inside a host (nccl-tests' busb
 collective of S bytes over n ranks takes ``steps x alpha + factor(n) x S / busbw``); ``inter``
 is one host's bandwidth to the others (all its NICs together), which the host's ranks share
 when they send at once. A link's optional ``"busy_p2p": [s0, k]`` (``--calibrate`` on a CPU):
-a pipeline message on it waits s0 + k x the sender's compute before it for busy neighbours.
+a pipeline message on it waits s0 + k x the sender's compute before it for busy neighbours;
+its optional ``"busy_ring": [s0, k]`` (likewise): a cp ring's K/V exchange on it takes
+s0 + k x the attention computed since the last one.
 ``"rates_per_core": true`` (what ``--calibrate`` writes on a CPU): the GEMM, attention and
 memory rates are one core's (measured on one thread: several threads on a loaded machine wait
 for each other), and each of a host's ranks gets ``cpus / ranks_per_host`` cores of the
@@ -89,12 +91,17 @@ class Link:
     """Alpha-beta of one hierarchy level: ``alpha_s`` per ring step, ``busbw_Bps``; and
     ``busy_p2p`` (s0, k): what a pipeline message between neighbours on this level that
     compute between messages waits beyond it, s0 + k x the sender's compute before it
-    (``calibrate.busy_p2p_points``; (0, 0) where not measured)."""
+    (``calibrate.busy_p2p_points``; (0, 0) where not measured); ``busy_ring`` (s0, k): what
+    a context-parallel ring's exchange (``nn.context_ring``: torch isend/irecv of a K/V block
+    with both neighbours) takes between ranks that compute between exchanges, s0 + k x that
+    compute, the transfer included (``calibrate.busy_ring_points``; (0, 0): not measured,
+    the ring's hops are then the link's alpha-beta, hidden behind the attention)."""
 
     alpha_s: float
     busbw_Bps: float
     engine: str = ""
     busy_p2p: tuple = (0.0, 0.0)
+    busy_ring: tuple = (0.0, 0.0)
 
     def time(self, op: str, n: int, nbytes: float, share: float = 1.0) -> float:
         """Seconds of ``op`` on ``nbytes`` over ``n`` ranks, at ``share`` of the bandwidth."""
@@ -191,11 +198,12 @@ class Cluster:
 
     def with_ranks(self, hosts: int, ranks_per_host: int) -> "Cluster":
         """The same machines with another job's ranks; busy peers' waits (``busy_sync``, the
-        links' ``busy_p2p``), measured with this many ranks a host, do not carry to another
-        count (more or fewer ranks a core)."""
+        links' ``busy_p2p`` and ``busy_ring``), measured with this many ranks a host, do not
+        carry to another count (more or fewer ranks a core)."""
         if ranks_per_host == self.ranks_per_host:
             return dataclasses.replace(self, hosts=hosts)
-        quiet = [None if x is None else dataclasses.replace(x, busy_p2p=(0.0, 0.0))
+        quiet = [None if x is None else dataclasses.replace(x, busy_p2p=(0.0, 0.0),
+                                                            busy_ring=(0.0, 0.0))
                  for x in (self.intra, self.inter)]
         return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host,
                                    busy_sync=(0.0, 0.0), intra=quiet[0], inter=quiet[1])
@@ -258,7 +266,9 @@ class Cluster:
             return Link(num("alpha_s", src, at, positive=False), num("busbw_Bps", src, at),
                         str(src.get("engine", "")),
                         two("busy_p2p", src, at, "seconds, a fraction of the compute before "
-                            "a message", optional=True))
+                            "a message", optional=True),
+                        two("busy_ring", src, at, "seconds, a fraction of the compute between "
+                            "a cp ring's exchanges", optional=True))
 
         def two(key, src, at, what, optional=False):
             v = src.get(key, [0.0, 0.0] if optional else None)

@@ -142,14 +142,8 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         work.add("attention scores", "f", scores / membw)
         work.add("attention scores", "i", 2 * scores / membw)
     o = _gemm(work, cluster, "o_proj", n, h, q, full)
-    if cp > 1:  # ring: cp - 1 K/V blocks, each in flight while the previous block computes
-        step_bytes = 2 * rows * (T // cp) * kv * esize
-        hop = group_time(cluster, "sendrecv", step_bytes, 2, tp)
-        work.add("cp ring (exposed)", "f", (cp - 1) * max(0.0, hop - core / cp))
-        work.add("cp ring (exposed)", "i", (cp - 1) * max(0.0, 2 * hop -
-                                                            ATTN_BACKWARD * core / cp))
-        work.syncs["f"] += cp - 1
-        work.syncs["i"] += (cp - 1) * (2 if full else 1)
+    if cp > 1:
+        cp_ring(work, cluster, cp, tp, 2 * rows * (T // cp) * kv * esize, core, full)
     # the MLP (or the experts)
     if cfg.is_moe(index):
         k = cfg.moe_top_k
@@ -183,6 +177,31 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         work.syncs["f"] += 2
         work.syncs["i"] += 2 * (2 if full else 1)
     return work
+
+
+def cp_ring(work: Work, cluster: Cluster, cp: int, tp: int, step_bytes: float, core: float,
+            full: bool) -> None:
+    """The exchanges of ``nn.context_ring``'s ring attention in one layer (``core``: the
+    attention's forward on this rank, ``step_bytes``: a K/V block): cp - 1 forward, each
+    behind a block's attention (cp - 1 K/V and cp dK/dV partial sums backward; the forward's
+    again under full recompute). Where the ring's link has a measured ``busy_ring`` (s0, k)
+    (ranks that share cores): each exchange takes s0 + k x the attention computed since the
+    last, the transfer included. Otherwise a hop is the link's alpha-beta time, exposed past
+    the block's attention it travels behind, and each is a sync point (``peer_waits``)."""
+    _, h = host_span(cluster, cp, tp)
+    s0, k = (cluster.link("inter") if h > 1 else cluster.intra).busy_ring
+    back = ATTN_BACKWARD * core
+    if s0 or k:
+        fwd = (cp - 1) * s0 + k * core * (cp - 1) / cp
+        work.add("cp ring exchanges (busy peers)", "f", fwd)
+        work.add("cp ring exchanges (busy peers)", "i",
+                 (2 * cp - 1) * s0 + k * back + (fwd if full else 0.0))
+        return
+    hop = group_time(cluster, "sendrecv", step_bytes, 2, tp)
+    work.add("cp ring (exposed)", "f", (cp - 1) * max(0.0, hop - core / cp))
+    work.add("cp ring (exposed)", "i", (cp - 1) * max(0.0, 2 * hop - back / cp))
+    work.syncs["f"] += cp - 1
+    work.syncs["i"] += (cp - 1) * (2 if full else 1)
 
 
 def peer_waits(work: Work, cluster: Cluster) -> Work:
