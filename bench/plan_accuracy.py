@@ -227,7 +227,9 @@ def main() -> int:
                   f"{cluster.inter.alpha_s * 1e6:.0f} us, {cluster.inter.busbw_Bps / 1e6:.0f} "
                   f"MB/s ({cluster.inter.engine}); a busy pipeline message waits "
                   f"{cluster.inter.busy_p2p[0] * 1e3:.2f} ms + {cluster.inter.busy_p2p[1]:.2f} x "
-                  f"the compute before it", flush=True)
+                  f"the compute before it, a cp ring's exchange "
+                  f"{cluster.inter.busy_ring[0] * 1e3:.2f} ms + {cluster.inter.busy_ring[1]:.2f} "
+                  f"x the compute behind it", flush=True)
         calibration = cluster.to_json()
         pred = Predictor(cfg, cluster, args.global_batch, dtype=torch.float32)
         layouts = []

@@ -416,6 +416,7 @@ def test_busy_points_time_pairs_of_busy_ranks():
     machine.)"""
     from tests.multirank import run_ranks
 
+    # (busy_ring_points raises if a received block is not the peer's)
     for sync, (p2p, engine), ring in run_ranks(2, body_busy_points, timeout=120).values():
         assert engine == "shm"
         for points in (sync, p2p, ring):
@@ -482,35 +483,49 @@ def test_busy_ring_fit_keeps_the_exchange_whole():
 def test_cp_ring_exchanges_cost_what_busy_peers_make_them():
     """A cp ring (nn.context_ring) exchanges a K/V block cp - 1 times in a block's forward and
     2 cp - 1 times in its backward (cp - 1 K/V, cp dK/dV sums; the forward's again under full
-    recompute). With the ring's link's busy_ring (s0, k) measured, each takes s0 + k x the
-    attention computed since the last, and none is a sync point; without, a hop is alpha-beta
-    behind the attention (on this fast link: hidden) and each a sync point. On two hosts of 2,
-    cp 2 under tp 2 pairs ranks 0 and 2 across the hosts: the inter link's busy_ring is
-    charged; under tp 1 it pairs 0 and 1 in a host: the intra link's (none here)."""
+    and selective recompute, which re-run the ring's forward). With the ring's link's
+    busy_ring (s0, k) measured, each takes s0 + k x the attention computed since the last
+    (a block larger than the 32 KiB measured: plus the link's time beyond it), and none is a
+    sync point; without, a hop is alpha-beta behind the attention (on this fast link: hidden)
+    and each a sync point. Ulysses keeps the alpha-beta hops. On two hosts of 2, cp 2 under
+    tp 2 pairs ranks 0 and 2 across the hosts: the inter link's busy_ring is charged; under
+    tp 1 it pairs 0 and 1 in a host: the intra link's."""
     from fastpar.plan.costs import ATTN_BACKWARD, layer_work
 
     s0, k = 2e-3, 0.1
-    for recompute in ("none", "full"):
+    busy = dataclasses.replace(CLUSTER, intra=dataclasses.replace(CLUSTER.intra,
+                                                                  busy_ring=(s0, k)))
+    for recompute in ("none", "selective", "full"):
         cfg = dataclasses.replace(PRESETS["tiny"], context_parallel="ring", recompute=recompute)
+        again = recompute != "none"
         quiet = layer_work(cfg, CLUSTER, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
-        busy = dataclasses.replace(CLUSTER, intra=dataclasses.replace(CLUSTER.intra,
-                                                                      busy_ring=(s0, k)))
         got = layer_work(cfg, busy, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
         core = got.terms["f:attention core"]
         fwd = s0 + k * core / 2
         assert got.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(fwd)
         assert got.terms["i:cp ring exchanges (busy peers)"] == pytest.approx(
-            3 * s0 + k * ATTN_BACKWARD * core + (fwd if recompute == "full" else 0.0))
-        assert got.syncs == {"f": 0, "i": 0, "w": 0}
+            3 * s0 + k * ATTN_BACKWARD * core + (fwd if again else 0.0))
+        assert sum(got.syncs.values()) == 0
         assert quiet.terms["f:cp ring (exposed)"] == quiet.terms["i:cp ring (exposed)"] == 0.0
-        assert quiet.syncs == {"f": 1, "i": 2 if recompute == "full" else 1, "w": 0}
+        assert quiet.syncs["i"] == (2 if again else 1) and quiet.syncs["f"] == 1
         assert got.f - quiet.f == pytest.approx(fwd)
-    two = dataclasses.replace(CLUSTER, hosts=2, ranks_per_host=2,
+        ulysses = layer_work(dataclasses.replace(cfg, context_parallel="ulysses"), busy,
+                             index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
+        assert "f:cp ring exchanges (busy peers)" not in ulysses.terms, ulysses.terms
+    # a block of 64 rows: 16x the 32 KiB measured, the link's time beyond it added per exchange
+    big = layer_work(cfg, busy, index=1, tp=1, cp=2, ep=1, rows=64, esize=4)
+    link = busy.intra
+    beyond = link.time("sendrecv", 2, 16 * (32 << 10)) - link.time("sendrecv", 2, 32 << 10)
+    assert beyond > 0
+    assert big.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(
+        s0 + beyond + k * big.terms["f:attention core"] / 2)
+    two = dataclasses.replace(busy, hosts=2, ranks_per_host=2,
                               inter=Link(1e-4, 1e9, "gloo", busy_ring=(5e-3, 0.0)))
     across = layer_work(cfg, two, index=1, tp=2, cp=2, ep=1, rows=4, esize=4)
     assert across.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(5e-3)
     inside = layer_work(cfg, two, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
-    assert "f:cp ring exchanges (busy peers)" not in inside.terms and inside.syncs["f"] == 1
+    assert inside.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(
+        s0 + k * inside.terms["f:attention core"] / 2)
 
 
 def test_pipeline_sends_wait_for_busy_neighbours_on_their_link():

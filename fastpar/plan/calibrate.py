@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from fastpar.plan.cluster import FACTOR, STEPS, Cluster, Link
+from fastpar.plan.cluster import BUSY_BYTES, FACTOR, STEPS, Cluster, Link
 
 GEMM_SHAPES_CPU = [(n, n, n) for n in (128, 256, 512, 1024)] + \
     [(m, n, k) for m in (512, 2048) for n in (256, 1024) for k in (256, 1024)]
@@ -204,8 +204,9 @@ def fit_busy(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def measure_link(ranks: int, timeout: float = 180.0) -> tuple[Link, tuple] | None:
-    """The intra-host link (with its ``busy_p2p`` on a CPU) and ``fit_busy`` of the busy
-    ranks' waits, from an ``mpirun -np ranks`` of this module (None: no mpirun)."""
+    """The intra-host link (with its ``busy_p2p`` and ``busy_ring`` on a CPU) and
+    ``fit_busy`` of the busy ranks' waits, from an ``mpirun -np ranks`` of this module (None:
+    no mpirun)."""
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep +
                           os.environ.get("PATH", ""))
     if mpirun is None or ranks < 2:
@@ -312,7 +313,6 @@ def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,
 
 BUSY_SEGMENTS = (2, 8, 24)  # compute between two collectives, in 160 x 160 matmuls
 BUSY_ROUNDS = 5
-BUSY_BYTES = 32 << 10  # what each pair all-reduces, or sends each way
 
 
 def _paired(loop, rounds: int, slowest) -> tuple[float, float]:
@@ -329,10 +329,11 @@ def _paired(loop, rounds: int, slowest) -> tuple[float, float]:
             max(0.0, statistics.median(c - p for p, c in zip(plain, comm))))
 
 
-def _segment_points(comm, meet, segments, rounds: int) -> list[tuple]:
+def _segment_points(comm, meet, segments, rounds: int, drain=None) -> list[tuple]:
     """``[(segment s, extra s)]`` (``_paired``) per segment of ``segments[j]`` 160 x 160
-    matmuls: a loop of the segment then ``meet()`` (the communication with the pair) against
-    the same loop without ``meet``, on every rank (collective over the world)."""
+    matmuls: a loop of the segment then ``meet()`` (the communication with the pair; a
+    ``drain()`` after the loop's last, timed with it) against the same loop without them, on
+    every rank (collective over the world)."""
     import torch.distributed as dist
 
     a = torch.randn(160, 160)
@@ -348,6 +349,8 @@ def _segment_points(comm, meet, segments, rounds: int) -> list[tuple]:
                     torch.mm(a, a)
                 if meeting:
                     meet()
+            if meeting and drain is not None:
+                drain()
             return (time.perf_counter() - t0) / iters
 
         points.append(_paired(loop, rounds, lambda t: comm.all_reduce(t, op="max")))
@@ -421,12 +424,13 @@ def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
     """Every rank (collective over the world; ``pairs`` cover it, two ranks each): each pair as
     a cp group of 2 running ring attention, through the ring's own exchange
     (``nn.context_ring._Ring.shift``: torch isend/irecv of a block to the next rank and from
-    the previous one, then its wait), both computing a segment of ``segments[j]`` small
-    matmuls between exchanges of 32 KiB, against the same loop without them.
-    ``[(segment s, extra s per exchange)]`` (``_paired``, as ``busy_points``), the transfer
-    included (the ring's engine is not the link's: nothing else charges it). On a CPU host
-    whose ranks outnumber its cores each exchange waits for gloo's threads and the peer to get
-    a core: ~2.5 ms on 4 ranks of 2 cores, whatever the segment."""
+    the previous one), posted before a segment of ``segments[j]`` small matmuls and waited
+    for after it, as the ring posts a block before its attention, against the same loop
+    without them. ``[(segment s, extra s per exchange)]`` (``_paired``, as ``busy_points``),
+    the 32 KiB transfer included (the ring's engine is not the link's: nothing else charges
+    it). On a CPU host whose ranks outnumber its cores each exchange waits for gloo's threads
+    and the peer to get a core: 2-4 ms on 4 ranks of 2 cores, whatever the segment.
+    ``RuntimeError`` when a received block is not the peer's."""
     import torch.distributed as dist
 
     from fastpar.nn.context_ring import TAG_KV, _Ring
@@ -436,13 +440,25 @@ def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
         raise ValueError(f"busy_ring_points: pairs {pairs} must cover the world of "
                          f"{topo.world_size} two by two")
     groups = [dist.new_group(p) for p in pairs]
-    ring = _Ring(next(g for g, p in zip(groups, pairs) if topo.rank in p), positions=None)
-    x = torch.ones(BUSY_BYTES // 4)
+    pair = next(p for p in pairs if topo.rank in p)
+    ring = _Ring(groups[pairs.index(pair)], positions=None)
+    x = torch.full((BUSY_BYTES // 4,), float(topo.rank))
+    peer = float(pair[1] if pair[0] == topo.rank else pair[0])
+    pending = []  # the exchange in flight during the segment: (buffer, handle)
+
+    def drain():
+        buf, handle = pending.pop()
+        handle.wait()
+        if buf[0].item() != peer or buf[-1].item() != peer:
+            raise RuntimeError(f"busy_ring_points: rank {topo.rank} received {buf[0].item()} "
+                               f"from its ring neighbour, rank {peer:g}")
 
     def exchange():
-        ring.shift(x, TAG_KV)[1].wait()
+        if pending:
+            drain()
+        pending.append(ring.shift(x, TAG_KV))
 
-    points = _segment_points(comm, exchange, segments, rounds)
+    points = _segment_points(comm, exchange, segments, rounds, drain=drain)
     for g in groups:
         dist.destroy_process_group(g)
     return points

@@ -78,6 +78,8 @@ def gpu_peak_flops(name: str) -> float | None:
 
 
 # ring steps and the bytes factor of each collective of S bytes over n ranks (nccl-tests)
+# what calibrate's busy pairs all-reduce or send each way (the busy_* fits are at this size)
+BUSY_BYTES = 32 << 10
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
          "sendrecv": lambda n: 1}
@@ -94,8 +96,9 @@ class Link:
     (``calibrate.busy_p2p_points``; (0, 0) where not measured); ``busy_ring`` (s0, k): what
     a context-parallel ring's exchange (``nn.context_ring``: torch isend/irecv of a K/V block
     with both neighbours) takes between ranks that compute between exchanges, s0 + k x that
-    compute, the transfer included (``calibrate.busy_ring_points``; (0, 0): not measured,
-    the ring's hops are then the link's alpha-beta, hidden behind the attention)."""
+    compute, the transfer of ``BUSY_BYTES`` included (``calibrate.busy_ring_points``; (0, 0):
+    not measured, the ring's hops are then the link's alpha-beta, hidden behind the
+    attention)."""
 
     alpha_s: float
     busbw_Bps: float

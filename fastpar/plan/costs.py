@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastpar.models.config import GPTConfig
-from fastpar.plan.cluster import Cluster
+from fastpar.plan.cluster import BUSY_BYTES, Cluster
 
 ATTN_BACKWARD = 2.5  # the core's backward FLOPs over its forward's (flash: 5 matmuls vs 2)
 OPTIMIZER_BYTES = 32  # AdamW per element: p, g, m, v read; p, m, v written; the clip's read
@@ -143,7 +143,9 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         work.add("attention scores", "i", 2 * scores / membw)
     o = _gemm(work, cluster, "o_proj", n, h, q, full)
     if cp > 1:
-        cp_ring(work, cluster, cp, tp, 2 * rows * (T // cp) * kv * esize, core, full)
+        cp_ring(work, cluster, cp, tp, 2 * rows * (T // cp) * kv * esize, core,
+                again=cfg.recompute in ("full", "selective"),
+                ring=cfg.context_parallel != "ulysses")
     # the MLP (or the experts)
     if cfg.is_moe(index):
         k = cfg.moe_top_k
@@ -180,28 +182,38 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
 
 
 def cp_ring(work: Work, cluster: Cluster, cp: int, tp: int, step_bytes: float, core: float,
-            full: bool) -> None:
+            again: bool, ring: bool = True) -> None:
     """The exchanges of ``nn.context_ring``'s ring attention in one layer (``core``: the
     attention's forward on this rank, ``step_bytes``: a K/V block): cp - 1 forward, each
-    behind a block's attention (cp - 1 K/V and cp dK/dV partial sums backward; the forward's
-    again under full recompute). Where the ring's link has a measured ``busy_ring`` (s0, k)
-    (ranks that share cores): each exchange takes s0 + k x the attention computed since the
-    last, the transfer included. Otherwise a hop is the link's alpha-beta time, exposed past
-    the block's attention it travels behind, and each is a sync point (``peer_waits``)."""
+    behind a block's attention, cp - 1 K/V and cp dK/dV partial sums backward, and the
+    forward's again when ``again`` (full or selective recompute re-run the ring's forward).
+    The ring's link is the one its group crosses (``host_span``: across hosts, the inter link
+    paces it, at its share of the host's link). Where that link has a measured ``busy_ring``
+    (s0, k) (ranks that share cores; ``ring``: Ulysses' all-to-alls are not measured so):
+    each exchange takes s0 + k x the
+    attention computed since the last, its 32 KiB (``BUSY_BYTES``) transfer included, and a
+    larger block the link's time beyond that. Otherwise a hop is the link's alpha-beta time,
+    exposed past the block's attention it travels behind, and each is a sync point
+    (``peer_waits``)."""
     _, h = host_span(cluster, cp, tp)
-    s0, k = (cluster.link("inter") if h > 1 else cluster.intra).busy_ring
+    link = cluster.link("inter") if h > 1 else cluster.intra
+    share = 1.0 / cluster.ranks_per_host if h > 1 else 1.0  # the host's ranks send at once
+    hop = link.time("sendrecv", 2, step_bytes, share=share)
+    s0, k = link.busy_ring
     back = ATTN_BACKWARD * core
-    if s0 or k:
+    if ring and (s0 or k):
+        s0 += max(0.0, hop - link.time("sendrecv", 2, BUSY_BYTES, share=share))
         fwd = (cp - 1) * s0 + k * core * (cp - 1) / cp
         work.add("cp ring exchanges (busy peers)", "f", fwd)
         work.add("cp ring exchanges (busy peers)", "i",
-                 (2 * cp - 1) * s0 + k * back + (fwd if full else 0.0))
+                 (2 * cp - 1) * s0 + k * back + (fwd if again else 0.0))
         return
-    hop = group_time(cluster, "sendrecv", step_bytes, 2, tp)
-    work.add("cp ring (exposed)", "f", (cp - 1) * max(0.0, hop - core / cp))
-    work.add("cp ring (exposed)", "i", (cp - 1) * max(0.0, 2 * hop - back / cp))
+    fwd = (cp - 1) * max(0.0, hop - core / cp)
+    work.add("cp ring (exposed)", "f", fwd)
+    work.add("cp ring (exposed)", "i", (cp - 1) * max(0.0, 2 * hop - back / cp) +
+             (fwd if again else 0.0))
     work.syncs["f"] += cp - 1
-    work.syncs["i"] += (cp - 1) * (2 if full else 1)
+    work.syncs["i"] += (cp - 1) * (2 if again else 1)
 
 
 def peer_waits(work: Work, cluster: Cluster) -> Work:
