@@ -490,6 +490,7 @@ def test_cp_ring_exchanges_cost_what_busy_peers_make_them():
     and each a sync point. Ulysses keeps the alpha-beta hops. On two hosts of 2, cp 2 under
     tp 2 pairs ranks 0 and 2 across the hosts: the inter link's busy_ring is charged; under
     tp 1 it pairs 0 and 1 in a host: the intra link's."""
+    from fastpar.plan.cluster import BUSY_BYTES
     from fastpar.plan.costs import ATTN_BACKWARD, layer_work
 
     s0, k = 2e-3, 0.1
@@ -515,7 +516,7 @@ def test_cp_ring_exchanges_cost_what_busy_peers_make_them():
     # a block of 64 rows: 16x the 32 KiB measured, the link's time beyond it added per exchange
     big = layer_work(cfg, busy, index=1, tp=1, cp=2, ep=1, rows=64, esize=4)
     link = busy.intra
-    beyond = link.time("sendrecv", 2, 16 * (32 << 10)) - link.time("sendrecv", 2, 32 << 10)
+    beyond = link.time("sendrecv", 2, 16 * BUSY_BYTES) - link.time("sendrecv", 2, BUSY_BYTES)
     assert beyond > 0
     assert big.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(
         s0 + beyond + k * big.terms["f:attention core"] / 2)

@@ -379,6 +379,13 @@ def busy_points(topo, comm, segments=BUSY_SEGMENTS,
     return points
 
 
+def _check_pairs(what: str, pairs: list[list[int]], world: int) -> None:
+    """``ValueError`` unless ``pairs`` cover ranks 0..world-1 two by two."""
+    if any(len(p) != 2 for p in pairs) or sorted(r for p in pairs for r in p) != \
+            list(range(world)):
+        raise ValueError(f"{what}: pairs {pairs} must cover the world of {world} two by two")
+
+
 def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
                     rounds: int = BUSY_ROUNDS) -> tuple[list[tuple], str]:
     """Every rank (collective over the world; ``pairs`` cover it, two ranks each): each pair
@@ -394,10 +401,7 @@ def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
 
     from fastpar.comm.p2p import Channels
 
-    if any(len(p) != 2 for p in pairs) or sorted(r for p in pairs for r in p) != \
-            list(range(topo.world_size)):
-        raise ValueError(f"busy_p2p_points: pairs {pairs} must cover the world of "
-                         f"{topo.world_size} two by two")
+    _check_pairs("busy_p2p_points", pairs, topo.world_size)
     groups = [dist.new_group(p) for p in pairs]
     ch = Channels(next(g for g, p in zip(groups, pairs) if topo.rank in p), all_groups=pairs)
     x = torch.ones(BUSY_BYTES // 4)
@@ -435,10 +439,7 @@ def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
 
     from fastpar.nn.context_ring import TAG_KV, _Ring
 
-    if any(len(p) != 2 for p in pairs) or sorted(r for p in pairs for r in p) != \
-            list(range(topo.world_size)):
-        raise ValueError(f"busy_ring_points: pairs {pairs} must cover the world of "
-                         f"{topo.world_size} two by two")
+    _check_pairs("busy_ring_points", pairs, topo.world_size)
     groups = [dist.new_group(p) for p in pairs]
     pair = next(p for p in pairs if topo.rank in p)
     ring = _Ring(groups[pairs.index(pair)], positions=None)

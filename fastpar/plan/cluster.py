@@ -77,9 +77,9 @@ def gpu_peak_flops(name: str) -> float | None:
     return next((peak for key, peak in _PEAKS if key in name), None)
 
 
-# ring steps and the bytes factor of each collective of S bytes over n ranks (nccl-tests)
 # what calibrate's busy pairs all-reduce or send each way (the busy_* fits are at this size)
 BUSY_BYTES = 32 << 10
+# ring steps and the bytes factor of each collective of S bytes over n ranks (nccl-tests)
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
          "sendrecv": lambda n: 1}

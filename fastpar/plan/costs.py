@@ -190,11 +190,10 @@ def cp_ring(work: Work, cluster: Cluster, cp: int, tp: int, step_bytes: float, c
     The ring's link is the one its group crosses (``host_span``: across hosts, the inter link
     paces it, at its share of the host's link). Where that link has a measured ``busy_ring``
     (s0, k) (ranks that share cores; ``ring``: Ulysses' all-to-alls are not measured so):
-    each exchange takes s0 + k x the
-    attention computed since the last, its 32 KiB (``BUSY_BYTES``) transfer included, and a
-    larger block the link's time beyond that. Otherwise a hop is the link's alpha-beta time,
-    exposed past the block's attention it travels behind, and each is a sync point
-    (``peer_waits``)."""
+    each exchange takes s0 + k x the attention computed since the last, its 32 KiB
+    (``BUSY_BYTES``) transfer included, and a larger block the link's time beyond that.
+    Otherwise a hop is the link's alpha-beta time, exposed past the block's attention it
+    travels behind, and each is a sync point (``peer_waits``)."""
     _, h = host_span(cluster, cp, tp)
     link = cluster.link("inter") if h > 1 else cluster.intra
     share = 1.0 / cluster.ranks_per_host if h > 1 else 1.0  # the host's ranks send at once
