@@ -17,7 +17,7 @@ import torch
 from fastpar.models import PRESETS
 from fastpar.plan import cli
 from fastpar.plan import predict as P
-from fastpar.plan.cluster import Cluster, Link, model_signature
+from fastpar.plan.cluster import Cluster, Link, TrainerFit, model_signature
 from fastpar.plan.layouts import Layout, candidates, parse, why_not
 from fastpar.plan.search import search
 from fastpar.training import memory_plan
@@ -131,7 +131,8 @@ def test_long_pipelines_are_extended_from_their_steady_state(monkeypatch, schedu
 
 
 # A trainer fit for the tiny preset in float32 (the shape of calibrate.trainer_fit's answer)
-FIT = (model_signature(PRESETS["tiny"], 4), (2e-3, 1e-5), (3e-3, 2e-5), 4e-3, (5e-4, 8e-4))
+FIT = TrainerFit(model_signature(PRESETS["tiny"], 4), (2e-3, 1e-5), (3e-3, 2e-5), 4e-3,
+                 (5e-4, 8e-4), (1.5e-3, 4e-6))
 
 
 def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
@@ -142,8 +143,15 @@ def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
     fitted.save(str(path))
     assert Cluster.load(str(path)) == fitted
     d = fitted.to_json()
-    del d["trainer"]["zb_s"]  # a file from before: no split backward's extra
-    assert Cluster.from_json(d).trainer_fit == (*FIT[:4], (0.0, 0.0))
+    assert d["trainer"]["recompute_s"] == [1.5e-3, 4e-6]
+    del d["trainer"]["zb_s"], d["trainer"]["recompute_s"]  # a file from before them
+    assert Cluster.from_json(d).trainer_fit == FIT._replace(zb=(0.0, 0.0), recompute=None)
+    assert "recompute_s" not in Cluster.from_json(d).to_json()["trainer"]
+    d["trainer"]["recompute_s"] = [1e-3, -2e-6]
+    with pytest.raises(ValueError, match=r"trainer: recompute_s must be two numbers >= 0 .*"
+                                         r"got \[0.001, -2e-06\]"):
+        Cluster.from_json(d)
+    d["trainer"]["recompute_s"] = [1e-3, 2e-6]
     d["trainer"]["zb_s"] = [1e-3]
     with pytest.raises(ValueError, match=r"trainer: zb_s must be two numbers >= 0 .*"):
         Cluster.from_json(d)
@@ -230,6 +238,16 @@ def test_command_line_errors_are_one_line_exit_2(tmp_path):
         "x dp 1 = 8, not the 4 ranks (see --help)"), r.stderr
 
 
+def rate_math(w):
+    """The rate model's math in a layer's work: its own terms but the host overhead."""
+    return sum(t for k, t in w.terms.items() if not k.split(":")[1].startswith(
+        ("tp ", "host overhead")))
+
+
+def tp_terms(w):
+    return {k: t for k, t in w.terms.items() if k.split(":")[1].startswith("tp ")}
+
+
 def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives():
     """A fit measured on this model (tp 1, no recompute) is each layer's own time: its part per
     token scales by the rate model's math (tp 2 shards the GEMMs), its part per microbatch
@@ -258,15 +276,10 @@ def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives(
         assert w.f + w.i + w.w == pytest.approx(host * 2e-3 + per_token * 1e-5 * n)
     two, ref2, ref1 = (fit._layer("none", 2, 1, 1, rows, 1), plain._layer("none", 2, 1, 1, rows, 1),
                        plain._layer("none", 1, 1, 1, rows, 1))
-
-    def math(w):
-        return sum(t for k, t in w.terms.items() if not k.split(":")[1].startswith(
-            ("tp ", "host overhead")))
-
-    comm = {k: t for k, t in ref2.terms.items() if k.split(":")[1].startswith("tp ")}
+    comm = tp_terms(ref2)
     assert comm and all(two.terms[k] == t for k, t in comm.items())
     own = two.f + two.i + two.w - sum(comm.values())
-    assert own == pytest.approx(2e-3 + 1e-5 * n * math(ref2) / math(ref1))
+    assert own == pytest.approx(2e-3 + 1e-5 * n * rate_math(ref2) / rate_math(ref1))
     lay = parse("tp1.pp1.dp4.zero0.none.1f1b.mb2")
     assert fit.predict(lay).terms is not None
     assert fit.rank_terms(lay)[0]["red"]["trainer step host"] == 4e-3
@@ -276,14 +289,47 @@ def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives(
     assert "f:measured layer (trainer fit)" not in bf16._layer("none", 1, 1, 1, rows, 1).terms
 
 
+def test_full_recompute_takes_the_fits_measured_extra():
+    """Under full recompute a block's own work is the fit's block plus its measured recompute
+    (a + b n more per microbatch); at tp 2 the per-token part scales by the rate model's math,
+    both recomputed, and tp's collectives stay the rate model's; the ends are not recomputed.
+    A fit without a measured recompute (a file from before) keeps the rate model's recomputed
+    forward, scaled from the fit without."""
+    cfg = PRESETS["tiny"]
+    rows, n = 4, 4 * cfg.seq_len
+    plain = P.Predictor(cfg, CLUSTER, 16, dtype=torch.float32)
+    fit = P.Predictor(cfg, dataclasses.replace(CLUSTER, trainer_fit=FIT), 16,
+                      dtype=torch.float32)
+    one = fit._layer("full", 1, 1, 1, rows, 1)
+    assert one.f + one.i + one.w == pytest.approx(2e-3 + 1.5e-3 + (1e-5 + 4e-6) * n)
+    for end in (0, cfg.layers + 1):
+        assert fit._layer("full", 1, 1, 1, rows, end).terms == \
+            fit._layer("none", 1, 1, 1, rows, end).terms
+    two, ref2, ref1 = (fit._layer("full", 2, 1, 1, rows, 1), plain._layer("full", 2, 1, 1, rows, 1),
+                       plain._layer("full", 1, 1, 1, rows, 1))
+    comm = tp_terms(ref2)
+    assert comm and all(two.terms[k] == t for k, t in comm.items())
+    own = two.f + two.i + two.w - sum(comm.values())
+    assert own == pytest.approx(3.5e-3 + 1.4e-5 * n * rate_math(ref2) / rate_math(ref1))
+    before = P.Predictor(cfg, dataclasses.replace(CLUSTER, trainer_fit=FIT._replace(
+        recompute=None)), 16, dtype=torch.float32)._layer("full", 1, 1, 1, rows, 1)
+    again = rate_math(ref1) / rate_math(plain._layer("none", 1, 1, 1, rows, 1))
+    assert 1 < again < 2
+    assert before.f + before.i + before.w == pytest.approx(2e-3 + 1e-5 * n * again)
+    lay = parse("tp1.pp1.dp4.zero0.full.1f1b.mb2")
+    assert fit.predict(lay).step_time_s != pytest.approx(
+        P.Predictor(cfg, dataclasses.replace(CLUSTER, trainer_fit=FIT._replace(recompute=None)),
+                    16, dtype=torch.float32).predict(lay).step_time_s)
+
+
 def test_zb_weight_passes_carry_the_split_backwards_measured_extra():
     """The trainer fit's zb extra (per block and microbatch, the ends' together) lands on W
     under zb only, each stage its layers' (a block's, half the ends' each), as long as the
     host's shared cores make host work; other schedules' actions are unchanged."""
     cfg = PRESETS["tiny"]
     shared = dataclasses.replace(CLUSTER, rates_per_core=True, cpus_per_host=2)
-    plain = P.Predictor(cfg, dataclasses.replace(shared, trainer_fit=(*FIT[:4], (0.0, 0.0))),
-                        16, dtype=torch.float32)
+    plain = P.Predictor(cfg, dataclasses.replace(shared, trainer_fit=FIT._replace(
+        zb=(0.0, 0.0))), 16, dtype=torch.float32)
     fit = P.Predictor(cfg, dataclasses.replace(shared, trainer_fit=FIT), 16,
                       dtype=torch.float32)
     for name in ("tp1.pp2.dp2.zero0.none.zb.mb4", "tp1.pp2.dp2.zero0.none.1f1b.mb4"):
@@ -571,9 +617,9 @@ def body_trainer_fit():
 def test_trainer_fit_trains_the_plans_model_and_fits_nonnegative_terms():
     from tests.multirank import run_ranks
 
-    sig, block, end, step, zb = run_ranks(1, body_trainer_fit, timeout=120).values()[0]
+    sig, block, end, step, zb, again = run_ranks(1, body_trainer_fit, timeout=120).values()[0]
     assert sig == model_signature(PRESETS["tiny"], 4)
-    assert all(x >= 0 for x in (*block, *end, step, *zb))
+    assert all(x >= 0 for x in (*block, *end, step, *zb, *again))
     # a step of the tiny model on 2 blocks of 2 rows takes milliseconds here, not nothing
     assert 1e-4 < block[0] + end[0] + 2 * 64 * (block[1] + end[1]) + step < 1.0
 

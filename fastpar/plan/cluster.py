@@ -34,9 +34,10 @@ block and per embedding or head layer for a microbatch's forward and backward, p
 tensor for a step's clip and AdamW, measured by one process; with more ranks than ``cpus`` on
 a host each takes ``ranks / cpus`` times as long; its optional ``"sync_s"``, ``"sync_ratio"``:
 ``busy_sync``. ``"trainer": {"model", "block_s": [a, b], "end_s": [a, b], "step_s", "zb_s":
-[block, ends]}`` (``--calibrate`` with a model, ``plan.trainer_fit``; ``zb_s`` optional): the
-trainer's own step measured for that model (``model_signature``), which replaces the rates
-for its layers' own work (``costs.fitted``; docs/design.md, "The trainer fit").
+[block, ends], "recompute_s": [a, b]}`` (``--calibrate`` with a model, ``plan.trainer_fit``;
+``zb_s`` and ``recompute_s`` optional): the trainer's own step measured for that model
+(``model_signature``), which replaces the rates for its layers' own work (``costs.fitted``;
+docs/design.md, "The trainer fit"): a ``TrainerFit``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 
 # Dense bf16 peaks by device name (a substring of torch.cuda.get_device_name): the MFU the
 # trainer reports and the peak a GPU calibration assumes.
@@ -58,6 +60,23 @@ def model_signature(cfg, esize: int) -> str:
             f".f{cfg.ffn_size}.{cfg.mlp}.{cfg.norm}.{cfg.positions}.bias{int(cfg.bias)}"
             f".tie{int(cfg.tie_embeddings)}.drop{cfg.dropout:g}"
             f".moe{cfg.moe_experts}x{cfg.moe_top_k}/{cfg.moe_every}c{cfg.moe_capacity}.e{esize}")
+
+
+class TrainerFit(typing.NamedTuple):
+    """The trainer's own step measured on one rank for one model (``plan.trainer_fit``): a
+    layer's forward and backward take a + b n seconds per microbatch of n tokens (``block``,
+    and ``end`` for the embedding and head together), a step's host work ``step`` seconds
+    beyond them; zb's split backward takes ``zb`` = (a block's, the ends') seconds more per
+    microbatch; full recompute takes a block ``recompute`` = (a, b) more per microbatch of n
+    tokens, None where it was not measured (a file from before it was: the rate model's
+    recomputed forward)."""
+
+    model: str  # model_signature
+    block: tuple
+    end: tuple
+    step: float
+    zb: tuple = (0.0, 0.0)
+    recompute: tuple | None = None
 
 
 def read_json(path: str, flag: str):
@@ -145,17 +164,13 @@ class Cluster:
     # host with every rank busy, calibrate.busy_points: ranks sharing cores wait for the peer
     # the scheduler took off); (0, 0) where not measured
     busy_sync: tuple = (0.0, 0.0)
-    # the trainer's own step measured on one rank for one model (plan.trainer_fit):
-    # (model signature, block (a, b), end layer (a, b), step_s, zb (block_s, ends_s)): a
-    # layer's forward and backward take a + b n seconds per microbatch of n tokens, a step's
-    # host work step_s beyond them, zb's split backward block_s more per block and
-    # microbatch (ends_s for the embedding and head together)
-    trainer_fit: tuple | None = None
+    # the trainer's own step measured on one rank for one model (plan.trainer_fit)
+    trainer_fit: TrainerFit | None = None
 
-    def fit_for(self, cfg, esize: int) -> tuple | None:
+    def fit_for(self, cfg, esize: int) -> TrainerFit | None:
         """``trainer_fit`` when it was measured on ``cfg``'s model at ``esize``, else None."""
         fit = self.trainer_fit
-        return fit if fit is not None and fit[0] == model_signature(cfg, esize) else None
+        return fit if fit is not None and fit.model == model_signature(cfg, esize) else None
 
     @property
     def share(self) -> float:
@@ -232,9 +247,11 @@ class Cluster:
         if self.inter is not None:
             out["inter"] = dataclasses.asdict(self.inter)
         if self.trainer_fit is not None:
-            sig, block, end, step, zb = self.trainer_fit
-            out["trainer"] = {"model": sig, "block_s": list(block), "end_s": list(end),
-                              "step_s": step, "zb_s": list(zb)}
+            fit = self.trainer_fit
+            out["trainer"] = {"model": fit.model, "block_s": list(fit.block),
+                              "end_s": list(fit.end), "step_s": fit.step, "zb_s": list(fit.zb)}
+            if fit.recompute is not None:
+                out["trainer"]["recompute_s"] = list(fit.recompute)
         return out
 
     def save(self, path: str) -> None:
@@ -318,10 +335,11 @@ class Cluster:
             if not isinstance(src, dict) or not isinstance(src.get("model"), str):
                 raise ValueError(f"{at} must be an object with model, block_s, end_s, step_s")
             per = "seconds per microbatch, per token"
-            return (src["model"], two("block_s", src, at, per), two("end_s", src, at, per),
-                    num("step_s", src, at, positive=False),
-                    two("zb_s", src, at, "seconds per microbatch, a block's and the ends'",
-                        optional=True))
+            return TrainerFit(src["model"], two("block_s", src, at, per),
+                              two("end_s", src, at, per), num("step_s", src, at, positive=False),
+                              two("zb_s", src, at, "seconds per microbatch, a block's and the "
+                                  "ends'", optional=True),
+                              two("recompute_s", src, at, per) if "recompute_s" in src else None)
 
         device = d.get("device", "cuda")
         if device not in ("cuda", "cpu"):

@@ -162,11 +162,12 @@ class Predictor:
 
             w = work(tp, recompute)
             fit = self.cluster.fit_for(self.cfg, self.esize)
-            if fit is not None:  # measured by the trainer at tp 1 without recompute
-                base = work(1, "none")
-                ab = fit[1]
+            if fit is not None:  # measured by the trainer at tp 1 (without recompute; and full)
+                base, ab = work(1, "none"), fit.block
                 if kind in ("embedding", "head"):  # the fit's end is both: each its share
-                    ab = costs.end_share(fit[2], base, [work(1, "none", i) for i in (0, L + 1)])
+                    ab = costs.end_share(fit.end, base, [work(1, "none", i) for i in (0, L + 1)])
+                elif recompute == "full" and fit.recompute is not None:  # and with, at tp 1
+                    base, ab = work(1, "full"), tuple(map(sum, zip(fit.block, fit.recompute)))
                 w = costs.fitted(w, base, ab, rows * self.cfg.seq_len / cp, self.cluster)
             self._memo[key] = costs.peer_waits(w, self.cluster)
         return self._memo[key]
@@ -231,7 +232,7 @@ class Predictor:
         fit = self.cluster.fit_for(self.cfg, self.esize)
         if fit is None:
             return 0.0
-        block, ends = fit[4]
+        block, ends = fit.zb
         last = self.cfg.layers + 1
         return self.cluster.overhead_scale * sum(ends / 2 if i in (0, last) else block
                                                  for i in layers)
@@ -301,7 +302,7 @@ class Predictor:
                                         esize=self.esize, tensors=1 if lay.zero else tensors)
             fit = self.cluster.fit_for(self.cfg, self.esize)
             if fit is not None:  # the step's host work beyond layers and optimizer, measured
-                red["trainer step host"] = fit[3] * self.cluster.overhead_scale
+                red["trainer step host"] = fit.step * self.cluster.overhead_scale
             out.append({"red": red, "layers": len(layers), "elements": elements})
         return out
 

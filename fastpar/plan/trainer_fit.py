@@ -15,34 +15,37 @@ import time
 import torch
 
 from fastpar.plan.calibrate import nnls
+from fastpar.plan.cluster import TrainerFit, model_signature
 
 
 def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 16,
-                warmup: int = 4, budget_s: float = 0.5) -> tuple | None:
+                warmup: int = 4, budget_s: float = 0.5) -> TrainerFit | None:
     """The trainer's own step (``fastpar.train.Trainer.train_step``: the pipeline's executor,
     the meters, clip, AdamW, the loss's all-reduce) timed on this process as a one-rank job on
     one thread, for ``cfg``'s layers at 1 and 3 blocks, 1, ``rows`` / 2 and ``rows`` rows and
-    1 and 2 microbatches (16 steps each), and at 1 and 3 blocks, ``rows`` rows and 2
-    microbatches again under zb (its split backward's extra host work per microbatch, per
-    block and for the two ends together: the zb step over the same point's 1f1b, scaled as
-    the rest). From each point's fastest step after ``warmup``
-    less the optimizer's modelled time (``OPTIMIZER_BYTES`` a parameter at ``membw``,
-    ``tensor_s`` a tensor: the planner adds it per rank itself), fitted by non-negative least
-    squares to
-    ``step = S + m (end(n) + L block(n))``, ``end`` and ``block`` each ``a + b n`` over a
-    microbatch's n tokens, then scaled by the points' median step over fastest (a run reports
-    the median). Returns ``Cluster.trainer_fit``, or None: inside a job (``--layout auto``
-    plans on rank 0 of a running job: it keeps the rate model), for MoE blocks that are not
-    every block (1 and 3 blocks would mix kinds), when a trainer cannot train the model here
-    (said on standard error), or when three blocks of two rows would take more than
-    ``budget_s`` a step (``rows`` is lowered first; one row leaves a and b unidentified)."""
+    1 and 2 microbatches (16 steps each); at 1 and 3 blocks, ``rows`` rows and 2 microbatches
+    again under zb (its split backward's extra host work per microbatch, per block and for the
+    two ends together: the zb step over the same point's 1f1b, scaled as the rest); and at 1
+    block of ``rows`` rows and 3 blocks of ``rows`` / 2 and ``rows`` rows, 2 microbatches,
+    under full recompute (its extra per block and microbatch, ``a + b n``: the step over the
+    same point's without, fitted and scaled as the rest; the recompute's saved-tensor hooks
+    and second forward cost more host work than the rate model's forward). From each point's
+    fastest step after ``warmup`` less the optimizer's modelled time (``OPTIMIZER_BYTES`` a
+    parameter at ``membw``, ``tensor_s`` a tensor: the planner adds it per rank itself),
+    fitted by non-negative least squares to ``step = S + m (end(n) + L block(n))``, ``end``
+    and ``block`` each ``a + b n`` over a microbatch's n tokens, then scaled by the points'
+    median step over fastest (a run reports the median). Returns a ``TrainerFit``
+    (``Cluster.trainer_fit``), or None: inside a job (``--layout auto`` plans on rank 0 of a
+    running job: it keeps the rate model), for MoE blocks that are not every block (1 and 3
+    blocks would mix kinds), when a trainer cannot train the model here (said on standard
+    error), or when three blocks of two rows would take more than ``budget_s`` a step
+    (``rows`` is lowered first; one row leaves a and b unidentified)."""
     import contextlib
     import dataclasses
     import io
     import sys
 
     from fastpar import runtime
-    from fastpar.plan.cluster import model_signature
     from fastpar.plan.costs import OPTIMIZER_BYTES
     from fastpar.training.memory_plan import layer_tensors
 
@@ -62,18 +65,20 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
         tensors = sum(len(layer_tensors(model, 1, i, 1)) for i in range(layers + 2))
         return OPTIMIZER_BYTES * model.num_params() / membw + tensor_s * tensors
 
-    def step_s(layers: int, batch: int, microbatches: int,
-               schedule: str = "1f1b") -> tuple[float, float]:
+    def step_s(layers: int, batch: int, microbatches: int, schedule: str = "1f1b",
+               recompute: str = "none") -> tuple[float, float]:
         import fastpar
         from fastpar.train import Trainer
         from fastpar.training.args import parse_args
 
         args = parse_args(["--preset", "tiny", "--global-batch", str(batch), "--microbatches",
-                           str(microbatches), "--steps", str(steps), "--schedule", schedule])
+                           str(microbatches), "--steps", str(steps), "--schedule", schedule,
+                           "--recompute", recompute])
+        model = dataclasses.replace(base, layers=layers, recompute=recompute)
         with contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()), torch.random.fork_rng():
             try:
-                trainer = Trainer(args, cfg=dataclasses.replace(base, layers=layers))
+                trainer = Trainer(args, cfg=model)
                 times = []
                 for step in range(steps):
                     t0 = time.perf_counter()
@@ -96,6 +101,11 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
         for layers in (1, 3):  # zb's split backward against the same point's 1f1b
             low = step_s(layers, rows * 2, 2, "zb")[0] - optimizer_s(layers)
             split.append((low - fastest[points.index((layers, rows, 2))]) / 2)
+        again, extra = [], []  # full recompute against the same point without, per block
+        for layers, r in ((1, rows), (3, rows // 2), (3, rows)):
+            low = step_s(layers, r * 2, 2, recompute="full")[0] - optimizer_s(layers)
+            again.append([2 * layers, 2 * layers * r * cfg.seq_len])
+            extra.append(low - fastest[points.index((layers, r, 2))])
     except Exception as exc:  # noqa: BLE001 - the rest of the calibration stands without it
         print(f"[fastpar plan] note: no trainer fit ({type(exc).__name__}: {exc}); the rate "
               "model alone", file=sys.stderr, flush=True)
@@ -106,5 +116,6 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     step, e0, e1, b0, b1 = (scale * x for x in nnls(design, fastest))
     zb_block = max(0.0, (split[1] - split[0]) / 2)  # per microbatch: 1 and 3 blocks
     zb_end = max(0.0, split[0] - zb_block)
-    return (model_signature(cfg, 4), (b0, b1), (e0, e1), step,
-            (scale * zb_block, scale * zb_end))
+    return TrainerFit(model_signature(cfg, 4), (b0, b1), (e0, e1), step,
+                      (scale * zb_block, scale * zb_end),
+                      tuple(scale * x for x in nnls(again, extra)))
