@@ -291,35 +291,52 @@ def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives(
 
 def test_full_recompute_takes_the_fits_measured_extra():
     """Under full recompute a block's own work is the fit's block plus its measured recompute
-    (a + b n more per microbatch); at tp 2 the per-token part scales by the rate model's math,
-    both recomputed, and tp's collectives stay the rate model's; the ends are not recomputed.
-    A fit without a measured recompute (a file from before) keeps the rate model's recomputed
+    (a + b n more per microbatch), the recompute on I, the block split as without; the part
+    per microbatch is not scaled by the rate model's recomputed host work (measured now); at
+    tp 2 the per-token parts scale by the rate model's math (tp 2 over tp 1), and tp's
+    collectives are the rate model's under recompute (run again); the ends are not
+    recomputed; an MoE block (every block MoE: fitted on that model) takes it too. A fit
+    without a measured recompute (a file from before) keeps the rate model's recomputed
     forward, scaled from the fit without."""
     cfg = PRESETS["tiny"]
     rows, n = 4, 4 * cfg.seq_len
-    plain = P.Predictor(cfg, CLUSTER, 16, dtype=torch.float32)
-    fit = P.Predictor(cfg, dataclasses.replace(CLUSTER, trainer_fit=FIT), 16,
-                      dtype=torch.float32)
-    one = fit._layer("full", 1, 1, 1, rows, 1)
+    host = dataclasses.replace(CLUSTER, overhead_block_s=1e-3, overhead_end_s=1e-3,
+                               cpus_per_host=4)  # the rate model's host work; a core a rank
+    plain = P.Predictor(cfg, host, 16, dtype=torch.float32)
+    fit = P.Predictor(cfg, dataclasses.replace(host, trainer_fit=FIT), 16, dtype=torch.float32)
+    one, without = fit._layer("full", 1, 1, 1, rows, 1), fit._layer("none", 1, 1, 1, rows, 1)
     assert one.f + one.i + one.w == pytest.approx(2e-3 + 1.5e-3 + (1e-5 + 4e-6) * n)
+    assert one.terms["i:measured recompute (trainer fit)"] == pytest.approx(1.5e-3 + 4e-6 * n)
+    for phase in "fiw":  # the block itself split as without recompute
+        assert one.terms[f"{phase}:measured layer (trainer fit)"] == pytest.approx(
+            without.terms[f"{phase}:measured layer (trainer fit)"]), phase
     for end in (0, cfg.layers + 1):
         assert fit._layer("full", 1, 1, 1, rows, end).terms == \
             fit._layer("none", 1, 1, 1, rows, end).terms
     two, ref2, ref1 = (fit._layer("full", 2, 1, 1, rows, 1), plain._layer("full", 2, 1, 1, rows, 1),
                        plain._layer("full", 1, 1, 1, rows, 1))
-    comm = tp_terms(ref2)
-    assert comm and all(two.terms[k] == t for k, t in comm.items())
+    comm = tp_terms(ref2)  # run again in the recompute: the rate model's under full recompute
+    assert comm and comm != tp_terms(plain._layer("none", 2, 1, 1, rows, 1))
+    assert set(tp_terms(two)) == set(comm) and all(two.terms[k] == t for k, t in comm.items())
+    assert two.syncs == ref2.syncs
     own = two.f + two.i + two.w - sum(comm.values())
-    assert own == pytest.approx(3.5e-3 + 1.4e-5 * n * rate_math(ref2) / rate_math(ref1))
-    before = P.Predictor(cfg, dataclasses.replace(CLUSTER, trainer_fit=FIT._replace(
+    none1, none2 = plain._layer("none", 1, 1, 1, rows, 1), plain._layer("none", 2, 1, 1, rows, 1)
+    assert own == pytest.approx(3.5e-3 + 1.4e-5 * n * rate_math(none2) / rate_math(none1))
+    before = P.Predictor(cfg, dataclasses.replace(host, trainer_fit=FIT._replace(
         recompute=None)), 16, dtype=torch.float32)._layer("full", 1, 1, 1, rows, 1)
-    again = rate_math(ref1) / rate_math(plain._layer("none", 1, 1, 1, rows, 1))
-    assert 1 < again < 2
-    assert before.f + before.i + before.w == pytest.approx(2e-3 + 1e-5 * n * again)
+    again = rate_math(ref1) / rate_math(none1)
+    recomputed_host = sum(t for k, t in ref1.terms.items() if "host" in k) / \
+        sum(t for k, t in none1.terms.items() if "host" in k)
+    assert 1 < again < 2 and recomputed_host == pytest.approx(4 / 3)
+    assert before.f + before.i + before.w == pytest.approx(2e-3 * 4 / 3 + 1e-5 * n * again)
     lay = parse("tp1.pp1.dp4.zero0.full.1f1b.mb2")
-    assert fit.predict(lay).step_time_s != pytest.approx(
-        P.Predictor(cfg, dataclasses.replace(CLUSTER, trainer_fit=FIT._replace(recompute=None)),
-                    16, dtype=torch.float32).predict(lay).step_time_s)
+    assert fit.predict(lay).step_time_s > fit.predict(dataclasses.replace(
+        lay, recompute="none")).step_time_s
+    moe = dataclasses.replace(cfg, moe_experts=4, moe_top_k=2)
+    moe_fit = FIT._replace(model=model_signature(moe, 4))
+    block = P.Predictor(moe, dataclasses.replace(host, trainer_fit=moe_fit), 16,
+                        dtype=torch.float32)._layer("full", 1, 1, 1, rows, 1)
+    assert block.terms["i:measured recompute (trainer fit)"] == pytest.approx(1.5e-3 + 4e-6 * n)
 
 
 def test_zb_weight_passes_carry_the_split_backwards_measured_extra():
@@ -617,9 +634,12 @@ def body_trainer_fit():
 def test_trainer_fit_trains_the_plans_model_and_fits_nonnegative_terms():
     from tests.multirank import run_ranks
 
-    sig, block, end, step, zb, again = run_ranks(1, body_trainer_fit, timeout=120).values()[0]
+    sig, block, end, step, zb, full = run_ranks(1, body_trainer_fit, timeout=120).values()[0]
     assert sig == model_signature(PRESETS["tiny"], 4)
-    assert all(x >= 0 for x in (*block, *end, step, *zb, *again))
+    assert all(x >= 0 for x in (*block, *end, step, *zb))
+    # full recompute measured (None when its points found no extra): a block of 2 rows takes
+    # longer with it
+    assert full is not None and full[0] + 2 * 64 * full[1] > 0, full
     # a step of the tiny model on 2 blocks of 2 rows takes milliseconds here, not nothing
     assert 1e-4 < block[0] + end[0] + 2 * 64 * (block[1] + end[1]) + step < 1.0
 

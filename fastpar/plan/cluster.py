@@ -68,8 +68,8 @@ class TrainerFit(typing.NamedTuple):
     and ``end`` for the embedding and head together), a step's host work ``step`` seconds
     beyond them; zb's split backward takes ``zb`` = (a block's, the ends') seconds more per
     microbatch; full recompute takes a block ``recompute`` = (a, b) more per microbatch of n
-    tokens, None where it was not measured (a file from before it was: the rate model's
-    recomputed forward)."""
+    tokens: None where it was not measured (a file from before it was), and the planner keeps
+    the rate model's recomputed forward."""
 
     model: str  # model_signature
     block: tuple

@@ -162,13 +162,15 @@ class Predictor:
 
             w = work(tp, recompute)
             fit = self.cluster.fit_for(self.cfg, self.esize)
-            if fit is not None:  # measured by the trainer at tp 1 (without recompute; and full)
-                base, ab = work(1, "none"), fit.block
+            if fit is not None:  # measured by the trainer at tp 1
+                base, ab, again, comms = work(1, "none"), fit.block, None, None
                 if kind in ("embedding", "head"):  # the fit's end is both: each its share
                     ab = costs.end_share(fit.end, base, [work(1, "none", i) for i in (0, L + 1)])
-                elif recompute == "full" and fit.recompute is not None:  # and with, at tp 1
-                    base, ab = work(1, "full"), tuple(map(sum, zip(fit.block, fit.recompute)))
-                w = costs.fitted(w, base, ab, rows * self.cfg.seq_len / cp, self.cluster)
+                elif recompute == "full" and fit.recompute is not None:  # measured too: the
+                    # layer without, its recompute on I, the collectives with (run again)
+                    again, comms, w = fit.recompute, w, work(tp, "none")
+                w = costs.fitted(w, base, ab, rows * self.cfg.seq_len / cp, self.cluster,
+                                 again=again, comms=comms)
             self._memo[key] = costs.peer_waits(w, self.cluster)
         return self._memo[key]
 

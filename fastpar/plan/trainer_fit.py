@@ -10,6 +10,7 @@ imports that).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -25,11 +26,9 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     one thread, for ``cfg``'s layers at 1 and 3 blocks, 1, ``rows`` / 2 and ``rows`` rows and
     1 and 2 microbatches (16 steps each); at 1 and 3 blocks, ``rows`` rows and 2 microbatches
     again under zb (its split backward's extra host work per microbatch, per block and for the
-    two ends together: the zb step over the same point's 1f1b, scaled as the rest); and at 1
-    block of ``rows`` rows and 3 blocks of ``rows`` / 2 and ``rows`` rows, 2 microbatches,
-    under full recompute (its extra per block and microbatch, ``a + b n``: the step over the
-    same point's without, fitted and scaled as the rest; the recompute's saved-tensor hooks
-    and second forward cost more host work than the rate model's forward). From each point's
+    two ends together: the zb step less the same point's 1f1b, scaled as the rest); and under
+    full recompute (``recompute_fit``: the recompute's saved-tensor hooks and second forward
+    cost more host work than the rate model's recomputed forward). From each point's
     fastest step after ``warmup`` less the optimizer's modelled time (``OPTIMIZER_BYTES`` a
     parameter at ``membw``, ``tensor_s`` a tensor: the planner adds it per rank itself),
     fitted by non-negative least squares to ``step = S + m (end(n) + L block(n))``, ``end``
@@ -43,7 +42,6 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     import contextlib
     import dataclasses
     import io
-    import sys
 
     from fastpar import runtime
     from fastpar.plan.costs import OPTIMIZER_BYTES
@@ -90,22 +88,18 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
         return min(kept), statistics.median(kept)
 
     points = [(layers, r, m) for layers in (1, 3) for r in (1, rows // 2, rows) for m in (1, 2)]
-    design, fastest, ratios, split = [], [], [], []
+    design, lows, fastest, ratios, split = [], [], [], [], []
     try:
         for layers, r, m in points:
             n = r * cfg.seq_len
             design.append([1.0, m, m * n, m * layers, m * layers * n])
             low, mid = step_s(layers, r * m, m)
+            lows.append(low)
             fastest.append(max(0.0, low - optimizer_s(layers)))
             ratios.append(mid / low)
         for layers in (1, 3):  # zb's split backward against the same point's 1f1b
-            low = step_s(layers, rows * 2, 2, "zb")[0] - optimizer_s(layers)
-            split.append((low - fastest[points.index((layers, rows, 2))]) / 2)
-        again, extra = [], []  # full recompute against the same point without, per block
-        for layers, r in ((1, rows), (3, rows // 2), (3, rows)):
-            low = step_s(layers, r * 2, 2, recompute="full")[0] - optimizer_s(layers)
-            again.append([2 * layers, 2 * layers * r * cfg.seq_len])
-            extra.append(low - fastest[points.index((layers, r, 2))])
+            low = step_s(layers, rows * 2, 2, "zb")[0]
+            split.append((low - lows[points.index((layers, rows, 2))]) / 2)
     except Exception as exc:  # noqa: BLE001 - the rest of the calibration stands without it
         print(f"[fastpar plan] note: no trainer fit ({type(exc).__name__}: {exc}); the rate "
               "model alone", file=sys.stderr, flush=True)
@@ -118,4 +112,25 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     zb_end = max(0.0, split[0] - zb_block)
     return TrainerFit(model_signature(cfg, 4), (b0, b1), (e0, e1), step,
                       (scale * zb_block, scale * zb_end),
-                      tuple(scale * x for x in nnls(again, extra)))
+                      recompute_fit(step_s, points, lows, cfg.seq_len, rows, scale))
+
+
+def recompute_fit(step_s, points: list, lows: list, seq_len: int, rows: int,
+                  scale: float) -> tuple | None:
+    """Full recompute's extra per block and microbatch, ``a + b n`` (``TrainerFit.recompute``):
+    at 1 block of ``rows`` rows and 3 blocks of 1 and ``rows`` rows, 2 microbatches, each
+    step under ``--recompute full`` over the same point's without (``lows``, ``points``), fitted
+    by ``nnls`` and scaled as the rest. None (the planner keeps the rate model's recomputed
+    forward) when a point fails to train (said on standard error) or the fit finds no extra."""
+    design, extra = [], []
+    try:
+        for layers, r in ((1, rows), (3, 1), (3, rows)):
+            low = step_s(layers, r * 2, 2, recompute="full")[0]
+            design.append([2 * layers, 2 * layers * r * seq_len])
+            extra.append(low - lows[points.index((layers, r, 2))])
+    except Exception as exc:  # noqa: BLE001 - the fit without recompute stands
+        print(f"[fastpar plan] note: no recompute fit ({type(exc).__name__}: {exc}); the rate "
+              "model's recomputed forward", file=sys.stderr, flush=True)
+        return None
+    a, b = nnls(design, extra)
+    return (scale * a, scale * b) if a or b else None
