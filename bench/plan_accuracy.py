@@ -309,6 +309,12 @@ def main() -> int:
               f"{summary['memory_max_abs_error']:.1%} (target 5%); top 3 "
               f"{'correct' if top3 else 'wrong'} (predicted {summary['top3_predicted']}, "
               f"measured {summary['top3_measured']})")
+        summary.update(round_spread(ok))
+        if summary["rounds_spread_median"] is not None:
+            print(f"the measurement's own spread: a layout's slowest round over its fastest "
+                  f"+{summary['rounds_spread_median']:.1%} (median over layouts), up to "
+                  f"+{summary['rounds_spread_max']:.1%}; a step error below it cannot be told "
+                  "from this machine's noise")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {"preset": args.preset, "ranks": args.ranks, "global_batch":
@@ -318,6 +324,18 @@ def main() -> int:
                                   "load": loads, "cluster": calibration},
                        "rows": rows, "summary": summary}, f, indent=1)
     return 0
+
+
+def round_spread(rows: list[dict]) -> dict:
+    """How far each layout's measured rounds lie apart (``rounds_s``: a step time per round,
+    None for a failed one): slowest over fastest - 1 per layout with two or more; their median
+    and max over the layouts as ``rounds_spread_median`` and ``rounds_spread_max`` (None for
+    one round). The table keeps each layout's fastest round; this says how much a round more
+    or less could have moved it."""
+    spreads = sorted(max(done) / min(done) - 1 for done in (
+        [t for t in r["rounds_s"] if t is not None] for r in rows) if len(done) > 1)
+    return {"rounds_spread_median": statistics.median(spreads) if spreads else None,
+            "rounds_spread_max": spreads[-1] if spreads else None}
 
 
 if __name__ == "__main__":

@@ -433,6 +433,27 @@ def test_accuracy_bench_splits_this_machine_into_namespaced_hosts():
     assert red[1]["dp all-reduce"] > red[0]["dp all-reduce"] + 2 * 5e-4, red
 
 
+def test_accuracy_bench_reports_its_own_spread():
+    """bench/plan_accuracy.py's summary says how far each layout's rounds lie apart (slowest
+    over fastest - 1: median and max over the layouts), failed rounds left out, one round
+    saying nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "plan_accuracy", os.path.join(ROOT, "bench", "plan_accuracy.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [{"rounds_s": [0.050, 0.040, 0.060]}, {"rounds_s": [0.100, None, 0.110]},
+            {"rounds_s": [0.020, 0.030, 0.021]}, {"rounds_s": [0.070, None, None]}]
+    got = bench.round_spread(rows)
+    assert got["rounds_spread_median"] == pytest.approx(0.5)  # 0.1, 0.5, 0.5
+    assert got["rounds_spread_max"] == pytest.approx(0.5)
+    assert bench.round_spread(rows[1:2]) == {"rounds_spread_median": pytest.approx(0.1),
+                                             "rounds_spread_max": pytest.approx(0.1)}
+    assert bench.round_spread([{"rounds_s": [0.05]}]) == {"rounds_spread_median": None,
+                                                          "rounds_spread_max": None}
+
+
 def test_link_fit_keeps_the_latency_of_a_slow_link():
     """calibrate.fit: an exact alpha-beta curve comes back; on a slow link (1 Gbit/s, 0.4 ms a
     step) whose 16 MiB point is 170x its 4 KiB one, with 5% noise, the latency is still found
