@@ -272,17 +272,17 @@ def fitted(work: Work, base: Work, fit: tuple, tokens: float, cluster: Cluster,
     """``work`` (one layer at a layout) with its own work replaced by the trainer's measured
     time for the layer (``fit``: seconds ``a + b n`` per microbatch of n tokens, forward and
     backward, at tp 1 without recompute: ``base``'s conditions). The part per token scales by
-    the rate model's math at the layout over its math at ``base`` (tp shards the GEMMs;
-    recompute the fit did not measure adds a forward); the part per microbatch (host: Python,
-    dispatch, autograd) only by the rate model's host overhead at the layout over base's (a
-    recomputed forward). Split over f, i and w as the rate model splits the layout's own work;
-    the collectives are kept (``comms``'s, when given: the layer under full recompute, whose
-    collectives run again, where ``work`` is the layer without). ``again``: full recompute's
-    measured extra (``TrainerFit.recompute``, ``a + b n`` likewise, scaled as the fit), on I
-    (the recompute runs in backward, before the input gradients). The fit is one thread's:
-    the per-token part runs at the rank's ``share`` of the host's cores (more than one core
-    each: faster), the host part takes ``overhead_scale`` as long (ranks outnumbering cores
-    wait for them)."""
+    the rate model's math at the layout over its math at ``base`` (tp shards the GEMMs; a
+    recompute the fit did not measure adds what it runs again); the part per microbatch
+    (host: Python, dispatch, autograd) only by the rate model's host overhead at the layout
+    over base's (a recomputed forward). Split over f, i and w as the rate model splits the
+    layout's own work; the collectives are kept (``comms``'s, when given: the layer under
+    full recompute, whose collectives run again, where ``work`` is the layer without).
+    ``again``: full recompute's measured extra (``TrainerFit.recompute``, ``a + b n``
+    likewise, scaled as the fit), on I (the recompute runs in backward, before the input
+    gradients). The fit is one thread's: the per-token part runs at the rank's ``share`` of
+    the host's cores (more than one core each: faster), the host part takes
+    ``overhead_scale`` as long (ranks outnumbering cores wait for them)."""
     ratio = _math(work) / _math(base) if _math(base) else 1.0
     host = _host(work) / _host(base) if _host(base) else 1.0  # a recomputed forward's host work
 
