@@ -4,10 +4,10 @@
     mpirun -np 4 python bench/checkpoint.py --models big --json bench/out/checkpoint.json
 
 For each model, a trainer at ``--save-layout`` (default tp 2 x pp 2) builds the model and
-AdamW (``fastpar.train.Trainer``), takes a step so the optimizer has state, and measures:
+AdamW (``fastpar.training.trainer.Trainer``), takes a step so the optimizer has state, and measures:
   gathered save   the serial layout gathered on every rank, rank 0 writing it (the format
                   before sharding: full_state_dict + serial_optimizer_state +
-                  fastpar.training.checkpoint.save)
+                  fastpar.checkpoint.serial.save)
   sharded save    every rank writes its pieces (ShardedCheckpointer.save, synchronous)
   async stall     what an async save costs the training: save() returning plus how much
                   longer the next training step takes while the pieces are written behind it,
@@ -105,7 +105,7 @@ def timed(fn):
 
 def gathered_save(t, root, step):
     import fastpar
-    from fastpar.training import checkpoint as serial
+    from fastpar.checkpoint import serial
     from fastpar.training.run_state import masters_in_place, run_meta
     from fastpar.training.state import serial_optimizer_state
 
@@ -123,7 +123,8 @@ def run_layout(args, model, mode, layout, base) -> dict:
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.train import Trainer, parse_args
+    from fastpar.training.args import parse_args
+    from fastpar.training.trainer import Trainer
     from fastpar.training import run_state
 
     argv = [*MODELS[model], *layout.split(), "--steps", "10", "--no-progress", "--plot", "",

@@ -167,7 +167,7 @@ def build(model: str, tp: int, recompute: str, size: dict):
     """(module, its blocks, batch(gen) -> (input, target), loss_fn, activation prediction)."""
     if model.startswith("gpt"):
         from fastpar.models import GPT, GPTBlock, gpt_loss
-        from fastpar.training.memory_plan import layer_activations, stage_input_bytes
+        from fastpar.plan.memory import layer_activations, stage_input_bytes
 
         cfg = dataclasses.replace(size["gpt"], recompute=recompute,
                                   dropout=DROPOUT if model == "gpt-dropout" else 0.0)

@@ -54,7 +54,7 @@ from fastpar.plan.cluster import Cluster, Link  # noqa: E402
 from fastpar.plan.layouts import parse, why_not  # noqa: E402
 from fastpar.plan.predict import Predictor  # noqa: E402
 from fastpar.runtime.cli import Parser  # noqa: E402
-from fastpar.training.memory_plan import CATEGORIES  # noqa: E402
+from fastpar.plan.memory import CATEGORIES  # noqa: E402
 
 PRESET, RANKS, GLOBAL_BATCH, STEPS, WARMUP = "tiny", 4, 16, 10, 4
 # tp/pp/dp, ZeRO 0-3, recompute none/full, every schedule; dp the ranks left, mb 2 x pp

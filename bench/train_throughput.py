@@ -63,8 +63,9 @@ import torch.nn.functional as F
 import fastpar
 from fastpar.runtime.cli import Parser
 from fastpar.runtime.launcher import launched_world_size
-from fastpar.train import Trainer, lr_lambda, model_config
-from fastpar.train import parse_args as trainer_args
+from fastpar.training.args import lr_lambda, model_config
+from fastpar.training.args import parse_args as trainer_args
+from fastpar.training.trainer import Trainer
 
 # Configuration.
 PRESET, GLOBAL_BATCH, SCHEDULE, SEED = "small", 16, "1f1b", 0

@@ -1,15 +1,11 @@
 """State you can see: what one job made goes with ``fastpar.shutdown``, and a re-init with
-another layout starts clean; the forced engine has one reader; the layers import downward only.
+another layout starts clean; the forced engine has one reader. (The layers' imports:
+tests/test_layers.py.)
 """
-
-import ast
-import os
 
 import pytest
 
-from tests.multirank import ROOT, run_ranks
-
-LIBRARY = os.path.join(ROOT, "fastpar")
+from tests.multirank import run_ranks
 
 
 def body_reinit():
@@ -133,135 +129,3 @@ def test_job_parts_close_last_made_first_and_every_one():
     assert closed == ["b", "hook", "a"] and job.parts == {} and job.closing
     assert seen == {"a": True, "new": "fastpar: the job is shutting down; its part 'new' "
                                       "cannot be made now"}
-
-
-# -------------------------------------------------------------------------------- the layers
-
-def _imports() -> dict[str, set[str]]:
-    """fastpar's module graph: module -> the fastpar modules it imports (anywhere in it,
-    function-level imports included)."""
-    mods = {}
-    for folder, _, files in os.walk(LIBRARY):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(folder, f)
-                name = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
-                mods[name.removesuffix(".__init__")] = path
-    mods["fastpar._C"] = None  # the native extension: a leaf
-
-    def known(name):
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name
-
-    graph = {}
-    for mod, path in mods.items():
-        deps = set()
-        if path is not None:
-            package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
-            for node in ast.walk(ast.parse(open(path).read())):
-                if isinstance(node, ast.Import):
-                    deps |= {known(a.name) for a in node.names}
-                elif isinstance(node, ast.ImportFrom):
-                    base = node.module or ""
-                    if node.level:
-                        parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                        base = ".".join(parts + ([base] if base else []))
-                    deps |= {known(f"{base}.{a.name}") if f"{base}.{a.name}" in mods
-                             else known(base) for a in node.names}
-        graph[mod] = {d for d in deps if d and d != mod}
-    return graph
-
-
-def _cycles(graph) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, found = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
-
-
-# Which layers a layer must never import (docs/design.md, "Layers").
-FRONT_DOORS = ("fastpar.train", "fastpar.info", "fastpar.__main__")
-NEVER = {
-    "fastpar.grid": ("fastpar.runtime", "fastpar.comm"),
-    "fastpar.runtime": ("fastpar.comm", "fastpar.nn", "fastpar.kernels", "fastpar.pipeline",
-                        "fastpar.data_parallel", "fastpar.optim", "fastpar.models",
-                        "fastpar.training", "fastpar.train", "fastpar.parallelize",
-                        "fastpar.state_dict", "fastpar.info"),
-    "fastpar.comm": ("fastpar.nn", "fastpar.pipeline", "fastpar.data_parallel", "fastpar.optim",
-                     "fastpar.models", "fastpar.training", "fastpar.train"),
-    "fastpar.kernels": ("fastpar.comm", "fastpar.nn"),
-    "fastpar.pipeline": ("fastpar.nn", "fastpar.models", "fastpar.train"),
-    "fastpar.models": ("fastpar.train", "fastpar.training"),
-    **{layer: FRONT_DOORS for layer in ("fastpar.nn", "fastpar.data_parallel", "fastpar.optim",
-                                        "fastpar.training", "fastpar.parallelize",
-                                        "fastpar.state_dict", "fastpar.kernels")},
-    # beside the library: the tolerance helpers and the cluster harness import nothing of it
-    "fastpar.testing": ("fastpar.grid", "fastpar.runtime", "fastpar.comm", "fastpar.kernels",
-                        "fastpar.nn", "fastpar.pipeline", "fastpar.data_parallel",
-                        "fastpar.optim", "fastpar.models", "fastpar.training",
-                        "fastpar.parallelize", "fastpar.state_dict", "fastpar._native",
-                        "fastpar.version", "fastpar._C", *FRONT_DOORS),
-}
-
-
-def _breaches(graph) -> list[tuple[str, str]]:
-    """``(module, what it imports)`` for every import the NEVER table forbids."""
-    def under(m, pkg):
-        return m == pkg or m.startswith(pkg + ".")
-
-    return [(m, d) for layer, banned in NEVER.items() for m in graph if under(m, layer)
-            for d in graph[m] if any(under(d, b) for b in banned)]
-
-
-def test_no_import_circles_and_layers_import_downward():
-    graph = _imports()
-    assert len(graph) > 50 and "fastpar.comm.collectives" in graph["fastpar.nn.overlap"]
-    assert _cycles(graph) == []
-    assert _breaches(graph) == []
-    # The library never imports bench/ or tests/.
-    for folder, _, files in os.walk(LIBRARY):
-        for f in (f for f in files if f.endswith(".py")):
-            for node in ast.walk(ast.parse(open(os.path.join(folder, f)).read())):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-                assert not [n for n in names if n.split(".")[0] in ("bench", "tests")], (f, names)
-
-
-def test_the_checker_sees_a_circle_and_a_layer_breach():
-    graph = {"fastpar.a": {"fastpar.b"}, "fastpar.b": {"fastpar.c"}, "fastpar.c": {"fastpar.a"},
-             "fastpar.d": set()}
-    assert _cycles(graph) == [["fastpar.a", "fastpar.b", "fastpar.c"]]
-    real = _imports()
-    real["fastpar.runtime.bootstrap"].add("fastpar.comm.state")
-    real["fastpar.comm.state"].add("fastpar.runtime.bootstrap")
-    assert any("fastpar.comm.state" in c for c in _cycles(real))
-    assert ("fastpar.runtime.bootstrap", "fastpar.comm.state") in _breaches(real)
-    real["fastpar.pipeline.pipe"].add("fastpar.train")  # a layer reaching up to the front door
-    assert ("fastpar.pipeline.pipe", "fastpar.train") in _breaches(real)
-    real["fastpar.testing.cluster"].add("fastpar.runtime.launcher")
-    assert ("fastpar.testing.cluster", "fastpar.runtime.launcher") in _breaches(real)

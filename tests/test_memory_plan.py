@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastpar.models import PRESETS
-from fastpar.training.memory_plan import (ZERO2_RUN_BYTES, Layout, in_flight_peak,
+from fastpar.plan.memory import (ZERO2_RUN_BYTES, MemoryInputs, in_flight_peak,
                                           layer_tensors, predict, zero2_runs)
 
 VARIANTS = [{}, {"mlp": "gelu", "norm": "layernorm", "bias": True, "positions": "learned"},
@@ -28,7 +28,7 @@ def _layout(schedule, pp, m, rank, v=1):
     cfg = PRESETS["tiny"]
     stages = pp * v
     bounds = tuple(round(i * (cfg.layers + 2) / stages) for i in range(stages + 1))
-    return Layout(cfg, tp=1, pp=pp, dp=1, pp_rank=rank, bounds=bounds, schedule=schedule,
+    return MemoryInputs(cfg, tp=1, pp=pp, dp=1, pp_rank=rank, bounds=bounds, schedule=schedule,
                   microbatches=m, rows=m, virtual_stages=v)
 
 

@@ -20,7 +20,7 @@ from fastpar.plan import predict as P
 from fastpar.plan.cluster import Cluster, Link, TrainerFit, model_signature
 from fastpar.plan.layouts import Layout, candidates, parse, why_not
 from fastpar.plan.search import search
-from fastpar.training import memory_plan
+from fastpar.plan import memory as memory_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = Cluster(name="fixed", device="cpu", hosts=1, ranks_per_host=4, peak_flops=1e11,
@@ -86,7 +86,7 @@ def test_memory_is_memory_plan_predict_of_the_worst_rank():
     bounds = P.stage_bounds(cfg, 2, 1, 2)
     per_layer = [sum(memory_plan.layer_tensors(cfg, 1, i)) for i in range(cfg.layers + 2)]
     assert sum(per_layer) == cfg.num_params() and bounds[0] == 0 and bounds[-1] == 6
-    want = [memory_plan.predict(memory_plan.Layout(cfg, tp=2, pp=2, dp=1, pp_rank=r,
+    want = [memory_plan.predict(memory_plan.MemoryInputs(cfg, tp=2, pp=2, dp=1, pp_rank=r,
                                                    bounds=bounds, schedule="1f1b",
                                                    microbatches=4, rows=16))
             for r in range(2)]
@@ -649,7 +649,7 @@ def body_trainer_fit():
     import torch
 
     from fastpar.models import PRESETS
-    from fastpar.plan.trainer_fit import trainer_fit
+    from fastpar.training.fit import trainer_fit
 
     torch.set_num_threads(1)
     err = io.StringIO()
@@ -678,7 +678,7 @@ def test_recompute_fit_recovers_the_extra(capsys):
     """trainer_fit.recompute_fit on steps that follow a + b n per block and microbatch exactly
     (the points' own steps without recompute beside them): (a, b) times the scale; None when
     the recompute finds nothing extra, and None, said, when a point cannot train."""
-    from fastpar.plan.trainer_fit import recompute_fit
+    from fastpar.training.fit import recompute_fit
 
     rows, T, a, b = 8, 64, 1.5e-3, 4e-6
     points = [(layers, r, m) for layers in (1, 3) for r in (1, rows // 2, rows) for m in (1, 2)]

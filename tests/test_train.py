@@ -42,7 +42,8 @@ def body_runs(runs):
     """Each (name, argv) trained in turn; {name: [[step, loss, val_loss or None], ...]} or
     {name: "ValueError: ..."} for a run that raised ValueError."""
     import fastpar
-    from fastpar.train import Trainer, parse_args
+    from fastpar.training.args import parse_args
+    from fastpar.training.trainer import Trainer
 
     out = {}
     for name, argv in runs:
@@ -66,8 +67,9 @@ def body_serial_format(root):
     """A checkpoint in the serial format of earlier releases (written here the way they wrote
     it) still resumes: 5 steps, saved serially, then resumed to 10."""
     import fastpar
-    from fastpar.train import Trainer, parse_args
-    from fastpar.training import checkpoint
+    from fastpar.training.args import parse_args
+    from fastpar.training.trainer import Trainer
+    from fastpar.checkpoint import serial as checkpoint
     from fastpar.training.run_state import masters_in_place, run_meta
     from fastpar.training.state import serial_optimizer_state
 
@@ -89,7 +91,8 @@ def body_notes(argv):
     import contextlib
     import io
 
-    from fastpar.train import Trainer, parse_args
+    from fastpar.training.args import parse_args
+    from fastpar.training.trainer import Trainer
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -356,7 +359,8 @@ def test_context_parallel_layouts_train_alike_and_reshard(tmp_path):
 def body_runs_full(runs):
     """Each (name, argv) trained in turn: {name: its records, without the timings}."""
     import fastpar
-    from fastpar.train import Trainer, parse_args
+    from fastpar.training.args import parse_args
+    from fastpar.training.trainer import Trainer
 
     out = {}
     for name, argv in runs:
@@ -371,7 +375,7 @@ def body_runs_full(runs):
 def check_memory_rows(name, rows, nranks):
     """One run's memory rows (see ``test_memory_is_measured_beside_its_prediction``); returns
     the worst relative error of the activations."""
-    from fastpar.training.memory_plan import CATEGORIES
+    from fastpar.plan.memory import CATEGORIES
 
     assert [row["memory"]["rank"] for row in rows] == list(range(nranks)), (name, rows)
     worst = 0.0
@@ -631,7 +635,7 @@ def body_bad_flags(cases):
     import contextlib
     import io
 
-    from fastpar.train import parse_args
+    from fastpar.training.args import parse_args
 
     out = []
     for argv, _ in cases:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastpar.training import checkpoint, data, metrics
+from fastpar.checkpoint import serial as checkpoint
+from fastpar.training import data, metrics
 
 # ---------------------------------------------------------------------------------------- data
 

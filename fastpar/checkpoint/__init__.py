@@ -2,6 +2,6 @@
 
 See ``fastpar.checkpoint.sharded`` (save and load), ``boxes`` (where pieces sit in the serial
 tensors), ``holdings`` (what a rank owns), ``files`` (the on-disk format), ``store`` (the
-atomic directory protocol, shared with the serial format of ``fastpar.training.checkpoint``),
+atomic directory protocol, shared with the serial format of ``fastpar.checkpoint.serial``),
 and ``python -m fastpar.checkpoint inspect|export`` (``__main__``).
 """

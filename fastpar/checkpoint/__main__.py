@@ -66,7 +66,7 @@ def damage(directory: str, index: dict) -> list[str]:
     if index["format"] == loading.FORMAT:
         return loading.check_files(directory, index) or \
             loading.verify_share(directory, index, 0, 1)
-    from fastpar.training import checkpoint as serial
+    from fastpar.checkpoint import serial
 
     try:
         serial.load(directory)  # the serial format verifies whole files as it reads them

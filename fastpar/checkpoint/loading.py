@@ -34,7 +34,7 @@ def raise_if(problems: list[str], what: str | None = None) -> None:
 
 def read_index(path) -> tuple[str, dict]:
     return store.read_record(path, "index.json", FORMAT, "a serial checkpoint loads with "
-                             "fastpar.training.checkpoint.load")
+                             "fastpar.checkpoint.serial.load")
 
 
 def check_index(index: dict) -> list[str]:

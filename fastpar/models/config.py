@@ -152,6 +152,11 @@ class GPTConfig:
         if bad:
             raise ValueError("GPTConfig: " + "; ".join(bad))
 
+    def flops_per_token(self) -> float:
+        """Forward and backward FLOPs per token that MFU counts: ``6 N + 12 L H T`` (the
+        trainer's MFU and the planner's; recomputation is not useful work, so not counted)."""
+        return 6 * self.num_params() + 12 * self.layers * self.hidden * self.seq_len
+
     def num_params(self) -> int:
         """Parameters of the serial model, the tied output weight (a copy) counted once."""
         h, v, kv_dim, ffn, b = self.hidden, self.vocab_size, \

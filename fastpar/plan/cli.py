@@ -85,17 +85,16 @@ def model_of(args):
     return build(args.preset, args.hf_config, {f: getattr(args, a) for a, f in names.items()})
 
 
-def cluster_of(args, p):
+def cluster_of(args, p, fit=None):
     from fastpar.plan.cluster import Cluster, Link
 
     hosts, rph = (1, args.ranks) if args.ranks is not None else (args.hosts, args.ranks_per_host)
     if args.calibrate:
         from fastpar.plan.calibrate import calibrate
-        from fastpar.plan.trainer_fit import trainer_fit
 
         path = args.cluster or "fastpar_cluster.json"
         cluster = calibrate(hosts=hosts, ranks_per_host=rph, inter=_inter(args),
-                            cfg=model_of(args), fit=trainer_fit)
+                            cfg=model_of(args), fit=fit)
         cluster.save(path)
         print(f"[fastpar plan] calibrated this machine: {path}", flush=True)
         return cluster
@@ -142,7 +141,7 @@ def header(cfg, cluster, global_batch, dtype) -> str:
 
 
 def table(preds, budget) -> list[str]:
-    from fastpar.training.memory_plan import CATEGORIES
+    from fastpar.plan.memory import CATEGORIES
 
     unit, name = _unit(budget)
     width = max([len(p.layout.name) for p in preds] + [6])
@@ -160,7 +159,7 @@ def table(preds, budget) -> list[str]:
 def explain(pred, cfg, cluster) -> list[str]:
     """Every term of one prediction."""
     from fastpar.plan import costs
-    from fastpar.training.memory_plan import CATEGORIES
+    from fastpar.plan.memory import CATEGORIES
 
     t, lay = pred.terms, pred.layout
     unit, uname = _unit(pred.memory_budget)
@@ -202,7 +201,7 @@ def explain(pred, cfg, cluster) -> list[str]:
     out.append(f"step {pred.step_time_s * 1e3:.3f} ms (the slowest rank); tokens/s "
                f"{pred.tokens_per_s:,.0f}; MFU {pred.mfu:.2%} ({t['flops_per_token']:.4g} "
                f"FLOPs per token, peak {cluster.peak_flops / 1e12:g} TFLOP/s x {lay.ranks})")
-    out.append(f"memory per pipeline rank, {uname} (training.memory_plan.predict):")
+    out.append(f"memory per pipeline rank, {uname} (plan.memory.predict):")
     for r, mem in enumerate(t["memory_by_rank"]):
         cells = "  ".join(f"{c} {mem[c] / unit:.3f}" for c in CATEGORIES)
         out.append(f"  rank {r}: {cells}  total {sum(mem.values()) / unit:.3f}" +
@@ -213,7 +212,10 @@ def explain(pred, cfg, cluster) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None, fit=None) -> int:
+    """The command. ``fit``: what ``--calibrate`` with a model runs to fit the trainer's own
+    step (``fastpar.training.fit.trainer_fit``, passed by ``python -m fastpar plan``: the
+    planner never imports the trainer); None keeps the rate model alone."""
     from fastpar.plan.layouts import parse, why_not
     from fastpar.plan.predict import predict
     from fastpar.plan.search import search
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
     p, args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = model_of(args)
-        cluster = cluster_of(args, p)
+        cluster = cluster_of(args, p, fit)
         layout = parse(args.explain, cluster.ranks) if args.explain else None
     except ValueError as exc:
         p.error(str(exc))
@@ -271,7 +273,3 @@ def main(argv=None) -> int:
             json.dump([q.to_json() for q in preds], f, indent=1)
         print(f"[fastpar plan] {len(preds)} layouts: {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
 """The model a plan is for: a preset, the GPT's flags, or a Hugging Face ``config.json``, as a
-``GPTConfig`` (the trainer's own); and the FLOPs MFU counts.
+``GPTConfig`` (the trainer's own; its ``flops_per_token()`` is what MFU counts).
 
-    cfg = hf_config("llama3-8b/config.json", seq_len=8192)
-    model_flops_per_token(cfg)          # 6 N + 12 L H T, the trainer's MFU numerator
+    cfg = hf_config("llama3-8b/config.json")
 """
 
 from __future__ import annotations
@@ -65,8 +64,3 @@ def build(preset: str | None, hf_path: str | None, overrides: dict) -> GPTConfig
     cfg.validate()
     return cfg
 
-
-def model_flops_per_token(cfg: GPTConfig) -> float:
-    """Forward and backward FLOPs per token that MFU counts: ``6 N + 12 L H T`` (the
-    trainer's ``Trainer.mfu``; recomputation is not useful work, so it is not counted)."""
-    return 6 * cfg.num_params() + 12 * cfg.layers * cfg.hidden * cfg.seq_len

@@ -13,7 +13,7 @@ rank's. Long pipelines (more than ``SIMULATE_MAX`` compute actions per rank) are
 two microbatch counts pp apart in the steady state and each rank's end extended linearly to
 the real count: exact for gpipe and 1f1b, within 1% for zb and interleaved on random
 per-stage costs (tests/test_plan.py compares against the full timeline).
-Memory: ``training.memory_plan.predict`` (what the trainer reports beside its measurement) for
+Memory: ``plan.memory.predict`` (what the trainer reports beside its measurement) for
 every pipeline rank at the stage cut ``Pipeline`` makes; the worst rank's categories.
 """
 
@@ -31,8 +31,7 @@ from fastpar.pipeline.timeline import simulate
 from fastpar.plan import costs
 from fastpar.plan.cluster import Cluster
 from fastpar.plan.layouts import Layout, model_for
-from fastpar.plan.model import model_flops_per_token
-from fastpar.training import memory_plan
+from fastpar.plan import memory as mem_model
 
 SIMULATE_MAX = 1536  # compute actions per rank simulated in full; longer lists: extended
 
@@ -67,7 +66,7 @@ class Prediction:
 
 def stage_bounds(cfg: GPTConfig, tp: int, ep: int, stages: int) -> tuple:
     """The layer cuts ``Pipeline`` makes: balanced by each layer's parameters on a tp rank."""
-    weights = tuple(sum(memory_plan.layer_tensors(cfg, tp, i, ep))
+    weights = tuple(sum(mem_model.layer_tensors(cfg, tp, i, ep))
                     for i in range(cfg.layers + 2))
     return _bounds(weights, stages)
 
@@ -78,10 +77,10 @@ def _bounds(weights: tuple, stages: int) -> tuple:
 
 
 def memory_by_rank(cfg: GPTConfig, lay: Layout, global_batch: int, dtype) -> list[dict]:
-    """``memory_plan.predict`` of every pipeline rank of ``lay`` (the trainer's Layout)."""
+    """``plan.memory.predict`` of every pipeline rank of ``lay`` (the trainer's memory inputs)."""
     cfg = model_for(cfg, lay)
     bounds = stage_bounds(cfg, lay.tp, lay.ep, lay.pp * lay.virtual_stages)
-    return [memory_plan.predict(memory_plan.Layout(
+    return [mem_model.predict(mem_model.MemoryInputs(
         cfg, tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp, pp_rank=r, bounds=bounds,
         schedule=lay.schedule, microbatches=lay.microbatches, rows=global_batch // lay.dp,
         zero=lay.zero, dtype=dtype, virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp))
@@ -194,7 +193,7 @@ class Predictor:
     def tensors(self, lay: Layout) -> list[tuple[int, int]]:
         """``(parameters, parameter tensors)`` of each pipeline rank (its tp shard)."""
         def count():
-            per_layer = [memory_plan.layer_tensors(self.cfg, lay.tp, i, lay.ep)
+            per_layer = [mem_model.layer_tensors(self.cfg, lay.tp, i, lay.ep)
                          for i in range(self.cfg.layers + 2)]
             return [(sum(sum(per_layer[i]) for i in layers),
                      sum(len(per_layer[i]) for i in layers)) for layers in self.rank_layers(lay)]
@@ -367,10 +366,10 @@ class Predictor:
         return ends
 
     def memory_layouts(self, lay: Layout) -> list:
-        """The trainer's ``memory_plan.Layout`` of every pipeline rank of ``lay``."""
+        """The trainer's ``plan.memory.MemoryInputs`` of every pipeline rank of ``lay``."""
         cfg = model_for(self.cfg, lay)
         bounds = self.bounds(lay.tp, lay.ep, lay.pp * lay.virtual_stages)
-        return [memory_plan.Layout(
+        return [mem_model.MemoryInputs(
             cfg, tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp, pp_rank=r, bounds=bounds,
             schedule=lay.schedule, microbatches=lay.microbatches,
             rows=self.global_batch // lay.dp, zero=lay.zero, dtype=self.dtype,
@@ -378,8 +377,8 @@ class Predictor:
 
     def state_over_budget(self, lay: Layout) -> bool:
         """Whether some rank's parameters, gradients, optimizer state and buffers alone
-        (``memory_plan.state_bytes``: no schedule replay) exceed the budget."""
-        return any(sum(memory_plan.state_bytes(m).values()) > self.cluster.memory_bytes
+        (``mem_model.state_bytes``: no schedule replay) exceed the budget."""
+        return any(sum(mem_model.state_bytes(m).values()) > self.cluster.memory_bytes
                    for m in self.memory_layouts(lay))
 
     # ---- one layout -------------------------------------------------------------------------
@@ -401,7 +400,7 @@ class Predictor:
         pp = lay.pp
         makespan = max(ends)
         bubble = 1 - busy / (pp * makespan) if makespan > 0 else 0.0
-        memory = [memory_plan.predict(m) for m in self.memory_layouts(lay)]
+        memory = [mem_model.predict(m) for m in self.memory_layouts(lay)]
         tokens = self.global_batch * cfg.seq_len
         totals = [sum(mem.values()) for mem in memory]
         worst = max(range(pp), key=lambda r: totals[r])
@@ -412,9 +411,9 @@ class Predictor:
         terms = {"layer": kinds, "stages": stages, "ranks": per_rank, "makespan_s": makespan,
                  "busy_s": busy, "memory_by_rank": memory,
                  "rows_per_microbatch": self.global_batch // lay.dp // lay.microbatches,
-                 "flops_per_token": model_flops_per_token(cfg), "esize": self.esize}
+                 "flops_per_token": cfg.flops_per_token(), "esize": self.esize}
         return Prediction(layout=lay, step_time_s=step, tokens_per_s=tokens / step,
-                          mfu=tokens / step * model_flops_per_token(cfg) /
+                          mfu=tokens / step * cfg.flops_per_token() /
                           (self.cluster.peak_flops * self.cluster.share * lay.ranks),
                           bubble=bubble,
                           memory=memory[worst], memory_rank=worst, fits=totals[worst] <= budget,

@@ -2,16 +2,17 @@
 
     fastpar.training.data        byte-level corpus, a sampler that is a pure function of
                                  (seed, step), fixed validation batches
-    fastpar.training.checkpoint  atomic, verified checkpoints (safetensors + JSON, no pickle)
     fastpar.training.metrics     JSON-lines metrics, the human log line, the loss plot
     fastpar.training.state       optimizer state in the serial layout (collective; resharding)
     fastpar.training.memory      memory per rank by category, measured; the end-of-run table
-    fastpar.training.memory_plan the same categories predicted from the layout (the formula)
 
-Import the module you need (`from fastpar.training import checkpoint`); nothing here imports
+The same categories predicted from the layout are the planner's (``fastpar.plan.memory``); the
+checkpoints are ``fastpar.checkpoint``'s.
+
+Import the module you need (`from fastpar.training import data`); nothing here imports
 safetensors or matplotlib until it is used.
 """
 
-from fastpar.training import checkpoint, data, metrics
+from fastpar.training import data, metrics
 
-__all__ = ["checkpoint", "data", "metrics"]
+__all__ = ["data", "metrics"]

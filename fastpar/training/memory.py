@@ -1,7 +1,7 @@
-"""Memory per rank by category, measured beside its prediction (``memory_plan``), for the main
+"""Memory per rank by category, measured beside its prediction (``fastpar.plan.memory``), for the main
 job: the end-of-run table and one ``--metrics`` record per rank.
 
-    meter = MemoryMeter(pipe, model, opt, layout)   # layout: memory_plan.Layout
+    meter = MemoryMeter(pipe, model, opt, layout)   # layout: fastpar.plan.memory.MemoryInputs
     meter.sample()                  # after backward, and again after the optimizer step
     rows = meter.gather()           # collective: every rank's record, on every rank
     print(format_table(rows))       # rank 0
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.optim import DistributedOptimizer, MasterWeights
-from fastpar.training.memory_plan import CATEGORIES, Layout, predict
+from fastpar.plan.memory import CATEGORIES, MemoryInputs, predict
 
 MiB = 2**20
 
@@ -97,7 +97,7 @@ def storage_bytes(tensors: dict[str, list]) -> dict[str, int]:
 class MemoryMeter:
     """Peaks per category of one rank's training (see the module docstring)."""
 
-    def __init__(self, pipe, model, opt, layout: Layout):
+    def __init__(self, pipe, model, opt, layout: MemoryInputs):
         self.pipe, self.model, self.opt, self.layout = pipe, model, opt, layout
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.samples = 0
@@ -165,10 +165,10 @@ def contract(row: dict) -> dict:
 
 
 def trainer_meter(trainer) -> MemoryMeter:
-    """The meter of a ``fastpar.train.Trainer`` (built after its optimizer)."""
+    """The meter of a ``fastpar.training.trainer.Trainer`` (built after its optimizer)."""
     args, topo = trainer.args, trainer.topo
     # dp: the ranks ZeRO shards over and gradients reduce over (dp x cp under cp)
-    layout = Layout(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size,
+    layout = MemoryInputs(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size,
                     dp=topo.dp_size * topo.cp_size,
                     pp_rank=topo.pp_rank, bounds=tuple(trainer.pipe.bounds),
                     schedule=args.schedule, microbatches=trainer.microbatches,

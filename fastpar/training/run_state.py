@@ -5,10 +5,10 @@
     run_state.resume(trainer, "ckpt")          # weights, optimizer, LR schedule, step
     run_state.save(trainer, step)              # collective; every rank writes its pieces
 
-``trainer`` is a ``fastpar.train.Trainer``. A checkpoint is sharded (``fastpar.checkpoint``):
+``trainer`` is a ``fastpar.training.trainer.Trainer``. A checkpoint is sharded (``fastpar.checkpoint``):
 every rank writes the pieces it owns, in the background unless ``--sync-save``, and any tp /
 pp / dp / ZeRO stage of the same model loads it reading only its slices; the serial layout of
-earlier releases (``fastpar.training.checkpoint``) still loads, and ``python -m
+earlier releases (``fastpar.checkpoint.serial``) still loads, and ``python -m
 fastpar.checkpoint export`` writes it. The metadata records the model, the data stream (seed,
 global batch), the layout it was saved under and the learning-rate plan, and a resume checks
 each against this run. A ``--dtype bfloat16`` run saves its float32 master weights and float32
@@ -131,10 +131,10 @@ def resume(t, where: str) -> None:
 
 
 def _resume_serial(t, directory: str) -> tuple[dict, int]:
-    """A serial-layout checkpoint (``fastpar.training.checkpoint``): read whole on every rank,
+    """A serial-layout checkpoint (``fastpar.checkpoint.serial``): read whole on every rank,
     each rank keeps its shards."""
     import fastpar
-    from fastpar.training import checkpoint as ckpt
+    from fastpar.checkpoint import serial as ckpt
     from fastpar.training.state import load_serial_optimizer_state
 
     c = ckpt.load(directory)

@@ -1,6 +1,6 @@
 """Peak bytes per rank by category, predicted from the layout alone (the main job's model).
 
-    plan = Layout(cfg, tp=2, pp=2, dp=1, pp_rank=0, bounds=pipe.bounds, schedule="1f1b",
+    plan = MemoryInputs(cfg, tp=2, pp=2, dp=1, pp_rank=0, bounds=pipe.bounds, schedule="1f1b",
                   microbatches=4, rows=16, zero=0, dtype=torch.float32)
     predict(plan)  # {"params": ..., "grads": ..., "optimizer": ..., "activations": ...,
                    #  "buffers": ...}
@@ -52,7 +52,7 @@ ZERO2_RUN_BYTES = 25 * 2**20  # DistributedOptimizer's default bucket_mb, in mas
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class MemoryInputs:
     """What the prediction depends on: the model, the grid, the schedule and the options."""
 
     cfg: GPTConfig
@@ -151,7 +151,7 @@ def stage_input_bytes(cfg: GPTConfig, tp: int, stage: int, rows: int, esize: int
     return n // (tp if cfg.sequence_parallel else 1) * cfg.hidden * esize
 
 
-def in_flight_peak(layout: Layout, per_chunk: list[int]) -> int:
+def in_flight_peak(layout: MemoryInputs, per_chunk: list[int]) -> int:
     """Replay this rank's action list: +bytes at each F, - at B (or W); the largest total."""
     actions = _compiled(layout.schedule, layout.pp, layout.microbatches,
                         layout.virtual_stages)[layout.pp_rank]
@@ -191,14 +191,14 @@ def _pad(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def predict(layout: Layout) -> dict[str, int]:
+def predict(layout: MemoryInputs) -> dict[str, int]:
     """Peak bytes per category on this rank (see the module docstring)."""
     out = state_bytes(layout)
     out["activations"] = activation_bytes(layout)
     return {k: int(out[k]) for k in CATEGORIES}
 
 
-def state_bytes(layout: Layout) -> dict[str, int]:
+def state_bytes(layout: MemoryInputs) -> dict[str, int]:
     """``predict`` but activations: what the layout alone fixes, without the schedule's
     replay (the planner drops a layout whose state alone is over the budget with this)."""
     cfg, tp, d = layout.cfg, layout.tp, layout.dp
@@ -235,7 +235,7 @@ def state_bytes(layout: Layout) -> dict[str, int]:
     return {k: int(v) for k, v in out.items()}
 
 
-def activation_bytes(layout: Layout) -> int:
+def activation_bytes(layout: MemoryInputs) -> int:
     """The activations' peak: each chunk's bytes per microbatch, replayed over the
     schedule's action list (``in_flight_peak``)."""
     cfg, tp = layout.cfg, layout.tp

@@ -1,27 +1,36 @@
 """The trainer fit (``fastpar plan --calibrate`` with a model; docs/design.md, "The trainer
 fit"): the real ``Trainer.train_step`` timed on this process for the plan's own model, fitted
-per layer and per step. Its own module because it trains: it imports the main job
-(``fastpar.train``), which ``fastpar.plan.calibrate`` must not (the trainer's ``--layout auto``
-imports that).
+per layer and per step. It lives with the trainer, which it runs: the planner stands below the
+trainer and takes this function as an argument (``plan.calibrate.calibrate(fit=...)``, passed
+by ``python -m fastpar plan``), never importing it.
 
     fit = trainer_fit(cfg, membw=cluster.membw_Bps, tensor_s=cluster.overhead_tensor_s)
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import statistics
 import sys
 import time
 
 import torch
 
+import fastpar
+from fastpar import runtime
 from fastpar.plan.calibrate import nnls
 from fastpar.plan.cluster import TrainerFit, model_signature
+from fastpar.plan.costs import OPTIMIZER_BYTES
+from fastpar.plan.memory import layer_tensors
+from fastpar.training.args import parse_args
+from fastpar.training.trainer import Trainer
 
 
 def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 16,
                 warmup: int = 4, budget_s: float = 0.5) -> TrainerFit | None:
-    """The trainer's own step (``fastpar.train.Trainer.train_step``: the pipeline's executor,
+    """The trainer's own step (``fastpar.training.trainer.Trainer.train_step``: the pipeline's executor,
     the meters, clip, AdamW, the loss's all-reduce) timed on this process as a one-rank job on
     one thread, for ``cfg``'s layers at 1 and 3 blocks, 1, ``rows`` / 2 and ``rows`` rows and
     1 and 2 microbatches (16 steps each); at 1 and 3 blocks, ``rows`` rows and 2 microbatches
@@ -39,14 +48,6 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
     blocks would mix kinds), when a trainer cannot train the model here (said on standard
     error), or when three blocks of two rows would take more than ``budget_s`` a step
     (``rows`` is lowered first; one row leaves a and b unidentified)."""
-    import contextlib
-    import dataclasses
-    import io
-
-    from fastpar import runtime
-    from fastpar.plan.costs import OPTIMIZER_BYTES
-    from fastpar.training.memory_plan import layer_tensors
-
     if runtime.is_initialized() or (cfg.moe_experts and cfg.moe_every != 1):
         return None
     base = dataclasses.replace(cfg, recompute="none", context_parallel=None,
@@ -65,10 +66,6 @@ def trainer_fit(cfg, membw: float, tensor_s: float, rows: int = 8, steps: int = 
 
     def step_s(layers: int, batch: int, microbatches: int, schedule: str = "1f1b",
                recompute: str = "none") -> tuple[float, float]:
-        import fastpar
-        from fastpar.train import Trainer
-        from fastpar.training.args import parse_args
-
         args = parse_args(["--preset", "tiny", "--global-batch", str(batch), "--microbatches",
                            str(microbatches), "--steps", str(steps), "--schedule", schedule,
                            "--recompute", recompute])
