@@ -10,7 +10,6 @@ What a step does: ``fastpar/train.py``'s module docstring and docs/design.md ("T
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import math
 import os
@@ -23,6 +22,7 @@ from fastpar.plan.cluster import gpu_peak_flops
 from fastpar.runtime import hostid
 from fastpar.training import run_state
 from fastpar.training.args import DEFAULT_STEPS, check_layout, lr_lambda, model_config
+from fastpar.training.optimizer import build_setup
 
 
 class Trainer:
@@ -85,32 +85,8 @@ class Trainer:
             block.aux_scale = 1.0 / self.microbatches
         # gradients averaged over the ranks that see other tokens: dp, and cp's slices
         dpcp = topo.dpcp_group if topo.cp_size > 1 else None  # None: the dp group
-        adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
-        if args.zero:
-            initial = {p: p.detach().clone() for p in self.pipe.parameters()} \
-                if dtype != torch.float32 else None
-            self.model = self.pipe.to(dtype)  # the same Parameter objects, now bf16
-            self.opt = fastpar.optim.DistributedOptimizer(
-                self.pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=self.pipe,
-                group=dpcp, quant_weights=args.quantize_weights, quant_grads=args.quantize_grads,
-                error_feedback=args.error_feedback, **adamw)
-            if initial is not None:  # the float32 masters start from the float32 initial weights
-                self.opt.load_master_weights(initial)
-                del initial
-        elif dtype == torch.float32:
-            self.model = fastpar.DataParallel(self.pipe, group=dpcp, quant=args.quantize_grads,
-                                              error_feedback=args.error_feedback)
-            self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
-        else:
-            # Masters from the float32 initial weights, then the model computes in bf16;
-            # gradients are reduced over dp in float32 (over tp and the tied copies too:
-            # fastpar.nn, sum_tied_grads) and AdamW steps the float32 masters.
-            self.opt = fastpar.optim.MasterWeights(self.pipe.parameters(), torch.optim.AdamW,
-                                                   **adamw)
-            self.model = fastpar.DataParallel(self.pipe.to(dtype), group=dpcp,
-                                              reduce_dtype=torch.float32,
-                                              quant=args.quantize_grads,
-                                              error_feedback=args.error_feedback)
+        self.setup = build_setup(self.pipe, args, group=dpcp, dtype=dtype)  # chosen once
+        self.model, self.opt = self.setup.model, self.setup.opt
         if (args.quantize_grads or args.quantize_weights) and topo.dp_size > 1 and \
                 len({topo.hosts[r] for r in topo.ranks("dp")}) == 1 and topo.rank == 0:
             from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
@@ -124,8 +100,8 @@ class Trainer:
                       f"calls of {QUANT_SHM_MIN_BYTES >> 20} MiB and more (smaller ones cost "
                       "about what they save there and stay full precision); across hosts every "
                       "call is int8", flush=True)
-        # ZeRO-3: what needs the full parameters (a pipeline step, validation, checkpoints)
-        self.gathered = self.opt.gathered if args.zero else contextlib.nullcontext
+        # ZeRO-3: what needs the full parameters (validation, checkpoints)
+        self.gathered = self.setup.gathered
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
         self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
         from fastpar.training.memory import trainer_meter
@@ -137,6 +113,9 @@ class Trainer:
             from fastpar.checkpoint.sharded import ShardedCheckpointer
 
             self.ckpt = ShardedCheckpointer()
+        # before each optimizer step: a save's reads of the weights and state done (its commit
+        # goes on; the next save or the end waits for it)
+        self.wait_for_saves = self.ckpt.wait_for_reads if self.ckpt is not None else _nothing
         self.memory_rows: list[dict] = []  # every rank's memory record, after run()
         self.start = 0
         self.records: list[dict] = []
@@ -160,7 +139,7 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step on batch ``step``; returns (global mean loss, grad norm)."""
-        from fastpar import comm, optim
+        from fastpar import comm
         from fastpar.models import sum_tied_grads
         from fastpar.nn import random as tp_random
 
@@ -169,23 +148,13 @@ class Trainer:
         for block in self.moe_blocks:
             block.moe_stats = None
         x, y = self.context_slice(*self.sampler.shard(step, topo.dp_rank, topo.dp_size))
-        if args.zero >= 2:  # accumulate over the microbatches, reduce-scatter once at the step
-            with self.opt.no_sync(), self.gathered():
-                loss = self.model.step(x, y)
-                self.memory.sample()  # the gathered parameters, the accumulated gradients
-        else:
-            loss = self.model.step(x, y)  # this replica's mean; DataParallel reduced the grads
-            self.memory.sample()
+        with self.setup.accumulating():  # the microbatches (OptimizerSetup says what holds)
+            loss = self.model.step(x, y)  # this replica's mean
+            self.memory.sample()  # the parameters and gradients at their peak
         if self.cfg.tie_embeddings:  # the same on every rank: the embedding group's collective
             sum_tied_grads(self.stage_modules, topo.embedding_group)
-        if args.clip <= 0:
-            norm = torch.tensor(float("nan"))  # no clip, no norm (ZeRO's step reduces itself)
-        elif args.zero:
-            norm = self.opt.clip_grad_norm_(args.clip, model=self.pipe)
-        else:
-            norm = optim.clip_grad_norm_(self.pipe, args.clip)
-        if self.ckpt is not None:  # an async save may still read the weights and the state
-            self.ckpt.wait_for_reads()  # (its commit goes on; the next save or the end waits)
+        norm = self.setup.clip(args.clip)
+        self.wait_for_saves()  # an async save may still read the weights and the state
         self.opt.step()
         self.memory.sample()  # the optimizer state and the masters' gradients
         self.sched.step()
@@ -372,3 +341,7 @@ class Trainer:
             return {}
         flops = self.cfg.flops_per_token()
         return {"mfu": tokens_per_s * flops / (peak * self.topo.world_size)}
+
+
+def _nothing() -> None:
+    return None

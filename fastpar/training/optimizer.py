@@ -1,0 +1,108 @@
+"""The main job's optimizer set-up, chosen once from the flags: one object with the verbs a
+training step needs, so that the step itself never asks which set-up it runs.
+
+    setup = build_setup(pipe, args, group=dpcp, dtype=torch.bfloat16)
+    with setup.accumulating():          # the pipeline's microbatches; ZeRO-2/3: whole grads
+        loss = setup.model.step(x, y)
+    norm = setup.clip(max_norm)         # the serial model's global norm (nan when max_norm <= 0)
+    setup.opt.step(); setup.opt.zero_grad(set_to_none=True)
+    with setup.gathered(): ...          # every parameter whole (ZeRO-3): validation, checkpoints
+
+The set-ups (AdamW with the flags' betas and weight decay in each):
+
+| flags | ``model`` (runs the step) | ``opt`` (steps) | gradients over dp |
+|---|---|---|---|
+| ``--zero N`` | the pipeline, in the model's dtype | ``DistributedOptimizer`` stage N: float32 masters of its shard | reduce-scattered in ``opt.step()`` (stage 1: all-reduced there) |
+| float32 | ``DataParallel(pipe)`` | AdamW | all-reduced in buckets during the backward |
+| ``--dtype bfloat16`` | ``DataParallel(pipe.to(bf16))`` reducing in float32 | ``MasterWeights``: float32 masters | as float32 |
+
+``group``: the ranks the gradients are averaged over (dp, or dp x cp; None: the dp group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from fastpar.data_parallel import DataParallel
+from fastpar.optim import DistributedOptimizer, MasterWeights, clip_grad_norm_
+
+
+class OptimizerSetup:
+    """What every set-up has: ``pipe`` (this rank's stages), ``model`` (what runs a step),
+    ``opt`` (what the LR schedule, the checkpoints and the memory meter see)."""
+
+    def __init__(self, pipe, model, opt):
+        self.pipe, self.model, self.opt = pipe, model, opt
+
+    def accumulating(self):
+        """Around a step's forward and backward: the state its microbatches accumulate in."""
+        return contextlib.nullcontext()
+
+    def gathered(self):
+        """Every parameter of this rank's stages whole (a no-op but under ZeRO-3)."""
+        return contextlib.nullcontext()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients by the serial model's global norm; returns the norm (nan when
+        ``max_norm <= 0``: no clip, no norm)."""
+        if max_norm <= 0:
+            return torch.tensor(math.nan)
+        return clip_grad_norm_(self.pipe, max_norm)
+
+
+class ZeroSetup(OptimizerSetup):
+    """``--zero N``: the pipeline runs unwrapped; ``DistributedOptimizer`` owns the reduction."""
+
+    def __init__(self, pipe, args, group, dtype, adamw: dict):
+        initial = {p: p.detach().clone() for p in pipe.parameters()} \
+            if dtype != torch.float32 else None
+        model = pipe.to(dtype)  # the same Parameter objects, now in the model's dtype
+        opt = DistributedOptimizer(
+            pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=pipe, group=group,
+            quant_weights=args.quantize_weights, quant_grads=args.quantize_grads,
+            error_feedback=args.error_feedback, **adamw)
+        if initial is not None:  # the float32 masters start from the float32 initial weights
+            opt.load_master_weights(initial)
+        super().__init__(pipe, model, opt)
+        self.stage = args.zero
+
+    def accumulating(self):
+        """Stages 2 and 3: the microbatches accumulate whole gradients (``no_sync``), ZeRO-3's
+        parameters gathered for the whole step; ``opt.step()`` reduce-scatters once."""
+        if self.stage < 2:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.opt.no_sync())
+        stack.enter_context(self.opt.gathered())
+        return stack
+
+    def gathered(self):
+        return self.opt.gathered()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        if max_norm <= 0:
+            return torch.tensor(math.nan)  # ZeRO's step reduces its own shards
+        return self.opt.clip_grad_norm_(max_norm, model=self.pipe)
+
+
+def build_setup(pipe, args, group, dtype: torch.dtype) -> OptimizerSetup:
+    """The set-up the flags ask for (the table above), over ``pipe`` as initialised (float32).
+    ``args``: ``lr``, ``weight_decay``, ``zero``, ``quantize_grads``, ``quantize_weights``,
+    ``error_feedback``."""
+    adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
+    reduce = {"group": group, "quant": args.quantize_grads,
+              "error_feedback": args.error_feedback}
+    if args.zero:
+        return ZeroSetup(pipe, args, group, dtype, adamw)
+    if dtype == torch.float32:
+        model = DataParallel(pipe, **reduce)
+        return OptimizerSetup(pipe, model, torch.optim.AdamW(model.parameters(), **adamw))
+    # Masters from the float32 initial weights, then the model computes in bf16; gradients
+    # are reduced over dp in float32 (over tp and the tied copies too: fastpar.nn,
+    # sum_tied_grads) and AdamW steps the float32 masters.
+    opt = MasterWeights(pipe.parameters(), torch.optim.AdamW, **adamw)
+    return OptimizerSetup(pipe, DataParallel(pipe.to(dtype), reduce_dtype=torch.float32,
+                                             **reduce), opt)
