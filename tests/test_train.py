@@ -450,19 +450,19 @@ def body_drift(steps):
 
     import torch
 
-    import fastpar.optim
+    from fastpar.training import optimizer  # the trainer's set-up builds its MasterWeights
 
     def run(dtype):
         return (dtype, ["--steps", str(steps), "--global-batch", "8", "--dtype", dtype,
                         "--log-every", str(steps)])
 
     out = body_runs([run("float32"), run("bfloat16")])
-    real = fastpar.optim.MasterWeights
-    fastpar.optim.MasterWeights = functools.partial(real, master_dtype=torch.bfloat16)
+    real = optimizer.MasterWeights
+    optimizer.MasterWeights = functools.partial(real, master_dtype=torch.bfloat16)
     try:
         out["no-masters"] = body_runs([run("bfloat16")])["bfloat16"]
     finally:
-        fastpar.optim.MasterWeights = real
+        optimizer.MasterWeights = real
     return out
 
 
