@@ -12,26 +12,26 @@ USAGE = ("usage: python -m fastpar info [--tp N --pp N] [--json]\n"
          "       python -m fastpar checkpoint inspect|export ...")
 
 
-def info(argv) -> int:
+def run_info(argv) -> int:
     from fastpar import info
 
     return info.main(argv)
 
 
-def plan(argv) -> int:
+def run_plan(argv) -> int:
     from fastpar.plan import cli
     from fastpar.training.fit import trainer_fit
 
     return cli.main(argv, fit=trainer_fit)
 
 
-def checkpoint(argv) -> int:
+def run_checkpoint(argv) -> int:
     from fastpar.checkpoint import __main__ as command
 
     return command.main(argv)
 
 
-COMMANDS = {"info": info, "plan": plan, "checkpoint": checkpoint}
+COMMANDS = {"info": run_info, "plan": run_plan, "checkpoint": run_checkpoint}
 
 
 def main() -> int:
