@@ -14,6 +14,7 @@ from fastpar.version import MIN_TORCH, check_torch
 from tests.multirank import launch
 
 
+@pytest.mark.quick
 def test_topology_names_one_thing():
     import importlib
 
@@ -24,6 +25,7 @@ def test_topology_names_one_thing():
         importlib.import_module("fastpar.topology")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("version, ok", [("2.4.1", False), ("2.4.0+cu121", False), ("1.13.1", False),
                                          ("2.5.0", True), ("2.6.0a0+git1234", True),
                                          ("2.13.0+cpu", True), ("3.0.0", True)])
@@ -45,6 +47,7 @@ def test_torch_floor_is_enforced_at_import():
     assert "found torch 2.4.1" in proc.stderr
 
 
+@pytest.mark.quick
 def test_missing_init_is_an_error_where_a_group_is_asked_for():
     import torch.distributed as dist
 
@@ -69,6 +72,7 @@ def test_missing_init_is_an_error_where_a_group_is_asked_for():
         group_size(None)
 
 
+@pytest.mark.quick
 def test_autograd_collectives_take_no_default_group():
     from fastpar import comm
 
@@ -83,6 +87,7 @@ def test_autograd_collectives_take_no_default_group():
         fastpar.shutdown()
 
 
+@pytest.mark.quick
 def test_engine_decision_is_logged_with_its_reason(caplog):
     from fastpar import comm
 
@@ -108,6 +113,7 @@ class _FakeCudaTensor:
         return 4
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("forced, builds", [(None, True), ("cuda_ipc", True), ("nccl", False),
                                             ("gloo", False)])
 def test_cuda_ipc_is_built_only_when_it_may_be_chosen(forced, builds, monkeypatch):

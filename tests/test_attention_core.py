@@ -69,6 +69,7 @@ def test_equals_torch_kernel_with_the_same_mask(case, dtype):
     assert torch.equal(got_next, ref_next), "the generator moved differently from torch's kernel"
 
 
+@pytest.mark.quick
 def test_the_reference_drops_the_drawn_mask():
     """torch's kernel (the reference above) drops exactly the mask bernoulli_(1 - p) draws over
     (B, H, T, Tk) from the same state: a written-out float64 attention with that mask agrees."""
@@ -87,6 +88,7 @@ def test_the_reference_drops_the_drawn_mask():
     assert 0 < (keep == 0).double().mean() < 0.6
 
 
+@pytest.mark.quick
 def test_gradients_only_where_asked_and_no_double_backward():
     q, k, v = torch.randn(1, 2, 8, 4, requires_grad=True), torch.randn(1, 2, 8, 4), \
         torch.randn(1, 2, 8, 4, requires_grad=True)
@@ -97,6 +99,7 @@ def test_gradients_only_where_asked_and_no_double_backward():
         torch.autograd.grad(dq.sum(), q)
 
 
+@pytest.mark.quick
 def test_keeps_bits_not_probabilities():
     """What the forward keeps: q, k, v, the output (stored (B, T, H, D): the returned view's
     ``transpose(1, 2)`` is contiguous, so the output projection's input is that storage) and
@@ -119,6 +122,7 @@ def test_keeps_bits_not_probabilities():
     assert any(t.data_ptr() == out.data_ptr() for t in saved)  # the output's own storage
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n", [1, 7, 8, 63, 64, 1001])
 def test_bits_round_trip(n):
     mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.5
@@ -128,6 +132,7 @@ def test_bits_round_trip(n):
     assert int(packed[0]) == sum(int(mask[j]) << j for j in range(min(8, n)))  # bit j = elem j
 
 
+@pytest.mark.quick
 def test_refuses_bad_arguments_naming_them():
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8)
     with pytest.raises(ValueError, match="p must be in"):

@@ -5,6 +5,8 @@ import json
 import math
 import sys
 
+import pytest
+
 from tests.multirank import launch, run_ranks, run_script
 
 RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
@@ -301,6 +303,7 @@ def body_bad_flags(cases):
     return out
 
 
+@pytest.mark.quick
 def test_benches_answer_bad_flags_in_one_line_from_one_rank():
     cases = [(f"bench/{name}.py", ["--no-such-flag"]) for name in BENCHES]
     cases += [("bench/plan_accuracy.py", ["--hosts", "3"]),

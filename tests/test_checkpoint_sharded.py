@@ -456,6 +456,7 @@ def _mount_tmpfs(path, options) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [2])
 def test_damaged_or_foreign_checkpoints_and_failed_writes_raise_on_every_rank(world, tmp_path):
     full, ro = str(tmp_path / "full"), str(tmp_path / "ro")

@@ -242,6 +242,7 @@ def body_subgroup_and_mismatch():
     return messages
 
 
+@pytest.mark.quick
 def test_subgroup_and_mismatches_on_every_rank():
     values = run_ranks(4, body_subgroup_and_mismatch, timeout=120).values()
     for rank, (counts, dtype) in enumerate(values):

@@ -97,7 +97,7 @@ def body_every_op(engines, sizes):
     return digests
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.quick), 3, 4])
 def test_every_op_dtype_engine(world):
     launch = run_ranks(world, body_every_op, engines=list(ENGINE_DTYPES), sizes=SIZES,
                        timeout=300)

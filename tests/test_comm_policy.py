@@ -5,6 +5,8 @@ import torch
 
 from fastpar.comm.policy import Layout, choose
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 CPU1 = Layout(size=1, same_host=True)
 CPU = Layout(size=4, same_host=True)
 CPU_SPAN = Layout(size=4, same_host=False)

@@ -171,6 +171,7 @@ def test_context_attention_against_serial(world):
         print(f"world {world} {layout}: worst error / bound = {ratio:.3f} ({name})")
 
 
+@pytest.mark.quick
 def test_dropout_rule_keeps_one_minus_p():
     """The hash keeps 1 - p of the entries, independently of position, head and batch row."""
     pos = torch.arange(128)
@@ -183,6 +184,7 @@ def test_dropout_rule_keeps_one_minus_p():
     assert not torch.equal(keep, keep_mask(1235, P_DROP, 2, torch.arange(4), pos, pos).double())
 
 
+@pytest.mark.quick
 def test_choose_type_follows_the_layout():
     """The policy of docs/design.md: Ulysses where the heads per tp rank divide by cp inside a
     host without dropout; the ring otherwise, each answer naming why."""

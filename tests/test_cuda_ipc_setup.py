@@ -26,6 +26,7 @@ from tests.multirank import run_ranks
 KiB, MiB = 1 << 10, 1 << 20
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("cap, world, link, want, words", [
     # vLLM's table, sm90 (H100/H200) with NVLink: every listed size, odd worlds round up
     ((9, 0), 2, "nvlink", 64 * MiB, "vLLM's table for sm90 at 2 GPUs"),
@@ -57,6 +58,7 @@ def test_ipc_limit_table(cap, world, link, want, words):
     assert words in reason, reason
 
 
+@pytest.mark.quick
 def test_ipc_limit_rejects_unknown_link():
     with pytest.raises(ValueError, match="nvlink.*'infiniband'"):
         ipc_limit((9, 0), 2, "infiniband")
@@ -77,6 +79,7 @@ def _facts(devices, visible=("u0", "u1", "u2", "u3"), cap=(9, 0)):
             for d in devices]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("devices, pairs, link, limit", [
     ([0, 0, 0], {}, "same_gpu", 32 * MiB),
     ([0, 1], {(0, 1): (True, True)}, "nvlink", 64 * MiB),
@@ -90,6 +93,7 @@ def test_plan_from_every_ranks_facts(devices, pairs, link, limit):
     assert cuda_ipc.plan(_facts(devices), driver)[0] == limit
 
 
+@pytest.mark.quick
 def test_plan_off_when_ranks_see_different_gpus():
     # Each rank sees only its own GPU as device 0 (a per-rank CUDA_VISIBLE_DEVICES).
     facts = [{"index": 0, "uuid": u, "visible": [u], "capability": (9, 0)} for u in ("a", "b")]
@@ -97,6 +101,7 @@ def test_plan_off_when_ranks_see_different_gpus():
     assert limit == 0 and "CUDA_VISIBLE_DEVICES differs" in reason
 
 
+@pytest.mark.quick
 def test_describe_says_what_each_world_size_would_get(monkeypatch):
     """What `python -m fastpar info` prints about cuda_ipc, on a pretend 2-GPU sm90 NVLink
     machine (the CUDA facts come through the driver; torch.cuda's device count is patched)."""

@@ -394,6 +394,7 @@ def body_dp(tp, seed, pp=1):
     return {"checked": c.checked, "worst": c.worst}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world,tp,pp", LAYOUTS, ids=[f"w{w}tp{t}pp{p}" for w, t, p in LAYOUTS])
 def test_data_parallel(world, tp, pp):
     values = run_ranks(world, body_dp, tp=tp, pp=pp, seed=1234, timeout=180).values()
@@ -444,6 +445,7 @@ def test_master_weights_keep_updates_below_bf16_resolution():
                        opt.state[master]["exp_avg_sq"])
 
 
+@pytest.mark.quick
 def test_bucket_plan():
     from fastpar.data_parallel import plan_buckets
     from fastpar.data_parallel.buckets import ParamSpec

@@ -6,6 +6,8 @@ import torch
 
 from fastpar.runtime.bootstrap import _choose_device
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 
 @pytest.fixture
 def gpus(monkeypatch):

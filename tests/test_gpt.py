@@ -21,6 +21,8 @@ from fastpar.models import (GPT, PRESETS, GPTConfig, gpt_layers, gpt_loss, sum_t
 from fastpar.testing import Checks
 from tests.multirank import run_ranks
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 B, T = 4, 8  # batch (two microbatches in the pipeline), sequence (divisible by every tp)
 CONFIGS = {  # every one fits tp 4: heads, kv heads, vocab, ffn and seq divisible by 4
     "rope.swiglu.rms.gqa": dict(heads=8, kv_heads=4),

@@ -284,6 +284,7 @@ def test_flat_where_hierarchical_cannot_serve(hosts, why):
     assert engines["all_reduce"] == ["mpi", f"spans hosts, not hier: {why}"], engines
 
 
+@pytest.mark.quick
 def test_one_host_and_tp_inside_hosts():
     """1 x 4 stays on shm; tp 2 inside each of 2 hosts: the dp groups ({0, 2}, {1, 3}) span
     hosts with one rank on each (flat)."""
@@ -294,6 +295,7 @@ def test_one_host_and_tp_inside_hosts():
               sizes=[5], timeout=300)
 
 
+@pytest.mark.quick
 def test_buffers_passed_to_mpi_stay_releasable():
     """MPI gets numpy views made from the tensor's address: ``tensor.numpy()`` would mark the
     storage not resizable for good, and ZeRO-3 releases its gather buffers by resizing them

@@ -9,6 +9,7 @@ from fastpar.runtime import hostid, rendezvous
 from tests.multirank import run_ranks
 
 
+@pytest.mark.quick
 def test_identity_is_host_name_kernel_and_shm_mount(monkeypatch):
     monkeypatch.delenv("FASTPAR_HOST_ID", raising=False)
     ident = hostid.host_id()
@@ -21,6 +22,7 @@ def test_identity_is_host_name_kernel_and_shm_mount(monkeypatch):
     assert hostid.host_id() == "rack3-node7"
 
 
+@pytest.mark.quick
 def test_labels_and_description():
     ids = ["h0/aa/0:1", "h0/aa/0:1", "h1/aa/0:2", "h1/aa/0:2"]
     assert hostid.labels(ids) == {"h0/aa/0:1": "h0", "h1/aa/0:2": "h1"}
@@ -31,6 +33,7 @@ def test_labels_and_description():
     assert hostid.describe(same) == "node/aa/0:1: ranks 0,2; node/aa/0:2: ranks 1"
 
 
+@pytest.mark.quick
 def test_spanning_job_never_rendezvous_on_loopback(monkeypatch):
     for var in ("FASTPAR_MASTER_ADDR", "FASTPAR_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
@@ -52,6 +55,7 @@ def test_spanning_job_never_rendezvous_on_loopback(monkeypatch):
     assert rendezvous._routable_address(True) == "10.1.2.3"
 
 
+@pytest.mark.quick
 def test_gloo_interface_for_spanning_jobs(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("FASTPAR_SOCKET_IFNAME", raising=False)

@@ -3,6 +3,8 @@
 import json
 import sys
 
+import pytest
+
 from tests.multirank import launch
 
 KEYS = {"world_size", "tp", "pp", "dp", "cp", "ep", "edp", "backend", "versions", "ranks",
@@ -100,6 +102,7 @@ def test_info_text_single_process_and_torchrun():
         ["cp", "[0,"], ["dpcp", "[0,"]], text
 
 
+@pytest.mark.quick
 def test_info_bad_ep_or_cp_names_the_numbers(capsys, monkeypatch):
     """Checked from the command line before init (in this process: one rank, no launcher)."""
     from fastpar import info

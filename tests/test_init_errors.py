@@ -75,6 +75,7 @@ def test_indivisible_world_fails_on_every_rank_quickly():
     assert launch.elapsed < 30, launch.describe()
 
 
+@pytest.mark.quick
 def test_bad_degrees_named():
     (messages, _) = run_ranks(2, body_bad_degrees).values()
     assert messages == [

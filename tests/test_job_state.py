@@ -57,6 +57,7 @@ def body_reinit():
     return out
 
 
+@pytest.mark.quick
 def test_reinit_with_another_layout_starts_clean():
     for rank, v in enumerate(run_ranks(2, body_reinit).values()):
         assert v["p2p_engine"] == ["torch", "forced by comm.use_backend('gloo')"], v
@@ -90,6 +91,7 @@ def test_environment_forces_collectives_and_p2p_alike():
                      "forced by FASTPAR_COMM_BACKEND=gloo"], v
 
 
+@pytest.mark.quick
 def test_job_parts_close_last_made_first_and_every_one():
     from fastpar.grid import Grid, Topology
     from fastpar.runtime.job import Job

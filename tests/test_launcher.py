@@ -4,6 +4,8 @@ import pytest
 
 from fastpar.runtime.launcher import LaunchInfo, detect
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
 OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",

@@ -11,6 +11,8 @@ from fastpar.models import PRESETS
 from fastpar.plan.memory import (ZERO2_RUN_BYTES, MemoryInputs, in_flight_peak,
                                           layer_tensors, predict, zero2_runs)
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 VARIANTS = [{}, {"mlp": "gelu", "norm": "layernorm", "bias": True, "positions": "learned"},
             {"tie_embeddings": True}, {"kv_heads": 1}]
 

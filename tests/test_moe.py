@@ -268,10 +268,12 @@ def test_moe_without_a_group():
           f"({result['worst'][1]})")
 
 
+@pytest.mark.quick
 def test_moe_phase_hook_without_a_group():
     assert _phase_hook(None, 0) == ["route", "permute", "experts", "unpermute"]
 
 
+@pytest.mark.quick
 def test_moe_expert_marker_survives_copies_and_materialisation():
     import pickle
 
@@ -290,6 +292,7 @@ def test_moe_expert_marker_survives_copies_and_materialisation():
     assert marked(meta) == want and marked(moe.double()) == want
 
 
+@pytest.mark.quick
 def test_moe_bad_arguments_name_the_values():
     from fastpar.nn import MoE
 
@@ -307,6 +310,7 @@ def test_moe_bad_arguments_name_the_values():
         MoE(H, F, 4, 1)(torch.randn(2, 5))
 
 
+@pytest.mark.quick
 def test_sequence_balance_and_aux_through_the_output():
     """balance="sequence" is the mean over sequences of each sequence's own load-balancing loss
     (so any cut of a batch into microbatches or ranks has the same mean), and with_aux_loss

@@ -3,11 +3,14 @@
 import subprocess
 import sys
 
+import pytest
+
 import torch
 
 from fastpar import _native
 
 
+@pytest.mark.quick
 def test_extension_built_and_reports():
     st = _native.status()
     assert st["built"], st["error"]

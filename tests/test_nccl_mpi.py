@@ -167,6 +167,7 @@ def test_the_unique_id_goes_over_mpi_from_group_rank_0(glue):
     assert glue[0]["world"]["created"][0][1] != glue[0]["pair"]["created"][0][1]  # ... each its own
 
 
+@pytest.mark.quick
 def test_unavailable_says_why():
     assert "launch with mpirun" in nccl_mpi.unavailable(mpi_launched=False)
     why = nccl_mpi.unavailable()
@@ -176,6 +177,7 @@ def test_unavailable_says_why():
         assert why is None or why == "no CUDA device" or "CuPy" in why
 
 
+@pytest.mark.quick
 def test_policy_refuses_nccl_mpi_with_the_reason():
     f32 = torch.float32
     ready = Layout(size=2, same_host=True, pg_backend="nccl", nccl_mpi="")

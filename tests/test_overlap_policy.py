@@ -10,6 +10,8 @@ import torch
 from fastpar.nn.overlap import CUDA_FOUR_PIECES_BYTES, Decision, decide, pieces
 from fastpar.nn.overlap_signal import signal_path, signal_refusal
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 MiB = 1 << 20
 
 

@@ -26,6 +26,7 @@ def _rank() -> int:
     return int(os.environ.get("PMI_RANK") or os.environ.get("RANK") or 0)
 
 
+@pytest.mark.quick
 def test_routes_per_neighbour():
     from fastpar.comm.p2p_routes import choose_routes
 
@@ -128,6 +129,7 @@ def body_two_hosts(seed):
     return out
 
 
+@pytest.mark.quick
 def test_pp4_on_two_hosts_shm_within_torch_across():
     values = run_ranks(4, body_two_hosts, seed=5, timeout=240).values()
     for rank, v in enumerate(values):

@@ -352,6 +352,7 @@ def body_grids(seed):
     return [body_grid(seed, pp, tp) for pp, tp in ((2, 2), (2, 1))]
 
 
+@pytest.mark.quick
 def test_tp_inside_stages_and_pp_below_the_world():
     """tp 2 x pp 2 (scatter-gather on and off), then pp 2 x dp 2, in one 4-rank launch."""
     launch = run_ranks(4, body_grids, seed=3, timeout=300)

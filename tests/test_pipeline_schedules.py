@@ -10,6 +10,8 @@ from fastpar.pipeline.schedules import (SCHEDULES, gpipe, interleaved, one_f_one
                                         zero_bubble_h1)
 from fastpar.pipeline.timeline import render, simulate
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 LAYOUTS = [(pp, m) for pp in (1, 2, 4) for m in sorted({1, pp - 1, pp, 2 * pp + 1} - {0})]
 
 

@@ -11,6 +11,8 @@ from fastpar.pipeline import compile_schedule
 from fastpar.pipeline import trace
 from fastpar.pipeline.timeline import render, simulate
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 T0 = 100.0  # perf_counter is never 0: everything is drawn relative to the earliest start
 # Two ranks, times in quarters of a second (exact in binary), makespan 5 s.
 # busy: rank 0 F 1 + B 2 = 3 s, rank 1 F 1 + B 2 = 3 s -> bubble = 1 - 6 / (2 * 5) = 0.4

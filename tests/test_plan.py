@@ -31,6 +31,7 @@ CONTRACT = {"tp", "pp", "dp", "cp", "ep", "zero", "recompute", "schedule", "micr
             "step_time_s", "tokens_per_s", "bubble", "memory", "fits"}
 
 
+@pytest.mark.quick
 def test_layout_names_round_trip_and_bad_tokens_are_named():
     lay = Layout(tp=2, pp=2, dp=1, zero=1, recompute="full", schedule="interleaved",
                  virtual_stages=2, microbatches=8)
@@ -47,6 +48,7 @@ def test_layout_names_round_trip_and_bad_tokens_are_named():
         parse("tp4", ranks=6)
 
 
+@pytest.mark.quick
 def test_infeasible_layouts_say_why_with_the_numbers():
     cfg = PRESETS["small"]  # 4 layers, 8 heads, 4 kv heads, vocab 256
     assert why_not(cfg, parse("tp8.pp1.dp1", 8), 8, 16) == \
@@ -64,6 +66,7 @@ def test_infeasible_layouts_say_why_with_the_numbers():
         in names and not any(".pp1." in n and "zb" in n for n in names)
 
 
+@pytest.mark.quick
 def test_search_ranks_feasible_layouts_and_reports_memory_overruns():
     cfg = PRESETS["small"]
     result = search(cfg, CLUSTER, 16, dtype=torch.float32)
@@ -78,6 +81,7 @@ def test_search_ranks_feasible_layouts_and_reports_memory_overruns():
     assert all(not p.fits and p.memory_total > tight.memory_bytes for p in small.too_big)
 
 
+@pytest.mark.quick
 def test_memory_is_memory_plan_predict_of_the_worst_rank():
     cfg = dataclasses.replace(PRESETS["small"], recompute="full")
     lay = parse("tp2.pp2.dp1.full.1f1b.mb4", 4)
@@ -95,6 +99,7 @@ def test_memory_is_memory_plan_predict_of_the_worst_rank():
     assert pred.memory == want[worst] and pred.memory_rank == worst
 
 
+@pytest.mark.quick
 def test_bubble_comes_from_the_pipeline_timeline():
     # 1F1B, pp 2, 2 microbatches, stage 1 twice as slow (F 2, B 4) as stage 0 (F 1, B 2):
     # rank 0 F0 [0,1] F1 [1,2]; rank 1 F0 [1,3] B0 [3,7]; rank 0 B0 [7,9]; rank 1 F1 [7,9]
@@ -114,6 +119,7 @@ def test_bubble_comes_from_the_pipeline_timeline():
     assert 0.2 < pred.bubble < 0.5
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("schedule,v,exact", [("gpipe", 1, 1e-9), ("1f1b", 1, 1e-9),
                                               ("zb", 1, 1e-2), ("interleaved", 2, 1e-2)])
 def test_long_pipelines_are_extended_from_their_steady_state(monkeypatch, schedule, v, exact):
@@ -135,6 +141,7 @@ FIT = TrainerFit(model_signature(PRESETS["tiny"], 4), (2e-3, 1e-5), (3e-3, 2e-5)
                  (5e-4, 8e-4), (1.5e-3, 4e-6))
 
 
+@pytest.mark.quick
 def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
     path = tmp_path / "c.json"
     CLUSTER.save(str(path))
@@ -203,6 +210,7 @@ def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
         Cluster.from_json(d)
 
 
+@pytest.mark.quick
 def test_json_and_explain_in_process(tmp_path, capsys):
     out = tmp_path / "plan.json"
     cfile = tmp_path / "c.json"
@@ -248,6 +256,7 @@ def tp_terms(w):
     return {k: t for k, t in w.terms.items() if k.split(":")[1].startswith("tp ")}
 
 
+@pytest.mark.quick
 def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives():
     """A fit measured on this model (tp 1, no recompute) is each layer's own time: its part per
     token scales by the rate model's math (tp 2 shards the GEMMs), its part per microbatch
@@ -289,6 +298,7 @@ def test_a_trainer_fit_replaces_the_layers_own_work_and_keeps_their_collectives(
     assert "f:measured layer (trainer fit)" not in bf16._layer("none", 1, 1, 1, rows, 1).terms
 
 
+@pytest.mark.quick
 def test_full_recompute_takes_the_fits_measured_extra():
     """Under full recompute a block's own work is the fit's block plus its measured recompute
     (a + b n more per microbatch), the recompute on I, the block split as without; the part
@@ -339,6 +349,7 @@ def test_full_recompute_takes_the_fits_measured_extra():
     assert block.terms["i:measured recompute (trainer fit)"] == pytest.approx(1.5e-3 + 4e-6 * n)
 
 
+@pytest.mark.quick
 def test_zb_weight_passes_carry_the_split_backwards_measured_extra():
     """The trainer fit's zb extra (per block and microbatch, the ends' together) lands on W
     under zb only, each stage its layers' (a block's, half the ends' each), as long as the
@@ -362,6 +373,7 @@ def test_zb_weight_passes_carry_the_split_backwards_measured_extra():
                     want if kind == "W" else 0.0, abs=1e-15), (name, s, kind)
 
 
+@pytest.mark.quick
 def test_busy_peers_wait_per_mid_layer_collective_and_with_the_compute_before_it():
     """cluster.busy_sync (s0, k): each phase with s collectives that all of a group must reach
     mid-layer (tp's two per block and phase, again in a full recompute; cp's ring steps) adds
@@ -396,6 +408,7 @@ def test_busy_peers_wait_per_mid_layer_collective_and_with_the_compute_before_it
     assert waits.with_ranks(1, 2).busy_sync == (0.0, 0.0)
 
 
+@pytest.mark.quick
 def test_zero_steps_one_flat_shard_not_every_parameter_tensor():
     """The optimizer's host loop (clip + AdamW, ``overhead_tensor_s`` per tensor) runs over the
     rank's parameter tensors without ZeRO and over its one flat shard with it."""
@@ -409,6 +422,7 @@ def test_zero_steps_one_flat_shard_not_every_parameter_tensor():
         assert pred.rank_terms(lay)[0]["red"]["optimizer host"] == pytest.approx(1e-4 * count)
 
 
+@pytest.mark.quick
 def test_accuracy_bench_splits_this_machine_into_namespaced_hosts():
     """bench/plan_accuracy.py --hosts 2: this machine's calibration of 4 ranks becomes 2 hosts
     of 2 ranks, each with half the cores (the namespaced hosts share them: a rank's share is
@@ -433,6 +447,7 @@ def test_accuracy_bench_splits_this_machine_into_namespaced_hosts():
     assert red[1]["dp all-reduce"] > red[0]["dp all-reduce"] + 2 * 5e-4, red
 
 
+@pytest.mark.quick
 def test_accuracy_bench_reports_its_own_spread():
     """bench/plan_accuracy.py's summary says how far each layout's rounds lie apart (slowest
     over fastest - 1: median and max over the layouts), failed rounds left out, one round
@@ -454,6 +469,7 @@ def test_accuracy_bench_reports_its_own_spread():
                                                           "rounds_spread_max": None}
 
 
+@pytest.mark.quick
 def test_link_fit_keeps_the_latency_of_a_slow_link():
     """calibrate.fit: an exact alpha-beta curve comes back; on a slow link (1 Gbit/s, 0.4 ms a
     step) whose 16 MiB point is 170x its 4 KiB one, with 5% noise, the latency is still found
@@ -470,6 +486,7 @@ def test_link_fit_keeps_the_latency_of_a_slow_link():
     assert fit(2, [(s, s / 1e9) for s in LINK_SIZES]) == pytest.approx((0.0, 1e9))
 
 
+@pytest.mark.quick
 def test_fit_busy_recovers_a_line_and_clamps_at_zero():
     from fastpar.plan.calibrate import fit_busy
 
@@ -508,6 +525,7 @@ def test_busy_points_time_pairs_of_busy_ranks():
             assert all(0 < point[0] < 1.0 for point in points), points
 
 
+@pytest.mark.quick
 def test_rank_pairs_in_a_host_and_across_two():
     from fastpar.plan.calibrate import rank_pairs
 
@@ -517,6 +535,7 @@ def test_rank_pairs_in_a_host_and_across_two():
     assert rank_pairs(8, True) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
+@pytest.mark.quick
 def test_busy_pairs_take_medians_of_back_to_back_differences():
     """calibrate._paired: plain and communicating loops alternate; the segment is the plain
     loops' median and the extra the median of the pairs' differences (one round that lost a
@@ -537,6 +556,7 @@ def test_busy_pairs_take_medians_of_back_to_back_differences():
     assert _paired(loop, 3, lambda t: None) == (1.0, 0.0)
 
 
+@pytest.mark.quick
 def test_busy_p2p_fit_takes_the_messages_own_time_off_at_its_share():
     """with_busy_p2p: each point's extra less the 32 KiB message's alpha-beta time on the link
     (at 1/pairs of its bandwidth when that many pairs crossed it at once), fitted s0 + k x c."""
@@ -552,6 +572,7 @@ def test_busy_p2p_fit_takes_the_messages_own_time_off_at_its_share():
     assert with_busy_p2p(link, []).busy_p2p == (0.0, 0.0)  # not measured: no waits
 
 
+@pytest.mark.quick
 def test_busy_ring_fit_keeps_the_exchange_whole():
     """with_busy_ring: the points' extras fitted s0 + k x c as they are (the ring's transfer
     goes through torch's engine, which the link's alpha-beta does not describe)."""
@@ -564,6 +585,7 @@ def test_busy_ring_fit_keeps_the_exchange_whole():
     assert with_busy_ring(link, []).busy_ring == (0.0, 0.0)  # not measured
 
 
+@pytest.mark.quick
 def test_cp_ring_exchanges_cost_what_busy_peers_make_them():
     """A cp ring (nn.context_ring) exchanges a K/V block cp - 1 times in a block's forward and
     2 cp - 1 times in its backward (cp - 1 K/V, cp dK/dV sums; the forward's again under full
@@ -613,6 +635,7 @@ def test_cp_ring_exchanges_cost_what_busy_peers_make_them():
         s0 + k * inside.terms["f:attention core"] / 2)
 
 
+@pytest.mark.quick
 def test_pipeline_sends_wait_for_busy_neighbours_on_their_link():
     """A link's busy_p2p (s0, k) adds s0 + k x the sending action's compute to each action
     that sends: F but on the last stage, B and I but on the first, over the link the message
@@ -674,6 +697,7 @@ def test_trainer_fit_trains_the_plans_model_and_fits_nonnegative_terms():
     assert 1e-4 < block[0] + end[0] + 2 * 64 * (block[1] + end[1]) + step < 1.0
 
 
+@pytest.mark.quick
 def test_recompute_fit_recovers_the_extra(capsys):
     """trainer_fit.recompute_fit on steps that follow a + b n per block and microbatch exactly
     (the points' own steps without recompute beside them): (a, b) times the scale; None when
@@ -705,6 +729,7 @@ def test_recompute_fit_recovers_the_extra(capsys):
     assert "no recompute fit (RuntimeError: out of memory)" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("preset,change", [
     ("small", {}), ("small", {"memory_bytes": 30 * 2**20}),
     ("tiny", {"trainer_fit": FIT}),

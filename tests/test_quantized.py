@@ -36,6 +36,7 @@ def _x(rank, n, salt, scale=1.0):
 
 # ---- the codec, one process --------------------------------------------------------------
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block", [16, 64, 256])
 def test_codec_within_its_bound(dtype, block):
@@ -51,6 +52,7 @@ def test_codec_within_its_bound(dtype, block):
             assert (err / b.clamp_min(1e-300))[b > 0].max() > 0.5
 
 
+@pytest.mark.quick
 def test_codec_special_values_and_definition():
     block = 16
     x = torch.randn(5 * block + 3)
@@ -81,6 +83,7 @@ def test_codec_special_values_and_definition():
     assert torch.equal(back[1].nan_to_num(7.0), (-y).nan_to_num(7.0))
 
 
+@pytest.mark.quick
 def test_codec_divides_as_ieee_and_survives_a_tiny_amax():
     # amax a = 0.52928156 and x = 0.11460821: 127 / a rounded once gives x * inv = 27.5000..,
     # q = 28; reciprocal(a) * 127 (what torch makes of `127.0 / t`) is an ulp lower, q = 27
@@ -96,6 +99,7 @@ def test_codec_divides_as_ieee_and_survives_a_tiny_amax():
                                (torch.tensor(2e-45) / 127).item()]
 
 
+@pytest.mark.quick
 def test_codec_divides_as_defined():
     """inv = 127 / amax is one IEEE division: torch's ``127.0 / t`` is reciprocal(t) * 127 (two
     roundings), which differs in a quarter of amaxes and moves elements near a rounding tie of
@@ -125,6 +129,7 @@ def _codec_calls(quantized, x, B, residual, feedback, out_dtype):
     return buf, res, unpacked, total
 
 
+@pytest.mark.quick
 def test_native_codec_is_the_definition_bitwise(monkeypatch):
     """The CPU codec of the byte-moving engines (csrc/quant_ops.cpp, the shm kernels' loops)
     against comm.quant's torch ops, byte for byte: both dtypes, blocks, sizes off the block,
@@ -168,6 +173,7 @@ def test_native_codec_is_the_definition_bitwise(monkeypatch):
                                 assert torch.equal(g.view(ints), w.view(ints)), where
 
 
+@pytest.mark.quick
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="'int4'"):
         quant.spec("int4")
@@ -702,6 +708,7 @@ def feedback_over_steps(make, dp, me, group, steps=3):
     return out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world,tp", [(2, 1), (4, 1), (4, 2)])
 def test_data_parallel_and_zero_reduce_within_the_int8_bound(world, tp):
     values = run_ranks(world, body_training, tp=tp, timeout=180).values()

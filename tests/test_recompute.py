@@ -21,6 +21,8 @@ launch per part:
 
 import dataclasses
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -234,6 +236,7 @@ def test_trainer_recompute_keeps_the_loss_curve():
         assert [r[1] for r in curves[mode]] == [r[1] for r in curves["none"]], (mode, curves)
 
 
+@pytest.mark.quick
 def test_a_stream_first_made_inside_recompute_draws_the_same_masks():
     """The "tp" stream made lazily by the first fork, inside a recompute region: the
     recompute starts without it and makes it again from the same seed, so its dropout masks

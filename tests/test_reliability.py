@@ -405,6 +405,7 @@ def test_local_ranks_get_disjoint_cpus_unless_told(bind):
         assert why0.endswith("(fastpar: local rank 0 of 2)") and "local rank 1" in why1
 
 
+@pytest.mark.quick
 def test_cpu_shares():
     from fastpar.runtime.binding import share
 

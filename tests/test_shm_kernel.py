@@ -13,6 +13,8 @@ import pytest
 
 from tests import background
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 SHM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "shm")
 
 

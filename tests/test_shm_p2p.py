@@ -229,6 +229,7 @@ def _segment(tags: int, ring: int):
     return mem, anchor, ctypes.addressof(anchor)
 
 
+@pytest.mark.quick
 def test_kernel_wraps_at_odd_offsets_between_threads():
     """An 8 KiB ring: messages of odd sizes and part splits, both tags interleaved, wrap at every
     offset; the receiver (main thread) checks each byte while the sender (a thread) streams."""
@@ -274,6 +275,7 @@ def test_kernel_wraps_at_odd_offsets_between_threads():
     mem.close()
 
 
+@pytest.mark.quick
 def test_kernel_hello_and_ctrl_c():
     ops = torch.ops.fastpar
     mem, anchor, base = _segment(2, 8192)
@@ -441,6 +443,7 @@ def test_killed_peer_during_single_copy_is_named(victim_sends):
     assert isinstance(single_copy, bool)
 
 
+@pytest.mark.quick
 def test_kernel_single_copy_between_threads():
     """Two endpoints of one process (it can read itself): after the probe, payloads from 64 KiB
     go single-copy, the rest through an 8 KiB ring; `recv` returns -1 - n when the parts do not
@@ -571,6 +574,7 @@ def body_sendrecv():
     return True
 
 
+@pytest.mark.quick
 def test_sendrecv_and_persistent_plan():
     assert all(run_ranks(2, body_sendrecv).values())
 

@@ -13,6 +13,8 @@ from torch import nn
 
 from fastpar.pipeline.split_backward import SplitBackward
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 D = 6
 
 

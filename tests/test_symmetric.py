@@ -388,6 +388,7 @@ def body_release_and_gather_from():
     return out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_release_and_gather_from_symmetric(nranks):
     for out in run_ranks(nranks, body_release_and_gather_from, timeout=240).values():

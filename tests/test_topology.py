@@ -48,6 +48,7 @@ def expected_context_groups(rank, tp, pp, cp, world):
     return cp_members, dpcp_members
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp, pp", [(w, t, p) for w, ls in LAYOUTS.items() for t, p in ls]
                          + [(8, 2, 2), (12, 2, 3), (16, 4, 2)])
 def test_grid_formulas(world, tp, pp):
@@ -72,6 +73,7 @@ def test_grid_formulas(world, tp, pp):
         assert stages == sorted({0, pp - 1})
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp, pp, ep", [(1, 1, 1, 1), (4, 1, 1, 2), (4, 1, 1, 4),
                                                (4, 2, 1, 2), (4, 1, 2, 2), (8, 1, 2, 2),
                                                (8, 2, 1, 4), (16, 2, 2, 2), (12, 1, 2, 3),
@@ -108,6 +110,7 @@ def test_grid_expert_axes(world, tp, pp, ep):
         assert all(len(g) == 1 for g in grid.groups("edp"))
 
 
+@pytest.mark.quick
 def test_grid_default_ep_is_one_and_older_axes_keep_their_order():
     assert Grid(8, 2, 2) == Grid(8, 2, 2, 1) and Grid(8, 2, 2).ep == 1
     assert Grid(8, 2, 2).coords(5) == (1, 0, 1)
@@ -125,6 +128,7 @@ CP_GRIDS = [(1, 1, 1, 1, 1), (2, 1, 1, 1, 2), (4, 1, 1, 1, 2), (4, 1, 1, 1, 4), 
             (8, 2, 2, 2, 1), (12, 2, 3, 1, 1)]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp, pp, ep, cp", CP_GRIDS)
 def test_grid_context_axis(world, tp, pp, ep, cp):
     grid = Grid(world, tp, pp, ep, cp)
@@ -184,6 +188,7 @@ def test_grid_context_axis(world, tp, pp, ep, cp):
         assert grid.groups("dpcp") == sorted(grid.groups("cp"))
 
 
+@pytest.mark.quick
 def test_grid_cp_one_keeps_every_older_group_and_its_order():
     """The groups of Grid(16, tp 2, pp 2, ep 2) as the grid made them before the cp axis, in
     their order (init creates them in it, collectively), pinned as literals."""
@@ -202,6 +207,7 @@ def test_grid_cp_one_keeps_every_older_group_and_its_order():
         assert grid.rank_of(1, 3, 1) == 15
 
 
+@pytest.mark.quick
 def test_grid_cp_orders_tp_then_cp_then_dp_then_pp():
     grid = Grid(16, 2, 2, cp=2)  # dp 2
     assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
@@ -218,6 +224,7 @@ def test_grid_cp_orders_tp_then_cp_then_dp_then_pp():
     assert grid.rank_of(0, 1, 0, cp_rank=1) == 6 and grid.rank_of(0, 1, 0) == 4
 
 
+@pytest.mark.quick
 def test_topology_context_properties_and_repr():
     import torch
 
@@ -237,6 +244,7 @@ def test_topology_context_properties_and_repr():
                     device=torch.device("cpu"), backend="gloo", launcher="single").cp_size == 1
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp, pp, cp, n", [(4, 1, 1, 3, 4), (8, 2, 1, 3, 4),
                                                   (4, 2, 2, 2, 1), (12, 1, 2, 4, 6),
                                                   (2, 1, 1, 4, 2)])
@@ -247,6 +255,7 @@ def test_grid_rejects_cp_not_dividing(world, tp, pp, cp, n):
         Grid(world, tp, pp, cp=cp)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp, pp, ep, cp, dp", [(8, 1, 1, 8, 2, 4), (8, 1, 1, 3, 2, 4),
                                                        (16, 2, 2, 4, 2, 2)])
 def test_grid_rejects_ep_not_dividing_dp_under_cp(world, tp, pp, ep, cp, dp):
@@ -256,12 +265,14 @@ def test_grid_rejects_ep_not_dividing_dp_under_cp(world, tp, pp, ep, cp, dp):
         Grid(world, tp, pp, ep, cp)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("cp", [0, -2, 1.5, True, "2"])
 def test_grid_rejects_bad_cp(cp):
     with pytest.raises(ValueError, match=f"cp must be a positive integer, got {cp!r}"):
         Grid(4, 1, 1, cp=cp)
 
 
+@pytest.mark.quick
 def test_topology_expert_properties_and_repr():
     import torch
 
@@ -277,6 +288,7 @@ def test_topology_expert_properties_and_repr():
     assert (topo.ep_group, topo.edp_group) == (None, None)  # made by fastpar.init, not here
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp, pp, ep, dp", [(4, 1, 1, 3, 4), (8, 2, 1, 3, 4),
                                                    (4, 2, 1, 4, 2), (12, 1, 2, 4, 6)])
 def test_grid_rejects_ep_not_dividing_dp(world, tp, pp, ep, dp):
@@ -285,18 +297,21 @@ def test_grid_rejects_ep_not_dividing_dp(world, tp, pp, ep, dp):
         Grid(world, tp, pp, ep)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ep", [0, -2, 1.5, True, "2"])
 def test_grid_rejects_bad_ep(ep):
     with pytest.raises(ValueError, match=f"ep must be a positive integer, got {ep!r}"):
         Grid(4, 1, 1, ep)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp, pp", [(3, 2, 1), (4, 3, 1), (6, 4, 1), (8, 1, 3)])
 def test_grid_rejects_indivisible(world, tp, pp):
     with pytest.raises(ValueError, match=f"world_size {world} is not divisible by tp {tp} x pp {pp}"):
         Grid(world, tp, pp)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("tp, pp", [(0, 1), (1, 0), (-2, 1), (1.5, 1), (True, 1)])
 def test_grid_rejects_bad_degrees(tp, pp):
     with pytest.raises(ValueError, match="must be a positive integer"):
@@ -384,6 +399,7 @@ def body_check_layouts(layouts):
                                                                      topo.local_world_size]}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_layouts_under_mpirun(world):
     launch = run_ranks(world, body_check_layouts, layouts=LAYOUTS[world])

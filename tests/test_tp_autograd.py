@@ -15,6 +15,8 @@ import pytest
 
 from tests.multirank import run_ranks
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 DTYPES = ("float32", "bfloat16")
 LAYOUTS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world, tp)
 WRAPPERS = ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp",

@@ -19,6 +19,8 @@ from torch import nn
 
 from tests.multirank import run_ranks
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 DTYPES = ("float32", "bfloat16")
 B, T = 2, 8  # batch, sequence (divisible by every tp)
 LAYOUTS = [(1, 1), (2, 2), (4, 4), (4, 2)]  # (world, tp)

@@ -356,6 +356,7 @@ def test_parallelize_hf_llama(world, tp):
         assert value["checks"] == values[0]["checks"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world, tp", LAYOUTS)
 def test_parallelize_inferred_plan(world, tp):
     values = run_ranks(world, body_inferred, tp=tp, seed=4000 + 10 * world + tp,

@@ -650,6 +650,7 @@ def body_bad_flags(cases):
     return out
 
 
+@pytest.mark.quick
 def test_bad_flags_are_one_line_and_exit_2_from_one_rank():
     rank0, rank1 = run_ranks(2, body_bad_flags, cases=BAD_FLAGS).values()
     for (argv, want), (code, text), (code1, text1) in zip(BAD_FLAGS, rank0, rank1):

@@ -10,6 +10,8 @@ import torch
 from fastpar.checkpoint import serial as checkpoint
 from fastpar.training import data, metrics
 
+pytestmark = pytest.mark.quick  # every test here: the quick tier
+
 # ---------------------------------------------------------------------------------------- data
 
 

@@ -498,6 +498,7 @@ def body_zero(seed, tp=1, stages=(1,)):
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2)]  # (world, tp)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world,tp", LAYOUTS, ids=[f"w{w}tp{t}" for w, t in LAYOUTS])
 def test_zero(world, tp):
     values = run_ranks(world, body_zero, seed=4321, tp=tp, timeout=120).values()
