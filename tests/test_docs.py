@@ -69,13 +69,16 @@ def anchors(path: str) -> set[str]:
 
 
 def links(path: str):
-    """(line number, target) of every link in a markdown file's prose."""
+    """(line number, target) of every link in a markdown file's prose; a link's text may run
+    over several lines."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    for number, line in _prose_lines(text):
-        line = _INLINE_CODE.sub("", line)
-        for m in _LINK.finditer(line):
-            yield number, m.group(1)
+    prose = dict(_prose_lines(text))
+    lines = [prose.get(n, "") for n in range(1, len(text.split("\n")) + 1)]
+    # inline code blanked with spaces of its length, so that offsets still give line numbers
+    body = _INLINE_CODE.sub(lambda m: " " * len(m.group(0)), "\n".join(lines))
+    for m in _LINK.finditer(body):
+        yield body.count("\n", 0, m.start()) + 1, m.group(1)
 
 
 def broken_links(path: str) -> list[str]:
@@ -145,13 +148,15 @@ def test_the_checker_finds_what_is_broken(tmp_path, monkeypatch):
         "[ok](sub/b.md) [ok](sub/b.md#b-the-other-file) [ok](sub/b.md#step-1-1) [ok](#its-part)\n"
         "[ok](c.txt) [web](https://example.com/x.md#nope) `[code](missing.md)`\n"
         "```\n[fenced](missing.md)\n```\n"
-        "[gone](missing.md) [bad](sub/b.md#not-a-heading) [txt](c.txt#x) [self](#nowhere)\n")
+        "[gone](missing.md) [bad](sub/b.md#not-a-heading) [txt](c.txt#x) [self](#nowhere)\n"
+        "[a text over\ntwo lines](also-missing.md)\n")
     problems = broken_links(str(tmp_path / "a.md"))
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems
     assert "no file missing.md" in problems[0]
     assert "no heading #not-a-heading in sub/b.md" in problems[1]
     assert "not a markdown file" in problems[2]
     assert "no heading #nowhere in a.md" in problems[3]
+    assert problems[4].startswith("a.md:11:") and "no file also-missing.md" in problems[4]
 
 
 def test_slug_follows_github():
