@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup of a fresh clone: .venv, torch (CPU wheel unless one is installed), MPI,
 # fastpar with its native extension. Re-running is cheap; the extension is rebuilt only when
-# csrc/ or setup.py changed. Use a cluster's own MPI: FASTPAR_SYSTEM_MPI=1 (see README).
+# csrc/ or setup.py changed. Use a cluster's own MPI: FASTPAR_SYSTEM_MPI=1 (see docs/multi-host.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
