@@ -70,8 +70,8 @@ def body_serial_format(root):
     from fastpar.training.args import parse_args
     from fastpar.training.trainer import Trainer
     from fastpar.checkpoint import serial as checkpoint
-    from fastpar.training.run_state import masters_in_place, run_meta
-    from fastpar.training.state import serial_optimizer_state
+    from fastpar.training.save_resume import masters_in_place, run_meta
+    from fastpar.training.serial_optimizer import serial_optimizer_state
 
     t = Trainer(parse_args(BASE))
     first = [t.train_step(step)[0] for step in range(5)]

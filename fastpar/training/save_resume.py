@@ -1,9 +1,9 @@
 """The main job's checkpoints: save, refuse to overwrite, resume under any layout.
 
-    from fastpar.training import run_state
-    run_state.check_save_dir(trainer)          # before training: never overwrite a later step
-    run_state.resume(trainer, "ckpt")          # weights, optimizer, LR schedule, step
-    run_state.save(trainer, step)              # collective; every rank writes its pieces
+    from fastpar.training import save_resume
+    save_resume.check_save_dir(trainer)    # before training: never overwrite a later step
+    save_resume.resume(trainer, "ckpt")    # weights, optimizer, LR schedule, step
+    save_resume.save(trainer, step)        # collective; every rank writes its pieces
 
 ``trainer`` is a ``fastpar.training.trainer.Trainer``. A checkpoint is sharded (``fastpar.checkpoint``):
 every rank writes the pieces it owns, in the background unless ``--sync-save``, and any tp /
@@ -135,7 +135,7 @@ def _resume_serial(t, directory: str) -> tuple[dict, int]:
     each rank keeps its shards."""
     import fastpar
     from fastpar.checkpoint import serial as ckpt
-    from fastpar.training.state import load_serial_optimizer_state
+    from fastpar.training.serial_optimizer import load_serial_optimizer_state
 
     c = ckpt.load(directory)
     check_meta(t, c.meta, c.path, c.step)
@@ -173,7 +173,7 @@ def masters_in_place(opt):
     (``fastpar.optim.MasterWeights``, or ZeRO's masters: collective over dp), else the
     parameters themselves. Inside, each parameter's ``.data`` is its master."""
     from fastpar.optim import DistributedOptimizer, MasterWeights
-    from fastpar.training.state import swapped
+    from fastpar.training.serial_optimizer import swapped
 
     if isinstance(opt, MasterWeights):
         return opt.masters_as_params()
