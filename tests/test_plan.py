@@ -741,7 +741,7 @@ def test_layout_auto_refuses_layout_flags_and_chooses_deterministically(tmp_path
     args = parse_args(["--preset", "tiny", "--layout", "auto"])
     cfg = model_config(args)
     cluster = CLUSTER.with_ranks(1, 2)
-    best = auto_layout.choose(args, cfg, cluster, torch.float32)
+    best = auto_layout.best_layouts(args, cfg, cluster, torch.float32)
     assert [p.layout.name for p in best] == [p.layout.name for p in search(
         cfg, cluster, 16, dtype=torch.float32).ranked[:2]]
     assert best[0].layout.name == "tp1.pp1.dp2.zero1.none.1f1b.mb8"

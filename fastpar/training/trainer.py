@@ -54,9 +54,9 @@ class Trainer:
 
         self.layout_lines: list[str] = []  # --layout auto: what it chose and why
         if args.layout == "auto":  # the planner's choice, the same on every rank
-            from fastpar.training.auto_layout import resolve
+            from fastpar.training.auto_layout import choose_layout
 
-            args, self.layout_lines = resolve(args)
+            args, self.layout_lines = choose_layout(args)
         self.args = args
         self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                                         timeout=args.timeout)
