@@ -104,7 +104,7 @@ def resume(t, where: str) -> None:
     serial format of earlier releases)."""
     from fastpar.checkpoint import loading, store
 
-    directory = store.resolve(where)
+    directory = store.step_dir_of(where)
     if store.record_of(directory) == "index.json":
         _, index = loading.read_index(directory)
         meta, step = index["meta"], int(index["step"])
