@@ -1,4 +1,7 @@
-"""Policy class of the CUDA IPC all-reduce: owns the buffers and handles, probes, falls back.
+"""The CUDA IPC all-reduce's communicator: owns the buffers and handles, sets them up and probes
+them, and carries out the all-reduces that the engine policy (``policy.py``) sends it. A group
+whose set-up fails gets no communicator, and the policy sends its calls to the group's
+torch.distributed engine instead.
 
 One communicator per group whose members share a node. Each rank ``cudaMalloc``s one region
 (its signal block, then its staging buffer; not from torch's caching allocator, so any
