@@ -193,7 +193,7 @@ def check_args(p, args) -> None:
         mp = args.tp * args.pp
         p.check(world % mp == 0,
                 f"--tp {args.tp} x --pp {args.pp} = {mp} does not divide the "
-                f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x pp))")
+                f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x cp x pp))")
         p.check(world // mp % args.cp == 0,
                 f"--cp {args.cp} does not divide world {world} / (tp {args.tp} x pp {args.pp}) "
                 f"= {world // mp} (world = tp x cp x dp x pp)")
