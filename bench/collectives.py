@@ -308,9 +308,9 @@ def supported(op, backend, topo, dtype) -> str | None:
 
         if op == "sendrecv":
             return "hier has no send/recv"
-        layout = current().resolve(None)[2]
+        facts = current().resolve(None)[2]
         try:
-            policy.choose(op, topo.device.type, layout, 1 << 20, dtype, forced="hier")
+            policy.choose(op, topo.device.type, facts, 1 << 20, dtype, forced="hier")
         except ValueError as exc:
             return str(exc).split(": ", 1)[-1]
     if backend in ("nccl", "cuda_ipc", "nccl_mpi") and not cuda:

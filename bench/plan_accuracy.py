@@ -189,7 +189,7 @@ def main() -> int:
             "give --hosts 2")
     if args.hosts > 1:
         from fastpar.testing._link import tbf_burst
-        from fastpar.testing.cluster import Cluster as Hosts, cluster_unavailable
+        from fastpar.testing.cluster import NamespaceCluster, cluster_unavailable
 
         why = cluster_unavailable()
         p.check(why is None, f"--hosts {args.hosts}: no namespaced hosts here ({why})")
@@ -205,7 +205,7 @@ def main() -> int:
     cfg = PRESETS[args.preset]
     loads = [load()]
     with tempfile.TemporaryDirectory() as tmp, (
-            Hosts(args.hosts, rate=args.rate) if args.hosts > 1
+            NamespaceCluster(args.hosts, rate=args.rate) if args.hosts > 1
             else contextlib.nullcontext()) as hosts:
         path = args.cluster
         if path is None:

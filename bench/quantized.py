@@ -129,14 +129,14 @@ def convergence(args) -> dict:
 
 
 def throughput(args) -> dict:
-    from fastpar.testing.cluster import Cluster, cluster_unavailable
+    from fastpar.testing.cluster import NamespaceCluster, cluster_unavailable
 
     reason = cluster_unavailable()
     if reason:
         raise SystemExit(f"--cluster: {reason}")
     rate = f"{args.link_gbit:g}gbit"
     out = []
-    with Cluster(2, rate=rate) as c:
+    with NamespaceCluster(2, rate=rate) as c:
         env = c.env({"OMP_NUM_THREADS": "1", "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"})
         for repeat in range(args.repeat):
             for name in ("base", "both-ef"):

@@ -120,8 +120,8 @@ def test_cuda_ipc_is_built_only_when_it_may_be_chosen(forced, builds, monkeypatc
     state = CommState.__new__(CommState)
     state.forced, state.forced_by = forced, "FASTPAR_COMM_BACKEND"
     built = []
-    layout = policy.Layout(size=2, same_host=True, pg_backend="nccl")
-    monkeypatch.setattr(state, "resolve", lambda group: ("g", [0, 1], layout), raising=False)
+    facts = policy.GroupFacts(size=2, same_host=True, pg_backend="nccl")
+    monkeypatch.setattr(state, "resolve", lambda group: ("g", [0, 1], facts), raising=False)
     monkeypatch.setattr(state, "cuda_ipc", lambda *a: built.append(a), raising=False)
     try:
         engine = state.choose("all_reduce", _FakeCudaTensor(), None)[2].engine

@@ -71,7 +71,7 @@ def groups(world):
 
 def reference(seed):
     from fastpar.testing import SerialMLP
-    from fastpar.training.state import serial_optimizer_state
+    from fastpar.training.serial_optimizer import serial_optimizer_state
 
     torch.manual_seed(seed)
     ser = SerialMLP(HIDDEN, FFN)
@@ -112,8 +112,8 @@ def build(layout, grps, seed):
 def serial_state(par, opt):
     """(weights of record, optimizer tensors, scalars) in the serial layout."""
     import fastpar
-    from fastpar.training.run_state import masters_in_place
-    from fastpar.training.state import serial_optimizer_state
+    from fastpar.training.save_resume import masters_in_place
+    from fastpar.training.serial_optimizer import serial_optimizer_state
 
     gathered = opt.gathered() if hasattr(opt, "gathered") else torch.no_grad()
     with gathered, masters_in_place(opt):
@@ -124,8 +124,8 @@ def serial_state(par, opt):
 def put(par, opt, ref):
     """The reference state into a layout, through the serial path."""
     import fastpar
-    from fastpar.training.run_state import masters_in_place
-    from fastpar.training.state import load_serial_optimizer_state
+    from fastpar.training.save_resume import masters_in_place
+    from fastpar.training.serial_optimizer import load_serial_optimizer_state
 
     weights, tensors, scalars = ref
     gathered = opt.gathered() if hasattr(opt, "gathered") else torch.no_grad()

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fastpar.testing import cluster
-from fastpar.testing.cluster import Cluster, cluster_unavailable
+from fastpar.testing.cluster import NamespaceCluster, cluster_unavailable
 
 REASON = cluster_unavailable()
 needs_ns = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -26,7 +26,7 @@ PY = sys.executable
 def c():
     if REASON:
         pytest.skip(REASON)
-    with Cluster(2) as made:
+    with NamespaceCluster(2) as made:
         yield made
 
 
@@ -38,7 +38,8 @@ def _root_state():
 
 
 def _alive(pids, inodes):
-    """Cluster processes still alive: the given pids, or any process in one of the namespaces."""
+    """The cluster's processes still alive: the given pids, or any process in one of the
+    namespaces."""
     left = [p for p in pids if os.path.exists(f"/proc/{p}")]
     for d in glob.glob("/proc/[0-9]*"):
         for kind in ("net", "ipc", "uts", "pid", "mnt"):
@@ -64,7 +65,7 @@ CHILD = """
 import json, os, sys, time
 sys.path.insert(0, sys.argv[2])
 import cluster
-with cluster.Cluster(2) as c:
+with cluster.NamespaceCluster(2) as c:
     pids = [c._init.pid, c.reaper, *c.pids]
     ns = [os.stat(f"/proc/{p}/ns/{k}").st_ino for p in [c.reaper, *c.pids]
           for k in ("net", "ipc", "uts", "pid", "mnt")]
@@ -142,7 +143,7 @@ def test_mpirun_sees_two_hosts_of_two_ranks(c):
 
 @needs_ns
 def test_rate_shapes_each_hosts_egress():
-    with Cluster(2, rate="200mbit") as shaped:
+    with NamespaceCluster(2, rate="200mbit") as shaped:
         qdisc = shaped.run(0, ["tc", "qdisc", "show", "dev", "eth0"]).stdout
         assert "tbf" in qdisc and "200Mbit" in qdisc, qdisc
         rate = cluster.throughput(shaped, 0, 1, nbytes=4 << 20)
@@ -160,4 +161,4 @@ def test_the_harness_imports_no_torch_and_checks_its_arguments():
                            text=True, timeout=30)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     with pytest.raises(ValueError, match="3 hostnames for 2 hosts"):
-        Cluster(2, hostnames=["a", "b", "c"])
+        NamespaceCluster(2, hostnames=["a", "b", "c"])

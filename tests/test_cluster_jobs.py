@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from fastpar.testing.cluster import Cluster, cluster_unavailable
+from fastpar.testing.cluster import NamespaceCluster, cluster_unavailable
 from tests.multirank import ROOT, launch_env, read_results, run_ranks
 from tests.test_hierarchical import HIER, body_hier
 from tests.test_train import BASE, _rank_pids, _wait_lines, assert_parity, body_runs
@@ -43,7 +43,7 @@ TRAIN_RUNS = [("tp2_pp2", ["--tp", "2", "--pp", "2", *STEPS]),
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    with Cluster(2) as c:
+    with NamespaceCluster(2) as c:
         yield c
 
 
@@ -146,7 +146,7 @@ def test_three_plus_one_falls_back_flat(two_hosts):
 
 
 def test_hosts_with_one_name_never_share_memory():
-    with Cluster(2, hostnames=["node", "node"]) as c:
+    with NamespaceCluster(2, hostnames=["node", "node"]) as c:
         values = on_cluster(c, body_flat, ppn=1, nranks=2,
                             expect_reason="one of its ranks per host: nothing to share within "
                                           "a host")

@@ -1,33 +1,34 @@
-"""The engine policy as a table: (op, device, layout, bytes, dtype) -> engine, no devices needed."""
+"""The engine policy as a table: (op, device, facts, bytes, dtype) -> engine, no devices needed."""
 
 import pytest
 import torch
 
-from fastpar.comm.policy import Layout, choose
+from fastpar.comm.policy import GroupFacts, choose
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier
 
-CPU1 = Layout(size=1, same_host=True)
-CPU = Layout(size=4, same_host=True)
-CPU_SPAN = Layout(size=4, same_host=False)
-CPU_NONATIVE = Layout(size=4, same_host=True, native=False)
-GPU_IPC = Layout(size=4, same_host=True, ipc_ready=True, ipc_max_bytes=8 << 20, pg_backend="nccl")
-GPU_NOIPC = Layout(size=4, same_host=True, ipc_ready=False, pg_backend="nccl")
-# 2 hosts x 2 ranks, host sub-groups made, MPI-launched; and the layouts hier cannot serve
-HIER = Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=True, mpi=True)
-HIER_TORCHRUN = Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=True)
-UNEVEN = Layout(size=4, same_host=False, per_host=(3, 1), hier_ready=False, mpi=True)
-ONE_EACH = Layout(size=2, same_host=False, per_host=(1, 1), mpi=True)
-NO_SPLIT = Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=False, mpi=True)
-GPU_SPAN = Layout(size=8, same_host=False, ipc_ready=True, ipc_max_bytes=8 << 20,
-                  pg_backend="nccl")
+CPU1 = GroupFacts(size=1, same_host=True)
+CPU = GroupFacts(size=4, same_host=True)
+CPU_SPAN = GroupFacts(size=4, same_host=False)
+CPU_NONATIVE = GroupFacts(size=4, same_host=True, native=False)
+GPU_IPC = GroupFacts(size=4, same_host=True, ipc_ready=True, ipc_max_bytes=8 << 20,
+                     pg_backend="nccl")
+GPU_NOIPC = GroupFacts(size=4, same_host=True, ipc_ready=False, pg_backend="nccl")
+# 2 hosts x 2 ranks, host sub-groups made, MPI-launched; and the groups hier cannot serve
+HIER = GroupFacts(size=4, same_host=False, per_host=(2, 2), hier_ready=True, mpi=True)
+HIER_TORCHRUN = GroupFacts(size=4, same_host=False, per_host=(2, 2), hier_ready=True)
+UNEVEN = GroupFacts(size=4, same_host=False, per_host=(3, 1), hier_ready=False, mpi=True)
+ONE_EACH = GroupFacts(size=2, same_host=False, per_host=(1, 1), mpi=True)
+NO_SPLIT = GroupFacts(size=4, same_host=False, per_host=(2, 2), hier_ready=False, mpi=True)
+GPU_SPAN = GroupFacts(size=8, same_host=False, ipc_ready=True, ipc_max_bytes=8 << 20,
+                      pg_backend="nccl")
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 
 TABLE = [
-    # op, device, layout, bytes, dtype, expected engine, words in the reason
+    # op, device, facts, bytes, dtype, expected engine, words in the reason
     ("all_reduce", "cpu", CPU1, 4096, F32, "local", "one rank"),
-    ("all_reduce", "cuda", Layout(size=1, same_host=True), 4096, F32, "local", "one rank"),
+    ("all_reduce", "cuda", GroupFacts(size=1, same_host=True), 4096, F32, "local", "one rank"),
     ("all_reduce", "cpu", CPU, 4096, F32, "shm", "one host"),
     ("all_reduce", "cpu", CPU, 64 << 20, BF16, "shm", "one host"),
     ("all_gather", "cpu", CPU, 4096, I64, "shm", "one host"),
@@ -60,8 +61,8 @@ TABLE = [
     ("all_reduce", "cpu", UNEVEN, 1 << 20, F32, "mpi", "3 + 1 of its ranks (uneven)"),
     ("all_reduce", "cpu", ONE_EACH, 1 << 20, F32, "mpi", "one of its ranks per host"),
     ("all_reduce", "cpu", NO_SPLIT, 1 << 20, F32, "mpi", "no host sub-groups"),
-    ("all_reduce", "cuda", Layout(size=4, same_host=False, per_host=(2, 2), hier_ready=True,
-                                  pg_backend="nccl"), 1 << 20, F32, "nccl", "spans nodes"),
+    ("all_reduce", "cuda", GroupFacts(size=4, same_host=False, per_host=(2, 2), hier_ready=True,
+                                      pg_backend="nccl"), 1 << 20, F32, "nccl", "spans nodes"),
     # all_to_all moves bytes: shm for every dtype on one host, one flat call across hosts
     ("all_to_all", "cpu", CPU1, 4096, F32, "local", "one rank"),
     ("all_to_all", "cpu", CPU, 4096, torch.bool, "shm", "one host"),
@@ -73,9 +74,9 @@ TABLE = [
 ]
 
 
-@pytest.mark.parametrize("op, device, layout, nbytes, dtype, engine, why", TABLE)
-def test_policy_table(op, device, layout, nbytes, dtype, engine, why):
-    choice = choose(op, device, layout, nbytes, dtype)
+@pytest.mark.parametrize("op, device, facts, nbytes, dtype, engine, why", TABLE)
+def test_policy_table(op, device, facts, nbytes, dtype, engine, why):
+    choice = choose(op, device, facts, nbytes, dtype)
     assert choice.engine == engine, choice
     assert why in choice.reason, choice
 
@@ -87,7 +88,7 @@ def test_reduce_ops_each_engine_lacks():
     assert choose("broadcast", "cpu", CPU, 4096, F32, reduce_op="min").engine == "shm"
 
 
-@pytest.mark.parametrize("forced, device, layout, dtype, ok", [
+@pytest.mark.parametrize("forced, device, facts, dtype, ok", [
     ("shm", "cpu", CPU, F32, True),
     ("shm", "cpu", CPU_SPAN, F32, False),
     ("hier", "cpu", HIER, F32, True),
@@ -101,12 +102,12 @@ def test_reduce_ops_each_engine_lacks():
     ("cuda_ipc", "cuda", GPU_IPC, F32, True),
     ("cuda_ipc", "cuda", GPU_NOIPC, F32, False),
 ])
-def test_forced_engine(forced, device, layout, dtype, ok):
+def test_forced_engine(forced, device, facts, dtype, ok):
     if ok:
-        assert choose("all_reduce", device, layout, 4096, dtype, forced=forced).engine == forced
+        assert choose("all_reduce", device, facts, 4096, dtype, forced=forced).engine == forced
     else:
         with pytest.raises(ValueError, match=f"FASTPAR_COMM_BACKEND={forced} cannot serve"):
-            choose("all_reduce", device, layout, 4096, dtype, forced=forced)
+            choose("all_reduce", device, facts, 4096, dtype, forced=forced)
 
 
 def test_unknown_names():
@@ -116,21 +117,21 @@ def test_unknown_names():
         choose("allreduce", "cpu", CPU, 8, F32)
 
 
-@pytest.mark.parametrize("forced, device, layout, dtype, why", [
+@pytest.mark.parametrize("forced, device, facts, dtype, why", [
     ("shm", "cpu", CPU, torch.bool, None),
     ("mpi", "cpu", CPU, BF16, None),  # bytes: any dtype
     ("gloo", "cpu", CPU, torch.int8, None),
     ("hier", "cpu", HIER, F32, "all_to_all is flat"),
     ("cuda_ipc", "cuda", GPU_IPC, F32, "all_reduce only"),
-    ("nccl_mpi", "cuda", Layout(size=4, same_host=True, pg_backend="nccl", nccl_mpi=""), F32,
+    ("nccl_mpi", "cuda", GroupFacts(size=4, same_host=True, pg_backend="nccl", nccl_mpi=""), F32,
      "nccl_mpi has no all_to_all"),
 ])
-def test_forced_all_to_all(forced, device, layout, dtype, why):
+def test_forced_all_to_all(forced, device, facts, dtype, why):
     if why is None:
-        assert choose("all_to_all", device, layout, 4096, dtype, forced=forced).engine == forced
+        assert choose("all_to_all", device, facts, 4096, dtype, forced=forced).engine == forced
     else:
         with pytest.raises(ValueError, match=why):
-            choose("all_to_all", device, layout, 4096, dtype, forced=forced)
+            choose("all_to_all", device, facts, 4096, dtype, forced=forced)
 
 
 def test_quantizes_where_measured_faster():

@@ -1,7 +1,7 @@
 """The CUDA IPC communicator's policy and setup protocol, without a GPU.
 
 - ``policy.ipc_limit``: the size table by (compute capability, world size, link), as a pure
-  function; ``cuda_ipc.plan``/``link_kind``: the link found from every rank's GPU facts.
+  function; ``cuda_ipc.size_limit``/``link_kind``: the link found from every rank's GPU facts.
 - ``CudaIpcCommunicator.create``/``close`` on 3 real processes (gloo) with the native calls
   replaced at their boundary (``cuda_ipc.Driver``) by a fake that records what it is asked and
   can fail any step on one rank: every rank must fall back together, name the rank that failed,
@@ -87,17 +87,17 @@ def _facts(devices, visible=("u0", "u1", "u2", "u3"), cap=(9, 0)):
     ([0, 1, 2], {(0, 1): (True, True), (0, 2): (True, True), (1, 2): (True, False)}, "pcie", 0),
     ([0, 1], {(0, 1): (False, False)}, "none", 0),
 ])
-def test_plan_from_every_ranks_facts(devices, pairs, link, limit):
+def test_size_limit_from_every_ranks_facts(devices, pairs, link, limit):
     driver = LinkDriver(pairs)
     assert cuda_ipc.link_kind(_facts(devices), driver)[0] == link
-    assert cuda_ipc.plan(_facts(devices), driver)[0] == limit
+    assert cuda_ipc.size_limit(_facts(devices), driver)[0] == limit
 
 
 @pytest.mark.quick
-def test_plan_off_when_ranks_see_different_gpus():
+def test_size_limit_off_when_ranks_see_different_gpus():
     # Each rank sees only its own GPU as device 0 (a per-rank CUDA_VISIBLE_DEVICES).
     facts = [{"index": 0, "uuid": u, "visible": [u], "capability": (9, 0)} for u in ("a", "b")]
-    limit, reason = cuda_ipc.plan(facts, LinkDriver({}))
+    limit, reason = cuda_ipc.size_limit(facts, LinkDriver({}))
     assert limit == 0 and "CUDA_VISIBLE_DEVICES differs" in reason
 
 

@@ -302,7 +302,7 @@ def test_buffers_passed_to_mpi_stay_releasable():
     (it crashed under MPI, across hosts, at the end of the first step)."""
     import torch
 
-    from fastpar.comm.flat import numpy_view
+    from fastpar.comm.views import numpy_view
 
     t = torch.arange(6, dtype=torch.float32)
     view = numpy_view(t)

@@ -9,7 +9,7 @@ import torch
 
 from fastpar.models import PRESETS
 from fastpar.plan.memory import (ZERO2_RUN_BYTES, MemoryInputs, in_flight_peak,
-                                          layer_tensors, predict, zero2_runs)
+                                 layer_tensors, predict_memory, zero2_runs)
 
 pytestmark = pytest.mark.quick  # every test here: the quick tier
 
@@ -26,7 +26,7 @@ def test_layer_tensors_add_up_to_the_model(preset, change):
     assert total == cfg.num_params() + tied
 
 
-def _layout(schedule, pp, m, rank, v=1):
+def _inputs(schedule, pp, m, rank, v=1):
     cfg = PRESETS["tiny"]
     stages = pp * v
     bounds = tuple(round(i * (cfg.layers + 2) / stages) for i in range(stages + 1))
@@ -37,10 +37,10 @@ def _layout(schedule, pp, m, rank, v=1):
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 2)])
 def test_microbatches_in_flight(pp, m):
     for rank in range(pp):
-        assert in_flight_peak(_layout("1f1b", pp, m, rank), [1]) == min(pp - rank, m)
-        assert in_flight_peak(_layout("gpipe", pp, m, rank), [1]) == m
+        assert in_flight_peak(_inputs("1f1b", pp, m, rank), [1]) == min(pp - rank, m)
+        assert in_flight_peak(_inputs("gpipe", pp, m, rank), [1]) == m
         # zb holds a microbatch until its W: at least what 1F1B holds
-        assert in_flight_peak(_layout("zb", pp, m, rank), [1]) >= min(pp - rank, m)
+        assert in_flight_peak(_inputs("zb", pp, m, rank), [1]) >= min(pp - rank, m)
 
 
 def test_zero2_runs_cut_as_the_optimizer_does():
@@ -51,11 +51,12 @@ def test_zero2_runs_cut_as_the_optimizer_does():
 
 
 def test_predict_model_state_by_layout():
-    layout = _layout("1f1b", 1, 2, 0)
-    p = sum(sum(layer_tensors(layout.cfg, 1, i)) for i in range(layout.cfg.layers + 2))
-    assert predict(layout)["params"] == 4 * p and predict(layout)["optimizer"] == 8 * p
-    bf16 = dataclasses.replace(layout, dtype=torch.bfloat16)
-    assert predict(bf16)["params"] == 2 * p and predict(bf16)["optimizer"] == 12 * p
+    inputs = _inputs("1f1b", 1, 2, 0)
+    p = sum(sum(layer_tensors(inputs.cfg, 1, i)) for i in range(inputs.cfg.layers + 2))
+    assert predict_memory(inputs)["params"] == 4 * p
+    assert predict_memory(inputs)["optimizer"] == 8 * p
+    bf16 = dataclasses.replace(inputs, dtype=torch.bfloat16)
+    assert predict_memory(bf16)["params"] == 2 * p and predict_memory(bf16)["optimizer"] == 12 * p
     for zero in (1, 2, 3):  # one rank: no padding, the shard is the model
-        z = predict(dataclasses.replace(layout, zero=zero))
+        z = predict_memory(dataclasses.replace(inputs, zero=zero))
         assert z["params"] == 4 * p and z["optimizer"] == (8 if zero == 1 else 12) * p

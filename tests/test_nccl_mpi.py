@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastpar.comm import nccl_mpi, policy
-from fastpar.comm.policy import Layout, choose
+from fastpar.comm.policy import GroupFacts, choose
 from tests.multirank import run_ranks
 
 _CODES = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
@@ -180,17 +180,17 @@ def test_unavailable_says_why():
 @pytest.mark.quick
 def test_policy_refuses_nccl_mpi_with_the_reason():
     f32 = torch.float32
-    ready = Layout(size=2, same_host=True, pg_backend="nccl", nccl_mpi="")
+    ready = GroupFacts(size=2, same_host=True, pg_backend="nccl", nccl_mpi="")
     assert choose("all_reduce", "cuda", ready, 64, f32, forced="nccl_mpi").engine == "nccl_mpi"
     assert choose("all_gather", "cuda", ready, 64, torch.bfloat16,
                   forced="nccl_mpi").engine == "nccl_mpi"
-    for layout, device, dtype, words in (
-            (Layout(size=2, same_host=True, nccl_mpi="CuPy is missing"), "cuda", f32,
+    for facts, device, dtype, words in (
+            (GroupFacts(size=2, same_host=True, nccl_mpi="CuPy is missing"), "cuda", f32,
              "CuPy is missing"),
             (ready, "cpu", f32, "needs CUDA tensors"),
             (ready, "cuda", torch.complex64, "cannot carry torch.complex64")):
         with pytest.raises(ValueError, match=words):
-            choose("all_reduce", device, layout, 64, dtype, forced="nccl_mpi")
+            choose("all_reduce", device, facts, 64, dtype, forced="nccl_mpi")
     # never chosen unforced
     assert choose("all_reduce", "cuda", ready, 64, f32).engine != "nccl_mpi"
     assert "nccl_mpi" in policy.ENGINES

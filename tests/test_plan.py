@@ -1,5 +1,5 @@
 """``fastpar plan`` (issue 26): layouts, their reasons, the pipeline's own timeline for the
-bubble, memory_plan.predict for memory, the JSON contract and the command line. Fixed
+bubble, plan.memory.predict_memory for memory, the JSON contract and the command line. Fixed
 calibration data: nothing here is timed."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastpar.plan import predict as P
 from fastpar.plan.cluster import Cluster, Link, TrainerFit, model_signature
 from fastpar.plan.layouts import Layout, candidates, parse, why_not
 from fastpar.plan.search import search
-from fastpar.plan import memory as memory_plan
+from fastpar.plan import memory as plan_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = Cluster(name="fixed", device="cpu", hosts=1, ranks_per_host=4, peak_flops=1e11,
@@ -82,18 +82,17 @@ def test_search_ranks_feasible_layouts_and_reports_memory_overruns():
 
 
 @pytest.mark.quick
-def test_memory_is_memory_plan_predict_of_the_worst_rank():
+def test_memory_is_predict_memory_of_the_worst_rank():
     cfg = dataclasses.replace(PRESETS["small"], recompute="full")
     lay = parse("tp2.pp2.dp1.full.1f1b.mb4", 4)
     pred = P.predict(cfg, lay, CLUSTER, 16, dtype=torch.float32)
     # the cut Pipeline makes: balanced by parameters; every parameter is in one layer
     bounds = P.stage_bounds(cfg, 2, 1, 2)
-    per_layer = [sum(memory_plan.layer_tensors(cfg, 1, i)) for i in range(cfg.layers + 2)]
+    per_layer = [sum(plan_memory.layer_tensors(cfg, 1, i)) for i in range(cfg.layers + 2)]
     assert sum(per_layer) == cfg.num_params() and bounds[0] == 0 and bounds[-1] == 6
-    want = [memory_plan.predict(memory_plan.MemoryInputs(cfg, tp=2, pp=2, dp=1, pp_rank=r,
-                                                   bounds=bounds, schedule="1f1b",
-                                                   microbatches=4, rows=16))
-            for r in range(2)]
+    want = [plan_memory.predict_memory(plan_memory.MemoryInputs(
+        cfg, tp=2, pp=2, dp=1, pp_rank=r, bounds=bounds, schedule="1f1b", microbatches=4,
+        rows=16)) for r in range(2)]
     assert pred.terms["memory_by_rank"] == want
     worst = max(range(2), key=lambda r: sum(want[r].values()))
     assert pred.memory == want[worst] and pred.memory_rank == worst
@@ -221,7 +220,7 @@ def test_json_and_explain_in_process(tmp_path, capsys):
     assert "cannot run (count, reason, e.g.):" in text and " 1 tp" in text
     rows = json.loads(out.read_text())
     assert rows and all(CONTRACT <= set(r) for r in rows)
-    assert set(rows[0]["memory"]) == set(memory_plan.CATEGORIES)
+    assert set(rows[0]["memory"]) == set(plan_memory.CATEGORIES)
     assert rows[0]["step_time_s"] == min(r["step_time_s"] for r in rows if r["fits"])
     assert cli.main(["--preset", "small", "--ranks", "4", "--cluster", str(cfile),
                      "--explain", "tp2.pp2.full.mb4"]) == 0
@@ -767,7 +766,7 @@ def test_layout_auto_refuses_layout_flags_and_chooses_deterministically(tmp_path
     args = parse_args(["--preset", "tiny", "--layout", "auto"])
     cfg = model_config(args)
     cluster = CLUSTER.with_ranks(1, 2)
-    best = auto_layout.choose(args, cfg, cluster, torch.float32)
+    best = auto_layout.best_layouts(args, cfg, cluster, torch.float32)
     assert [p.layout.name for p in best] == [p.layout.name for p in search(
         cfg, cluster, 16, dtype=torch.float32).ranked[:2]]
     assert best[0].layout.name == "tp1.pp1.dp2.zero1.none.1f1b.mb8"

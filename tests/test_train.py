@@ -70,8 +70,8 @@ def body_serial_format(root):
     from fastpar.training.args import parse_args
     from fastpar.training.trainer import Trainer
     from fastpar.checkpoint import serial as checkpoint
-    from fastpar.training.run_state import masters_in_place, run_meta
-    from fastpar.training.state import serial_optimizer_state
+    from fastpar.training.save_resume import masters_in_place, run_meta
+    from fastpar.training.serial_optimizer import serial_optimizer_state
 
     t = Trainer(parse_args(BASE))
     first = [t.train_step(step)[0] for step in range(5)]
@@ -250,8 +250,8 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
         one["other-seed"]
     assert "already holds checkpoints past step 0 (step_00000005, step_00000010)" in \
         one["save-over"], one["save-over"]
-    # Another --steps replans the learning-rate schedule: the run says so, with the rates,
-    # and runs at the new plan's rates from the resumed step on.
+    # Another --steps changes the learning-rate schedule: the run says so, with the rates,
+    # and runs at the new schedule's rates from the resumed step on.
     # The serial format of earlier releases resumes exactly (the same layout: bitwise).
     old_format = run_ranks(1, body_serial_format, root=str(tmp_path / "v1")).values()[0]
     assert [s for s, _ in old_format["resumed"]] == list(range(6, 11)), old_format
@@ -259,7 +259,7 @@ def test_layouts_train_alike_and_checkpoints_reshard(four_ranks, tmp_path):
     assert old_format["first"] == [curve(serial)[s] for s in range(1, 6)]
     notes, rates = run_ranks(1, body_notes, argv=["--steps", "20", "--resume", step5]).values()[0]
     old, new = cosine_rate(5, 10, 1), cosine_rate(5, 20, 2)
-    assert notes == [f"[fastpar.train] note: the learning-rate schedule is replanned (steps "
+    assert notes == [f"[fastpar.train] note: the learning-rate schedule changes (steps "
                      f"10 -> 20, warmup 1 -> 2): at step 5 the rate goes from {old:.3g} to "
                      f"{new:.3g}"], notes
     # a record's lr is the rate the next step will run at (the scheduler has stepped)

@@ -53,7 +53,7 @@ def _serial_record(directory: str) -> dict:
 
 def describe(path: str) -> tuple[str, dict, list[int]]:
     """``(step directory, index, every step under the parent)``."""
-    directory = store.resolve(path)
+    directory = store.step_dir_of(path)
     parent = os.path.dirname(directory.rstrip(os.sep))
     steps = sorted(store.step_dirs(parent)) if os.path.isdir(parent) else []
     if store.record_of(directory) == "index.json":

@@ -23,7 +23,7 @@ import struct
 import torch
 
 from fastpar.checkpoint.boxes import numel
-from fastpar.comm.flat import numpy_view
+from fastpar.comm.views import numpy_view
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",

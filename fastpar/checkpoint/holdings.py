@@ -9,7 +9,8 @@ what a sharded save writes and what a resharding load fills. The same code serve
 layout saves exactly what it loads. Where the weights of record are:
 
     ZeRO (DistributedOptimizer, any stage)   this rank's range of each parameter in its float32
-                                             master shard (fastpar.optim.flat); nothing gathered
+                                             master shard (fastpar.optim.zero_shards); nothing
+                                             gathered
     MasterWeights (bf16 without ZeRO)        the whole float32 master of each tp shard
     otherwise                                the parameters (tp shards) themselves
 

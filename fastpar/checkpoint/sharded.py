@@ -16,11 +16,11 @@ On disk (``fastpar.checkpoint.store`` for the directory protocol)::
                      "pieces": [{"file", "key", "offsets", "sizes", "sha256"}]}}},
          "files": {file: {"bytes", "rank"}}, "optimizer_scalars": {kind: value}}
 
-Save, on every rank: the pieces it holds (``holdings``) are described and all-gathered (the
-plan, cached per layout: ``plan.assign``); it writes its share into its own file inside the
-step's ``.tmp-`` directory (``files.write``: hashed as written, fsynced); the files' records
-are all-gathered; rank 0 writes ``index.json`` and publishes the directory, then tells every
-rank the outcome. A failure anywhere (a full disk, a read-only directory) raises on every
+Save, on every rank: the pieces it holds (``holdings``) are described and all-gathered (who
+writes what, cached per layout: ``writers.assign``); it writes its share into its own file
+inside the step's ``.tmp-`` directory (``files.write``: hashed as written, fsynced); the files'
+records are all-gathered; rank 0 writes ``index.json`` and publishes the directory, then tells
+every rank the outcome. A failure anywhere (a full disk, a read-only directory) raises on every
 rank. ``async_save=True`` copies the pieces into a staging buffer (kept between saves) and does
 the rest on a background thread, over this object's own gloo group so that it never meets the
 training's collectives; the next ``save``, ``wait`` or ``close`` re-raises its error. With
@@ -49,7 +49,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fastpar.checkpoint import files, loading, plan, store
+from fastpar.checkpoint import files, loading, store, writers
 from fastpar.checkpoint.boxes import numel, range_boxes, shift
 from fastpar.checkpoint.holdings import model_pieces, optimizer_pieces
 from fastpar.checkpoint.loading import FORMAT
@@ -95,7 +95,7 @@ class ShardedCheckpointer:
         self._read = threading.Event()  # the save in flight reads the live tensors no more
         self._read.set()
         self._error: BaseException | None = None
-        self._plan = None  # (every rank's digest of its pieces, this rank's ranges)
+        self._assigned = None  # (every rank's digest of its pieces, this rank's ranges)
         self._staging: torch.Tensor | None = None
         self._copied = None  # a GPU staging copy's event, until the writer has waited on it
         self._staged = None  # the same event, until the trainer's stream has waited on it
@@ -165,18 +165,19 @@ class ShardedCheckpointer:
             pieces = model_pieces(model, opt)
             opt_pieces, scalars = optimizer_pieces(model, opt)
             pieces += opt_pieces
-            held = plan.describe(pieces)
+            held = writers.describe(pieces)
             digest = hashlib.sha256(repr(held).encode()).hexdigest()
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
             problem = _said(exc)
         everyone = self._all((problem, digest, scalars))
         self._raise_any([e[0] for e in everyone], f"saving step {step}")
         digests = [e[1] for e in everyone]
-        if self._plan is None or self._plan[0] != digests:  # the layout is new: plan it
-            layout = self._all(held)
-            self._plan = (digests, self._agree(f"planning step {step}", lambda: (
-                plan.check(layout), plan.assign(layout, self.rank))[1]))
-        items = self._items(pieces, self._plan[1])
+        if self._assigned is None or self._assigned[0] != digests:  # new pieces: assign them
+            every = self._all(held)
+            mine = self._agree(f"assigning the writes of step {step}", lambda: (
+                writers.check(every), writers.assign(every, self.rank))[1])
+            self._assigned = (digests, mine)
+        items = self._items(pieces, self._assigned[1])
         problem = None
         if async_save and not hold:
             try:
@@ -271,11 +272,11 @@ class ShardedCheckpointer:
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
                     records = [e[1] for e in everyone]
-                    missing = plan.missing_files(tmp, records)
+                    missing = writers.missing_files(tmp, records)
                     if missing:
                         raise OSError(f"{missing}: is {root} on a file system every rank "
                                       "shares?")
-                    index = plan.index(FORMAT, step, self.world, meta, scalars, records)
+                    index = writers.index(FORMAT, step, self.world, meta, scalars, records)
                     store.write_file(os.path.join(tmp, "index.json"),
                                      json.dumps(index, separators=(",", ":")).encode())
                     path = store.publish(root, tmp, step, keep)

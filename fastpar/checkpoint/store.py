@@ -110,11 +110,12 @@ def publish(root: str, tmp: str, step: int, keep: int | None) -> str:
     return final
 
 
-def resolve(path) -> str:
-    """A step directory, or a parent directory's highest complete step. Every ``step_*``
-    directory with its record is complete by construction (renamed into place whole), so the
-    highest one is the newest checkpoint even when a crash came between the rename and the
-    replacement of ``latest`` (which then names the one before: it is for people and tools)."""
+def step_dir_of(path) -> str:
+    """The step directory ``path`` names: itself, or a parent directory's highest complete
+    step. Every ``step_*`` directory with its record is complete by construction (renamed into
+    place whole), so the highest one is the newest checkpoint even when a crash came between the
+    rename and the replacement of ``latest`` (which then names the one before: it is for people
+    and tools)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint path {path!r} does not exist or is not a directory")
@@ -131,10 +132,10 @@ def resolve(path) -> str:
 
 
 def read_record(path, record: str, fmt: str, other: str) -> tuple[str, dict]:
-    """``(step directory, its record parsed)``: ``path`` resolved, the directory's record
+    """``(step directory, its record parsed)``: ``step_dir_of(path)``, the directory's record
     ``record`` ("meta.json" or "index.json") read as JSON and its ``format`` checked; ValueError
     naming ``other`` (how to load the other format) when the directory holds the other one."""
-    directory = resolve(path)
+    directory = step_dir_of(path)
     if record_of(directory) != record:
         raise ValueError(f"checkpoint {directory} has no {record}: {other}")
     try:

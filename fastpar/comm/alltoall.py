@@ -30,7 +30,7 @@ import torch.distributed as dist
 from fastpar.comm import symmetric
 from fastpar.comm.collectives import Handle, _check_tensor, _done, _overlaps, _route
 from fastpar.comm.engines import SYMMETRIC_ALL_TO_ALL_MIN, adapter
-from fastpar.comm.flat import byte_view
+from fastpar.comm.views import byte_view
 
 
 def _counts(name: str, what: str, counts, n: int) -> list[int]:

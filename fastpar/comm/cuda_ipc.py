@@ -1,4 +1,7 @@
-"""Policy class of the CUDA IPC all-reduce: owns the buffers and handles, probes, falls back.
+"""The CUDA IPC all-reduce's communicator: owns the buffers and handles, sets them up and probes
+them, and carries out the all-reduces that the engine policy (``policy.py``) sends it. A group
+whose set-up fails gets no communicator, and the policy sends its calls to the group's
+torch.distributed engine instead.
 
 One communicator per group whose members share a node. Each rank ``cudaMalloc``s one region
 (its signal block, then its staging buffer; not from torch's caching allocator, so any
@@ -32,7 +35,7 @@ from fastpar.comm.ipc_exchange import (Driver, PeerMaps, Refused, agreed_step, a
                                        check_not_capturing)
 
 __all__ = ["ALGOS", "PROBE_TIMEOUT", "CudaIpcCommunicator", "Driver", "Refused", "agreed_step",
-           "all_agree", "check_not_capturing", "describe", "link_kind", "plan"]
+           "all_agree", "check_not_capturing", "describe", "link_kind", "size_limit"]
 
 
 ALGOS = {"auto": 0, "one_shot": 1, "two_shot": 2}
@@ -66,8 +69,9 @@ def link_kind(facts: list[dict], driver) -> tuple[str, str]:
     return kind, f"GPUs {devices}: {how}"
 
 
-def plan(facts: list[dict], driver) -> tuple[int, str]:
-    """``(max_bytes, reason)`` of a group from every rank's ``facts``: alike on every rank."""
+def size_limit(facts: list[dict], driver) -> tuple[int, str]:
+    """``(max_bytes, reason)`` of a group from every rank's ``facts``: the link between its GPUs
+    and their compute capability, through ``policy.ipc_limit``; alike on every rank (0: off)."""
     link, how = link_kind(facts, driver)
     capability = min(tuple(f["capability"]) for f in facts)
     limit, reason = policy.ipc_limit(capability, len(facts), link)
@@ -105,14 +109,15 @@ class CudaIpcCommunicator:
         facts, why = agreed_step(group, ranks, "checking the GPUs", lambda: driver.facts(device))
         if why:
             return None, why
-        # Every rank computes the plan from the same facts; it is still agreed (a P2P query
+        # Every rank computes the limit from the same facts; it is still agreed (a P2P query
         # could fail on one rank), and a disagreement is a reason to fall back too.
-        plans, why = agreed_step(group, ranks, "choosing the size", lambda: plan(facts, driver))
+        limits, why = agreed_step(group, ranks, "choosing the size",
+                                  lambda: size_limit(facts, driver))
         if why:
             return None, why
-        limit, reason = plans[0]
-        if any(tuple(p) != (limit, reason) for p in plans):
-            return None, f"the ranks chose different cuda_ipc limits: {plans}"
+        limit, reason = limits[0]
+        if any(tuple(p) != (limit, reason) for p in limits):
+            return None, f"the ranks chose different cuda_ipc limits: {limits}"
         if not limit:
             return None, reason
         comm = cls(group, ranks, device, driver, limit, reason, me)
@@ -240,6 +245,6 @@ def describe(world_sizes=(2, 4, 8), driver=None) -> list[str]:
             lines.append(f"{world} ranks: not on this machine ({count} GPUs)")
             continue
         facts = [driver.facts(torch.device("cuda", r % count)) for r in range(world)]
-        limit, reason = plan(facts, driver)
+        limit, reason = size_limit(facts, driver)
         lines.append(f"{world} ranks: " + (f"on, {reason}" if limit else f"off, {reason}"))
     return lines

@@ -7,12 +7,12 @@ quantized collectives their all-to-all.
 
 from __future__ import annotations
 
-import ctypes
 import math
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from fastpar.comm.views import byte_view, numpy_view as _np
 
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -20,24 +20,6 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
              "prod": dist.ReduceOp.PRODUCT}
-
-
-def numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy array over a contiguous CPU tensor's memory, made from its address: unlike
-    ``t.numpy()``, which marks the storage not resizable for good (torch 2.13), so that a
-    buffer once passed to MPI could no longer be released (ZeRO-3 resizes its gather buffers
-    to nothing between uses). Valid while ``t`` is alive."""
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"numpy_view needs a contiguous CPU tensor, got {t.device} "
-                         f"contiguous={t.is_contiguous()}")
-    dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-    if t.numel() == 0:
-        return np.empty(tuple(t.shape), dtype=dtype)
-    raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    return np.frombuffer(raw, dtype=dtype).reshape(tuple(t.shape))
-
-
-_np = numpy_view
 
 
 class Torch:
@@ -83,11 +65,6 @@ class Torch:
 
 def _rowbyte_view(t: torch.Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as a flat uint8 tensor (any dtype, bool included)."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 class Mpi:

@@ -45,8 +45,8 @@ class HierCommunicator:
     from the group's ``HostSplit`` (``runtime.groups``): the intra-host shm communicator is
     made then (collective over the host's members), the cross-host engine at its first use."""
 
-    def __init__(self, state, split, ranks: list[int], layout: policy.Layout):
-        self._state, self._layout = state, layout
+    def __init__(self, state, split, ranks: list[int], facts: policy.GroupFacts):
+        self._state, self._facts = state, facts
         self.hosts, self.local = len(split.members), len(split.members[0])
         index = {r: g for g, r in enumerate(ranks)}
         # group index of the block at position (i, p) of the intra-host stage's [i][p] order:
@@ -59,7 +59,7 @@ class HierCommunicator:
         self._legs: dict = {}  # cross engine -> _Leg
 
     def cross_engine(self, dtype: torch.dtype, nbytes: int) -> str:
-        return policy.cross_engine(self._layout, dtype, nbytes)
+        return policy.cross_engine(self._facts, dtype, nbytes)
 
     def _leg(self, dtype: torch.dtype, nbytes: int):
         """The adapter and route of the cross-host stage of a message of ``nbytes``."""

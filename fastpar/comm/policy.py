@@ -1,4 +1,4 @@
-"""Which engine serves a collective: a plain function of (op, device, group layout, bytes, dtype).
+"""Which engine serves a collective: a plain function of (op, device, group facts, bytes, dtype).
 
 No devices, processes or globals are touched here, so every decision is unit-tested as a table.
 
@@ -99,19 +99,19 @@ def ipc_limit(capability: tuple[int, int], world: int, link: str) -> tuple[int, 
                    f"for {sm} at {world + world % 2} GPUs)")
 
 
-def _across_hosts(op: str, layout: Layout, nbytes: int, dtype: torch.dtype,
+def _across_hosts(op: str, facts: GroupFacts, nbytes: int, dtype: torch.dtype,
                   reduce_op: str) -> Choice:
     """CPU tensors of a group that spans hosts: hierarchical from ``HIER_MIN_BYTES``, else (or
     where it cannot serve) one flat call on the cross-host engine. all_to_all is always flat:
     MPI where the job was MPI-launched (it carries any dtype as bytes), else torch's."""
-    flat = cross_engine(layout, dtype)
+    flat = cross_engine(facts, dtype)
     if op == "all_to_all":
-        flat = "mpi" if layout.mpi else layout.pg_backend
-    why = _hier_refusal(op, "cpu", layout, dtype, reduce_op)
+        flat = "mpi" if facts.mpi else facts.pg_backend
+    why = _hier_refusal(op, "cpu", facts, dtype, reduce_op)
     if why is None and nbytes >= HIER_MIN_BYTES:
-        hosts, per = len(layout.per_host), layout.per_host[0]
+        hosts, per = len(facts.per_host), facts.per_host[0]
         return Choice("hier", f"{hosts} hosts x {per} ranks: shm within each host, "
-                              f"{cross_engine(layout, dtype, nbytes)} across")
+                              f"{cross_engine(facts, dtype, nbytes)} across")
     if why is None:
         why = f"{nbytes} bytes is below {_size(HIER_MIN_BYTES)} (one flat call is faster)"
     return Choice(flat, f"spans hosts, not hier: {why}")
@@ -128,7 +128,7 @@ def _size(n: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class GroupFacts:
     """What the policy needs to know about a group and the machine."""
 
     size: int  # ranks in the group
@@ -150,18 +150,18 @@ class Choice:
     reason: str
 
 
-def _shm_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
+def _shm_refusal(op: str, device: str, facts: GroupFacts, dtype: torch.dtype,
                  reduce_op: str) -> str | None:
     if device != "cpu":
         return f"the tensor is on {device}, shm serves CPU tensors"
-    if not layout.same_host:
+    if not facts.same_host:
         return "the group spans hosts"
-    return _kernel_refusal(op, layout, dtype, reduce_op)
+    return _kernel_refusal(op, facts, dtype, reduce_op)
 
 
-def _kernel_refusal(op: str, layout: Layout, dtype: torch.dtype, reduce_op: str) -> str | None:
+def _kernel_refusal(op: str, facts: GroupFacts, dtype: torch.dtype, reduce_op: str) -> str | None:
     """What the shm kernels cannot do (the shm engine and hier's host-local stages alike)."""
-    if not layout.native:
+    if not facts.native:
         return "the native extension fastpar._C is not loaded"
     if op in REDUCE_OPS and dtype not in SHM_REDUCE_DTYPES:
         return f"shm reduces float32/float64/bfloat16/float16, not {dtype}"
@@ -170,84 +170,84 @@ def _kernel_refusal(op: str, layout: Layout, dtype: torch.dtype, reduce_op: str)
     return None
 
 
-def _hier_refusal(op: str, device: str, layout: Layout, dtype: torch.dtype,
+def _hier_refusal(op: str, device: str, facts: GroupFacts, dtype: torch.dtype,
                   reduce_op: str) -> str | None:
     if device != "cpu":
         return f"the tensor is on {device}; NCCL is hierarchical across nodes on its own"
-    if layout.same_host:
+    if facts.same_host:
         return "the group is on one host"
     if op == "broadcast":
         return "broadcast is flat (it sends every byte across hosts once either way)"
     if op == "all_to_all":
         return ("all_to_all is flat (each byte bound for another host crosses once either way; "
                 "a flat call skips the host-local stages)")
-    why = _kernel_refusal(op, layout, dtype, reduce_op)
+    why = _kernel_refusal(op, facts, dtype, reduce_op)
     if why is not None:
         return why
-    counts = " + ".join(map(str, layout.per_host))
-    if len(set(layout.per_host)) > 1:
+    counts = " + ".join(map(str, facts.per_host))
+    if len(set(facts.per_host)) > 1:
         return f"its hosts hold {counts} of its ranks (uneven)"
-    if set(layout.per_host) == {1}:
+    if set(facts.per_host) == {1}:
         return "one of its ranks per host: nothing to share within a host"
-    if not layout.hier_ready:
+    if not facts.hier_ready:
         return ("no host sub-groups for this group (fastpar.init makes them for the world and "
                 "the grid's groups)")
     return None
 
 
-def cross_engine(layout: Layout, dtype: torch.dtype, nbytes: int = 0) -> str:
+def cross_engine(facts: GroupFacts, dtype: torch.dtype, nbytes: int = 0) -> str:
     """The flat engine that carries a spanning group's bytes between hosts: MPI where the job
     was MPI-launched and MPI carries the dtype (its latency is gloo's 1/30 here), up to
     ``CROSS_ASYNC_MIN_BYTES`` of message; from there, and without MPI, the group's torch
     backend, which runs in the background, so the hierarchical all-reduce overlaps one part's
     cross-host stage with the next part's host-local ones (``comm/hierarchical.py``)."""
-    if layout.mpi and dtype in MPI_DTYPES and nbytes < CROSS_ASYNC_MIN_BYTES:
+    if facts.mpi and dtype in MPI_DTYPES and nbytes < CROSS_ASYNC_MIN_BYTES:
         return "mpi"
-    return layout.pg_backend
+    return facts.pg_backend
 
 
-def _ipc_refusal(op: str, device: str, layout: Layout, nbytes: int,
+def _ipc_refusal(op: str, device: str, facts: GroupFacts, nbytes: int,
                  dtype: torch.dtype) -> str | None:
     if device != "cuda":
         return f"the tensor is on {device}, cuda_ipc serves CUDA tensors"
     if op != "all_reduce":
         return f"cuda_ipc implements all_reduce only, not {op}"
-    if not layout.same_host:
+    if not facts.same_host:
         return "the group spans nodes"
-    if not layout.ipc_ready:
+    if not facts.ipc_ready:
         return "no CUDA IPC communicator for this group (peers lack P2P or the probe failed)"
     if dtype not in IPC_DTYPES:
         return f"cuda_ipc reduces float32/float16/bfloat16, not {dtype}"
     if nbytes % 16:
         return f"{nbytes} bytes is not a multiple of 16"
-    if nbytes > layout.ipc_max_bytes:
-        return (f"{nbytes} bytes exceeds the group's cuda_ipc limit of {layout.ipc_max_bytes} "
+    if nbytes > facts.ipc_max_bytes:
+        return (f"{nbytes} bytes exceeds the group's cuda_ipc limit of {facts.ipc_max_bytes} "
                 "bytes (policy.ipc_limit)")
     return None
 
 
-def _refusal(engine: str, op: str, device: str, layout: Layout, nbytes: int,
+def _refusal(engine: str, op: str, device: str, facts: GroupFacts, nbytes: int,
              dtype: torch.dtype, reduce_op: str) -> str | None:
     if engine == "shm":
-        return _shm_refusal(op, device, layout, dtype, reduce_op)
+        return _shm_refusal(op, device, facts, dtype, reduce_op)
     if engine == "hier":
-        return _hier_refusal(op, device, layout, dtype, reduce_op)
+        return _hier_refusal(op, device, facts, dtype, reduce_op)
     if engine == "cuda_ipc":
         if reduce_op != "sum":
             return f"cuda_ipc reduces with sum only, not {reduce_op}"
-        return _ipc_refusal(op, device, layout, nbytes, dtype)
+        return _ipc_refusal(op, device, facts, nbytes, dtype)
     if engine == "nccl":
         return None if device == "cuda" else f"nccl needs CUDA tensors, got {device}"
     if engine == "gloo":
-        return None if layout.pg_backend == "gloo" else (
-            f"the group's torch.distributed backend is {layout.pg_backend}, not gloo")
+        return None if facts.pg_backend == "gloo" else (
+            f"the group's torch.distributed backend is {facts.pg_backend}, not gloo")
     if engine == "nccl_mpi":
         if device != "cuda":
             return f"nccl_mpi needs CUDA tensors, got {device}"
         if op == "all_to_all":
             return "nccl_mpi has no all_to_all"
-        if layout.nccl_mpi:
-            return layout.nccl_mpi
+        if facts.nccl_mpi:
+            return facts.nccl_mpi
         if dtype not in NCCL_MPI_DTYPES:
             return f"nccl_mpi cannot carry {dtype}"
         return None
@@ -305,32 +305,32 @@ def quantizes(op: str, engine: str, nbytes: int, dtype: torch.dtype, *, device: 
     return True, "int8 on the wire"
 
 
-def choose(op: str, device: str, layout: Layout, nbytes: int, dtype: torch.dtype, *,
+def choose(op: str, device: str, facts: GroupFacts, nbytes: int, dtype: torch.dtype, *,
            reduce_op: str = "sum", forced: str | None = None,
            forced_by: str = "FASTPAR_COMM_BACKEND") -> Choice:
     """The engine for one call. ``device`` is a device type ("cpu", "cuda"). ``forced``: the
     engine forced by ``forced_by`` (the environment variable, or ``comm.use_backend``)."""
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; expected one of {', '.join(OPS)}")
-    if layout.size == 1:
+    if facts.size == 1:
         return Choice("local", "group of one rank")
     if forced:
-        why = _refusal(forced, op, device, layout, nbytes, dtype, reduce_op)
+        why = _refusal(forced, op, device, facts, nbytes, dtype, reduce_op)
         if why is not None:
             raise ValueError(f"{forcing(forced, forced_by)} cannot serve {op} of {nbytes} "
                              f"bytes of {dtype} on {device}: {why}")
         return Choice(forced, f"forced by {forcing(forced, forced_by)}")
     if device == "cpu":
-        why = _shm_refusal(op, device, layout, dtype, reduce_op)
+        why = _shm_refusal(op, device, facts, dtype, reduce_op)
         if why is None:
             return Choice("shm", "CPU tensors on one host")
-        if layout.same_host:
-            return Choice(layout.pg_backend, f"not shm: {why}")
-        return _across_hosts(op, layout, nbytes, dtype, reduce_op)
+        if facts.same_host:
+            return Choice(facts.pg_backend, f"not shm: {why}")
+        return _across_hosts(op, facts, nbytes, dtype, reduce_op)
     if device == "cuda":
-        why = _refusal("cuda_ipc", op, device, layout, nbytes, dtype, reduce_op)
+        why = _refusal("cuda_ipc", op, device, facts, nbytes, dtype, reduce_op)
         if why is None:
             return Choice("cuda_ipc", "small CUDA all_reduce within one node")
-        return Choice("nccl" if layout.pg_backend == "nccl" else layout.pg_backend,
+        return Choice("nccl" if facts.pg_backend == "nccl" else facts.pg_backend,
                       f"not cuda_ipc: {why}")
-    return Choice(layout.pg_backend, f"device type {device}")
+    return Choice(facts.pg_backend, f"device type {device}")

@@ -1,4 +1,5 @@
-"""Policy class of the shared-memory collectives: owns one segment per group, calls the kernel.
+"""The shm engine's communicator: owns one segment per group and carries out its collectives by
+calling the kernels. Which calls come here is the engine policy's decision (``policy.py``).
 
 The segment lives in ``/dev/shm`` under a name unique to the job (a random token chosen by the
 group's first rank and broadcast over the group), mode 0600. It is unlinked as soon as every

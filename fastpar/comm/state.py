@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fastpar import _native
 from fastpar.comm import policy
-from fastpar.comm.policy import Layout
+from fastpar.comm.policy import GroupFacts
 from fastpar.runtime.bootstrap import job
 from fastpar.runtime.groups import by_host
 
@@ -36,7 +36,7 @@ class CommState:
         # The most recently built p2p.Channels: what the module-level p2p verbs act on.
         self.channels = None
         self.routes: dict = {}  # call signature -> Route; see collectives._route
-        self._groups: dict = {}  # id(group) -> (group, global ranks in group order, Layout)
+        self._groups: dict = {}  # id(group) -> (group, global ranks in group order, GroupFacts)
         # Each process group owns its communicators, keyed by id(group) (the group stays alive
         # in _groups): two groups with the same members (the world and the dp group at
         # tp = pp = 1) never share one, so threads may drive different groups at once.
@@ -56,7 +56,7 @@ class CommState:
         self.closers: list = []
 
     def resolve(self, group):
-        """``(group, global ranks in group order, Layout)`` for a ``group=`` argument
+        """``(group, global ranks in group order, GroupFacts)`` for a ``group=`` argument
         (``None``: the world)."""
         if group is None:
             group = dist.group.WORLD
@@ -76,36 +76,36 @@ class CommState:
             hosts = self.topo.hosts
             per_host = tuple(len(m) for m in by_host(ranks, hosts)) if hosts else ()
             splits = self.topo.host_splits or {}
-            layout = Layout(size=len(ranks), same_host=len(per_host) == 1,
-                            native=_native.available(), pg_backend=dist.get_backend(group),
-                            per_host=per_host, hier_ready=group.group_name in splits,
-                            mpi=self.topo.mpi_comm is not None)
-            entry = (group, ranks, layout)
+            facts = GroupFacts(size=len(ranks), same_host=len(per_host) == 1,
+                               native=_native.available(), pg_backend=dist.get_backend(group),
+                               per_host=per_host, hier_ready=group.group_name in splits,
+                               mpi=self.topo.mpi_comm is not None)
+            entry = (group, ranks, facts)
             self._groups[id(group)] = entry
         return entry
 
     def choose(self, op: str, t: torch.Tensor, group, reduce_op: str = "sum"):
         """``(group, ranks, Choice)`` for one call; builds nothing but the CUDA IPC communicator
         that the decision needs (only when no other engine is forced)."""
-        group, ranks, layout = self.resolve(group)
-        if (t.is_cuda and op == "all_reduce" and layout.size > 1 and layout.same_host
+        group, ranks, facts = self.resolve(group)
+        if (t.is_cuda and op == "all_reduce" and facts.size > 1 and facts.same_host
                 and self.forced in (None, "cuda_ipc")):
             comm = self.cuda_ipc(group, ranks, t.device)
             if comm is not None:
-                layout = Layout(**{**layout.__dict__, "ipc_ready": True,
-                                   "ipc_max_bytes": comm.max_bytes})
+                facts = GroupFacts(**{**facts.__dict__, "ipc_ready": True,
+                                      "ipc_max_bytes": comm.max_bytes})
         if self.forced == "nccl_mpi":
-            layout = self._with_nccl_mpi(layout)
-        choice = policy.choose(op, t.device.type, layout, t.numel() * t.element_size(), t.dtype,
+            facts = self._with_nccl_mpi(facts)
+        choice = policy.choose(op, t.device.type, facts, t.numel() * t.element_size(), t.dtype,
                                reduce_op=reduce_op, forced=self.forced,
                                forced_by=self.forced_by)
         return group, ranks, choice
 
-    def _with_nccl_mpi(self, layout):
+    def _with_nccl_mpi(self, facts):
         from fastpar.comm.nccl_mpi import unavailable
 
         why = unavailable(mpi_launched=self.topo.mpi_comm is not None) or ""
-        return Layout(**{**layout.__dict__, "nccl_mpi": why})
+        return GroupFacts(**{**facts.__dict__, "nccl_mpi": why})
 
     def communicator(self, engine: str, group, ranks, device):
         """The engine's communicator for the group (``None`` for torch.distributed engines)."""
@@ -126,9 +126,9 @@ class CommState:
         if key not in self._hier:
             from fastpar.comm.hierarchical import HierCommunicator
 
-            _, _, layout = self.resolve(group)
+            _, _, facts = self.resolve(group)
             split = self.topo.host_splits[group.group_name]
-            self._hier[key] = HierCommunicator(self, split, ranks, layout)
+            self._hier[key] = HierCommunicator(self, split, ranks, facts)
         return self._hier[key]
 
     def shm(self, group, ranks):
@@ -188,12 +188,12 @@ class CommState:
         for name, group in groups.items():
             if group is None:
                 continue
-            _, ranks, layout = self.resolve(group)
+            _, ranks, facts = self.resolve(group)
             if self.forced == "nccl_mpi":
-                layout = self._with_nccl_mpi(layout)
+                facts = self._with_nccl_mpi(facts)
             for op in policy.OPS:
                 try:
-                    choice = policy.choose(op, device_type, layout, nbytes, dtype,
+                    choice = policy.choose(op, device_type, facts, nbytes, dtype,
                                            forced=self.forced, forced_by=self.forced_by)
                     engine, reason = choice.engine, choice.reason
                 except ValueError as exc:

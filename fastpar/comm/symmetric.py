@@ -265,12 +265,12 @@ def symmetric_empty(*size, dtype: torch.dtype = torch.float32, group=None,
     until ``fastpar.shutdown``."""
     size = _size_of(size)
     st = current()
-    group, ranks, layout = st.resolve(group)
+    group, ranks, facts = st.resolve(group)
     numel = 1
     for s in size:
         numel *= s
     device = torch.device("cpu") if device is None else torch.device(device)
-    if len(ranks) == 1 or not layout.same_host:
+    if len(ranks) == 1 or not facts.same_host:
         return torch.empty(size, dtype=dtype, device=device)
     if device.type == "cuda":
         if device.index is None:  # "cuda": the current device, by number (the ops need one)
@@ -354,8 +354,8 @@ def symmetric_slots(*size, dtype: torch.dtype = torch.float32, group=None):
     itself); the segment lives while any of them does."""
     size = _size_of(size)
     st = current()
-    group, ranks, layout = st.resolve(group)
-    if len(ranks) == 1 or not layout.same_host:
+    group, ranks, facts = st.resolve(group)
+    if len(ranks) == 1 or not facts.same_host:
         return None
     _agree(group, ranks, size, dtype, "symmetric_slots")
     numel = 1

@@ -10,7 +10,7 @@
     norm = opt.clip_grad_norm_(1.0)             # optional: reduces, then clips
     opt.step(); sched.step(); opt.zero_grad()
 
-The parameters of each (dtype, device) are laid end to end (``fastpar.optim.flat``: runs,
+The parameters of each (dtype, device) are laid end to end (``fastpar.optim.zero_shards``: runs,
 each sharded over the dp ranks r = 0..dp-1). Per step::
 
     reduce:  g_shard_r = reduce_scatter(flat(param.grad))[r] / dp     # mean over dp
@@ -64,7 +64,7 @@ from fastpar import comm
 from fastpar.comm import quant as quant_codec
 from fastpar.comm import symmetric
 from fastpar.optim.clip import check_max_norm, clip_by_global_norm_, counted
-from fastpar.optim.flat import FlatGroup, master_dtype
+from fastpar.optim.zero_shards import FlatGroup, master_dtype
 from fastpar.optim.inner import InnerOptimizerView
 from fastpar.optim.zero_checkpoint import CheckpointMixin
 from fastpar.optim.zero_grads import GradReducer
@@ -192,7 +192,7 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         log.debug("%r", self)
 
     def _cuts(self, ps, units, bucket_mb) -> list[int]:
-        """Where the runs of one flat group start (see ``fastpar.optim.flat``)."""
+        """Where the runs of one flat group start (see ``fastpar.optim.zero_shards``)."""
         if self.stage == 1:
             return [0]
         if self.stage == 3:

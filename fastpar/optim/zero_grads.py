@@ -33,7 +33,7 @@ import torch
 from fastpar import comm
 from fastpar.comm import quant as quant_codec
 from fastpar.comm import symmetric as symmetric_memory
-from fastpar.optim.flat import master_dtype
+from fastpar.optim.zero_shards import master_dtype
 
 
 # Bytes of one rank's row of the symmetric staging: a run is reduce-scattered (dp, w) columns

@@ -4,9 +4,9 @@ backward, the next module's gather prefetched (unless ``prefetch=False``), and f
 Units are modules: the root and every ``nn.Sequential`` / ``nn.ModuleList`` / ``nn.ModuleDict``
 are opened, any other module is one unit (a GPT block, an embedding, a ``Linear``); what the root
 or a container holds itself is a unit of its own. A unit's trainable parameters are one or more
-runs of the flat order (``fastpar.optim.flat``). Each run owns a ``(dp * piece,)`` buffer whose
-storage is released (``untyped_storage().resize_(0)``) when the run is freed and re-allocated
-when it is gathered. A gathered parameter is a view of its run's buffer; a released one is a
+runs of the flat order (``fastpar.optim.zero_shards``). Each run owns a ``(dp * piece,)``
+buffer whose storage is released (``untyped_storage().resize_(0)``) when the run is freed and
+re-allocated when it is gathered. A gathered parameter is a view of its run's buffer; a released one is a
 NaN of its shape that takes no memory (one element expanded), so reading it outside its
 module's forward/backward and outside ``gathered()`` gives NaN rather than reading freed
 memory, writing it raises, and ``state_dict()`` / ``load_state_dict()`` of a module holding

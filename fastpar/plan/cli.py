@@ -201,7 +201,7 @@ def explain(pred, cfg, cluster) -> list[str]:
     out.append(f"step {pred.step_time_s * 1e3:.3f} ms (the slowest rank); tokens/s "
                f"{pred.tokens_per_s:,.0f}; MFU {pred.mfu:.2%} ({t['flops_per_token']:.4g} "
                f"FLOPs per token, peak {cluster.peak_flops / 1e12:g} TFLOP/s x {lay.ranks})")
-    out.append(f"memory per pipeline rank, {uname} (plan.memory.predict):")
+    out.append(f"memory per pipeline rank, {uname} (plan.memory.predict_memory):")
     for r, mem in enumerate(t["memory_by_rank"]):
         cells = "  ".join(f"{c} {mem[c] / unit:.3f}" for c in CATEGORIES)
         out.append(f"  rank {r}: {cells}  total {sum(mem.values()) / unit:.3f}" +

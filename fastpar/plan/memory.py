@@ -1,9 +1,9 @@
 """Peak bytes per rank by category, predicted from the layout alone (the main job's model).
 
-    plan = MemoryInputs(cfg, tp=2, pp=2, dp=1, pp_rank=0, bounds=pipe.bounds, schedule="1f1b",
-                  microbatches=4, rows=16, zero=0, dtype=torch.float32)
-    predict(plan)  # {"params": ..., "grads": ..., "optimizer": ..., "activations": ...,
-                   #  "buffers": ...}
+    inputs = MemoryInputs(cfg, tp=2, pp=2, dp=1, pp_rank=0, bounds=pipe.bounds,
+                          schedule="1f1b", microbatches=4, rows=16, zero=0, dtype=torch.float32)
+    predict_memory(inputs)  # {"params": ..., "grads": ..., "optimizer": ..., "activations": ...,
+                            #  "buffers": ...}
 
 Symbols (this rank): ``n_i`` the elements of its i-th parameter tensor (the tp shard; layers of
 its pipeline chunks, ``bounds`` cut them), ``P = sum n_i``, ``e`` the model's element size (4
@@ -151,10 +151,10 @@ def stage_input_bytes(cfg: GPTConfig, tp: int, stage: int, rows: int, esize: int
     return n // (tp if cfg.sequence_parallel else 1) * cfg.hidden * esize
 
 
-def in_flight_peak(layout: MemoryInputs, per_chunk: list[int]) -> int:
+def in_flight_peak(inputs: MemoryInputs, per_chunk: list[int]) -> int:
     """Replay this rank's action list: +bytes at each F, - at B (or W); the largest total."""
-    actions = _compiled(layout.schedule, layout.pp, layout.microbatches,
-                        layout.virtual_stages)[layout.pp_rank]
+    actions = _compiled(inputs.schedule, inputs.pp, inputs.microbatches,
+                        inputs.virtual_stages)[inputs.pp_rank]
     total = peak = 0
     split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
     for a in actions:
@@ -191,68 +191,68 @@ def _pad(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def predict(layout: MemoryInputs) -> dict[str, int]:
+def predict_memory(inputs: MemoryInputs) -> dict[str, int]:
     """Peak bytes per category on this rank (see the module docstring)."""
-    out = state_bytes(layout)
-    out["activations"] = activation_bytes(layout)
+    out = state_bytes(inputs)
+    out["activations"] = activation_bytes(inputs)
     return {k: int(out[k]) for k in CATEGORIES}
 
 
-def state_bytes(layout: MemoryInputs) -> dict[str, int]:
-    """``predict`` but activations: what the layout alone fixes, without the schedule's
+def state_bytes(inputs: MemoryInputs) -> dict[str, int]:
+    """``predict_memory`` but activations: what the layout alone fixes, without the schedule's
     replay (the planner drops a layout whose state alone is over the budget with this)."""
-    cfg, tp, d = layout.cfg, layout.tp, layout.dp
-    e = torch.empty((), dtype=layout.dtype).element_size()
-    bf16 = layout.dtype != torch.float32
-    chunks = range(layout.virtual_stages)
-    layers = [i for c in chunks for i in layout.stage_layers(c)]
-    tensors = [n for i in layers for n in layer_tensors(cfg, tp, i, layout.ep)]
+    cfg, tp, d = inputs.cfg, inputs.tp, inputs.dp
+    e = torch.empty((), dtype=inputs.dtype).element_size()
+    bf16 = inputs.dtype != torch.float32
+    chunks = range(inputs.virtual_stages)
+    layers = [i for c in chunks for i in inputs.stage_layers(c)]
+    tensors = [n for i in layers for n in layer_tensors(cfg, tp, i, inputs.ep)]
     P = sum(tensors)
     buckets = 4 * sum(_pad(n, ALIGN) for n in tensors)
-    if layout.zero == 0:
+    if inputs.zero == 0:
         out = {"params": e * P, "grads": (2 + 4) * P if bf16 else buckets,
                "optimizer": 12 * P if bf16 else 8 * P, "buffers": buckets if bf16 else 0}
     else:
-        if layout.zero == 3:  # a run per layer (gather unit)
-            runs = [sum(layer_tensors(cfg, tp, i, layout.ep)) for i in layers]
-        elif layout.zero == 2:
+        if inputs.zero == 3:  # a run per layer (gather unit)
+            runs = [sum(layer_tensors(cfg, tp, i, inputs.ep)) for i in layers]
+        elif inputs.zero == 2:
             runs = zero2_runs(tensors)
         else:
             runs = [P]
         s = sum(-(-r // d) for r in runs)  # each run padded to a multiple of dp
         flat = 4 * d * s  # a padded flat buffer in float32
-        if layout.zero == 1:
+        if inputs.zero == 1:
             out = {"params": e * d * s, "grads": (e * P if bf16 else flat) + 4 * s,
                    "optimizer": (12 if bf16 else 8) * s, "buffers": flat if bf16 else 0}
         else:
             row = max(-(-r // d) for r in runs)  # elements of the largest piece
-            if layout.symmetric_staging:  # dp rows of at most STAGING_ROW_BYTES
+            if inputs.symmetric_staging:  # dp rows of at most STAGING_ROW_BYTES
                 row = min(row, STAGING_ROW_BYTES // 4)
             out = {"params": e * d * s, "grads": max(e * P, 4 * s), "optimizer": 12 * s,
                    "buffers": 4 * d * row}
-    if layout.error_feedback and d > 1:  # a float32 copy of what the reduction sends
-        out["buffers"] += buckets if layout.zero == 0 else flat
+    if inputs.error_feedback and d > 1:  # a float32 copy of what the reduction sends
+        out["buffers"] += buckets if inputs.zero == 0 else flat
     return {k: int(v) for k, v in out.items()}
 
 
-def activation_bytes(layout: MemoryInputs) -> int:
+def activation_bytes(inputs: MemoryInputs) -> int:
     """The activations' peak: each chunk's bytes per microbatch, replayed over the
     schedule's action list (``in_flight_peak``)."""
-    cfg, tp = layout.cfg, layout.tp
-    e = torch.empty((), dtype=layout.dtype).element_size()
-    chunks = range(layout.virtual_stages)
-    rows = layout.rows // layout.microbatches
-    if layout.cp > 1:
+    cfg, tp = inputs.cfg, inputs.tp
+    e = torch.empty((), dtype=inputs.dtype).element_size()
+    chunks = range(inputs.virtual_stages)
+    rows = inputs.rows // inputs.microbatches
+    if inputs.cp > 1:
         # An estimate under context parallelism: every term with the T/cp tokens of this rank's
         # slice. Ring and Ulysses attention keep other tensors than the serial core (ring: the
         # q, k, v, output and log-sum-exp of the local slice; Ulysses: the head-sharded full
         # sequence), of about the same size; the rope tables are (T/cp, hd/2) after indexing.
-        cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len // layout.cp)
+        cfg = dataclasses.replace(cfg, seq_len=cfg.seq_len // inputs.cp)
     per_chunk = []
     for c in chunks:
-        stage = c * layout.pp + layout.pp_rank
-        cut = layout.stage_layers(c)
+        stage = c * inputs.pp + inputs.pp_rank
+        cut = inputs.stage_layers(c)
         per_chunk.append(stage_input_bytes(cfg, tp, stage, rows, e) + sum(
             layer_activations(cfg, tp, i, rows, e, first=stage > 0 and i == cut[0])
             for i in cut))
-    return int(in_flight_peak(layout, per_chunk))
+    return int(in_flight_peak(inputs, per_chunk))

@@ -13,7 +13,7 @@ rank's. Long pipelines (more than ``SIMULATE_MAX`` compute actions per rank) are
 two microbatch counts pp apart in the steady state and each rank's end extended linearly to
 the real count: exact for gpipe and 1f1b, within 1% for zb and interleaved on random
 per-stage costs (tests/test_plan.py compares against the full timeline).
-Memory: ``plan.memory.predict`` (what the trainer reports beside its measurement) for
+Memory: ``plan.memory.predict_memory`` (what the trainer reports beside its measurement) for
 every pipeline rank at the stage cut ``Pipeline`` makes; the worst rank's categories.
 """
 
@@ -77,10 +77,11 @@ def _bounds(weights: tuple, stages: int) -> tuple:
 
 
 def memory_by_rank(cfg: GPTConfig, lay: Layout, global_batch: int, dtype) -> list[dict]:
-    """``plan.memory.predict`` of every pipeline rank of ``lay`` (the trainer's memory inputs)."""
+    """``plan.memory.predict_memory`` of every pipeline rank of ``lay`` (the trainer's memory
+    inputs)."""
     cfg = model_for(cfg, lay)
     bounds = stage_bounds(cfg, lay.tp, lay.ep, lay.pp * lay.virtual_stages)
-    return [mem_model.predict(mem_model.MemoryInputs(
+    return [mem_model.predict_memory(mem_model.MemoryInputs(
         cfg, tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp, pp_rank=r, bounds=bounds,
         schedule=lay.schedule, microbatches=lay.microbatches, rows=global_batch // lay.dp,
         zero=lay.zero, dtype=dtype, virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp))
@@ -365,7 +366,7 @@ class Predictor:
                     ends[s] = max(ends[s], after)
         return ends
 
-    def memory_layouts(self, lay: Layout) -> list:
+    def memory_inputs(self, lay: Layout) -> list:
         """The trainer's ``plan.memory.MemoryInputs`` of every pipeline rank of ``lay``."""
         cfg = model_for(self.cfg, lay)
         bounds = self.bounds(lay.tp, lay.ep, lay.pp * lay.virtual_stages)
@@ -379,7 +380,7 @@ class Predictor:
         """Whether some rank's parameters, gradients, optimizer state and buffers alone
         (``mem_model.state_bytes``: no schedule replay) exceed the budget."""
         return any(sum(mem_model.state_bytes(m).values()) > self.cluster.memory_bytes
-                   for m in self.memory_layouts(lay))
+                   for m in self.memory_inputs(lay))
 
     # ---- one layout -------------------------------------------------------------------------
 
@@ -400,7 +401,7 @@ class Predictor:
         pp = lay.pp
         makespan = max(ends)
         bubble = 1 - busy / (pp * makespan) if makespan > 0 else 0.0
-        memory = [mem_model.predict(m) for m in self.memory_layouts(lay)]
+        memory = [mem_model.predict_memory(m) for m in self.memory_inputs(lay)]
         tokens = self.global_batch * cfg.seq_len
         totals = [sum(mem.values()) for mem in memory]
         worst = max(range(pp), key=lambda r: totals[r])

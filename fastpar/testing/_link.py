@@ -26,8 +26,8 @@ def tbf_burst(rate: str) -> int:
     return max(128 * 1024, int(bytes_per_s * 0.002))
 
 
-# A TCP receiver and sender for Cluster.throughput: the receiver prints bytes and seconds from
-# the first byte to EOF.
+# A TCP receiver and sender for throughput(): the receiver prints bytes and seconds from the
+# first byte to EOF.
 _RECV = """
 import socket, sys, time
 s = socket.create_server(("0.0.0.0", int(sys.argv[1])))
@@ -50,7 +50,8 @@ c.close()
 
 def throughput(c, src: int, dst: int, nbytes: int = 64 << 20,
                port: int = 5201) -> float:
-    """Bits per second of one TCP stream from host ``src`` to host ``dst`` of Cluster ``c``."""
+    """Bits per second of one TCP stream from host ``src`` to host ``dst`` of ``c`` (a
+    ``NamespaceCluster``)."""
     py = [sys.executable, "-I", "-S", "-c"]
     recv = c.popen(dst, [*py, _RECV, str(port)], text=True, stdout=subprocess.PIPE)
     try:

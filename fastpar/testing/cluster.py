@@ -1,10 +1,10 @@
 """A multi-host cluster on one Linux machine, made of namespaces, for tests of jobs that span hosts.
 
-    from fastpar.testing.cluster import Cluster, cluster_unavailable
-    with Cluster(hosts=2, rate="1gbit") as c:          # needs root; else cluster_unavailable()
-        c.run(1, ["hostname"]).stdout                   # "h1\\n"
-        c.mpirun(["python", "-c", "..."], ppn=2)        # mpirun -hosts h0,h1 -ppn 2, from h0
-        c.torchrun(["script.py"], nproc_per_node=2)    # one torchrun agent per host
+    from fastpar.testing.cluster import NamespaceCluster, cluster_unavailable
+    with NamespaceCluster(hosts=2, rate="1gbit") as c:  # root; else cluster_unavailable()
+        c.run(1, ["hostname"]).stdout                     # "h1\\n"
+        c.mpirun(["python", "-c", "..."], ppn=2)          # mpirun -hosts h0,h1 -ppn 2, from h0
+        c.torchrun(["script.py"], nproc_per_node=2)      # one torchrun agent per host
 
     python -m fastpar.testing.cluster --hosts 2 --rate 1gbit -- mpirun -np 4 -ppn 2 python ...
 
@@ -57,11 +57,11 @@ NET_ENV = {"GLOO_SOCKET_IFNAME": IFACE, "UCX_NET_DEVICES": IFACE, "FI_TCP_IFACE"
 
 
 def cluster_unavailable() -> str | None:
-    """None when a Cluster can be made here, else the reason (for ``pytest.skip``)."""
+    """None when a NamespaceCluster can be made here, else the reason (for ``pytest.skip``)."""
     return _netns.unavailable()
 
 
-class Cluster:
+class NamespaceCluster:
     """``hosts`` namespaced hosts joined by one switch; see the module docstring."""
 
     def __init__(self, hosts: int = 2, *, rate: str | None = None,
@@ -85,7 +85,7 @@ class Cluster:
         return f"{SUBNET}.{i + 1}"
 
     # -- life --------------------------------------------------------------------------------
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> NamespaceCluster:
         reason = cluster_unavailable()
         if reason:
             raise RuntimeError(reason)
@@ -184,7 +184,7 @@ class Cluster:
               new_session: bool = True, **kw) -> subprocess.Popen:
         """Start ``argv`` in host i (by default in a session of its own: killpg ends it all)."""
         if not self.pids:
-            raise RuntimeError("cluster: not started (use `with Cluster(...) as c`)")
+            raise RuntimeError("cluster: not started (use `with NamespaceCluster(...) as c`)")
         return subprocess.Popen(_netns.enter(self.pids[i], list(argv), cwd=cwd),
                                 env=self.env(env), preexec_fn=_netns.die_with_parent,
                                 start_new_session=new_session, **kw)
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     if args.measure and (cmd or args.hosts < 2):
         ap.error("--measure takes no command and needs --hosts >= 2")
-    with Cluster(args.hosts, rate=args.rate) as c:
+    with NamespaceCluster(args.hosts, rate=args.rate) as c:
         if args.measure:
             bps = throughput(c, 0, 1)
             print(f"h0 -> h1: {bps / 1e9:.3f} Gbit/s (rate {args.rate or 'unshaped'})")

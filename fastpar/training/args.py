@@ -1,5 +1,5 @@
 """The main job's command line: every flag, checked before anything starts, and what follows
-from it alone (the model config, the learning-rate plan).
+from it alone (the model config, the learning-rate schedule).
 
     args = parse_args(["--tp", "2", "--steps", "100"])   # one line and exit 2 on a bad flag
     cfg = model_config(args)                             # the preset with the overrides
@@ -193,7 +193,7 @@ def check_args(p, args) -> None:
         mp = args.tp * args.pp
         p.check(world % mp == 0,
                 f"--tp {args.tp} x --pp {args.pp} = {mp} does not divide the "
-                f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x pp))")
+                f"{world} launched rank{'s' if world > 1 else ''} (dp = world / (tp x cp x pp))")
         p.check(world // mp % args.cp == 0,
                 f"--cp {args.cp} does not divide world {world} / (tp {args.tp} x pp {args.pp}) "
                 f"= {world // mp} (world = tp x cp x dp x pp)")
@@ -257,16 +257,17 @@ def warmup_steps(args, steps: int) -> int:
     return args.warmup if args.warmup is not None else max(1, steps // 10)
 
 
-def lr_plan(args, steps: int) -> dict:
-    """What the learning rate of a run is a function of (checkpoints record it)."""
+def lr_schedule(args, steps: int) -> dict:
+    """What the learning rate of a run is a function of (checkpoints record it as their meta's
+    ``"schedule"``)."""
     return {"lr": args.lr, "steps": steps, "warmup": warmup_steps(args, steps),
             "min_lr_ratio": args.min_lr_ratio}
 
 
-def lr_at(plan: dict, step: int) -> float:
-    """The learning rate of optimizer step ``step`` under ``plan``."""
-    shape = argparse.Namespace(warmup=plan["warmup"], min_lr_ratio=plan["min_lr_ratio"])
-    return plan["lr"] * lr_lambda(shape, plan["steps"])(step)
+def lr_at(schedule: dict, step: int) -> float:
+    """The learning rate of optimizer step ``step`` under ``schedule`` (``lr_schedule``'s)."""
+    shape = argparse.Namespace(warmup=schedule["warmup"], min_lr_ratio=schedule["min_lr_ratio"])
+    return schedule["lr"] * lr_lambda(shape, schedule["steps"])(step)
 
 
 def lr_lambda(args, steps: int):

@@ -69,8 +69,9 @@ def quick_cluster(cfg, hosts: int, ranks_per_host: int, link_points: list, link_
                    overhead_tensor_s=tensor, cpus_per_host=len(os.sched_getaffinity(0)))
 
 
-def choose(args, cfg, cluster, dtype):
-    """The planner's two fastest layouts that fit (or a ValueError naming why none does)."""
+def best_layouts(args, cfg, cluster, dtype):
+    """The planner's two fastest layouts that fit, as its predictions (or a ValueError naming
+    why none does)."""
     from fastpar.plan.search import search
 
     result = search(cfg, cluster, args.global_batch, dtype=dtype, top=2)
@@ -84,7 +85,7 @@ def choose(args, cfg, cluster, dtype):
     return ranked
 
 
-def resolve(args) -> tuple[argparse.Namespace, list[str]]:
+def choose_layout(args) -> tuple[argparse.Namespace, list[str]]:
     """``args`` with the planner's layout in its layout flags, and the lines that say why
     (collective: every rank calls it; the job is shut down on return)."""
     import torch.distributed as dist
@@ -118,7 +119,7 @@ def resolve(args) -> tuple[argparse.Namespace, list[str]]:
             if cluster is None:
                 cluster = quick_cluster(cfg, hosts, per_host, points, topo.world_size, engine)
             try:
-                best = choose(args, cfg, cluster, dtype)
+                best = best_layouts(args, cfg, cluster, dtype)
                 choice = [(best[0].layout, [say(p, i) for i, p in enumerate(best)], source)]
             except ValueError as exc:
                 choice = [str(exc)]

@@ -1,7 +1,7 @@
 """Memory per rank by category, measured beside its prediction (``fastpar.plan.memory``), for the main
 job: the end-of-run table and one ``--metrics`` record per rank.
 
-    meter = MemoryMeter(pipe, model, opt, layout)   # layout: fastpar.plan.memory.MemoryInputs
+    meter = MemoryMeter(pipe, model, opt, inputs)   # inputs: fastpar.plan.memory.MemoryInputs
     meter.sample()                  # after backward, and again after the optimizer step
     rows = meter.gather()           # collective: every rank's record, on every rank
     print(format_table(rows))       # rank 0
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.optim import DistributedOptimizer, MasterWeights
-from fastpar.plan.memory import CATEGORIES, MemoryInputs, predict
+from fastpar.plan.memory import CATEGORIES, MemoryInputs, predict_memory
 
 MiB = 2**20
 
@@ -97,8 +97,8 @@ def storage_bytes(tensors: dict[str, list]) -> dict[str, int]:
 class MemoryMeter:
     """Peaks per category of one rank's training (see the module docstring)."""
 
-    def __init__(self, pipe, model, opt, layout: MemoryInputs):
-        self.pipe, self.model, self.opt, self.layout = pipe, model, opt, layout
+    def __init__(self, pipe, model, opt, inputs: MemoryInputs):
+        self.pipe, self.model, self.opt, self.inputs = pipe, model, opt, inputs
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.samples = 0
         self.device = next(pipe.parameters()).device
@@ -127,7 +127,7 @@ class MemoryMeter:
         """``{"memory": {"rank", "measured", "predicted", "peak_rss"}}`` (the contract)."""
         rec = {"rank": dist.get_rank() if dist.is_initialized() else 0,
                "measured": {k: int(self.peak[k]) for k in CATEGORIES},
-               "predicted": predict(self.layout),
+               "predicted": predict_memory(self.inputs),
                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if self.device.type == "cuda":  # for the table only (``contract`` drops it)
             rec["device_peak"] = torch.cuda.max_memory_allocated(self.device)
@@ -168,17 +168,17 @@ def trainer_meter(trainer) -> MemoryMeter:
     """The meter of a ``fastpar.training.trainer.Trainer`` (built after its optimizer)."""
     args, topo = trainer.args, trainer.topo
     # dp: the ranks ZeRO shards over and gradients reduce over (dp x cp under cp)
-    layout = MemoryInputs(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size,
-                    dp=topo.dp_size * topo.cp_size,
-                    pp_rank=topo.pp_rank, bounds=tuple(trainer.pipe.bounds),
-                    schedule=args.schedule, microbatches=trainer.microbatches,
-                    rows=trainer.rows, zero=args.zero,
-                    dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
-                    virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
-                    ep=topo.ep_size, cp=topo.cp_size,
-                    symmetric_staging=bool(getattr(getattr(trainer.opt, "grads", None),
-                                                   "symmetric", False)))
-    return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, layout)
+    inputs = MemoryInputs(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size,
+                          dp=topo.dp_size * topo.cp_size,
+                          pp_rank=topo.pp_rank, bounds=tuple(trainer.pipe.bounds),
+                          schedule=args.schedule, microbatches=trainer.microbatches,
+                          rows=trainer.rows, zero=args.zero,
+                          dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
+                          virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
+                          ep=topo.ep_size, cp=topo.cp_size,
+                          symmetric_staging=bool(getattr(getattr(trainer.opt, "grads", None),
+                                                         "symmetric", False)))
+    return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, inputs)
 
 
 def report(meter: MemoryMeter, metrics, lead: bool) -> list[dict]:

@@ -20,7 +20,7 @@ import torch
 
 from fastpar.plan.cluster import gpu_peak_flops
 from fastpar.runtime import hostid
-from fastpar.training import run_state
+from fastpar.training import save_resume
 from fastpar.training.args import DEFAULT_STEPS, check_layout, lr_lambda, model_config
 from fastpar.training.optimizer import build_setup
 
@@ -54,9 +54,9 @@ class Trainer:
 
         self.layout_lines: list[str] = []  # --layout auto: what it chose and why
         if args.layout == "auto":  # the planner's choice, the same on every rank
-            from fastpar.training.auto_layout import resolve
+            from fastpar.training.auto_layout import choose_layout
 
-            args, self.layout_lines = resolve(args)
+            args, self.layout_lines = choose_layout(args)
         self.args = args
         self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                                         timeout=args.timeout)
@@ -229,8 +229,8 @@ class Trainer:
         args, topo = self.args, self.topo
         lead = topo.rank == 0
         if args.resume:
-            run_state.resume(self, args.resume)
-        run_state.check_save_dir(self)
+            save_resume.resume(self, args.resume)
+        save_resume.check_save_dir(self)
         if lead:
             for line in self.layout_lines:
                 print(line, flush=True)
@@ -275,11 +275,11 @@ class Trainer:
                 window = []
             if args.save and (done == self.steps or (args.save_every and
                                                       done % args.save_every == 0)):
-                run_state.save(self, done)
+                save_resume.save(self, done)
         if bar is not None:
             bar.close()
         if args.save:
-            run_state.finish_saves(self)  # the last save committed, or its error raised
+            save_resume.finish_saves(self)  # the last save committed, or its error raised
             self.ckpt.close()  # and its staging buffer (async saves from a GPU) freed
         self.memory_rows = report(self.memory, metrics, lead)  # collective
         metrics.close()

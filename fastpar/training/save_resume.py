@@ -1,16 +1,16 @@
 """The main job's checkpoints: save, refuse to overwrite, resume under any layout.
 
-    from fastpar.training import run_state
-    run_state.check_save_dir(trainer)          # before training: never overwrite a later step
-    run_state.resume(trainer, "ckpt")          # weights, optimizer, LR schedule, step
-    run_state.save(trainer, step)              # collective; every rank writes its pieces
+    from fastpar.training import save_resume
+    save_resume.check_save_dir(trainer)    # before training: never overwrite a later step
+    save_resume.resume(trainer, "ckpt")    # weights, optimizer, LR schedule, step
+    save_resume.save(trainer, step)        # collective; every rank writes its pieces
 
 ``trainer`` is a ``fastpar.training.trainer.Trainer``. A checkpoint is sharded (``fastpar.checkpoint``):
 every rank writes the pieces it owns, in the background unless ``--sync-save``, and any tp /
 pp / dp / ZeRO stage of the same model loads it reading only its slices; the serial layout of
 earlier releases (``fastpar.checkpoint.serial``) still loads, and ``python -m
 fastpar.checkpoint export`` writes it. The metadata records the model, the data stream (seed,
-global batch), the layout it was saved under and the learning-rate plan, and a resume checks
+global batch), the layout it was saved under and the learning-rate schedule, and a resume checks
 each against this run. A ``--dtype bfloat16`` run saves its float32 master weights and float32
 optimizer state, so it resumes exactly, and a checkpoint loads under either dtype (a bf16
 model takes the masters rounded).
@@ -24,13 +24,13 @@ import os
 import time
 
 
-from fastpar.training.args import lr_at, lr_plan
+from fastpar.training.args import lr_at, lr_schedule
 
 
 def run_meta(t) -> dict:
     return {"model": dataclasses.asdict(t.cfg), "seed": t.args.seed,
             "global_batch": t.args.global_batch, "scheduler": scheduler_state(t.sched),
-            "schedule": lr_plan(t.args, t.steps),
+            "schedule": lr_schedule(t.args, t.steps),
             "layout": {"tp": t.topo.tp_size, "pp": t.topo.pp_size, "dp": t.topo.dp_size,
                        "cp": t.topo.cp_size, "zero": t.args.zero},
             "dtype": t.args.dtype}
@@ -104,7 +104,7 @@ def resume(t, where: str) -> None:
     serial format of earlier releases)."""
     from fastpar.checkpoint import loading, store
 
-    directory = store.resolve(where)
+    directory = store.step_dir_of(where)
     if store.record_of(directory) == "index.json":
         _, index = loading.read_index(directory)
         meta, step = index["meta"], int(index["step"])
@@ -113,11 +113,11 @@ def resume(t, where: str) -> None:
     else:
         meta, step = _resume_serial(t, directory)
     t.sched.load_state_dict({**t.sched.state_dict(), **meta["scheduler"]})
-    # This run's flags make the plan (the same flags: the checkpoint's plan, bit for bit):
-    # the next step runs at this plan's rate, and so do the ones after it.
-    plan = lr_plan(t.args, t.steps)
-    t.sched.base_lrs = [plan["lr"]] * len(t.opt.param_groups)
-    t.sched._last_lr = [lr_at(plan, step)] * len(t.opt.param_groups)
+    # This run's flags make the schedule (the same flags: the checkpoint's, bit for bit): the
+    # next step runs at this schedule's rate, and so do the ones after it.
+    schedule = lr_schedule(t.args, t.steps)
+    t.sched.base_lrs = [schedule["lr"]] * len(t.opt.param_groups)
+    t.sched._last_lr = [lr_at(schedule, step)] * len(t.opt.param_groups)
     for group, lr in zip(t.opt.param_groups, t.sched.get_last_lr()):
         group["lr"] = lr
     t.start = step
@@ -126,7 +126,7 @@ def resume(t, where: str) -> None:
         print(f"[fastpar.train] resumed {directory} at step {step} (saved under tp "
               f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')} cp {lay.get('cp', 1)})",
               flush=True)
-        if (note := replanned(t, meta.get("schedule"), step)) is not None:
+        if (note := schedule_change(t, meta.get("schedule"), step)) is not None:
             print(f"[fastpar.train] note: {note}", flush=True)
 
 
@@ -135,7 +135,7 @@ def _resume_serial(t, directory: str) -> tuple[dict, int]:
     each rank keeps its shards."""
     import fastpar
     from fastpar.checkpoint import serial as ckpt
-    from fastpar.training.state import load_serial_optimizer_state
+    from fastpar.training.serial_optimizer import load_serial_optimizer_state
 
     c = ckpt.load(directory)
     check_meta(t, c.meta, c.path, c.step)
@@ -151,20 +151,21 @@ def _resume_serial(t, directory: str) -> tuple[dict, int]:
     return c.meta, c.step
 
 
-def replanned(t, saved: dict | None, step: int) -> str | None:
+def schedule_change(t, saved: dict | None, step: int) -> str | None:
     """What changes in the learning rate when this run's --lr, --steps, --warmup or
     --min-lr-ratio differ from the checkpoint's (None: nothing changes)."""
-    plan = lr_plan(t.args, t.steps)
-    now = lr_at(plan, step)
+    schedule = lr_schedule(t.args, t.steps)
+    now = lr_at(schedule, step)
     if saved is None:
-        return (f"the checkpoint does not record its learning-rate plan; this run's (lr "
-                f"{plan['lr']:g}, warm-up {plan['warmup']}, decay to step {plan['steps']}) "
-                f"gives step {step} a rate of {now:.3g}")
-    saved = {**plan, **saved}  # a key the checkpoint lacks: unchanged
-    if saved == plan:
+        return (f"the checkpoint does not record its learning-rate schedule; this run's (lr "
+                f"{schedule['lr']:g}, warm-up {schedule['warmup']}, decay to step "
+                f"{schedule['steps']}) gives step {step} a rate of {now:.3g}")
+    saved = {**schedule, **saved}  # a key the checkpoint lacks: unchanged
+    if saved == schedule:
         return None
-    changed = ", ".join(f"{k} {saved[k]:g} -> {plan[k]:g}" for k in plan if saved[k] != plan[k])
-    return (f"the learning-rate schedule is replanned ({changed}): at step {step} the rate "
+    changed = ", ".join(f"{k} {saved[k]:g} -> {schedule[k]:g}" for k in schedule
+                        if saved[k] != schedule[k])
+    return (f"the learning-rate schedule changes ({changed}): at step {step} the rate "
             f"goes from {lr_at(saved, step):.3g} to {now:.3g}")
 
 
@@ -173,7 +174,7 @@ def masters_in_place(opt):
     (``fastpar.optim.MasterWeights``, or ZeRO's masters: collective over dp), else the
     parameters themselves. Inside, each parameter's ``.data`` is its master."""
     from fastpar.optim import DistributedOptimizer, MasterWeights
-    from fastpar.training.state import swapped
+    from fastpar.training.serial_optimizer import swapped
 
     if isinstance(opt, MasterWeights):
         return opt.masters_as_params()

@@ -10,8 +10,8 @@ rank's ZeRO range of it. ``assign`` cuts each box's flat order at every range en
 segments, and gives each segment to its holders the way Megatron's fully parallel save does:
 a large segment split evenly over them, a small one (under ``SPLIT_BYTES`` per holder) whole to
 the least-loaded holder, largest segments first, so the ranks write about equal bytes and a
-rank without ZeRO writes only about 1/dp of its tensors. Every rank computes the same plan from
-the same metadata, with no further communication. ``check`` refuses what cannot be saved
+rank without ZeRO writes only about 1/dp of its tensors. Every rank computes the same assignment
+from the same metadata, with no further communication. ``check`` refuses what cannot be saved
 consistently: a box not covered (an element nobody holds), two boxes of one tensor that
 partly overlap, a tensor whose shape or dtype differs between ranks.
 """

@@ -1,4 +1,4 @@
-"""The flat layout ZeRO shards: one (dtype, device) group of parameters laid end to end, cut
+"""The flat order ZeRO shards: one (dtype, device) group of parameters laid end to end, cut
 into runs, each run sharded over dp on its own.
 
 A ``FlatGroup`` is pure arithmetic plus copies in and out of the flat order; it owns no
@@ -13,7 +13,7 @@ communication and no storage but the master shard::
 ZeRO-1 has one run (the whole group: rank r owns one block of the flat order); ZeRO-2 cuts runs
 by bucket size (each is reduce-scattered as soon as backward fills it); ZeRO-3 cuts them by
 module (each is all-gathered before its module runs). The order is the order the parameters
-were given in, so every dp rank that passes the same model derives the same layout, and the
+were given in, so every dp rank that passes the same model derives the same runs, and the
 unpadded flat order does not depend on dp or on the runs (what makes a consolidated state
 re-shardable at another dp size or stage).
 """
