@@ -288,7 +288,7 @@ def hidden_fraction(args, inputs, group, n, barrier) -> dict:
     ring (module docstring): per step and direction (index n: the whole direction), each
     mode's median, and the paired differences ring - compute and shared - compute."""
     from fastpar.nn import context
-    from fastpar.nn.context_ring import RingAttention, SharedBuffers, _Ring, _SharedRing
+    from fastpar.nn.context_ring import RingAttention, SharedBuffers, Ring, SharedRing
 
     leaves, dout, _ = inputs.local(group, n)
     slices = context._order(inputs.dout.shape[2], n).view(n, -1)
@@ -300,8 +300,8 @@ def hidden_fraction(args, inputs, group, n, barrier) -> dict:
     def make(mode):
         positions = (lambda j: slices[j])
         if mode == "shared":
-            return timed(_SharedRing)(group, positions, buffers)
-        return timed(_Ring)(group, positions, transfers=mode != "compute")
+            return timed(SharedRing)(group, positions, buffers)
+        return timed(Ring)(group, positions, transfers=mode != "compute")
 
     samples = {m: [] for m in MODES if m != "shared" or buffers is not None}
     for i in range(args.warmup + args.reps):

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from fastpar.comm.shm_p2p import _DONE, MAX_HEADER_ELEMENTS, ShmP2P, ShmSend
+from fastpar.comm.transport.shm_rings import _DONE, MAX_HEADER_ELEMENTS, ShmP2P, ShmSend
 
 
 class Sendrecv:

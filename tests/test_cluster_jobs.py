@@ -88,7 +88,7 @@ def body_hier_then_train(runs):
 
     fastpar.shutdown()
     result["train"] = body_runs(runs)
-    from fastpar.comm import p2p
+    from fastpar.pipeline import channels as p2p
 
     topo = fastpar.init(pp=4, timeout=60)  # what pp 4's channels chose on the real hosts
     ch = p2p.Channels(topo.pp_group, all_groups=topo.grid.groups("pp"))

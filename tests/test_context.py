@@ -132,14 +132,15 @@ def _check_refusals(group, cp):
 
 
 def _layout(group, cp, rank, seed):
-    from fastpar.comm.state import current
+    from fastpar.runtime import job
 
     checks = Checks()
     _check_layout_helpers(group, cp, rank)
     _check_layout(group, seed, checks)
     # engine="shared" ran on its buffers, made for this group (none at cp 1: nothing moves)
-    shared = [key for key in current().buffers if key[:2] == ("context_ring", id(group))]
-    assert bool(shared) == (cp > 1), (cp, list(current().buffers))
+    held = job().parts.get("nn.context_ring.buffers", {})
+    shared = [key for key in held if key[0] == id(group)]
+    assert bool(shared) == (cp > 1), (cp, list(held))
     _check_refusals(group, cp)
     return {"checked": len(checks.checked), "worst": list(checks.worst)}
 

@@ -1,4 +1,4 @@
-"""Pipeline P2P across hosts: the engine per neighbour (fastpar/comm/p2p_routes.py).
+"""Pipeline P2P across hosts: the engine per neighbour (fastpar/comm/transport/routes.py).
 
 ``FASTPAR_HOST_ID`` makes the ranks of this machine two hosts (a, a, b, b), so a pp 4 ring has
 one neighbour on its host (shm rings) and one on the other (torch / gloo) at every rank:
@@ -28,7 +28,7 @@ def _rank() -> int:
 
 @pytest.mark.quick
 def test_routes_per_neighbour():
-    from fastpar.comm.p2p_routes import choose_routes
+    from fastpar.comm.transport.routes import choose_routes
 
     cpu, ring, aabb = torch.device("cpu"), [0, 1, 2, 3], ("a", "a", "b", "b")
 
@@ -78,7 +78,7 @@ def test_routes_per_neighbour():
 def body_two_hosts(seed):
     import fastpar
     from fastpar import comm
-    from fastpar.comm import p2p
+    from fastpar.pipeline import channels as p2p
 
     os.environ["FASTPAR_HOST_ID"] = HOSTS[_rank()]
     topo = fastpar.init(pp=4, timeout=30)
@@ -159,7 +159,7 @@ def body_stall():
     from torch import nn
 
     import fastpar
-    from fastpar.comm.p2p import P2PTimeout
+    from fastpar.pipeline.channels import P2PTimeout
     from fastpar.pipeline import Pipeline
     from tests.test_pipeline import IN, OUT, _mse
 

@@ -217,7 +217,7 @@ def body_variants(seed):
     import time
 
     import fastpar
-    from fastpar.comm.p2p import P2PError
+    from fastpar.pipeline.channels import P2PError
     from fastpar.pipeline import Pipeline
 
     topo = fastpar.init(pp=2, timeout=60)
@@ -327,7 +327,7 @@ def body_grid(seed, pp, tp):
                 worst = max(worst, w)
 
         # a stage whose output differs across its tp group cannot be scattered: it says so
-        from fastpar.comm.p2p import P2PError
+        from fastpar.pipeline.channels import P2PError
         from fastpar.pipeline import Pipeline
 
         class PerRank(nn.Module):
@@ -370,7 +370,7 @@ def body_timeout(gave_up, p2p="auto"):
     wait for the gradient fails, naming itself, the peer, the action and its position, as a
     P2PTimeout on either engine (shm's typed error; gloo's timed-out wait)."""
     import fastpar
-    from fastpar.comm.p2p import P2PTimeout
+    from fastpar.pipeline.channels import P2PTimeout
     from fastpar.pipeline import Pipeline
     from tests.multirank import late_until
 
@@ -421,7 +421,7 @@ def body_killed():
     import time
 
     import fastpar
-    from fastpar.comm.p2p import P2PError
+    from fastpar.pipeline.channels import P2PError
     from fastpar.pipeline import Pipeline
 
     fastpar.init(pp=2, timeout=60)

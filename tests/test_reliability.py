@@ -422,7 +422,7 @@ def body_idle_wait(seconds):
 
     import fastpar
     from fastpar import comm
-    from fastpar.comm import p2p
+    from fastpar.pipeline import channels as p2p
 
     topo = fastpar.init(pp=2, timeout=60)
     x = torch.ones(1024)

@@ -1,4 +1,4 @@
-"""Shared-memory point-to-point channels (fastpar/comm/shm_p2p.py over csrc/shm/shm_p2p.cpp):
+"""Shared-memory point-to-point channels (fastpar/comm/transport/shm_rings.py over csrc/shm/shm_p2p.cpp):
 messages of every size (empty to several rings) and dtype arrive bitwise intact, in order, on
 both tags and both directions at once; sends never block a schedule (bursts before receives,
 crossed sends larger than the ring); a missing sender times out and a killed one is named at
@@ -73,7 +73,7 @@ def body_ring(ring_bytes: int):
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.shm_p2p import ShmP2P
+    from fastpar.comm.transport.shm_rings import ShmP2P
 
     topo = fastpar.init(timeout=60)
     me, n = topo.rank, topo.world_size
@@ -136,7 +136,7 @@ def _timeout_case(me: int):
     rank 0 is poisoned with rank 0's error."""
     import torch.distributed as dist
 
-    from fastpar.comm.shm_p2p import ShmP2P
+    from fastpar.comm.transport.shm_rings import ShmP2P
 
     p2p = ShmP2P(dist.group.WORLD, [0, 1], me, [1 - me], timeout=1.0, ring_bytes=8192)
     start = time.monotonic()
@@ -184,7 +184,7 @@ def body_peer_killed():
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.shm_p2p import ShmP2P
+    from fastpar.comm.transport.shm_rings import ShmP2P
 
     topo = fastpar.init(timeout=60)
     me = topo.rank
@@ -320,7 +320,7 @@ def body_single_copy(single_copy: bool):
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS, ShmP2P
+    from fastpar.comm.transport.shm_rings import MAX_HEADER_ELEMENTS, ShmP2P
 
     topo = fastpar.init(timeout=60)
     me, peer = topo.rank, 1 - topo.rank
@@ -398,7 +398,7 @@ def body_single_copy_peer_killed(victim_sends: bool):
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.shm_p2p import ShmP2P
+    from fastpar.comm.transport.shm_rings import ShmP2P
 
     topo = fastpar.init(timeout=60)
     me = topo.rank
@@ -508,7 +508,7 @@ def body_channels_layouts():
     """Channels over the rings: a receive takes the payload in the buffers of the last layout
     of its stage; the next step's layout may differ (same bytes, another split; another size)."""
     import fastpar
-    from fastpar.comm.p2p import Channels
+    from fastpar.pipeline.channels import Channels
 
     fastpar.init(timeout=60)
     ch = Channels(None, engine="shm")
@@ -541,7 +541,7 @@ def body_sendrecv():
 
     import fastpar
     from bench.shm_rings import ShmRings
-    from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS
+    from fastpar.comm.transport.shm_rings import MAX_HEADER_ELEMENTS
 
     topo = fastpar.init(timeout=60)
     me, peer = topo.rank, 1 - topo.rank
@@ -586,7 +586,7 @@ def body_close_with_untaken_sends():
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.shm_p2p import ShmP2P
+    from fastpar.comm.transport.shm_rings import ShmP2P
 
     topo = fastpar.init(timeout=60)
     me, peer = topo.rank, 1 - topo.rank
@@ -640,7 +640,7 @@ def body_burst_then_collective(single_copy: bool):
     import fastpar
     from fastpar import comm
     from bench.shm_rings import ShmRings  # ShmP2P with the queue counters
-    from fastpar.comm.shm_p2p import RING_BYTES
+    from fastpar.comm.transport.shm_rings import RING_BYTES
 
     topo = fastpar.init(timeout=60)
     me, peer = topo.rank, 1 - topo.rank

@@ -1,5 +1,5 @@
 """The one numbering of dtypes that fastpar writes into shared memory and messages: the shm
-kernels' call signatures (``shm.signature``) and the P2P headers (``p2p_messages``). Code 0
+kernels' call signatures (``shm.signature``) and the P2P headers (``fastpar.pipeline.messages``). Code 0
 means none; a dtype outside the table has no code (the caller says what to do)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Shared-memory segments among the ranks of a group: the one setup protocol that the shm
 collectives (``shm.py``), symmetric tensors (``symmetric.py``) and the P2P rings
-(``shm_p2p.py``) share.
+(``transport/shm_rings.py``) share.
 
     maps = map_segments(group, me, {"all": (owner, members)}, nbytes, "fastpar shm: ...")
     maps["all"]   # an mmap.mmap of nbytes, mapped by every member

@@ -33,8 +33,6 @@ class CommState:
         # in code. Collectives and pipeline P2P both take the engine from here.
         self.forced: str | None = os.environ.get("FASTPAR_COMM_BACKEND") or None
         self.forced_by = "FASTPAR_COMM_BACKEND"
-        # The most recently built p2p.Channels: what the module-level p2p verbs act on.
-        self.channels = None
         self.routes: dict = {}  # call signature -> Route; see collectives._route
         self._groups: dict = {}  # id(group) -> (group, global ranks in group order, GroupFacts)
         # Each process group owns its communicators, keyed by id(group) (the group stays alive
@@ -48,11 +46,8 @@ class CommState:
         # this rank's slot address -> its SymmetricSegment (fastpar/comm/symmetric.py
         # Registry); an entry goes with the segment's mapping, or at close()
         self.symmetric = Registry()
-        # (owner, id(group), key) -> buffers a layer keeps per group and shape (nn.context_ring:
-        # the shared K/V slots of a cp group); dropped at close()
-        self.buffers: dict = {}
-        # close() of what else holds channels of this job (pipeline P2P rings, status boards),
-        # run by fastpar.shutdown before the communicators go
+        # close() of comm's own users of the communicators (symmetric tensors' peers), run
+        # before the communicators go; other layers' parts close through the Job
         self.closers: list = []
 
     def resolve(self, group):
@@ -215,9 +210,8 @@ class CommState:
         closers += [c.close for c in self._nccl_mpi.values()]
         closers += [sub.Free for sub in self._mpi.values()]
         for table in (self._shm, self._ipc, self._nccl_mpi, self._mpi, self._hier, self._groups,
-                      self.routes, self.symmetric, self.buffers):
+                      self.routes, self.symmetric):
             table.clear()
-        self.channels = None
         first = None
         for close in closers:
             try:

@@ -12,7 +12,7 @@ causal mask leaves, each step the same amount of work (c = T / 2n, the chunk len
 and folds the block into its output with the log-sum-exp merge (``context_math``).
 
 **Forward**: before a step's attention, the K/V it holds go to rank r+1 and the next step's
-arrive from rank r-1 (``_Ring.shift``: one ``batch_isend_irecv``); the attention runs while they
+arrive from rank r-1 (``Ring.shift``: one ``batch_isend_irecv``); the attention runs while they
 travel, then the receive is waited for. n-1 transfers of (2, B, Hkv, T/n, D) in the input
 dtype. **Backward**: the K/V go around again the same way, and so do their gradients: at step s
 rank r adds its share of dK/dV of block j to the partial sum that ranks j..r-1 made, received
@@ -57,12 +57,12 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm.collectives import all_reduce
-from fastpar.comm.p2p_engines import TorchSend
 from fastpar.comm.symmetric import symmetric_slots
+from fastpar.comm.transport.engines import TorchSend
 from fastpar.nn import context_math
 from fastpar.nn.context_math import (block_backward, block_forward, grouped, keep_mask,
                                      merge_into)
-from fastpar.runtime import group_rank, is_initialized, topology
+from fastpar.runtime import group_rank, is_initialized, job, topology
 
 TAG_KV, TAG_DKV = 71, 72  # one tag per message kind: gloo matches a receive by (peer, tag)
 
@@ -74,7 +74,7 @@ class _Ready:
         pass
 
 
-class _Ring:
+class Ring:
     """The p2p engine: this rank's neighbours in ``group`` (global ranks), the shift of a block
     to the next rank receiving the previous rank's, and the dK/dV partial sums passed on."""
 
@@ -140,10 +140,12 @@ class SharedBuffers:
         st = current()
         if not st.resolve(group)[2].same_host:
             return None
-        key = ("context_ring", id(group), tuple(shape), dtype, work)
-        if key not in st.buffers:
-            st.buffers[key] = SharedBuffers(group, shape, dtype, work, n)
-        return st.buffers[key]
+        # the job's slots per (group, shape): a part of the job, gone with it
+        held = job().part("nn.context_ring.buffers", dict)
+        key = (id(group), tuple(shape), dtype, work)
+        if key not in held:
+            held[key] = SharedBuffers(group, shape, dtype, work, n)
+        return held[key]
 
     def barrier(self):
         all_reduce(self.flag, self.group)
@@ -160,7 +162,7 @@ class SharedBuffers:
         return slots
 
 
-class _SharedRing(_Ring):
+class SharedRing(Ring):
     """The shared-memory engine, inside one host: every rank's K/V lies in ``SharedBuffers``,
     so step s reads rank j's block where it lies (no transfer, no copy), and each rank writes
     its dK/dV share of block j to its own slot j; after the last step, a barrier, and the owner
@@ -192,13 +194,13 @@ class _SharedRing(_Ring):
         return total
 
 
-def make_ring(group, positions, k: torch.Tensor, work: torch.dtype, engine: str) -> _Ring:
+def make_ring(group, positions, k: torch.Tensor, work: torch.dtype, engine: str) -> Ring:
     """The ring of ``group`` for K/V blocks (2, *k.shape) of k's dtype: ``engine`` "p2p"
     (torch isend/irecv), "shared" (``SharedBuffers``; ``ValueError`` where the group is not on
     one host or the tensors are not on the CPU)."""
     if engine not in ("p2p", "shared"):
         raise ValueError(f"ring_attention: engine must be 'p2p' or 'shared', got {engine!r}")
-    ring = _Ring(group, positions)
+    ring = Ring(group, positions)
     if engine == "p2p" or ring.n == 1:
         return ring
     buffers = None
@@ -207,7 +209,7 @@ def make_ring(group, positions, k: torch.Tensor, work: torch.dtype, engine: str)
     if buffers is None:
         raise ValueError("ring_attention: engine 'shared' needs CPU tensors and a cp group on "
                          f"one host (fastpar.init'ed); got {k.device} tensors")
-    return _SharedRing(group, positions, buffers)
+    return SharedRing(group, positions, buffers)
 
 
 def _step_blocks(r: int, j: int, s: int, c: int, causal: bool):
@@ -236,11 +238,11 @@ def _step_keep(ring, j, rows, cols, my_pos, heads, hkv, B, seed, p):
 
 class RingAttention(torch.autograd.Function):
     """q (B, H, T/n, D), k, v (B, Hkv, T/n, D), this rank's tokens in the load-balanced layout
-    -> this rank's output (B, H, T/n, D). Non-tensor arguments: the ``_Ring``, scale, causal,
+    -> this rank's output (B, H, T/n, D). Non-tensor arguments: the ``Ring``, scale, causal,
     dropout p and seed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, scale: float, causal: bool, p: float, seed: int):
+    def forward(ctx, q, k, v, ring: Ring, scale: float, causal: bool, p: float, seed: int):
         work = torch.promote_types(q.dtype, torch.float32)
         B, H, T, D = q.shape
         hkv, c, r, n = k.shape[1], q.shape[2] // 2, ring.index, ring.n

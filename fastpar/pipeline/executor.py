@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastpar.comm.p2p import P2PError, spec_of
+from fastpar.pipeline.channels import P2PError, spec_of
 from fastpar.pipeline.board import DONE, FAILED
 from fastpar.pipeline.split_backward import SplitBackward
 
@@ -125,7 +125,7 @@ class _Step:
 
 class Executor:
     """One rank's chunks (``chunks[c]`` is model stage ``c * pp + rank``) and how to run an
-    action list on them. ``channels``: a ``fastpar.comm.p2p.Channels`` over the pp group;
+    action list on them. ``channels``: a ``fastpar.pipeline.channels.Channels`` over the pp group;
     ``board``: this host's status ``Board``, or ``None`` (not under mpirun)."""
 
     def __init__(self, chunks: list[nn.Module], *, pp: int, rank: int, v: int, channels,

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.comm import collectives
-from fastpar.comm.p2p import Channels
 from fastpar.pipeline import partition as part
 from fastpar.pipeline.board import Board
+from fastpar.pipeline.channels import Channels
 from fastpar.pipeline.executor import Executor
 from fastpar.pipeline.schedules import compile_schedule, gpipe, theoretical_bubble
+from fastpar.runtime import job
 
 
 def _positive(name: str, value) -> int:
@@ -129,7 +130,7 @@ class Pipeline(nn.Module):
                               src=self.pp_ranks[-1], group=self.group)
         self.board = Board.create(topo.mpi_comm, topo.rank)
         if self.board is not None:
-            current().closers.append(self.board.close)
+            job().on_close(self.board.close)
         self.executor = Executor(list(self.chunks), pp=self.pp, rank=self.pp_rank, v=v,
                                  channels=self.channels, loss_fn=loss_fn, board=self.board)
         self.stats: dict = {}

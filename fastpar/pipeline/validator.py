@@ -4,7 +4,7 @@ Two passes, neither touching a process group. ``_check_passes`` reads each rank'
 known kinds, chunks and stages that exist, every (chunk, microbatch) run forward once and
 backward once after it, every compute after the message it needs and every send after the
 compute that makes it. ``validate`` then simulates all ranks together the way the executor and
-``fastpar.comm.p2p`` run them: sends are asynchronous (buffered) and receives block; messages
+``fastpar.pipeline.channels`` run them: sends are asynchronous (buffered) and receives block; messages
 from one rank to another arrive in the order they were sent, one FIFO channel per (src, dst,
 direction), activations ("F") and gradients ("B") on separate channels, as P2P without tags on
 two groups. ``compile_schedule`` runs it on every schedule before a step.

@@ -399,7 +399,7 @@ def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
     receive's wake-up."""
     import torch.distributed as dist
 
-    from fastpar.comm.p2p import Channels
+    from fastpar.pipeline.channels import Channels
 
     _check_pairs("busy_p2p_points", pairs, topo.world_size)
     groups = [dist.new_group(p) for p in pairs]
@@ -427,7 +427,7 @@ def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
                      rounds: int = BUSY_ROUNDS) -> list[tuple]:
     """Every rank (collective over the world; ``pairs`` cover it, two ranks each): each pair as
     a cp group of 2 running ring attention, through the ring's own exchange
-    (``nn.context_ring._Ring.shift``: torch isend/irecv of a block to the next rank and from
+    (``nn.context_ring.Ring.shift``: torch isend/irecv of a block to the next rank and from
     the previous one), posted before a segment of ``segments[j]`` small matmuls and waited
     for after it, as the ring posts a block before its attention, against the same loop
     without them. ``[(segment s, extra s per exchange)]`` (``_paired``, as ``busy_points``),
@@ -437,12 +437,12 @@ def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
     ``RuntimeError`` when a received block is not the peer's."""
     import torch.distributed as dist
 
-    from fastpar.nn.context_ring import TAG_KV, _Ring
+    from fastpar.nn.context_ring import TAG_KV, Ring
 
     _check_pairs("busy_ring_points", pairs, topo.world_size)
     groups = [dist.new_group(p) for p in pairs]
     pair = next(p for p in pairs if topo.rank in p)
-    ring = _Ring(groups[pairs.index(pair)], positions=None)
+    ring = Ring(groups[pairs.index(pair)], positions=None)
     x = torch.full((BUSY_BYTES // 4,), float(topo.rank))
     peer = float(pair[1] if pair[0] == topo.rank else pair[0])
     pending = []  # the exchange in flight during the segment: (buffer, handle)

@@ -1,11 +1,11 @@
-"""The engines under ``fastpar.comm.p2p.Channels``: batched isend/irecv on clones of the group
+"""The engines under ``fastpar.pipeline.channels.Channels``: batched isend/irecv on clones of the group
 (NCCL / gloo), and fastpar's shared-memory rings.
 
-``shm`` (fastpar's native shared-memory rings, ``fastpar/comm/shm_p2p.py``) serves neighbours
+``shm`` (fastpar's native shared-memory rings, ``fastpar/comm/transport/shm_rings.py``) serves neighbours
 on this rank's host with tensors on the CPU; ``torch``: batched ``isend``/``irecv`` (NCCL /
 gloo) on two clones of the group, one per direction, so that activation and gradient messages
 never queue behind each other (NCCL has no tags), serves the others. Which engine serves which
-neighbour, and opening them: ``fastpar/comm/p2p_routes.py``. Both are created and exercised (a
+neighbour, and opening them: ``fastpar/comm/transport/routes.py``. Both are created and exercised (a
 warm-up message each way) in the ``Channels`` constructor, never lazily in a step.
 """
 
@@ -18,7 +18,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from fastpar.comm.p2p_messages import HEADER_MAX, SendHandle
+from fastpar.comm.transport.base import HEADER_MAX, SendHandle
 
 # torch (2.x) has no timeout type: gloo's recv times out with a plain RuntimeError ("Timed out
 # waiting 1000ms for recv operation to complete"), NCCL's watchdog with a DistBackendError
@@ -65,7 +65,7 @@ class TorchSend(SendHandle):
         self._works, self._keep = [], ()
 
 
-class _TorchEngine:
+class TorchEngine:
     """Batched isend/irecv on one clone of the group per direction."""
 
     def __init__(self, clones, timeout: float, device):
@@ -97,13 +97,13 @@ class _TorchEngine:
         pass
 
 
-class _ShmEngine:
+class ShmEngine:
     """The shm rings. A receive takes header and payload in one call when the message has the
     layout of the last one from the same peer, direction and stage: it receives into fresh
     buffers of that layout, then falls back to header-then-payload when they do not fit."""
 
     def __init__(self, rings):
-        from fastpar.comm.shm_p2p import MAX_HEADER_ELEMENTS
+        from fastpar.comm.transport.shm_rings import MAX_HEADER_ELEMENTS
 
         self.rings = rings
         self.header = torch.empty(MAX_HEADER_ELEMENTS, dtype=torch.int64)  # reused by receives

@@ -1,6 +1,6 @@
-"""Pipeline point-to-point: self-describing messages between neighbouring stages.
+"""The pipeline's message protocol: self-describing messages between neighbouring stages.
 
-    ch = p2p.Channels(topo.pp_group, all_groups=topo.grid.groups("pp"))  # collective: builds
+    ch = Channels(topo.pp_group, all_groups=topo.grid.groups("pp"))  # collective: builds
     h = ch.send_forward(y, mb=3, stage=2)       # y: a tensor or a tuple of tensors; -> handle
     x = ch.recv_forward(mb=3, stage=1)          # the previous stage's y, requires_grad as sent
     g = ch.recv_backward(mb=3, stage=1, expect=spec_of(y))
@@ -10,8 +10,8 @@
 Megatron's verbs (``send_forward``, ``recv_forward``, ``send_backward``, ``recv_backward``,
 ``send_forward_recv_backward``, ``send_backward_recv_forward``) are methods of ``Channels``, the
 state of one rank's channels to its previous and next rank in the group's ring (the ring wraps
-around, for interleaved schedules); the module-level functions (``fastpar/comm/p2p_verbs.py``)
-call the job's latest open ``Channels``.
+around, for interleaved schedules). There are no module-level verbs acting on a hidden
+"latest" ``Channels``: the caller holds its own (a ``Pipeline`` builds one).
 
 Every message carries a header (direction, microbatch, destination stage, and each tensor's dtype,
 shape and requires_grad) ahead of its payload. The receiver allocates from the header, so it
@@ -21,31 +21,30 @@ earlier in the step (and, for gradients, the shapes of the activations they belo
 sender applies the same rules to what it sends, so a mismatch raises on both sides, naming the
 stage, the microbatch and both shapes.
 
-Engines (``fastpar/comm/p2p_engines.py``), chosen per neighbour (``fastpar/comm/p2p_routes.py``):
-fastpar's shared-memory rings for CPU tensors to the neighbours on this rank's host, batched
-``isend``/``irecv`` on clones of the group to those on other hosts; all created and warmed up
-in the constructor. The payload's layout on the wire, and Megatron's
-scatter-gather over tp (``scatter_group``): ``fastpar/comm/p2p_payload.py``.
+The transport is ``fastpar.comm.transport``: its engines (``engines.py``), chosen per
+neighbour (``routes.py``): fastpar's shared-memory rings for CPU tensors to the neighbours on
+this rank's host, batched ``isend``/``irecv`` on clones of the group to those on other hosts;
+all created and warmed up in the constructor. The header's words: ``messages.py``; the
+payload's layout on the wire, and Megatron's scatter-gather over tp (``scatter_group``):
+``payload.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastpar.comm.p2p_engines import _ShmEngine
-from fastpar.comm.p2p_messages import (_WHAT, ACTIVATION, GRADIENT, P2PError, P2PTimeout,
-                                       SendHandle, _abort_reason, _decode, _encode,
-                                       _encode_abort, _same_shapes, describe, spec_of)
-from fastpar.comm.p2p_payload import Payload
-from fastpar.comm.p2p_routes import choose_routes, open_routes
-from fastpar.comm.p2p_verbs import (recv_backward, recv_forward, send_backward,
-                                    send_backward_recv_forward, send_forward,
-                                    send_forward_recv_backward)
+from fastpar.comm.state import current
+from fastpar.comm.transport.base import SendHandle
+from fastpar.comm.transport.engines import ShmEngine
+from fastpar.comm.transport.routes import choose_routes, open_routes
+from fastpar.pipeline.messages import (ACTIVATION, GRADIENT, WHAT, P2PError, P2PTimeout,
+                                       abort_reason, decode, describe, encode, encode_abort,
+                                       same_shapes, spec_of)
+from fastpar.pipeline.payload import Payload
+from fastpar.runtime import job
 
 __all__ = ["ACTIVATION", "GRADIENT", "Channels", "P2PError", "P2PTimeout", "SendHandle",
-           "describe", "recv_backward", "recv_forward", "send_backward",
-           "send_backward_recv_forward", "send_forward", "send_forward_recv_backward",
-           "spec_of"]
+           "describe", "spec_of"]
 
 
 class Channels:
@@ -60,8 +59,6 @@ class Channels:
 
     def __init__(self, group=None, *, all_groups=None, scatter_group=None, engine: str = "auto",
                  timeout: float | None = None, device=None):
-        from fastpar.comm.state import current
-
         state = current()
         topo = state.topo
         self.group, self.ranks, _ = state.resolve(group)
@@ -91,10 +88,9 @@ class Channels:
         self._engine = open_routes(self.routes, group=self.group, ranks=self.ranks,
                                    rank=self.rank, groups=groups, timeout=self.timeout,
                                    device=self.device)
-        state.closers.append(self.close)
+        job().on_close(self.close)  # at shutdown, before the communicators under it go
         self._warm_up()
         self.bytes_sent = 0
-        state.channels = self  # the module-level verbs act on the job's latest Channels
 
     # -- the verbs ------------------------------------------------------------------------
     def send_forward(self, values, *, mb: int, stage: int) -> SendHandle:
@@ -160,9 +156,9 @@ class Channels:
         first = self._specs.setdefault(key, spec)
         for want, why in ((expect, "the activation it belongs to"),
                           (first, "earlier microbatches of this step on this channel")):
-            if want is not None and not _same_shapes(want, spec):
+            if want is not None and not same_shapes(want, spec):
                 return (f"fastpar p2p: shape mismatch at stage {stage}, microbatch {mb} "
-                        f"({_WHAT[direction]}, {side} rank {self.rank}, peer rank {peer}): "
+                        f"({WHAT[direction]}, {side} rank {self.rank}, peer rank {peer}): "
                         f"expected {describe(want)} (from {why}), got {describe(spec)}")
         return None
 
@@ -176,7 +172,7 @@ class Channels:
             return
         self._aborted = True
         text = str(why).splitlines()[0] if str(why) else type(why).__name__
-        header = _encode_abort(f"rank {self.rank}: {type(why).__name__}: {text}"[:1500])
+        header = encode_abort(f"rank {self.rank}: {type(why).__name__}: {text}"[:1500])
         for direction, dst in ((ACTIVATION, self.next), (GRADIENT, self.prev)):
             if dst != self.rank:
                 try:  # best effort: the channel may be what failed
@@ -190,7 +186,13 @@ class Channels:
         self._broken = error
         return error
 
+    def _open(self) -> None:
+        if self.closed:
+            raise P2PError(f"fastpar p2p: rank {self.rank}'s Channels were closed (by close() or "
+                           "fastpar.shutdown); a new job builds its own")
+
     def _send(self, direction, peer, values, mb, stage, expect) -> SendHandle:
+        self._open()
         is_tuple = isinstance(values, (tuple, list))
         values = tuple(values) if is_tuple else (values,)
         for v in values:
@@ -210,7 +212,7 @@ class Channels:
         unlike = self._wire.check_replicated(values, cut, direction, mb, stage)
         if unlike:
             raise self._fail(P2PError(unlike))
-        header = _encode(direction, mb, stage, values, is_tuple, cut)
+        header = encode(direction, mb, stage, values, is_tuple, cut)
         parts = self._wire.pack(values, cut)
         self.bytes_sent += sum(p.numel() * p.element_size() for p in parts)
         handle = self._guard(lambda: self._engine.isend(peer, direction, header, parts),
@@ -221,36 +223,37 @@ class Channels:
         return handle
 
     def _recv(self, direction, peer, mb, stage, expect):
+        self._open()
         if peer == self.rank:
             queue = self._local[direction]
             if not queue or queue[0][:2] != (mb, stage):
                 got = f"microbatch {queue[0][0]} for stage {queue[0][1]}" if queue else "nothing"
-                raise P2PError(f"fastpar p2p: rank {self.rank} expects its own {_WHAT[direction]}"
+                raise P2PError(f"fastpar p2p: rank {self.rank} expects its own {WHAT[direction]}"
                                f" of microbatch {mb} for stage {stage}, but {got} is queued")
             return queue.pop(0)[2]
         engine = self._engine.of(peer)
-        shm = isinstance(engine, _ShmEngine)
+        shm = isinstance(engine, ShmEngine)
         if shm:  # header and, if it has the last layout of this channel, payload in one call
             header, guessed = self._guard(lambda: engine.recv(peer, direction, stage),
                                           "header", peer, mb, stage, direction)
         else:
             header = self._guard(lambda: engine.recv_header(peer, direction, self.device),
                                  "header", peer, mb, stage, direction)
-        reason = _abort_reason(header.cpu())
+        reason = abort_reason(header.cpu())
         if reason is not None:
             raise self._fail(P2PError(
-                f"fastpar p2p: rank {self.rank} expected the {_WHAT[direction]} of microbatch "
+                f"fastpar p2p: rank {self.rank} expected the {WHAT[direction]} of microbatch "
                 f"{mb} for stage {stage} from rank {peer}, which gave up instead: {reason}"))
-        got_dir, got_mb, got_stage, is_tuple, entries = _decode(header)
+        got_dir, got_mb, got_stage, is_tuple, entries = decode(header)
         if (got_dir, got_mb, got_stage) != (direction, mb, stage):
             raise self._fail(P2PError(
-                f"fastpar p2p: rank {self.rank} expected the {_WHAT[direction]} of microbatch "
+                f"fastpar p2p: rank {self.rank} expected the {WHAT[direction]} of microbatch "
                 f"{mb} for stage {stage} from rank {peer}, but the next message is the "
-                f"{_WHAT[got_dir]} of microbatch {got_mb} for stage {got_stage}: the two ranks "
+                f"{WHAT[got_dir]} of microbatch {got_mb} for stage {got_stage}: the two ranks "
                 "run different schedules"))
         if self._wire.group is None and any(e is not None and e[3] for e in entries):
             raise self._fail(P2PError(
-                f"fastpar p2p: rank {self.rank} received a scattered {_WHAT[direction]} "
+                f"fastpar p2p: rank {self.rank} received a scattered {WHAT[direction]} "
                 f"(microbatch {mb}, stage {stage}) from rank {peer} but has no tp group to "
                 "all-gather it: every rank must build its channels with the same scatter_group"))
         spec = tuple(None if e is None else e[:3] for e in entries)
@@ -276,7 +279,7 @@ class Channels:
         except P2PError:
             raise
         except RuntimeError as exc:
-            message = (f" the {what} of the {_WHAT[direction]} of microbatch {mb} for stage "
+            message = (f" the {what} of the {WHAT[direction]} of microbatch {mb} for stage "
                        f"{stage}" if mb is not None else f" {what}")
             peer_text = f" (peer rank {peer})" if peer is not None else ""
             if isinstance(exc, TimeoutError):  # the engines type their timeouts

@@ -1,4 +1,4 @@
-"""Set-up of the shm P2P rings (``shm_p2p.ShmP2P``): what its constructor does before the first
+"""Set-up of the shm P2P rings (``shm_rings.ShmP2P``): what its constructor does before the first
 message and its ``close`` undoes.
 
     check_arguments(ranks, rank, peers, tags, ring_bytes, timeout, single_copy_min)

@@ -7,7 +7,7 @@ the engine that routes every call by peer.
     routes.reason       # "shm with rank 1 (this host), torch with rank 3 (host b)"
     engine = open_routes(routes, group=..., ranks=..., ...)  # PeerEngines; collective (below)
 
-"auto" gives the shm rings (``p2p_engines._ShmEngine``) to the neighbours on this rank's host,
+"auto" gives the shm rings (``engines.ShmEngine``) to the neighbours on this rank's host,
 when tensors are on the CPU and the native extension is built, and the torch engine (batched
 isend/irecv on clones of the group) to the others: a pipeline with several stages per host
 keeps the bytes between them in shared memory and sends only what crosses a host over gloo /
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.p2p_engines import _ShmEngine, _TorchEngine
-from fastpar.comm.p2p_messages import ACTIVATION, GRADIENT
+from fastpar.comm.transport.base import BACKWARD, FORWARD
+from fastpar.comm.transport.engines import ShmEngine, TorchEngine
 from fastpar.runtime import hostid
 
 
@@ -137,7 +137,7 @@ class PeerEngines:
     """The engines of one ``Channels``, each call routed to the engine of its peer."""
 
     def __init__(self, by_peer: dict):
-        self.by_peer = by_peer  # peer -> _ShmEngine | _TorchEngine
+        self.by_peer = by_peer  # peer -> ShmEngine | TorchEngine
 
     def of(self, peer: int):
         return self.by_peer[peer]
@@ -187,15 +187,15 @@ def open_routes(routes: Routes, *, group, ranks, rank, groups, timeout,
         for members in groups:
             pair = [dist.new_group(list(members), timeout=tdelta) for _ in (0, 1)]
             if rank in members:
-                clones = {ACTIVATION: pair[0], GRADIENT: pair[1]}
-        engines["torch"] = _TorchEngine(clones, timeout, device)
+                clones = {FORWARD: pair[0], BACKWARD: pair[1]}
+        engines["torch"] = TorchEngine(clones, timeout, device)
     if routes.shm:
-        from fastpar.comm.shm_p2p import ShmP2P
+        from fastpar.comm.transport.shm_rings import ShmP2P
 
         mine = [p for p, e in routes.by_peer.items() if e == "shm"]
         rings = ShmP2P(group, list(ranks), rank, mine, timeout)
         if mine:
-            engines["shm"] = _ShmEngine(rings)
+            engines["shm"] = ShmEngine(rings)
         else:  # took part in the group's set-up only
             rings.close()
     return PeerEngines({p: engines[e] for p, e in routes.by_peer.items()})

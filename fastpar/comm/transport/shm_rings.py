@@ -23,7 +23,7 @@ probes whether it can (ptrace rules, containers and pid namespaces may forbid it
 ``single_copy`` says, per peer, which path this rank's sends take.
 
 Set-up (one segment per pair of ranks, the warm-up, the single-copy probe) is
-``shm_p2p_setup.py``; kernel protocol and layout: ``csrc/shm/README.md``. The calls that only
+``shm_rings_setup.py``; kernel protocol and layout: ``csrc/shm/README.md``. The calls that only
 benchmarks and tests make (``sendrecv`` and its persistent form, the queue counters) are in
 ``bench/shm_rings.py``.
 """
@@ -35,9 +35,9 @@ import threading
 import torch
 
 from fastpar import _native
-from fastpar.comm import shm_p2p_setup as setup
+from fastpar.comm.transport import shm_rings_setup as setup
 from fastpar.comm.native_errors import shm_error
-from fastpar.comm.p2p_messages import SendHandle
+from fastpar.comm.transport.base import SendHandle
 from fastpar.comm.shm import host_oversubscribed, raise_after_kernel
 
 TAG_ACTIVATIONS = 0

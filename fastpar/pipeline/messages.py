@@ -1,6 +1,7 @@
 """What travels between pipeline stages: a header (direction, microbatch, destination stage, and
 each tensor's dtype, shape, requires_grad and whether it was scattered over tp) ahead of the
-payload, or an abort message that says the sender gave up; and the errors of ``fastpar.comm.p2p``.
+payload, or an abort message that says the sender gave up; and the errors of the pipeline's
+``Channels`` (``fastpar/pipeline/channels.py``). The bytes travel on ``fastpar.comm.transport``.
 
 Header layout (int64 words): ``[magic, direction, mb, stage, n, is_tuple (2: abort), then per
 tensor: dtype code (0: none), requires_grad, scattered, ndim, *shape]``; an abort carries
@@ -12,24 +13,11 @@ from __future__ import annotations
 import torch
 
 from fastpar.comm.dtypes import CODE, dtype_of
+from fastpar.comm.transport.base import BACKWARD, FORWARD, HEADER_MAX
 
-ACTIVATION, GRADIENT = 0, 1
-_WHAT = ("activation", "gradient")
+ACTIVATION, GRADIENT = FORWARD, BACKWARD  # each direction on its own lane of the transport
+WHAT = ("activation", "gradient")
 _MAGIC = 0x46505032  # "FPP2"
-HEADER_MAX = 256  # int64 words; the torch engine sends headers of exactly this size
-
-
-class SendHandle:
-    """A send of ``fastpar.comm.p2p`` (``Channels.send_forward`` & co.): ``wait()`` returns once
-    the caller may reuse what it sent, bounded by the channel's timeout, and ``is_completed()``
-    says so without waiting. Each engine has its own kind (torch's batched isend works, a send
-    of fastpar's shm rings); this base is a send complete already (to this rank itself)."""
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
 
 
 class P2PError(RuntimeError):
@@ -53,13 +41,13 @@ def describe(spec) -> str:
     return ", ".join(one(e) for e in spec) if len(spec) != 1 else one(spec[0])
 
 
-def _same_shapes(a, b) -> bool:
+def same_shapes(a, b) -> bool:
     """Specs agree on every present tensor's dtype and shape (requires_grad may differ)."""
     return len(a) == len(b) and all(
         x is None or y is None or (x[0] == y[0] and x[1] == y[1]) for x, y in zip(a, b))
 
 
-def _encode(direction: int, mb: int, stage: int, values, is_tuple: bool,
+def encode(direction: int, mb: int, stage: int, values, is_tuple: bool,
             scattered: list[bool]) -> torch.Tensor:
     words = [_MAGIC, direction, mb, stage, len(values), int(is_tuple)]
     for v, cut in zip(values, scattered):
@@ -78,7 +66,7 @@ def _encode(direction: int, mb: int, stage: int, values, is_tuple: bool,
 _ABORT = 2  # word 5 of a header: this message says the sender gave up (no payload)
 
 
-def _encode_abort(reason: str) -> torch.Tensor:
+def encode_abort(reason: str) -> torch.Tensor:
     data = reason.encode()[:8 * (HEADER_MAX - 8)]
     data += b"\0" * (-len(data) % 8)
     words = torch.frombuffer(bytearray(data), dtype=torch.int64) if data else \
@@ -87,7 +75,7 @@ def _encode_abort(reason: str) -> torch.Tensor:
     return torch.cat([head, words])
 
 
-def _abort_reason(header: torch.Tensor) -> str | None:
+def abort_reason(header: torch.Tensor) -> str | None:
     """The reason of an abort message, ``None`` for a normal one."""
     if header.numel() < 7 or int(header[5]) != _ABORT:
         return None
@@ -95,7 +83,7 @@ def _abort_reason(header: torch.Tensor) -> str | None:
     return header[7:7 + (n + 7) // 8].numpy().tobytes()[:n].decode(errors="replace").rstrip("\0")
 
 
-def _decode(header: torch.Tensor):
+def decode(header: torch.Tensor):
     """``(direction, mb, stage, is_tuple, [(dtype, shape, requires_grad, scattered) or None])``"""
     w = header.tolist()
     if not w or w[0] != _MAGIC:

@@ -14,7 +14,7 @@ message of each step per direction, the sender proves the tensors alike (a check
 all-gathered over the tp group), so that a stage whose output differs across the group (a
 sharded output, per-rank dropout) fails instead of being spliced.
 
-``entries`` are the header's tensors as ``fastpar.comm.p2p_messages._decode`` reads them: per
+``entries`` are the header's tensors as ``fastpar.pipeline.messages.decode`` reads them: per
 tensor ``None`` or ``(dtype, shape, requires_grad, cut)``.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm import collectives
-from fastpar.comm.p2p_messages import _WHAT, ACTIVATION
+from fastpar.pipeline.messages import ACTIVATION, WHAT
 
 
 class Payload:
@@ -55,7 +55,7 @@ class Payload:
         every = collectives.all_gather(sums.to(self.device), group=self.group, dim=0)
         every = every.reshape(self.tp, -1).cpu()  # (tp, 2 * tensors)
         if not torch.equal(every, every[:1].expand_as(every)):
-            return (f"fastpar p2p: scatter-gather needs the {_WHAT[direction]} that stage "
+            return (f"fastpar p2p: scatter-gather needs the {WHAT[direction]} that stage "
                     f"{stage - 1 if direction == ACTIVATION else stage + 1} sends (microbatch "
                     f"{mb}) to be identical on every rank of the tp group, but the tp ranks hold "
                     f"different tensors (checksums {every[:, 0].tolist()}): the stage ends in a "
