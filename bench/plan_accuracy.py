@@ -49,8 +49,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from fastpar.plan import calibrate  # noqa: E402
+from fastpar.plan import busy, calibrate  # noqa: E402
 from fastpar.plan.cluster import Cluster, Link  # noqa: E402
+from fastpar.plan import fitting  # noqa: E402
 from fastpar.plan.layouts import parse, why_not  # noqa: E402
 from fastpar.plan.predict import Predictor  # noqa: E402
 from fastpar.runtime.cli import Parser  # noqa: E402
@@ -148,10 +149,10 @@ def inter_link(hosts, args, tmp: str) -> Link:
         with open(out) as f:
             got[name] = json.load(f)
     d = got["link"]
-    alpha, busbw = calibrate.fit(d["ranks"], [tuple(x) for x in d["points"]])
-    link = calibrate.with_busy_p2p(Link(alpha, busbw, d["engine"]), got["p2p"].get("p2p", []),
+    alpha, busbw = fitting.fit(d["ranks"], [tuple(x) for x in d["points"]])
+    link = busy.with_busy_p2p(Link(alpha, busbw, d["engine"]), got["p2p"].get("p2p", []),
                                    share=1.0 / ppn)
-    return calibrate.with_busy_ring(link, got["p2p"].get("ring", []))
+    return busy.with_busy_ring(link, got["p2p"].get("ring", []))
 
 
 def across(base: Cluster, args, link: Link) -> Cluster:
@@ -315,6 +316,10 @@ def main() -> int:
                   f"+{summary['rounds_spread_median']:.1%} (median over layouts), up to "
                   f"+{summary['rounds_spread_max']:.1%}; a step error below it cannot be told "
                   "from this machine's noise")
+        summary["busy_ablation"] = ablation(cfg, cluster, args.global_batch, ok, args.ranks)
+        print("the busy peers' terms (plan/busy.py), |step error| without each:")
+        for name, e in summary["busy_ablation"].items():
+            print(f"  {name:<22} median {e['median']:6.1%}  max {e['max']:6.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {"preset": args.preset, "ranks": args.ranks, "global_batch":
@@ -324,6 +329,22 @@ def main() -> int:
                                   "load": loads, "cluster": calibration},
                        "rows": rows, "summary": summary}, f, indent=1)
     return 0
+
+
+def ablation(cfg, cluster, global_batch: int, rows: list[dict], ranks: int) -> dict:
+    """The rows' |step error| (measured over predicted - 1: median and max) with every busy
+    term of ``cluster`` (plan/busy.py), without each one, and without any: a term earns its
+    place where taking it out raises the error by more than the measurement's own spread."""
+    cases = {"with every term": cluster, **{f"without {t}": busy.without(cluster, t)
+                                            for t in busy.TERMS},
+             "without any": busy.without(cluster)}
+    out = {}
+    for name, c in cases.items():
+        pred = Predictor(cfg, c, global_batch, dtype=torch.float32)
+        errs = sorted(abs(r["step_s"] / pred.predict(parse(r["layout"], ranks)).step_time_s - 1)
+                      for r in rows)
+        out[name] = {"median": statistics.median(errs), "max": errs[-1]}
+    return out
 
 
 def round_spread(rows: list[dict]) -> dict:

@@ -470,10 +470,11 @@ def test_accuracy_bench_reports_its_own_spread():
 
 @pytest.mark.quick
 def test_link_fit_keeps_the_latency_of_a_slow_link():
-    """calibrate.fit: an exact alpha-beta curve comes back; on a slow link (1 Gbit/s, 0.4 ms a
+    """fitting.fit: an exact alpha-beta curve comes back; on a slow link (1 Gbit/s, 0.4 ms a
     step) whose 16 MiB point is 170x its 4 KiB one, with 5% noise, the latency is still found
     (in seconds the large sizes would decide alone and zero it)."""
-    from fastpar.plan.calibrate import LINK_SIZES, fit
+    from fastpar.plan.calibrate import LINK_SIZES
+    from fastpar.plan.fitting import fit
 
     for alpha, bw in ((4e-4, 1.2e8), (6e-5, 2.5e9)):
         exact = [(s, 2 * alpha + s / bw) for s in LINK_SIZES]  # 2 ranks: 2 steps, factor 1
@@ -487,7 +488,7 @@ def test_link_fit_keeps_the_latency_of_a_slow_link():
 
 @pytest.mark.quick
 def test_fit_busy_recovers_a_line_and_clamps_at_zero():
-    from fastpar.plan.calibrate import fit_busy
+    from fastpar.plan.busy import fit_busy
 
     pts = [(c, 3e-4 + 0.4 * c) for c in (2e-4, 1e-3, 4e-3)]
     assert fit_busy(pts) == pytest.approx((3e-4, 0.4), rel=1e-9)
@@ -500,7 +501,7 @@ def test_fit_busy_recovers_a_line_and_clamps_at_zero():
 def body_busy_points():
     import fastpar
     from fastpar import comm
-    from fastpar.plan.calibrate import busy_p2p_points, busy_points, busy_ring_points
+    from fastpar.plan.busy import busy_p2p_points, busy_points, busy_ring_points
 
     topo = fastpar.init(timeout=60)
     return (busy_points(topo, comm, segments=(1, 4), rounds=1),
@@ -526,7 +527,7 @@ def test_busy_points_time_pairs_of_busy_ranks():
 
 @pytest.mark.quick
 def test_rank_pairs_in_a_host_and_across_two():
-    from fastpar.plan.calibrate import rank_pairs
+    from fastpar.plan.busy import rank_pairs
 
     assert rank_pairs(4, False) == [[0, 1], [2, 3]]
     assert rank_pairs(3, False) == [[0, 1]]  # the odd rank computes alone
@@ -536,11 +537,11 @@ def test_rank_pairs_in_a_host_and_across_two():
 
 @pytest.mark.quick
 def test_busy_pairs_take_medians_of_back_to_back_differences():
-    """calibrate._paired: plain and communicating loops alternate; the segment is the plain
+    """busy.paired: plain and communicating loops alternate; the segment is the plain
     loops' median and the extra the median of the pairs' differences (one round that lost a
     time slice moves neither; a negative difference is no wait), on the slowest rank's times
     (``slowest`` reduces in place)."""
-    from fastpar.plan.calibrate import _paired
+    from fastpar.plan.busy import paired
 
     times = iter([1.0, 1.5, 1.1, 1.4, 5.0, 9.0, 0.9, 1.3, 1.0, 1.2])
 
@@ -550,16 +551,16 @@ def test_busy_pairs_take_medians_of_back_to_back_differences():
     def slowest(t):
         t.mul_(2)  # as though another rank were twice as slow
 
-    assert _paired(loop, 5, slowest) == pytest.approx((2.0, 0.8))
+    assert paired(loop, 5, slowest) == pytest.approx((2.0, 0.8))
     times = iter([1.0, 0.5, 1.0, 0.7, 1.0, 0.9])
-    assert _paired(loop, 3, lambda t: None) == (1.0, 0.0)
+    assert paired(loop, 3, lambda t: None) == (1.0, 0.0)
 
 
 @pytest.mark.quick
 def test_busy_p2p_fit_takes_the_messages_own_time_off_at_its_share():
     """with_busy_p2p: each point's extra less the 32 KiB message's alpha-beta time on the link
     (at 1/pairs of its bandwidth when that many pairs crossed it at once), fitted s0 + k x c."""
-    from fastpar.plan.calibrate import BUSY_BYTES, with_busy_p2p
+    from fastpar.plan.busy import BUSY_BYTES, with_busy_p2p
 
     link = Link(1e-4, 1e8, "gloo")
     for share in (1.0, 0.5):
@@ -575,7 +576,7 @@ def test_busy_p2p_fit_takes_the_messages_own_time_off_at_its_share():
 def test_busy_ring_fit_keeps_the_exchange_whole():
     """with_busy_ring: the points' extras fitted s0 + k x c as they are (the ring's transfer
     goes through torch's engine, which the link's alpha-beta does not describe)."""
-    from fastpar.plan.calibrate import with_busy_ring
+    from fastpar.plan.busy import with_busy_ring
 
     link = Link(1e-4, 1e8, "shm", busy_p2p=(1e-4, 0.1))
     got = with_busy_ring(link, [[c, 2e-3 + 0.25 * c] for c in (5e-4, 2e-3, 5e-3)])
@@ -772,3 +773,25 @@ def test_layout_auto_refuses_layout_flags_and_chooses_deterministically(tmp_path
     assert best[0].layout.name == "tp1.pp1.dp2.zero1.none.1f1b.mb8"
     line = auto_layout.say(best[0], 0)
     assert line.startswith("chose tp1.pp1.dp2.zero1.none.1f1b.mb8 (tp 1 x pp 1 x dp 2, ZeRO-1")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["tp2.pp2.dp1.zero0.none.1f1b.mb4",
+                                    "tp1.pp2.dp1.cp2.zero0.none.1f1b.mb4"])
+def test_one_switch_turns_every_busy_term_off(monkeypatch, layout):
+    """FASTPAR_PLAN_BUSY=0 (plan/busy.py's switch): a cluster with every busy peer's wait
+    measured (busy_sync, busy_p2p, busy_ring) predicts what the same cluster without them
+    does, and with the switch on, more (tp's peer waits, pp's message waits, cp's ring)."""
+    cfg = dataclasses.replace(PRESETS["tiny"], context_parallel="ring")
+    link = dataclasses.replace(CLUSTER.intra, busy_p2p=(5e-4, 0.2), busy_ring=(2e-3, 0.1))
+    waits = dataclasses.replace(CLUSTER, cpus_per_host=2, busy_sync=(2e-4, 0.3), intra=link)
+    quiet = dataclasses.replace(waits, busy_sync=(0.0, 0.0), intra=dataclasses.replace(
+        link, busy_p2p=(0.0, 0.0), busy_ring=(0.0, 0.0)))
+    lay = parse(layout, 4)
+
+    def step(cluster):
+        return P.predict(cfg, lay, cluster, 8, dtype=torch.float32).step_time_s
+
+    on = step(waits)
+    monkeypatch.setenv("FASTPAR_PLAN_BUSY", "0")
+    assert step(waits) == step(quiet) < on

@@ -14,8 +14,8 @@ all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on the ranks
 CPU: even past its cores, as the job runs; a GPU: at most its devices) launched with
 ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by least squares of the
 relative error; on a CPU in the same launch the waits of busy ranks that meet in pairs
-(``busy_points``: all-reducing, ``busy_p2p_points``: as pipeline neighbours,
-``busy_ring_points``: as a cp ring's neighbours). The
+(``plan/busy.py``: ``busy_points`` all-reducing, ``busy_p2p_points`` as pipeline neighbours,
+``busy_ring_points`` as a cp ring's neighbours). The
 inter-host link cannot be measured from one host: it comes from
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
 A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
@@ -40,7 +40,9 @@ import time
 
 import torch
 
-from fastpar.plan.cluster import BUSY_BYTES, FACTOR, STEPS, Cluster, Link
+from fastpar.plan import busy
+from fastpar.plan.cluster import BUSY_BYTES, Cluster, Link
+from fastpar.plan.fitting import fit
 
 GEMM_SHAPES_CPU = [(n, n, n) for n in (128, 256, 512, 1024)] + \
     [(m, n, k) for m in (512, 2048) for n in (256, 1024) for k in (256, 1024)]
@@ -156,56 +158,9 @@ def memory_bandwidth(device) -> float:
     return 2 * 4 * n / t
 
 
-def fit(n: int, points: list[tuple[int, float]]) -> tuple[float, float]:
-    """``t = STEPS alpha + FACTOR S / busbw`` (alpha >= 0) over (bytes, s), by least squares of
-    the relative error: the sizes span 4 KiB .. 16 MiB, and in seconds the largest would
-    decide alone (a shaped 1 Gbit/s link: 0.5 ms at 4 KiB, 140 ms at 16 MiB), leaving the
-    latency that small messages pay unfitted."""
-    a, b = STEPS["all_reduce"](n), FACTOR["all_reduce"](n)
-    xs = [(a / t, b * s / t) for s, t in points]  # each row divided by its time
-    sxx = sum(x * x for x, _ in xs)
-    syy = sum(y * y for _, y in xs)
-    sxy = sum(x * y for x, y in xs)
-    rx = sum(x for x, _ in xs)  # the right-hand side is 1 in every row
-    ry = sum(y for _, y in xs)
-    det = sxx * syy - sxy * sxy
-    alpha, inv_bw = (rx * syy - ry * sxy) / det, (sxx * ry - sxy * rx) / det
-    if alpha < 0:  # latency too small to see: bandwidth alone
-        alpha, inv_bw = 0.0, ry / syy
-    return alpha, 1.0 / max(inv_bw, 1e-30)
-
-
-def nnls(design: list, y: list) -> list[float]:
-    """Least squares with every coefficient >= 0, exactly, for a few columns: the best of the
-    unconstrained fits on each subset of the columns whose coefficients are all >= 0."""
-    a = torch.tensor(design, dtype=torch.float64)
-    b = torch.tensor(y, dtype=torch.float64).unsqueeze(1)
-    best, coef = float(b.square().sum()), [0.0] * a.shape[1]
-    for k in range(1, a.shape[1] + 1):
-        for cols in itertools.combinations(range(a.shape[1]), k):
-            x = torch.linalg.lstsq(a[:, cols], b).solution.squeeze(1)
-            if (x < 0).any():
-                continue
-            err = float((a[:, cols] @ x - b.squeeze(1)).square().sum())
-            if err < best:
-                best, coef = err, [0.0] * a.shape[1]
-                for j, v in zip(cols, x.tolist()):
-                    coef[j] = v
-    return coef
-
-
-def fit_busy(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """``extra = s0 + k segment`` with s0, k >= 0 (``nnls``) over ``busy_points``' (segment
-    seconds, extra seconds per collective); (0, 0) without points."""
-    if not points:
-        return 0.0, 0.0
-    s0, k = nnls([[1.0, c] for c, _ in points], [e for _, e in points])
-    return s0, k
-
-
 def measure_link(ranks: int, timeout: float = 180.0) -> tuple[Link, tuple] | None:
     """The intra-host link (with its ``busy_p2p`` and ``busy_ring`` on a CPU) and
-    ``fit_busy`` of the busy ranks' waits, from an ``mpirun -np ranks`` of this module (None:
+    ``busy.fit_busy`` of the busy ranks' waits, from an ``mpirun -np ranks`` of this module (None:
     no mpirun)."""
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep +
                           os.environ.get("PATH", ""))
@@ -223,24 +178,9 @@ def measure_link(ranks: int, timeout: float = 180.0) -> tuple[Link, tuple] | Non
     link = Link(alpha, busbw, d["engine"])
     # the waits beyond the pair's all-reduce itself, which the planner charges apart
     own = link.time("all_reduce", 2, BUSY_BYTES)
-    busy = fit_busy([(c, max(0.0, e - own)) for c, e in d.get("busy", [])])
-    return with_busy_ring(with_busy_p2p(link, d.get("p2p", [])), d.get("ring", [])), busy
-
-
-def with_busy_p2p(link: Link, points: list, share: float = 1.0) -> Link:
-    """``link`` with ``busy_p2p`` fitted (``fit_busy``) to ``busy_p2p_points``' extras less
-    the message's own alpha-beta time on ``link`` at ``share`` of its bandwidth (the planner
-    charges that apart; ``share``: 1 / the pairs that crossed it at once)."""
-    own = link.time("sendrecv", 2, BUSY_BYTES, share=share)
-    return dataclasses.replace(link, busy_p2p=fit_busy(
-        [(c, max(0.0, e - own)) for c, e in points]))
-
-
-def with_busy_ring(link: Link, points: list) -> Link:
-    """``link`` with ``busy_ring`` fitted (``fit_busy``) to ``busy_ring_points``' extras,
-    whole: the exchange's own transfer is the ring's engine's, which the link does not
-    describe."""
-    return dataclasses.replace(link, busy_ring=fit_busy([tuple(p) for p in points]))
+    waits = busy.fit_busy([(c, max(0.0, e - own)) for c, e in d.get("busy", [])])
+    return busy.with_busy_ring(busy.with_busy_p2p(link, d.get("p2p", [])),
+                               d.get("ring", [])), waits
 
 
 @contextlib.contextmanager
@@ -311,169 +251,6 @@ def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,
     return points, engine
 
 
-BUSY_SEGMENTS = (2, 8, 24)  # compute between two collectives, in 160 x 160 matmuls
-BUSY_ROUNDS = 5
-
-
-def _paired(loop, rounds: int, slowest) -> tuple[float, float]:
-    """``(segment, extra)``: ``loop(False)`` (compute alone) and ``loop(True)`` (with the
-    communication) back to back ``rounds`` times, each on the slowest rank (``slowest``
-    all-reduces a tensor's max in place); the median plain time and the median of the
-    rounds' differences (at least 0). Pairs taken back to back keep the machine's drift out
-    of the difference; the median keeps one round that lost a time slice out of the fit."""
-    times = [t for _ in range(rounds) for t in (loop(False), loop(True))]
-    t = torch.tensor(times, dtype=torch.float64)
-    slowest(t)
-    plain, comm = t[0::2].tolist(), t[1::2].tolist()
-    return (statistics.median(plain),
-            max(0.0, statistics.median(c - p for p, c in zip(plain, comm))))
-
-
-def _segment_points(comm, meet, segments, rounds: int, drain=None) -> list[tuple]:
-    """``[(segment s, extra s)]`` (``_paired``) per segment of ``segments[j]`` 160 x 160
-    matmuls: a loop of the segment then ``meet()`` (the communication with the pair; a
-    ``drain()`` after the loop's last, timed with it) against the same loop without them, on
-    every rank (collective over the world)."""
-    import torch.distributed as dist
-
-    a = torch.randn(160, 160)
-    points = []
-    for mm in segments:
-        iters = max(10, 240 // mm)
-
-        def loop(meeting: bool) -> float:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                for _ in range(mm):
-                    torch.mm(a, a)
-                if meeting:
-                    meet()
-            if meeting and drain is not None:
-                drain()
-            return (time.perf_counter() - t0) / iters
-
-        points.append(_paired(loop, rounds, lambda t: comm.all_reduce(t, op="max")))
-    return points
-
-
-def busy_points(topo, comm, segments=BUSY_SEGMENTS,
-                rounds: int = BUSY_ROUNDS) -> list[tuple]:
-    """Every rank (collective over the world): the ranks in pairs (0, 1), (2, 3), ... as tp's
-    groups of 2 are, each computing a segment of ``segments[j]`` small matmuls and then
-    all-reducing 32 KiB with its pair, as a tp layer's ranks do, against the same loop without
-    the all-reduce (a last odd rank computes alone). ``[(segment s, extra s per all-reduce)]``
-    (``_paired``: medians over ``rounds`` back-to-back pairs on the slowest rank; the extra
-    includes the all-reduce itself: ``measure_link`` takes its alpha-beta time off before
-    ``fit_busy``). What a pair waits for beyond the all-reduce itself is the peer being off
-    the core: on a CPU host with more ranks than cores it grows with the segment."""
-    import torch.distributed as dist
-
-    pairs = [dist.new_group(p) for p in rank_pairs(topo.world_size, False)]
-    mine = pairs[topo.rank // 2] if topo.rank // 2 < len(pairs) else None
-    x = torch.ones(BUSY_BYTES // 4)
-    points = _segment_points(comm, (lambda: comm.all_reduce(x, mine)) if mine is not None
-                             else (lambda: None), segments, rounds)
-    for g in pairs:
-        dist.destroy_process_group(g)
-    return points
-
-
-def _check_pairs(what: str, pairs: list[list[int]], world: int) -> None:
-    """``ValueError`` unless ``pairs`` cover ranks 0..world-1 two by two."""
-    if any(len(p) != 2 for p in pairs) or sorted(r for p in pairs for r in p) != \
-            list(range(world)):
-        raise ValueError(f"{what}: pairs {pairs} must cover the world of {world} two by two")
-
-
-def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
-                    rounds: int = BUSY_ROUNDS) -> tuple[list[tuple], str]:
-    """Every rank (collective over the world; ``pairs`` cover it, two ranks each): each pair
-    as two pipeline neighbours in their steady state, through the pipeline's own
-    ``Channels`` (the engine a pipeline between them would get: shm rings in a host, gloo
-    across hosts): both compute a segment of ``segments[j]`` small matmuls, then each sends
-    the other 32 KiB and receives the other's, against the same loop without the messages.
-    ``([(segment s, extra s per message)], engine)`` (``_paired``, as ``busy_points``; the
-    extra includes the message itself: ``with_busy_p2p`` takes its alpha-beta time off). On a
-    CPU host with more ranks than cores the extra is the partner being off the core, and a
-    receive's wake-up."""
-    import torch.distributed as dist
-
-    from fastpar.pipeline.channels import Channels
-
-    _check_pairs("busy_p2p_points", pairs, topo.world_size)
-    groups = [dist.new_group(p) for p in pairs]
-    ch = Channels(next(g for g, p in zip(groups, pairs) if topo.rank in p), all_groups=pairs)
-    x = torch.ones(BUSY_BYTES // 4)
-
-    def exchange():
-        if ch.index == 0:
-            ch.send_forward(x, mb=0, stage=1)
-            ch.recv_backward(mb=0, stage=1)
-        else:
-            ch.send_backward(x, mb=0, stage=1)
-            ch.recv_forward(mb=0, stage=1)
-        ch.finish_step()
-
-    points = _segment_points(comm, exchange, segments, rounds)
-    engine = ch.engine_name
-    ch.close()
-    for g in groups:
-        dist.destroy_process_group(g)
-    return points, engine
-
-
-def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
-                     rounds: int = BUSY_ROUNDS) -> list[tuple]:
-    """Every rank (collective over the world; ``pairs`` cover it, two ranks each): each pair as
-    a cp group of 2 running ring attention, through the ring's own exchange
-    (``nn.context_ring.Ring.shift``: torch isend/irecv of a block to the next rank and from
-    the previous one), posted before a segment of ``segments[j]`` small matmuls and waited
-    for after it, as the ring posts a block before its attention, against the same loop
-    without them. ``[(segment s, extra s per exchange)]`` (``_paired``, as ``busy_points``),
-    the 32 KiB transfer included (the ring's engine is not the link's: nothing else charges
-    it). On a CPU host whose ranks outnumber its cores each exchange waits for gloo's threads
-    and the peer to get a core: 2-4 ms on 4 ranks of 2 cores, whatever the segment.
-    ``RuntimeError`` when a received block is not the peer's."""
-    import torch.distributed as dist
-
-    from fastpar.nn.context_ring import TAG_KV, Ring
-
-    _check_pairs("busy_ring_points", pairs, topo.world_size)
-    groups = [dist.new_group(p) for p in pairs]
-    pair = next(p for p in pairs if topo.rank in p)
-    ring = Ring(groups[pairs.index(pair)], positions=None)
-    x = torch.full((BUSY_BYTES // 4,), float(topo.rank))
-    peer = float(pair[1] if pair[0] == topo.rank else pair[0])
-    pending = []  # the exchange in flight during the segment: (buffer, handle)
-
-    def drain():
-        buf, handle = pending.pop()
-        handle.wait()
-        if buf[0].item() != peer or buf[-1].item() != peer:
-            raise RuntimeError(f"busy_ring_points: rank {topo.rank} received {buf[0].item()} "
-                               f"from its ring neighbour, rank {peer:g}")
-
-    def exchange():
-        if pending:
-            drain()
-        pending.append(ring.shift(x, TAG_KV))
-
-    points = _segment_points(comm, exchange, segments, rounds, drain=drain)
-    for g in groups:
-        dist.destroy_process_group(g)
-    return points
-
-
-def rank_pairs(world: int, across: bool) -> list[list[int]]:
-    """Pairs of ranks: (0, 1), (2, 3), .. (in a host; a last odd rank left out), or with
-    ``across`` (r, r + world / 2) (on two hosts of world / 2 ranks each; world even)."""
-    if across:
-        half = world // 2
-        return [[r, r + half] for r in range(half)]
-    return [[r, r + 1] for r in range(0, world - 1, 2)]
-
-
 def _link_worker(out: str, mode: str = "") -> None:
     """Each rank: ``link_points`` and, one thread each as the job's ranks, ``busy_points`` and
     (an even world) ``busy_p2p_points`` and ``busy_ring_points`` of neighbours in a host;
@@ -492,11 +269,11 @@ def _link_worker(out: str, mode: str = "") -> None:
         result["points"], result["engine"] = link_points(topo, comm)
     with _one_thread(cpu):
         if cpu and not mode:
-            result["busy"] = busy_points(topo, comm)
+            result["busy"] = busy.busy_points(topo, comm)
         if cpu and mode != "--link-only" and world % 2 == 0:
-            pairs = rank_pairs(world, mode == "--across")
-            result["p2p"], result["p2p_engine"] = busy_p2p_points(topo, comm, pairs)
-            result["ring"] = busy_ring_points(topo, comm, pairs)
+            pairs = busy.rank_pairs(world, mode == "--across")
+            result["p2p"], result["p2p_engine"] = busy.busy_p2p_points(topo, comm, pairs)
+            result["ring"] = busy.busy_ring_points(topo, comm, pairs)
     if topo.rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

@@ -158,7 +158,7 @@ def table(preds, budget) -> list[str]:
 
 def explain(pred, cfg, cluster) -> list[str]:
     """Every term of one prediction."""
-    from fastpar.plan import costs
+    from fastpar.plan import busy
     from fastpar.plan.memory import CATEGORIES
 
     t, lay = pred.terms, pred.layout
@@ -184,7 +184,7 @@ def explain(pred, cfg, cluster) -> list[str]:
                    "; w with the split backward's extra" if zb else "") + "):")
     last = len(t["stages"]) - 1
     for s, st in enumerate(t["stages"]):
-        send, wait = (st["send"], costs.p2p_wait(st["link"], st["f"])) if s < last else (0, 0)
+        send, wait = (st["send"], busy.p2p_wait(st["link"], st["f"])) if s < last else (0, 0)
         w = st["w"] + (st["zb"] if zb else 0.0)
         out.append(f"  stage {s} (rank {s % lay.pp}, layers {st['layers'][0]}..."
                    f"{st['layers'][1] - 1}): f {st['f'] * 1e3:.4f}  i {st['i'] * 1e3:.4f}  "

@@ -112,10 +112,10 @@ class Link:
     """Alpha-beta of one hierarchy level: ``alpha_s`` per ring step, ``busbw_Bps``; and
     ``busy_p2p`` (s0, k): what a pipeline message between neighbours on this level that
     compute between messages waits beyond it, s0 + k x the sender's compute before it
-    (``calibrate.busy_p2p_points``; (0, 0) where not measured); ``busy_ring`` (s0, k): what
+    (``busy.busy_p2p_points``; (0, 0) where not measured); ``busy_ring`` (s0, k): what
     a context-parallel ring's exchange (``nn.context_ring``: torch isend/irecv of a K/V block
     with both neighbours) takes between ranks that compute between exchanges, s0 + k x that
-    compute, the transfer of ``BUSY_BYTES`` included (``calibrate.busy_ring_points``; (0, 0):
+    compute, the transfer of ``BUSY_BYTES`` included (``busy.busy_ring_points``; (0, 0):
     not measured, the ring's hops are then the link's alpha-beta, hidden behind the
     attention)."""
 
@@ -161,7 +161,7 @@ class Cluster:
     cpus_per_host: int = 0
     # (s0, k): a collective among ranks that compute between collectives (tp's, cp's) waits
     # s0 + k x the compute since the one before, beyond its alpha-beta time (measured on the
-    # host with every rank busy, calibrate.busy_points: ranks sharing cores wait for the peer
+    # host with every rank busy, busy.busy_points: ranks sharing cores wait for the peer
     # the scheduler took off); (0, 0) where not measured
     busy_sync: tuple = (0.0, 0.0)
     # the trainer's own step measured on one rank for one model (plan.trainer_fit)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastpar.models.config import GPTConfig
+from fastpar.plan import busy
 from fastpar.plan.cluster import BUSY_BYTES, Cluster
 
 ATTN_BACKWARD = 2.5  # the core's backward FLOPs over its forward's (flash: 5 matmuls vs 2)
@@ -41,6 +42,17 @@ class Work:
     def add(self, name: str, phase: str, seconds: float) -> None:
         setattr(self, phase, getattr(self, phase) + seconds)
         self.terms[f"{phase}:{name}"] = self.terms.get(f"{phase}:{name}", 0.0) + seconds
+
+    def own(self, math_only: bool) -> dict:
+        """Each phase's seconds but its collectives (and, ``math_only``, but its host
+        overhead: what the rate model says of the math alone)."""
+        out = {"f": 0.0, "i": 0.0, "w": 0.0}
+        for name, t in self.terms.items():
+            phase, what = name.split(":", 1)
+            if what.startswith(COMM_PREFIXES) or (math_only and what == "host overhead"):
+                continue
+            out[phase] += t
+        return out
 
 
 def host_span(cluster: Cluster, size: int, stride: int) -> tuple[int, int]:
@@ -193,12 +205,12 @@ def cp_ring(work: Work, cluster: Cluster, cp: int, tp: int, step_bytes: float, c
     each exchange takes s0 + k x the attention computed since the last, its 32 KiB
     (``BUSY_BYTES``) transfer included, and a larger block the link's time beyond that.
     Otherwise a hop is the link's alpha-beta time, exposed past the block's attention it
-    travels behind, and each is a sync point (``peer_waits``)."""
+    travels behind, and each is a sync point (``busy.peer_waits``)."""
     _, h = host_span(cluster, cp, tp)
     link = cluster.link("inter") if h > 1 else cluster.intra
     share = 1.0 / cluster.ranks_per_host if h > 1 else 1.0  # the host's ranks send at once
     hop = link.time("sendrecv", 2, step_bytes, share=share)
-    s0, k = link.busy_ring
+    s0, k = busy.terms(link.busy_ring)
     back = ATTN_BACKWARD * core
     if ring and (s0 or k):
         s0 += max(0.0, hop - link.time("sendrecv", 2, BUSY_BYTES, share=share))
@@ -215,37 +227,8 @@ def cp_ring(work: Work, cluster: Cluster, cp: int, tp: int, step_bytes: float, c
     work.syncs["i"] += (cp - 1) * (2 if again else 1)
 
 
-def peer_waits(work: Work, cluster: Cluster) -> Work:
-    """``work`` plus what its mid-layer collectives wait for busy peers (``cluster.busy_sync``
-    (s0, k), measured by ``calibrate.busy_points``): a phase with s of them, each after a
-    share of the phase's own compute, waits s s0 + k x that compute. On a host whose ranks
-    outnumber its cores this is what tp costs beyond its bytes: the partner is often off
-    the core when a rank arrives (4 ranks on 2 cores: ~1 ms per all-reduce after 1.4 ms of
-    compute, against 0.04 ms for the all-reduce alone)."""
-    s0, k = cluster.busy_sync
-    if not (s0 or k):
-        return work
-    own = _own(work, False)
-    for phase, n in work.syncs.items():
-        if n:
-            work.add("peer waits (ranks share cores)", phase, n * s0 + k * own[phase])
-    return work
-
-
 COMM_PREFIXES = ("tp ", "cp ", "ep ", "peer waits")  # Work terms that are collectives (and
 # their waits), not the rank's own work
-
-
-def _own(work: Work, math_only: bool) -> dict:
-    """Each phase's seconds of ``work`` but its collectives (and, ``math_only``, but its host
-    overhead: what the rate model says of the math alone)."""
-    out = {"f": 0.0, "i": 0.0, "w": 0.0}
-    for name, t in work.terms.items():
-        phase, what = name.split(":", 1)
-        if what.startswith(COMM_PREFIXES) or (math_only and what == "host overhead"):
-            continue
-        out[phase] += t
-    return out
 
 
 def _host(work: Work) -> float:
@@ -255,7 +238,7 @@ def _host(work: Work) -> float:
 
 def _math(work: Work) -> float:
     """The rate model's math in ``work``: its own work but the host overhead."""
-    return sum(_own(work, True).values())
+    return sum(work.own(True).values())
 
 
 def end_share(fit: tuple, end: Work, ends: list) -> tuple:
@@ -289,7 +272,7 @@ def fitted(work: Work, base: Work, fit: tuple, tokens: float, cluster: Cluster,
     def seconds(ab):
         return cluster.overhead_scale * ab[0] * host + ab[1] * tokens * ratio / cluster.share
 
-    own = _own(work, False)
+    own = work.own(False)
     total = sum(own.values())
     keep = work if comms is None else comms
     out = Work(syncs=dict(keep.syncs))
@@ -327,16 +310,6 @@ def p2p_link(cluster: Cluster, *, per_stage: int, stage: int):
     if stage * per_stage // rph == nxt * per_stage // rph:
         return cluster.intra, 1.0
     return cluster.link("inter"), 1.0 / min(rph, per_stage)
-
-
-def p2p_wait(link, compute_s: float) -> float:
-    """What a pipeline message on ``link`` waits for busy neighbours after ``compute_s`` of
-    the sender's compute: ``link.busy_p2p`` (s0, k), s0 + k x compute (0 where not
-    measured, and for ``link`` None: pp 1)."""
-    if link is None:  # no other rank: a chunk's output to the same rank's next chunk
-        return 0.0
-    s0, k = link.busy_p2p
-    return s0 + k * compute_s
 
 
 def cluster_pp(cluster: Cluster, per_stage: int) -> int:

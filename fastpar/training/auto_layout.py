@@ -43,10 +43,11 @@ def quick_cluster(cfg, hosts: int, ranks_per_host: int, link_points: list, link_
                   engine: str):
     """This host's speeds, measured now (``plan.calibrate``'s GEMM sweep, attention and
     copy, on this process), with the all-reduce points every rank measured."""
+    import os
+
     from fastpar.plan import calibrate
     from fastpar.plan.cluster import Cluster, Link
-
-    import os
+    from fastpar.plan.fitting import fit
 
     device = torch.device("cpu")
     threads = torch.get_num_threads()
@@ -58,7 +59,7 @@ def quick_cluster(cfg, hosts: int, ranks_per_host: int, link_points: list, link_
     finally:
         torch.set_num_threads(threads)
     block, end, tensor = calibrate.host_overheads(cfg, reps=10)
-    alpha, busbw = calibrate.fit(link_ranks, link_points)
+    alpha, busbw = fit(link_ranks, link_points)
     return Cluster(name="quick calibration (fastpar.train --layout auto)", device="cpu",
                    hosts=hosts, ranks_per_host=ranks_per_host,
                    peak_flops=max(p[-1] for p in gemm),

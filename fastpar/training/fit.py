@@ -20,7 +20,7 @@ import torch
 
 import fastpar
 from fastpar import runtime
-from fastpar.plan.calibrate import nnls
+from fastpar.plan.fitting import nnls
 from fastpar.plan.cluster import TrainerFit, model_signature
 from fastpar.plan.costs import OPTIMIZER_BYTES
 from fastpar.plan.memory import layer_tensors
