@@ -16,6 +16,7 @@ import socket
 import time
 
 from fastpar.runtime import launcher as _launcher
+from fastpar.runtime.failures import everywhere
 from fastpar.runtime.hostid import describe, host_id, machine_id, network_id
 from fastpar.runtime.watchdog import deadline
 
@@ -182,7 +183,8 @@ def _wait_listening(host: str, port: int, timeout: float) -> None:
 
 def rendezvous_mpi(comm, timeout: float):
     """Rank 0 starts the store on an address the others can reach (MPI says, before any store
-    exists, whether the job spans hosts) and broadcasts it; ``(store, its address)``."""
+    exists, whether the job spans hosts) and broadcasts it; ``(store, its address)``. A failure
+    is raised on every rank alike and said by rank 0 alone (``runtime.failures``)."""
     rank = comm.Get_rank()
     world_size = comm.Get_size()
     store, error, address = None, None, None
@@ -199,8 +201,9 @@ def rendezvous_mpi(comm, timeout: float):
         except (RuntimeError, ValueError) as exc:
             error = str(exc)
     address, error = comm.bcast((address, error), root=0)
-    if error is not None:
-        raise RuntimeError(error if rank == 0 else f"fastpar.init (rank 0 failed): {error}")
+    if error is not None:  # rank 0's verdict, raised on every rank and said by rank 0
+        raise everywhere(RuntimeError(error if rank == 0 else
+                                      f"fastpar.init (rank 0 failed): {error}"), rank)
     if rank != 0:
         try:
             store = _join_store(address[0], address[1], rank, world_size, False, timeout)
@@ -209,7 +212,7 @@ def rendezvous_mpi(comm, timeout: float):
     # MPI is alive even when TCP is not: let every rank report every rank that failed to connect.
     errors = [e for e in comm.allgather(error) if e is not None]
     if errors:
-        raise RuntimeError("; ".join(errors))
+        raise everywhere(RuntimeError("; ".join(errors)), rank)
     return store, address[0]
 
 
