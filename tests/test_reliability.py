@@ -306,6 +306,81 @@ def test_no_segment_left_when_setup_is_cut_short(how, tmp_path):
     assert left == set(), output
 
 
+# How an MPI job ends, as the code after its first all_reduce: every rank has written the
+# /dev/shm files it maps or holds open (MPICH's segment, fastpar's) to OUT/shm<rank> by then.
+ENDINGS = {
+    "finalized": "fastpar.shutdown()\n",
+    "uncaught exception": ("if topo.rank == 1:\n"
+                           "    raise ValueError('boom on rank 1')\n"
+                           "comm.all_reduce(torch.ones(2))\n"),  # rank 0 waits: the abort ends it
+    "SIGKILL to rank 1": ("if topo.rank == 1:\n"
+                          "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                          "comm.all_reduce(torch.ones(2))\n"),  # the launcher kills rank 0
+}
+SHM_FILES = ("def shm_files():  # what this rank maps or holds open in /dev/shm\n"
+             "    found = {line.split(maxsplit=5)[5].strip().removesuffix(' (deleted)')\n"
+             "             for line in open('/proc/self/maps') if ' /dev/shm/' in line}\n"
+             "    for fd in os.listdir('/proc/self/fd'):\n"
+             "        try:\n"
+             "            found.add(os.readlink(f'/proc/self/fd/{fd}'))\n"
+             "        except OSError:\n"
+             "            pass\n"
+             "    return sorted(p.removesuffix(' (deleted)') for p in found\n"
+             "                  if p.startswith('/dev/shm/'))\n")
+
+
+@pytest.mark.parametrize("ending,nranks", [("finalized", 2), ("uncaught exception", 2),
+                                           ("uncaught exception", 4), ("SIGKILL to rank 1", 2),
+                                           ("init fails", 2)])
+def test_nothing_of_an_mpi_job_stays_in_dev_shm(ending, nranks, tmp_path):
+    """However an mpirun job ends (MPI_Finalize; an uncaught exception, which aborts the job;
+    a rank killed, and the launcher killing the rest; rank 0's rendezvous verdict ending every
+    rank at init), no file in /dev/shm that any of its ranks mapped or held open stays behind:
+    MPICH's segment keeps its name only until every local rank has it mapped."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.multirank import launch_argv, launch_env, mpich_segments_removed
+
+    out = str(tmp_path)
+    record = (f"open(os.path.join({out!r}, f'shm{{rank}}'), 'w').write('\\n'.join(shm_files()))\n")
+    if ending == "init fails":  # every rank raises, after MPI_Init: nothing of fastpar's yet
+        code = ("import os, fastpar\n" + SHM_FILES +
+                "from mpi4py import MPI\n"
+                "rank = MPI.COMM_WORLD.Get_rank()\n"
+                "try:\n"
+                "    fastpar.init(timeout=30)\n"
+                "finally:\n"
+                "    " + record)
+    else:
+        code = ("import os, signal, torch, fastpar\n"
+                "from fastpar import comm\n" + SHM_FILES +
+                "topo = fastpar.init(timeout=30)\n"
+                "rank = topo.rank\n"
+                "comm.all_reduce(torch.ones(2))\n" + record +
+                "comm.all_reduce(torch.ones(2))\n" + ENDINGS[ending])  # every rank recorded
+    with socket.socket() as busy, mpich_segments_removed():  # a leak found is removed after
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()  # "init fails": rank 0's store cannot take this port
+        env = {"FASTPAR_MASTER_ADDR": "127.0.0.1",
+               "FASTPAR_MASTER_PORT": str(busy.getsockname()[1])} if ending == "init fails" \
+            else {}
+        proc = subprocess.run(launch_argv("mpirun", nranks, [sys.executable, "-c", code]),
+                              env=launch_env(nranks, env), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=120)
+        output = proc.stdout + proc.stderr
+        assert (proc.returncode == 0) == (ending == "finalized"), output[-3000:]
+        held = {}
+        for r in range(nranks):
+            with open(tmp_path / f"shm{r}") as f:
+                held[r] = f.read().split()
+        assert all(any("/mpich_shm_" in p for p in paths) for paths in held.values()), held
+        left = sorted({p for paths in held.values() for p in paths if os.path.exists(p)})
+        assert left == [], (left, output[-3000:])
+
+
 def body_soak(calls, seed):
     """Thousands of mixed calls (every op, sync and async, shm and gloo, odd sizes) on
     overlapping groups, every result checked against what the inputs make it."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastpar.grid import Grid, Topology, validate_degrees
-from fastpar.runtime import abort, failures, rendezvous
+from fastpar.runtime import abort, failures, mpich_shm, rendezvous
 from fastpar.runtime import launcher as _launcher
 from fastpar.runtime.binding import affinity, bind_cpus
 from fastpar.runtime.groups import build_groups
@@ -58,13 +58,16 @@ def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
 
 def _this_process(info: _launcher.LaunchInfo, timeout: float):
     """``(mpi_comm, rank, world_size, local_rank, local_world_size)``; MPI is the truth under an
-    MPI launcher (local ranks from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``, not host names)."""
+    MPI launcher (local ranks from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``, not host names).
+    MPICH's segment loses its name here, so that no ending of the job leaves it behind
+    (``runtime.mpich_shm``)."""
     if info.uses_mpi:
         MPI = rendezvous.mpi_world(info, timeout)
         comm = MPI.COMM_WORLD
         rank = comm.Get_rank()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local = (node.Get_rank(), node.Get_size())
+        mpich_shm.release(node)  # every local rank maps MPICH's segment: its name may go
         node.Free()
         return comm, rank, comm.Get_size(), *local
     # torchrun always sets LOCAL_WORLD_SIZE; a hand-made RANK/WORLD_SIZE environment that does
