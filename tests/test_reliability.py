@@ -381,6 +381,61 @@ def test_nothing_of_an_mpi_job_stays_in_dev_shm(ending, nranks, tmp_path):
         assert left == [], (left, output[-3000:])
 
 
+def test_nothing_stays_in_dev_shm_when_a_rank_never_joins(tmp_path):
+    """Rank 1 of 2 dies before MPI_Init: rank 0 waits in MPI_Init, holding the GIL, with
+    MPICH's segment made and named, until init's native watchdog ends it (exit 124); the
+    watchdog removes the name first. Rank 0's /dev/shm files are read from outside while it
+    waits (it cannot run Python then)."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.multirank import launch_argv, launch_env, mpich_segments_removed
+
+    code = ("import os\n"
+            "rank = os.environ['PMI_RANK']\n"
+            f"open(os.path.join({str(tmp_path)!r}, 'pid' + rank), 'w').write(str(os.getpid()))\n"
+            "if rank == '1':\n"
+            "    os._exit(3)\n"
+            "import fastpar\n"
+            "fastpar.init(timeout=3)\n")
+    seen = set()
+    with mpich_segments_removed():  # a leak found is removed after
+        proc = subprocess.Popen(launch_argv("mpirun", 2, [sys.executable, "-c", code]),
+                                env=launch_env(2), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            pid = tmp_path / "pid0"
+            if pid.exists() and pid.read_text():
+                seen |= _shm_files_of(int(pid.read_text()))
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+        assert "MPI_Init did not complete within 3 s" in output, output[-3000:]
+        assert any("/mpich_shm_" in p for p in seen), (seen, glob.glob("/dev/shm/*"), output)
+        left = sorted(p for p in seen if os.path.exists(p))
+        assert left == [], (left, output[-3000:])
+
+
+def _shm_files_of(pid: int) -> set:
+    """The /dev/shm files process ``pid`` maps or holds open (none once it has gone)."""
+    import contextlib
+    import os
+
+    found = set()
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+        found |= {line.split(maxsplit=5)[5].strip() for line in f if " /dev/shm/" in line}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return {p.removesuffix(" (deleted)") for p in found if p.startswith("/dev/shm/")}
+
+
 def body_soak(calls, seed):
     """Thousands of mixed calls (every op, sync and async, shm and gloo, odd sizes) on
     overlapping groups, every result checked against what the inputs make it."""

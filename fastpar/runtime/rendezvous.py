@@ -16,6 +16,7 @@ import socket
 import time
 
 from fastpar.runtime import launcher as _launcher
+from fastpar.runtime import mpich_shm
 from fastpar.runtime.failures import everywhere
 from fastpar.runtime.hostid import describe, host_id, machine_id, network_id
 from fastpar.runtime.watchdog import deadline
@@ -48,13 +49,15 @@ def mpi_world(info: _launcher.LaunchInfo, timeout: float):
     """Import mpi4py lazily (torchrun and single-process use must not need an MPI library).
 
     The import runs ``MPI_Init``, which waits without limit for every rank to start, so it runs
-    under a watchdog that ends this process with a message after ``timeout`` seconds.
+    under a watchdog that ends this process with a message after ``timeout`` seconds, having
+    removed the name of MPICH's segment, which ranks that never came together leave named
+    (``runtime.mpich_shm``; once MPI_Init returns, ``fastpar.init`` removes it).
     """
     who = f"rank {info.rank}" + (f" of {info.world_size}" if info.world_size > 0 else "")
     message = (f"fastpar.init: {who} ({info.launcher} launcher): MPI_Init did not complete within "
                f"{timeout:g} s; a rank never started or died before joining MPI. Exiting.")
     try:
-        with deadline(timeout if timeout < NO_LIMIT_S else None, message):
+        with deadline(timeout if timeout < NO_LIMIT_S else None, message, mpich_shm.PREFIX):
             from mpi4py import MPI
     except ImportError as exc:
         raise RuntimeError(
