@@ -15,8 +15,10 @@
 
 TORCH_LIBRARY(fastpar, m) {
   m.def("build_info() -> str", [] { return fastpar::build_info(); });
-  m.def("watchdog_arm(float seconds, str message, int exit_code) -> int",
-        [](double s, std::string msg, int64_t code) { return fastpar::watchdog_arm(s, msg, code); });
+  m.def("watchdog_arm(float seconds, str message, int exit_code, str unlink_prefix=\"\") -> int",
+        [](double s, std::string msg, int64_t code, std::string prefix) {
+          return fastpar::watchdog_arm(s, msg, code, prefix);
+        });
   m.def("watchdog_disarm(int id) -> bool", &fastpar::watchdog_disarm);
 
   // Shared-memory collectives (CPU). The segment at `base` is owned by fastpar/comm/shm.py.

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import fastpar
 from fastpar import _native
 from fastpar.grid import validate_degrees
-from fastpar.runtime import hostid
+from fastpar.runtime import failures, hostid
 
 
 def _dist_version(name: str) -> str | None:
@@ -213,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                             timeout=args.timeout)
     except (ValueError, RuntimeError) as exc:
-        rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get(
-            "OMPI_COMM_WORLD_RANK") or "0"
-        print(f"fastpar info: error on rank {rank}: {exc}", file=sys.stderr)
+        if failures.speaks(exc):  # a failure every rank sees: rank 0 says it
+            rank = os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get(
+                "OMPI_COMM_WORLD_RANK") or "0"
+            print(f"fastpar info: error on rank {rank}: {exc}", file=sys.stderr)
         return 2
     try:
         rep = report(topo)

@@ -35,6 +35,7 @@ import time
 
 import fastpar
 from fastpar import runtime
+from fastpar.runtime import failures
 from fastpar.training.args import parse_args
 from fastpar.training.trainer import Trainer
 
@@ -57,24 +58,21 @@ def main(argv=None) -> int:
 
 
 def end_job_with(exc: Exception) -> None:
-    """A run that failed: the first rank to see the error says it in one line (the others,
-    which mostly hit the same one, say nothing), then the whole job ends with status 1, under
+    """A run that failed: one rank says the error in one line (a failure every rank sees: rank
+    0; else the first rank to count one in the job's store), the others, which mostly hit the
+    same one, say nothing (``runtime.failures``); then the whole job ends with status 1, under
     MPI at once (a peer may be waiting in a collective for this rank)."""
     topo = runtime.topology() if runtime.is_initialized() else None
-    first = True
-    if topo is not None and topo.store is not None:
-        try:
-            first = topo.store.add("fastpar/train/failed", 1) == 1
-        except Exception:  # noqa: BLE001 - the store's host may be what failed: say it here
-            first = True
+    spoke = failures.speaks(exc, topo.store if topo is not None else None,
+                            "fastpar/train/failed")
     rank = topo.rank if topo is not None else None
     where = f" on rank {rank}" if rank is not None and topo.world_size > 1 else ""
-    if first:
-        print(f"python -m fastpar.train: error{where}: {type(exc).__name__}: {exc} "
-              f"(FASTPAR_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+    words = (f"python -m fastpar.train: error{where}: {type(exc).__name__}: {exc} "
+             f"(FASTPAR_DEBUG=1 shows the traceback)\n")
+    if spoke:
+        print(words, end="", file=sys.stderr, flush=True)
     if topo is not None and topo.mpi_comm is not None and topo.world_size > 1:
-        time.sleep(0.5 if first else 5.0)  # the launcher forwards output asynchronously
-        topo.mpi_comm.Abort(1)
+        failures.abort_mpi_job(topo.mpi_comm, 1, spoke, words)
     raise SystemExit(1)
 
 

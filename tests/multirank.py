@@ -99,8 +99,10 @@ def _target_name(body: str | Callable) -> str:
 @contextlib.contextmanager
 def mpich_segments_removed():
     """Remove the /dev/shm segments MPICH creates inside the block: MPICH unlinks its own segment
-    only in MPI_Finalize, so a killed, aborted or failed job (tests of failures do this on
-    purpose) would leave ~3 MB behind per launch."""
+    only in MPI_Finalize. fastpar.init removes its name once every local rank maps it, and
+    MPI_Init's watchdog before it ends a rank (runtime/mpich_shm.py), but a job killed before
+    either (tests of failures do this on purpose), or one that never calls fastpar.init, would
+    leave 1-4 MB behind per launch. The tests of that removal launch without this block."""
     before = set(glob.glob("/dev/shm/mpich_shm_*"))
     try:
         yield

@@ -172,3 +172,47 @@ def test_mpi_rendezvous_failure_reaches_every_rank():
                                 "FASTPAR_MASTER_PORT": str(port)})
     for message in launch.values():
         assert f"could not start the rendezvous store at 127.0.0.1:{port}" in message, message
+
+
+# A failure every rank sees, through each front door: (argv, the job's exit status). The
+# script has no handler: fastpar's MPI abort hook ends the job.
+DOORS = {"script": ([sys.executable, "-c", "import fastpar; fastpar.init(tp={tp}, timeout=30)"],
+                    1),
+         "train": ([sys.executable, "-m", "fastpar.train", "--steps", "1", "--timeout", "30"], 1),
+         "info": ([sys.executable, "-m", "fastpar", "info", "--timeout", "30"], 2)}
+
+
+@pytest.mark.parametrize("door,nranks,failure,debug", [
+    ("script", 2, "layout", False), ("script", 4, "store port", False),
+    ("train", 2, "store port", False), ("info", 4, "store port", False),
+    ("info", 2, "store port", True)])
+def test_a_failure_every_rank_sees_is_said_once(door, nranks, failure, debug):
+    """A bad layout (the same check on every rank) or rank 0's rendezvous verdict (its store's
+    port taken; a job across hosts that found only loopback is the same broadcast) ends every
+    rank with the front door's status, said in one message by rank 0; the other ranks' own
+    words only with FASTPAR_DEBUG=1."""
+    from tests.multirank import launch
+
+    argv, status = DOORS[door]
+    argv = [a.format(tp=3 if failure == "layout" else 1) for a in argv]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {"FASTPAR_MASTER_ADDR": "127.0.0.1", "FASTPAR_MASTER_PORT": str(port)} \
+            if failure == "store port" else {}
+        env["FASTPAR_DEBUG"] = "1" if debug else "0"
+        start = time.monotonic()
+        proc = launch(argv, nranks=nranks, launcher="mpirun", env=env, timeout=120)
+        elapsed = time.monotonic() - start
+    text = proc.stdout + proc.stderr
+    said = {"layout": f"world_size {nranks} is not divisible by tp 3 x pp 1",
+            "store port": f"rank 0 could not start the rendezvous store at 127.0.0.1:{port}"}
+    assert proc.returncode == status, text[-3000:]
+    if debug:  # every rank: rank 0's words, and the others' (naming rank 0's)
+        assert text.count(said[failure]) == nranks, text[-3000:]
+        assert text.count("(rank 0 failed)") == nranks - 1, text[-3000:]
+    else:
+        assert text.count(said[failure]) == 1, text[-3000:]
+        assert "rank 0 failed" not in text and "on rank 1" not in text, text[-3000:]
+    assert elapsed < 60, (elapsed, text[-3000:])  # the quiet ranks do not hold the job up

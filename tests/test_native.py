@@ -32,3 +32,22 @@ def test_watchdog_fires_and_disarms():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 7
     assert "watchdog says bye" in proc.stderr
+
+
+def test_watchdog_removes_the_names_of_what_it_maps_under_a_prefix(tmp_path):
+    """Firing, the watchdog first removes the name of each file the process maps under
+    unlink_prefix (how MPI_Init's shared memory goes when a job never came together), and
+    leaves the others."""
+    _native.require("the watchdog test")
+    doomed, kept = tmp_path / "mpich_x_0", tmp_path / "other"
+    code = ("import mmap, time, torch, fastpar._C\n"
+            "maps = []\n"
+            f"for path in ({str(doomed)!r}, {str(kept)!r}):\n"
+            "    with open(path, 'wb+') as f:\n"
+            "        f.truncate(4096)\n"
+            "        maps.append(mmap.mmap(f.fileno(), 4096))\n"
+            f"torch.ops.fastpar.watchdog_arm(0.2, 'bye', 7, {str(tmp_path / 'mpich_')!r})\n"
+            "time.sleep(30)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 7, proc.stderr
+    assert not doomed.exists() and kept.exists()

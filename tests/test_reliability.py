@@ -306,6 +306,136 @@ def test_no_segment_left_when_setup_is_cut_short(how, tmp_path):
     assert left == set(), output
 
 
+# How an MPI job ends, as the code after its first all_reduce: every rank has written the
+# /dev/shm files it maps or holds open (MPICH's segment, fastpar's) to OUT/shm<rank> by then.
+ENDINGS = {
+    "finalized": "fastpar.shutdown()\n",
+    "uncaught exception": ("if topo.rank == 1:\n"
+                           "    raise ValueError('boom on rank 1')\n"
+                           "comm.all_reduce(torch.ones(2))\n"),  # rank 0 waits: the abort ends it
+    "SIGKILL to rank 1": ("if topo.rank == 1:\n"
+                          "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                          "comm.all_reduce(torch.ones(2))\n"),  # the launcher kills rank 0
+}
+SHM_FILES = ("def shm_files():  # what this rank maps or holds open in /dev/shm\n"
+             "    found = {line.split(maxsplit=5)[5].strip().removesuffix(' (deleted)')\n"
+             "             for line in open('/proc/self/maps') if ' /dev/shm/' in line}\n"
+             "    for fd in os.listdir('/proc/self/fd'):\n"
+             "        try:\n"
+             "            found.add(os.readlink(f'/proc/self/fd/{fd}'))\n"
+             "        except OSError:\n"
+             "            pass\n"
+             "    return sorted(p.removesuffix(' (deleted)') for p in found\n"
+             "                  if p.startswith('/dev/shm/'))\n")
+
+
+@pytest.mark.parametrize("ending,nranks", [("finalized", 2), ("uncaught exception", 2),
+                                           ("uncaught exception", 4), ("SIGKILL to rank 1", 2),
+                                           ("init fails", 2)])
+def test_nothing_of_an_mpi_job_stays_in_dev_shm(ending, nranks, tmp_path):
+    """However an mpirun job ends (MPI_Finalize; an uncaught exception, which aborts the job;
+    a rank killed, and the launcher killing the rest; rank 0's rendezvous verdict ending every
+    rank at init), no file in /dev/shm that any of its ranks mapped or held open stays behind:
+    MPICH's segment keeps its name only until every local rank has it mapped."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from tests.multirank import launch_argv, launch_env, mpich_segments_removed
+
+    out = str(tmp_path)
+    record = (f"open(os.path.join({out!r}, f'shm{{rank}}'), 'w').write('\\n'.join(shm_files()))\n")
+    if ending == "init fails":  # every rank raises, after MPI_Init: nothing of fastpar's yet
+        code = ("import os, fastpar\n" + SHM_FILES +
+                "from mpi4py import MPI\n"
+                "rank = MPI.COMM_WORLD.Get_rank()\n"
+                "try:\n"
+                "    fastpar.init(timeout=30)\n"
+                "finally:\n"
+                "    " + record)
+    else:
+        code = ("import os, signal, torch, fastpar\n"
+                "from fastpar import comm\n" + SHM_FILES +
+                "topo = fastpar.init(timeout=30)\n"
+                "rank = topo.rank\n"
+                "comm.all_reduce(torch.ones(2))\n" + record +
+                "comm.all_reduce(torch.ones(2))\n" + ENDINGS[ending])  # every rank recorded
+    with socket.socket() as busy, mpich_segments_removed():  # a leak found is removed after
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()  # "init fails": rank 0's store cannot take this port
+        env = {"FASTPAR_MASTER_ADDR": "127.0.0.1",
+               "FASTPAR_MASTER_PORT": str(busy.getsockname()[1])} if ending == "init fails" \
+            else {}
+        proc = subprocess.run(launch_argv("mpirun", nranks, [sys.executable, "-c", code]),
+                              env=launch_env(nranks, env), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=120)
+        output = proc.stdout + proc.stderr
+        assert (proc.returncode == 0) == (ending == "finalized"), output[-3000:]
+        held = {}
+        for r in range(nranks):
+            with open(tmp_path / f"shm{r}") as f:
+                held[r] = f.read().split()
+        assert all(any("/mpich_shm_" in p for p in paths) for paths in held.values()), held
+        left = sorted({p for paths in held.values() for p in paths if os.path.exists(p)})
+        assert left == [], (left, output[-3000:])
+
+
+def test_nothing_stays_in_dev_shm_when_a_rank_never_joins(tmp_path):
+    """Rank 1 of 2 dies before MPI_Init: rank 0 waits in MPI_Init, holding the GIL, with
+    MPICH's segment made and named, until init's native watchdog ends it (exit 124); the
+    watchdog removes the name first. Rank 0's /dev/shm files are read from outside while it
+    waits (it cannot run Python then)."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.multirank import launch_argv, launch_env, mpich_segments_removed
+
+    code = ("import os\n"
+            "rank = os.environ['PMI_RANK']\n"
+            f"open(os.path.join({str(tmp_path)!r}, 'pid' + rank), 'w').write(str(os.getpid()))\n"
+            "if rank == '1':\n"
+            "    os._exit(3)\n"
+            "import fastpar\n"
+            "fastpar.init(timeout=3)\n")
+    seen = set()
+    with mpich_segments_removed():  # a leak found is removed after
+        proc = subprocess.Popen(launch_argv("mpirun", 2, [sys.executable, "-c", code]),
+                                env=launch_env(2), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            pid = tmp_path / "pid0"
+            if pid.exists() and pid.read_text():
+                seen |= _shm_files_of(int(pid.read_text()))
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+        assert "MPI_Init did not complete within 3 s" in output, output[-3000:]
+        assert any("/mpich_shm_" in p for p in seen), (seen, glob.glob("/dev/shm/*"), output)
+        left = sorted(p for p in seen if os.path.exists(p))
+        assert left == [], (left, output[-3000:])
+
+
+def _shm_files_of(pid: int) -> set:
+    """The /dev/shm files process ``pid`` maps or holds open (none once it has gone)."""
+    import contextlib
+    import os
+
+    found = set()
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+        found |= {line.split(maxsplit=5)[5].strip() for line in f if " /dev/shm/" in line}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return {p.removesuffix(" (deleted)") for p in found if p.startswith("/dev/shm/")}
+
+
 def body_soak(calls, seed):
     """Thousands of mixed calls (every op, sync and async, shm and gloo, odd sizes) on
     overlapping groups, every result checked against what the inputs make it."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
+
+from fastpar.runtime import failures
 
 _HOOK: list = []  # the installed hook, while a job is up (init installs, shutdown removes)
 
@@ -15,7 +16,8 @@ def install(comm, rank: int) -> None:
     """Under MPI, an exception nobody catches on one rank ends the whole job at once, with its
     traceback, instead of leaving the other ranks waiting in a collective until the timeout (as
     ``python -m mpi4py`` does). The main thread's exceptions only (a background thread's may
-    be meant to end that thread alone); removed again by ``shutdown``.
+    be meant to end that thread alone); removed again by ``shutdown``. A failure every rank
+    sees is said once (``runtime.failures``).
 
     The traceback goes straight to file descriptor 2: torch.distributed's own excepthook, which
     init_process_group stacks on top of this one, captures ``sys.stderr`` while it calls the
@@ -28,12 +30,14 @@ def install(comm, rank: int) -> None:
         if abort not in _HOOK:  # removed by shutdown, but still in torch's chain
             return previous(exc_type, exc, tb)
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        os.write(2, (f"fastpar: uncaught exception on rank {rank}; aborting the MPI job so that "
-                     f"no rank waits for it:\n{text}").encode(errors="replace"))
-        # The launcher forwards output asynchronously, and the abort ends every rank's output
-        # stream: leave it a moment to carry the traceback out first.
-        time.sleep(0.5)
-        comm.Abort(1)
+        words = (f"fastpar: uncaught exception on rank {rank}; aborting the MPI job so that no "
+                 f"rank waits for it:\n{text}")
+        # A failure every rank sees (a bad layout, rank 0's rendezvous verdict) is said by
+        # rank 0 alone; the others abort quietly (runtime.failures).
+        spoke = failures.speaks(exc)
+        if spoke:
+            os.write(2, words.encode(errors="replace"))
+        failures.abort_mpi_job(comm, 1, spoke, words)
 
     abort.previous = previous
     _HOOK.append(abort)

@@ -5,7 +5,7 @@ Steps, identical under every launcher:
 1. ``launcher.detect`` reads the launcher, rank and world size from the environment; under an MPI
    launcher mpi4py (``MPI_Init``) then gives rank, world size and local ranks.
 2. The tp/pp/ep/cp degrees are validated on every rank before the rendezvous, so a bad layout fails
-   everywhere at once with the same ``ValueError``.
+   everywhere at once with the same ``ValueError`` (said by rank 0 alone: ``runtime.failures``).
 3. Rendezvous on a TCP store. Under MPI, rank 0 starts the store on a free port and broadcasts its
    address over MPI; under torchrun the store comes from ``MASTER_ADDR``/``MASTER_PORT``.
 4. A join barrier on the store with a deadline: a rank that cannot reach the store (its error
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fastpar.grid import Grid, Topology, validate_degrees
-from fastpar.runtime import abort, rendezvous
+from fastpar.runtime import abort, failures, mpich_shm, rendezvous
 from fastpar.runtime import launcher as _launcher
 from fastpar.runtime.binding import affinity, bind_cpus
 from fastpar.runtime.groups import build_groups
@@ -58,13 +58,16 @@ def _choose_device(local_rank: int, local_world_size: int) -> torch.device:
 
 def _this_process(info: _launcher.LaunchInfo, timeout: float):
     """``(mpi_comm, rank, world_size, local_rank, local_world_size)``; MPI is the truth under an
-    MPI launcher (local ranks from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``, not host names)."""
+    MPI launcher (local ranks from ``MPI_Comm_split_type(COMM_TYPE_SHARED)``, not host names).
+    MPICH's segment loses its name here, so that no ending of the job leaves it behind
+    (``runtime.mpich_shm``)."""
     if info.uses_mpi:
         MPI = rendezvous.mpi_world(info, timeout)
         comm = MPI.COMM_WORLD
         rank = comm.Get_rank()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local = (node.Get_rank(), node.Get_size())
+        mpich_shm.release(node)  # every local rank maps MPICH's segment: its name may go
         node.Free()
         return comm, rank, comm.Get_size(), *local
     # torchrun always sets LOCAL_WORLD_SIZE; a hand-made RANK/WORLD_SIZE environment that does
@@ -103,7 +106,11 @@ def init(tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, backend: str | N
     mpi_comm, rank, world_size, local_rank, local_world_size = _this_process(info, timeout)
     if mpi_comm is not None:
         abort.install(mpi_comm, rank)
-    validate_degrees(world_size, tp, pp, ep, cp)
+    try:
+        validate_degrees(world_size, tp, pp, ep, cp)
+    except ValueError as exc:  # the same numbers on every rank: rank 0 says it
+        failures.everywhere(exc, rank)
+        raise
     grid = Grid(world_size, tp, pp, ep, cp)
     device = _choose_device(local_rank, local_world_size)
     shared_gpu = device.type == "cuda" and local_world_size > torch.cuda.device_count()

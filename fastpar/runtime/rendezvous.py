@@ -16,6 +16,8 @@ import socket
 import time
 
 from fastpar.runtime import launcher as _launcher
+from fastpar.runtime import mpich_shm
+from fastpar.runtime.failures import everywhere
 from fastpar.runtime.hostid import describe, host_id, machine_id, network_id
 from fastpar.runtime.watchdog import deadline
 
@@ -47,13 +49,15 @@ def mpi_world(info: _launcher.LaunchInfo, timeout: float):
     """Import mpi4py lazily (torchrun and single-process use must not need an MPI library).
 
     The import runs ``MPI_Init``, which waits without limit for every rank to start, so it runs
-    under a watchdog that ends this process with a message after ``timeout`` seconds.
+    under a watchdog that ends this process with a message after ``timeout`` seconds, having
+    removed the name of MPICH's segment, which ranks that never came together leave named
+    (``runtime.mpich_shm``; once MPI_Init returns, ``fastpar.init`` removes it).
     """
     who = f"rank {info.rank}" + (f" of {info.world_size}" if info.world_size > 0 else "")
     message = (f"fastpar.init: {who} ({info.launcher} launcher): MPI_Init did not complete within "
                f"{timeout:g} s; a rank never started or died before joining MPI. Exiting.")
     try:
-        with deadline(timeout if timeout < NO_LIMIT_S else None, message):
+        with deadline(timeout if timeout < NO_LIMIT_S else None, message, mpich_shm.PREFIX):
             from mpi4py import MPI
     except ImportError as exc:
         raise RuntimeError(
@@ -182,7 +186,8 @@ def _wait_listening(host: str, port: int, timeout: float) -> None:
 
 def rendezvous_mpi(comm, timeout: float):
     """Rank 0 starts the store on an address the others can reach (MPI says, before any store
-    exists, whether the job spans hosts) and broadcasts it; ``(store, its address)``."""
+    exists, whether the job spans hosts) and broadcasts it; ``(store, its address)``. A failure
+    is raised on every rank alike and said by rank 0 alone (``runtime.failures``)."""
     rank = comm.Get_rank()
     world_size = comm.Get_size()
     store, error, address = None, None, None
@@ -199,8 +204,9 @@ def rendezvous_mpi(comm, timeout: float):
         except (RuntimeError, ValueError) as exc:
             error = str(exc)
     address, error = comm.bcast((address, error), root=0)
-    if error is not None:
-        raise RuntimeError(error if rank == 0 else f"fastpar.init (rank 0 failed): {error}")
+    if error is not None:  # rank 0's verdict, raised on every rank and said by rank 0
+        raise everywhere(RuntimeError(error if rank == 0 else
+                                      f"fastpar.init (rank 0 failed): {error}"), rank)
     if rank != 0:
         try:
             store = _join_store(address[0], address[1], rank, world_size, False, timeout)
@@ -209,7 +215,7 @@ def rendezvous_mpi(comm, timeout: float):
     # MPI is alive even when TCP is not: let every rank report every rank that failed to connect.
     errors = [e for e in comm.allgather(error) if e is not None]
     if errors:
-        raise RuntimeError("; ".join(errors))
+        raise everywhere(RuntimeError("; ".join(errors)), rank)
     return store, address[0]
 
 

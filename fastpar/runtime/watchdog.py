@@ -17,16 +17,17 @@ EXIT_CODE = 124
 
 
 @contextlib.contextmanager
-def deadline(seconds: float | None, message: str):
+def deadline(seconds: float | None, message: str, unlink_prefix: str = ""):
     """Run the ``with`` body; if it takes over ``seconds``, print ``message`` and exit with
     ``EXIT_CODE`` (without the native extension: a traceback, exit status 1). ``None``: no
-    limit."""
+    limit. ``unlink_prefix``: before it exits, the native watchdog removes the name of every
+    file this process maps under it (``MPI_Init``'s shared memory, ``runtime.mpich_shm``)."""
     if seconds is None:
         yield
     elif _native.available():
         import torch
 
-        dog = torch.ops.fastpar.watchdog_arm(float(seconds), message, EXIT_CODE)
+        dog = torch.ops.fastpar.watchdog_arm(float(seconds), message, EXIT_CODE, unlink_prefix)
         try:
             yield
         finally:
