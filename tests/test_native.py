@@ -34,6 +34,7 @@ def test_watchdog_fires_and_disarms():
     assert "watchdog says bye" in proc.stderr
 
 
+@pytest.mark.quick
 def test_watchdog_removes_the_names_of_what_it_maps_under_a_prefix(tmp_path):
     """Firing, the watchdog first removes the name of each file the process maps under
     unlink_prefix (how MPI_Init's shared memory goes when a job never came together), and
