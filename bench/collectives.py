@@ -327,7 +327,7 @@ def supported(op, backend, topo, dtype) -> str | None:
     if backend == "nccl" and topo.backend != "nccl":
         return f"the job's torch.distributed backend is {topo.backend}, not nccl"
     if backend == "nccl_mpi":
-        from fastpar.comm import nccl_mpi
+        from fastpar.comm.engines import nccl_mpi
 
         why = nccl_mpi.unavailable(mpi_launched=topo.mpi_comm is not None)
         if why:

@@ -21,7 +21,7 @@ TORCH_LIBRARY(fastpar, m) {
         });
   m.def("watchdog_disarm(int id) -> bool", &fastpar::watchdog_disarm);
 
-  // Shared-memory collectives (CPU). The segment at `base` is owned by fastpar/comm/shm.py.
+  // Shared-memory collectives (CPU). The segment at `base` is owned by fastpar/comm/engines/shm.py.
   m.def("shm_segment_bytes(int world, int slot_bytes) -> int", &fastpar::shm_segment_bytes);
   m.def("shm_init_segment(int base, int world, int slot_bytes) -> ()", &fastpar::shm_init_segment);
   m.def("shm_attach(int base, int rank, int world, int slot_bytes, float timeout_s, "
@@ -100,7 +100,7 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("shm_p2p_pending(int ep) -> (int, int)", &fastpar::shm_p2p_pending);
 
 #ifdef FASTPAR_WITH_CUDA
-  // CUDA IPC all-reduce. Buffers and handles are owned by fastpar/comm/cuda_ipc.py.
+  // CUDA IPC all-reduce. Buffers and handles are owned by fastpar/comm/engines/cuda_ipc.py.
   namespace ipc = fastpar::ipc;
   m.def("ipc_meta_size() -> int", &ipc::ipc_meta_size);
   m.def("ipc_init(int[] signal_ptrs, int[] buffer_ptrs, int rank, int world, int buffer_bytes, "

@@ -89,7 +89,7 @@ std::tuple<int64_t, int64_t> shm_last_error() {
 // The kernel's poll hook: ends a long wait when SIGINT (Ctrl-C) has arrived, within ~10 ms
 // instead of after the timeout. No Python handler runs here (this is inside a collective):
 // PyOS_InterruptOccurred only takes the pending SIGINT (main thread only), the kernel
-// poisons the segment and throws, and fastpar/comm/shm.py, once out of the call, raises
+// poisons the segment and throws, and fastpar/comm/engines/shm.py, once out of the call, raises
 // SIGINT again so that the program's own handler runs (by default: KeyboardInterrupt).
 const char* shm_poll_sigint() {
   if (!Py_IsInitialized()) return nullptr;

@@ -1,7 +1,7 @@
 #pragma once
 // Torch glue of the shared-memory collectives: tensors in, checks, then the pure kernel
 // (csrc/shm/shm_collectives.h). The segment itself is mapped and owned by the Python policy
-// class (fastpar/comm/shm.py); these functions only receive its address.
+// class (fastpar/comm/engines/shm.py); these functions only receive its address.
 #include <ATen/core/Tensor.h>
 
 #include <exception>
@@ -36,7 +36,7 @@ void shm_all_to_all_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRe
 // in: this rank's symmetric buffer of world blocks; out may be in's block of this rank.
 void shm_reduce_scatter_symmetric(int64_t comm, const at::Tensor& in, at::IntArrayRef slots,
                                   at::Tensor& out, const std::string& op, int64_t sig);
-// sig: the caller's dtype/shape signature, compared across ranks (fastpar/comm/shm.py).
+// sig: the caller's dtype/shape signature, compared across ranks (fastpar/comm/engines/shm.py).
 void shm_all_gather(int64_t comm, const at::Tensor& in, at::Tensor& out, int64_t sig);
 void shm_reduce_scatter(int64_t comm, const at::Tensor& in, at::Tensor& out,
                         const std::string& op);
@@ -55,7 +55,7 @@ shm::Comm& shm_comm(int64_t comm);
 // code, not by the message's text. Each op's kernel call records what it threw (or nothing)
 // in this thread: shm_record_error, called by the ops' error translation. shm_last_error
 // returns (kind, cause) of the last error recorded in this thread and clears it: read it right
-// after catching the RuntimeError (fastpar/comm/native_errors.py).
+// after catching the RuntimeError (fastpar/comm/engines/native_errors.py).
 void shm_record_error(const std::exception* e);
 std::tuple<int64_t, int64_t> shm_last_error();
 

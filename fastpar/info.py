@@ -138,7 +138,7 @@ def layout_warnings(topo) -> list[str]:
 def gpu_engines() -> dict:
     """Whether our GPU engines would run on this machine, and why: cuda_ipc for groups of 2, 4
     and 8 ranks (``policy.ipc_limit``'s table), nccl_mpi's availability."""
-    from fastpar.comm import cuda_ipc, nccl_mpi
+    from fastpar.comm.engines import cuda_ipc, nccl_mpi
 
     return {"cuda_ipc": cuda_ipc.describe(), "nccl_mpi": nccl_mpi.unavailable() or "available"}
 

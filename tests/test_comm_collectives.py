@@ -141,7 +141,7 @@ def body_mismatch():
 
     import torch.distributed as dist
 
-    from fastpar.comm.native_errors import Kind
+    from fastpar.comm.engines.native_errors import Kind
 
     topo = fastpar.init(timeout=30)
     r = topo.rank

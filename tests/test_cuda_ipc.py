@@ -62,12 +62,13 @@ class Checker:
 def _ipc(group=None):
     import torch.distributed as dist
 
+    from fastpar.comm.engines.cuda_ipc import CudaIpc
     from fastpar.comm.state import current
 
     st = current()
     group = group or dist.group.WORLD
     g, ranks, _ = st.resolve(group)
-    return st.cuda_ipc(g, ranks, st.topo.device)
+    return st.communicator(CudaIpc, g, ranks, st.topo.device)
 
 
 def body_ipc():
@@ -78,8 +79,8 @@ def body_ipc():
 
     import fastpar
     from fastpar import comm
-    from fastpar.comm import cuda_ipc
-    from fastpar.comm.cuda_ipc import CudaIpcCommunicator
+    from fastpar.comm.engines import cuda_ipc
+    from fastpar.comm.engines.cuda_ipc import CudaIpcCommunicator
     from fastpar.comm.state import current
 
     topo = fastpar.init(timeout=120)
@@ -411,7 +412,7 @@ def body_nccl_mpi_one():
     import torch
     from mpi4py import MPI
 
-    from fastpar.comm.nccl_mpi import NcclMpiCommunicator
+    from fastpar.comm.engines.nccl_mpi import NcclMpiCommunicator
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from fastpar.comm import cuda_ipc
+from fastpar.comm.engines import cuda_ipc
 from fastpar.comm.policy import IPC_DEFAULT_MAX_BYTES, ipc_limit
 from tests.multirank import run_ranks
 
@@ -212,7 +212,7 @@ def body_setup_protocol():
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.cuda_ipc import CudaIpcCommunicator
+    from fastpar.comm.engines.cuda_ipc import CudaIpcCommunicator
     from fastpar.comm.state import current
 
     topo = fastpar.init(timeout=60)
@@ -255,7 +255,7 @@ def body_setup_protocol():
     real = torch.cuda.is_available, torch.cuda.is_current_stream_capturing
     torch.cuda.is_available = torch.cuda.is_current_stream_capturing = lambda: True
     try:
-        current().cuda_ipc(group, ranks, torch.device("cuda", 0))
+        current().communicator(cuda_ipc.CudaIpc, group, ranks, torch.device("cuda", 0))
         out["capture"] = None
     except RuntimeError as exc:
         out["capture"] = str(exc)

@@ -15,7 +15,8 @@ import importlib.util
 import pytest
 import torch
 
-from fastpar.comm import nccl_mpi, policy
+from fastpar.comm import policy
+from fastpar.comm.engines import nccl_mpi
 from fastpar.comm.policy import GroupFacts, choose
 from tests.multirank import run_ranks
 
@@ -89,7 +90,8 @@ def body_glue():
     import torch.distributed as dist
 
     import fastpar
-    from fastpar.comm.nccl_mpi import NcclMpiCommunicator
+    from fastpar.comm.engines.nccl_mpi import NcclMpiCommunicator
+    from fastpar.comm.engines.mpi import Mpi
     from fastpar.comm.state import current
 
     topo = fastpar.init(timeout=60)
@@ -100,7 +102,7 @@ def body_glue():
         groups["pair"] = (sub, [0, 2])
     out = {}
     for name, (group, ranks) in groups.items():
-        mpi = st.mpi(group, ranks)  # the group's MPI communicator, as the engine gets it
+        mpi = st.communicator(Mpi, group, ranks, None)  # the group's, as the engine gets it
         fake = FakeNccl(mpi)
         comm = NcclMpiCommunicator(mpi, torch.device("cpu"), nccl=fake, stream_of=lambda t: 77)
         n, me = len(ranks), ranks.index(topo.rank)

@@ -196,7 +196,7 @@ def body_ops(sizes, engines, blocks):
     import fastpar
     from fastpar import comm
     from fastpar.comm import quant
-    from fastpar.comm.shm import ShmCommunicator
+    from fastpar.comm.engines.shm import ShmCommunicator
     from tests.multirank import count_calls
     from tests.test_quantized import NATIVE, _x, ratio, reduce_bound
 
@@ -318,7 +318,7 @@ def body_large(per_rank):
 
     import fastpar
     from fastpar import comm
-    from fastpar.comm.shm import ShmCommunicator
+    from fastpar.comm.engines.shm import ShmCommunicator
     from tests.multirank import count_calls
     from tests.test_quantized import NATIVE, _x
 
@@ -363,7 +363,7 @@ def body_quantized_mismatch():
 
     import fastpar
     from fastpar import comm
-    from fastpar.comm.native_errors import Kind
+    from fastpar.comm.engines.native_errors import Kind
 
     topo = fastpar.init(timeout=30)
     r = topo.rank

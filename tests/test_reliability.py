@@ -91,6 +91,7 @@ def body_threads(calls):
     # Two threads of one rank on one shm group: the second is refused at once, clearly. The
     # peer joins the first call only after the refusal (a store key), so the first thread is
     # surely inside the kernel when the second call comes.
+    from fastpar.comm.engines.shm import Shm
     from fastpar.comm.state import current
 
     comm.use_backend("shm")
@@ -101,7 +102,7 @@ def body_threads(calls):
     if topo.tp_rank == 0:
         inside = threading.Thread(target=comm.all_reduce, args=(x, topo.tp_group))
         inside.start()
-        busy = current().shm(topo.tp_group, topo.ranks("tp"))._busy
+        busy = current().communicator(Shm, topo.tp_group, topo.ranks("tp"), None)._busy
         deadline = time.monotonic() + 30
         while not busy.locked() and time.monotonic() < deadline:
             time.sleep(0.01)

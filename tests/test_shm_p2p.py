@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fastpar.comm.native_errors import Kind
+from fastpar.comm.engines.native_errors import Kind
 from tests.multirank import run_ranks, segments_of
 
 # ---- the message plan (shared by senders and receivers) -------------------------------------

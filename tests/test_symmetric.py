@@ -35,8 +35,8 @@ def body_bitwise():
     import fastpar
     from fastpar import comm
     from fastpar.comm import symmetric
-    from fastpar.comm.engines import SYMMETRIC_ALL_REDUCE_MIN
-    from fastpar.comm.shm import ShmCommunicator
+    from fastpar.comm.engines.shm import SYMMETRIC_ALL_REDUCE_MIN
+    from fastpar.comm.engines.shm import ShmCommunicator
     from fastpar.comm.state import current
 
     topo = fastpar.init(timeout=60)
@@ -111,7 +111,7 @@ def gather_and_scatter_cases(me, n, digests):
     import torch
 
     from fastpar import comm
-    from fastpar.comm.shm import ShmCommunicator
+    from fastpar.comm.engines.shm import ShmCommunicator
 
     calls = count_calls(ShmCommunicator, "all_gather_symmetric", "reduce_scatter_symmetric")
     bad, cases = [], 0
@@ -160,7 +160,7 @@ def gather_and_scatter_cases(me, n, digests):
     # all_gather takes the symmetric kernel from SYMMETRIC_GATHER_MIN bytes per rank (below it
     # the copying kernel's single round is faster), ...
     # reduce_scatter from SYMMETRIC_SCATTER_MIN bytes of input.
-    from fastpar.comm.engines import SYMMETRIC_GATHER_MIN, SYMMETRIC_SCATTER_MIN
+    from fastpar.comm.engines.shm import SYMMETRIC_GATHER_MIN, SYMMETRIC_SCATTER_MIN
 
     def over(limit, ranks):
         return sum(count * ranks * torch.empty((), dtype=d).element_size() >= limit
@@ -182,8 +182,8 @@ def all_to_all_cases(me, n):
     import torch
 
     from fastpar import comm
-    from fastpar.comm.engines import SYMMETRIC_ALL_TO_ALL_MIN
-    from fastpar.comm.shm import ShmCommunicator
+    from fastpar.comm.engines.shm import SYMMETRIC_ALL_TO_ALL_MIN
+    from fastpar.comm.engines.shm import ShmCommunicator
 
     calls = count_calls(ShmCommunicator, "all_to_all_symmetric")
     bad, want = [], 0
@@ -268,7 +268,7 @@ def test_no_segment_left_when_a_rank_dies_during_setup(victim, tmp_path):
             f"open(os.path.join({str(tmp_path)!r}, f'pid{{topo.rank}}'), 'w').write("
             "str(os.getpid()))\n"
             "if topo.rank == 1:\n"  # past the size check, slow to map the segment
-            "    import _posixshmem, fastpar.comm.segments as segments\n"
+            "    import _posixshmem, fastpar.comm.engines.segments as segments\n"
             "    class Slow:\n"
             "        def shm_open(self, *args, **kwargs):\n"
             "            time.sleep(60)\n"
@@ -291,7 +291,7 @@ def body_segment_setup_fails():
     import os
 
     import fastpar
-    from fastpar.comm.segments import map_segments
+    from fastpar.comm.engines.segments import map_segments
 
     topo = fastpar.init(timeout=60)
     out, seen = {}, []
@@ -335,7 +335,7 @@ def body_release_and_gather_from():
     import fastpar
     from fastpar import comm
     from fastpar.comm import symmetric
-    from fastpar.comm.shm import ShmCommunicator
+    from fastpar.comm.engines.shm import ShmCommunicator
 
     topo = fastpar.init(timeout=60)
     comm.use_backend("shm")
@@ -412,7 +412,7 @@ def body_mismatch():
     import fastpar
     from fastpar import comm
     from fastpar.comm import symmetric
-    from fastpar.comm.native_errors import ShmError
+    from fastpar.comm.engines.native_errors import ShmError
 
     topo = fastpar.init(timeout=60)
     comm.use_backend("shm")

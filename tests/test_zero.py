@@ -77,8 +77,8 @@ class in_place_calls:
     ZeRO-2/3's gradients through 64-byte rows, so that a run takes several chunks."""
 
     def __init__(self, lower: bool):
-        from fastpar.comm import engines
-        from fastpar.comm.shm import ShmCommunicator
+        from fastpar.comm.engines import shm as engines
+        from fastpar.comm.engines.shm import ShmCommunicator
         from fastpar.optim import zero_grads
         from tests.multirank import count_calls
 

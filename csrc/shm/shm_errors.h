@@ -3,7 +3,7 @@
 // Part of the kernel's interface (shm_collectives.h, shm_p2p.h); no torch here.
 //
 // The codes cross into Python (csrc/shm_ops.cpp records the last one per thread,
-// fastpar/comm/native_errors.py reads it): keep the numbers.
+// fastpar/comm/engines/native_errors.py reads it): keep the numbers.
 #pragma once
 
 #include <stdexcept>

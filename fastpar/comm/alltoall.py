@@ -27,9 +27,8 @@ import operator
 import torch
 import torch.distributed as dist
 
-from fastpar.comm import symmetric
-from fastpar.comm.collectives import Handle, _check_tensor, _done, _overlaps, _route
-from fastpar.comm.engines import SYMMETRIC_ALL_TO_ALL_MIN, adapter
+from fastpar.comm.collectives import Handle, done, overlaps
+from fastpar.comm.routing import check_tensor, route as route_of
 from fastpar.comm.views import byte_view
 
 
@@ -57,14 +56,14 @@ def _counts(name: str, what: str, counts, n: int) -> list[int]:
     return counts
 
 
-def _exchange(name, t, send, recv, group, async_op, out=None):
+def exchange(name, t, send, recv, group, async_op, out=None):
     """``(result or Handle, send counts, recv counts)`` of one all-to-all, the counts as lists;
     arguments checked before any communication (``send=None``: equal splits)."""
-    _check_tensor(name, t)
+    check_tensor(name, t)
     if t.dim() == 0:
         raise ValueError(f"{name} needs a tensor with at least one dim to split, got a 0-dim "
                          "tensor")
-    route = _route("all_to_all", t, group)
+    route = route_of("all_to_all", t, group)
     n, rows = len(route.ranks), t.shape[0]
     equal = send is None  # all_to_all: alike on every rank, unlike the counts of all_to_all_v
     if send is None:
@@ -90,25 +89,24 @@ def _exchange(name, t, send, recv, group, async_op, out=None):
                    if isinstance(out, torch.Tensor) else type(out).__name__)
             raise ValueError(f"{name}: out must be a contiguous {t.dtype} tensor of shape "
                              f"{want} on {t.device}, got {got}")
-    if route.engine == "local":
+    if route.adapter.local:
         if recv is not None and recv != send:
             raise ValueError(f"{name}: recv_counts {recv} differ from send_counts {send} on a "
                              "group of one rank")
         if out is not None:
-            return _done(out.copy_(t.clone() if _overlaps(out, t) else t), async_op), send, send
-        return _done(t, async_op), send, send
+            return done(out.copy_(t.clone() if overlaps(out, t) else t), async_op), send, send
+        return done(t, async_op), send, send
     inp = t.contiguous()
     alias = None
-    if out is not None and _overlaps(out, inp):  # peers read inp while out is written: the
+    if out is not None and overlaps(out, inp):  # peers read inp while out is written: the
         alias, out = out, None                   # result goes through a new tensor
-    sym = _symmetric(route, inp) if equal else None
-    if sym is not None:  # every rank reads its block of each peer's input where it lies
-        out = torch.empty_like(inp) if out is None else out
-        route.comm.all_to_all_symmetric(inp, sym, out)
-        work = None
+    # equal splits, by the call (not by counts that one rank's could match and another's not):
+    # a symmetric input of the group is read where it lies (shm), every rank deciding alike
+    read = route.adapter.all_to_all_symmetric(route, inp, out) if equal else None
+    if read is not None:
+        out, work = read, None
     else:
-        out, recv, work = adapter(route.engine).all_to_all(route, inp, send, recv, out,
-                                                           async_op)
+        out, recv, work = route.adapter.all_to_all(route, inp, send, recv, out, async_op)
     if alias is not None:
         result = out
         if async_op and work is not None:
@@ -117,25 +115,13 @@ def _exchange(name, t, send, recv, group, async_op, out=None):
     return (Handle(out, work) if async_op else out), send, recv
 
 
-def _symmetric(route, inp: torch.Tensor):
-    """Where a symmetric input of this group (or a contiguous part of one) lies, for the shm
-    engine's symmetric all-to-all (equal splits, from ``SYMMETRIC_ALL_TO_ALL_MIN`` bytes), else
-    None. Every rank decides alike: the registry entry and the size are the group's, made
-    collectively (the kernel checks that every rank passed the same part of the same one);
-    the caller passes only plain ``all_to_all`` calls (equal splits by the call, not by counts
-    that one rank's could match and another's not)."""
-    if route.engine != "shm" or inp.nbytes < SYMMETRIC_ALL_TO_ALL_MIN:
-        return None
-    return symmetric.lookup(inp, route.group)
-
-
 def all_to_all(t: torch.Tensor, group=None, async_op: bool = False, *, out=None):
     """Equal splits: block j of ``t``'s dim 0 (``dim 0 / n`` rows) goes to group rank j; the
     result's block i came from group rank i. Same shape as ``t`` (a new tensor; ``t`` itself
     on a group of one rank). ``group=None``: the world. ``out``: a contiguous tensor of ``t``'s
     shape, dtype and device the result is written into (and returned), e.g. reused across calls
     so that no new memory is faulted in each time."""
-    return _exchange("all_to_all", t, None, None, group, async_op, out)[0]
+    return exchange("all_to_all", t, None, None, group, async_op, out)[0]
 
 
 def all_to_all_v(t: torch.Tensor, send_counts, recv_counts=None, group=None,
@@ -150,7 +136,7 @@ def all_to_all_v(t: torch.Tensor, send_counts, recv_counts=None, group=None,
     fails on every rank). ``ValueError`` before any communication for a wrong number of
     counts, negative counts, or send counts that do not add up to ``t.shape[0]``. ``out``: as
     for ``all_to_all``, of ``sum(recv_counts)`` rows (so it needs ``recv_counts``)."""
-    return _exchange("all_to_all_v", t, send_counts, recv_counts, group, async_op, out)[0]
+    return exchange("all_to_all_v", t, send_counts, recv_counts, group, async_op, out)[0]
 
 
 def all_to_all_v_device(t: torch.Tensor, send_counts: torch.Tensor, capacity: int, group=None,
@@ -169,7 +155,7 @@ def all_to_all_v_device(t: torch.Tensor, send_counts: torch.Tensor, capacity: in
     equal-split all-to-all moves them, and the received slices are gathered back to back. It
     runs on the group's torch.distributed backend (NCCL on GPUs; gloo for CPU tensors, which is
     how it is tested without a GPU)."""
-    _check_tensor("all_to_all_v_device", t)
+    check_tensor("all_to_all_v_device", t)
     if t.dim() == 0:
         raise ValueError("all_to_all_v_device needs a tensor with at least one dim to split")
     n = dist.get_world_size(group)

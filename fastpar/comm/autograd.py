@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from fastpar.comm.alltoall import _exchange, all_to_all_v
+from fastpar.comm.alltoall import all_to_all_v, exchange
 from fastpar.comm.collectives import all_gather, all_reduce, reduce_scatter
 from fastpar.runtime import group_rank, group_size
 
@@ -128,7 +128,7 @@ class AllToAllRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, send_counts, recv_counts):
-        y, send, recv = _exchange("all_to_all_rows", x, send_counts, recv_counts, group, False)
+        y, send, recv = exchange("all_to_all_rows", x, send_counts, recv_counts, group, False)
         ctx.group, ctx.counts = group, (recv, send)
         return y
 

@@ -27,8 +27,8 @@ import torch
 
 from fastpar.comm import policy, quantized
 from fastpar.comm import quant as quant_codec
-from fastpar.comm.engines import adapter
-from fastpar.comm.flat import TORCH_OPS as _TORCH_OPS
+from fastpar.comm import routing
+from fastpar.comm.routing import check_tensor, choose, op_name
 from fastpar.comm.state import current
 
 log = logging.getLogger("fastpar.comm")
@@ -68,70 +68,6 @@ class Handle:
         return True
 
 
-class Route:
-    """Where one kind of call goes: the group, its ranks, the engine and its communicator."""
-
-    __slots__ = ("group", "ranks", "engine", "comm", "op")
-
-    def __init__(self, group, ranks, engine, comm, op):
-        self.group, self.ranks, self.engine, self.comm = group, ranks, engine, comm
-        self.op = op  # the reduce op's name ("sum", ...), whatever form the caller gave
-
-
-def _op_name(op) -> str:
-    """``"sum"`` & co. from a string or a ``torch.distributed.ReduceOp``."""
-    if isinstance(op, str):
-        if op in _TORCH_OPS:
-            return op
-    else:
-        for name, red in _TORCH_OPS.items():
-            if op == red:
-                return name
-    raise ValueError(f"op must be one of {', '.join(map(repr, _TORCH_OPS))} or the "
-                     f"torch.distributed.ReduceOp of the same name, got {op!r}")
-
-
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}; "
-                        "call .to_dense() first")
-
-
-def _route(name: str, t: torch.Tensor, group, op="sum") -> Route:
-    """The route of one call; routes are cached per job, so a hot loop pays one dict lookup
-    (the tensor and the op are checked only when a call misses the cache).
-
-    The policy depends on bytes for CUDA (IPC buffer size, 16-byte multiple), so CUDA routes
-    are keyed by size, and for CPU tensors only on ``policy.size_class`` (groups that span
-    hosts: below ``HIER_MIN_BYTES``, below ``CROSS_ASYNC_MIN_BYTES``, above). Each new route
-    logs its engine and the reason at debug level (``logging.getLogger("fastpar.comm")``).
-    """
-    st = current()
-    try:
-        cuda = t.is_cuda
-        key = (id(group), name, op, t.dtype, t.layout, cuda, st.forced,
-               t.numel() if cuda else policy.size_class(t.numel() * t.element_size()))
-        route = st.routes.get(key)
-    except (AttributeError, TypeError):  # not a tensor, or an unhashable op
-        key, route = None, None
-    if route is not None:
-        return route
-    _check_tensor(name, t)
-    op = _op_name(op)
-    group, ranks, choice = st.choose(name, t, group, op)
-    comm = st.communicator(choice.engine, group, ranks, t.device)
-    log.debug("%s (%s, %s, %s) on global ranks %s -> %s: %s", name, op, t.dtype, t.device.type,
-              ranks, choice.engine, choice.reason)
-    route = Route(group, ranks, choice.engine, comm, op)
-    if key is not None:
-        if len(st.routes) >= 4096:  # CUDA keys carry sizes: varying shapes must not grow it
-            st.routes.clear()
-        st.routes[key] = route
-    return route
-
-
 def use_backend(name: str | None) -> str | None:
     """Force one engine for this job's following calls (``None``: the policy decides again), as
     ``FASTPAR_COMM_BACKEND`` does from the environment; returns the previous setting."""
@@ -146,8 +82,8 @@ def engine_for(name: str, t: torch.Tensor, group=None, op="sum") -> tuple[str, s
     """``(engine, reason)``: what collective ``name`` ("all_reduce", ...) of ``t`` on ``group``
     would take now. Communicates nothing, except that a CUDA all_reduce first builds the
     group's CUDA IPC communicator (collective over the group) as a call would."""
-    _check_tensor(name, t)
-    choice = current().choose(name, t, group, _op_name(op))[2]
+    check_tensor(name, t)
+    choice = choose(name, t, group, op_name(op))[2]
     return choice.engine, choice.reason
 
 
@@ -169,7 +105,7 @@ def _quant(name: str, t: torch.Tensor, op, quant, residual=None):
     if t.dtype not in quant_codec.DTYPES:
         raise ValueError(f"{name}: quant={spec.kind!r} takes float32 or bfloat16 tensors, got "
                          f"{t.dtype}")
-    if op is not None and _op_name(op) != "sum":
+    if op is not None and op_name(op) != "sum":
         raise ValueError(f"{name}: quant={spec.kind!r} reduces by sum only, got op={op!r}")
     if residual is not None and (
             not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or
@@ -190,7 +126,7 @@ def _quant_route(name: str, t: torch.Tensor, group, op, spec):
     a node, a bfloat16 all_reduce across hosts), the call's own full-precision route and spec
     None."""
     flat = t.reshape(-1)
-    route = _route("all_gather", flat.view(torch.uint8) if flat.is_contiguous() else
+    route = routing.route("all_gather", flat.view(torch.uint8) if flat.is_contiguous() else
                    torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8,
                                device=t.device), group)
     st = current()
@@ -200,7 +136,7 @@ def _quant_route(name: str, t: torch.Tensor, group, op, spec):
     if yes:
         return route, spec
     log.debug("%s quant=%r on global ranks %s: %s", name, spec.kind, route.ranks, why)
-    return (_route(name, t, group, op) if name != "all_gather" else _route(name, t, group)), None
+    return (routing.route(name, t, group, op) if name != "all_gather" else routing.route(name, t, group)), None
 
 
 def _routed(name: str, t: torch.Tensor, group, op, quant, residual):
@@ -210,7 +146,7 @@ def _routed(name: str, t: torch.Tensor, group, op, quant, residual):
     a new tensor otherwise), and the residual keeps only what t's dtype could not hold of the
     sum (zeros for float32; a bfloat16 tensor's rounding, carried on to the next call)."""
     if quant is None and residual is None:
-        return _route(name, t, group, op), None, t
+        return routing.route(name, t, group, op), None, t
     route, spec = _quant_route(name, t, group, op, _quant(name, t, op, quant, residual))
     if spec is None and residual is not None:
         out = t if name == "all_reduce" else torch.empty_like(t)
@@ -221,18 +157,19 @@ def _routed(name: str, t: torch.Tensor, group, op, quant, residual):
 def _quant_handle(result, pending, async_op):
     """The result of a quantized call whose bytes may still be in flight (``pending``)."""
     if pending is None:
-        return _done(result, async_op)
+        return done(result, async_op)
     if async_op:
         return Handle(result, pending)
     pending.wait()
     return result
 
 
-def _done(result, async_op):
+def done(result, async_op):
+    """``result``, or with ``async_op`` a finished ``Handle`` of it."""
     return Handle(result) if async_op else result
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two contiguous tensors on one device share bytes."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a.device == b.device and a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
@@ -246,7 +183,7 @@ def _through_contiguous(t: torch.Tensor, call, async_op: bool):
     if async_op and inner._work is not None:
         return Handle(t, inner._work, lambda: t.copy_(c))
     t.copy_(c)
-    return _done(t, async_op)
+    return done(t, async_op)
 
 
 def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *, quant=None,
@@ -258,22 +195,19 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *,
     copy in or out; bitwise the copying path's result). ``quant``,
     ``residual``: see the module docstring (quantized calls complete before they return)."""
     route, spec, _ = _routed("all_reduce", t, group, op, quant, residual)
-    engine, op = route.engine, route.op
-    if engine == "local":
-        return _done(t, async_op)
+    op = route.op
+    if route.adapter.local:
+        return done(t, async_op)
     if spec is not None:
         c = t.contiguous()
-        if engine == "hier":
-            route.comm.quantized_all_reduce(c, spec, residual)
-        else:
-            quantized.all_reduce(route, c, spec, residual)
+        route.adapter.quantized_all_reduce(route, c, spec, residual)
         if c is not t:
             t.copy_(c)
-        return _done(t, async_op)
+        return done(t, async_op)
     if not t.is_contiguous():  # every engine wants contiguous memory (NCCL, ours); gloo copies
         return _through_contiguous(t, lambda c: all_reduce(c, group, op, True), async_op)
-    work = adapter(engine).all_reduce(route, t, op, async_op)
-    return Handle(t, work) if work is not None else _done(t, async_op)
+    work = route.adapter.all_reduce(route, t, op, async_op)
+    return Handle(t, work) if work is not None else done(t, async_op)
 
 
 def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False, *,
@@ -288,19 +222,18 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     buffers (no staging copy); so it does when ``t`` is (and ``out`` a plain tensor: ZeRO-3
     gathers its parameters from the peers' master shards that way). ``quant``: see
     the module docstring; every rank's block, this rank's too, is what its int8 says."""
-    _check_tensor("all_gather", t)  # arguments are checked before any communication
+    check_tensor("all_gather", t)  # arguments are checked before any communication
     if t.dim() == 0:
         t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
     dim = _check_dim("all_gather", t, dim)
     spec = _quant("all_gather", t, None, quant) if quant is not None else None
-    route = _route("all_gather", t, group) if spec is None else None
+    route = routing.route("all_gather", t, group) if spec is None else None
     if route is None:
         route, spec = _quant_route("all_gather", t, group, None, spec)
     if out is not None:
         return _all_gather_into(t, out, dim, route, async_op, spec)
-    engine = route.engine
-    if engine == "local":
-        return _done(t, async_op)
+    if route.adapter.local:
+        return done(t, async_op)
     if spec is not None:
         n = len(route.ranks)
         stacked = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -309,17 +242,17 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
             return _quant_handle(stacked, pending, async_op)
         if pending is not None:
             pending.wait()
-        return _done(torch.cat(stacked.chunk(n, dim=0), dim=dim), async_op)
+        return done(torch.cat(stacked.chunk(n, dim=0), dim=dim), async_op)
     n = len(route.ranks)
     inp = t.contiguous()
     stacked = torch.empty((n * inp.shape[0], *inp.shape[1:]), dtype=t.dtype, device=t.device)
-    work = adapter(engine).all_gather(route, inp, stacked, async_op)
+    work = route.adapter.all_gather(route, inp, stacked, async_op)
 
     if dim == 0:
         return Handle(stacked, work) if async_op else stacked
     # (n * d0, ...) -> n pieces of t's shape, joined along dim.
     if work is None:
-        return _done(torch.cat(stacked.chunk(n, dim=0), dim=dim), async_op)
+        return done(torch.cat(stacked.chunk(n, dim=0), dim=dim), async_op)
     shape = list(inp.shape)
     shape[dim] *= n
     result = torch.empty(shape, dtype=t.dtype, device=t.device)
@@ -328,10 +261,7 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
 
 
 def _quantized_gather(route, t: torch.Tensor, out: torch.Tensor, spec, async_op: bool):
-    if route.engine == "hier":
-        route.comm.quantized_all_gather(t, out, spec)
-        return None
-    return quantized.all_gather(route, t, out, spec, async_op)
+    return route.adapter.quantized_all_gather(route, t, out, spec, async_op)
 
 
 def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_op: bool,
@@ -346,19 +276,19 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
             f"{t.device} and dim 0 (the concatenation of {n} ranks' {tuple(t.shape)}); got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous={out.is_contiguous()}, "
             f"dim {dim}")
-    if spec is not None and route.engine != "local":  # t is read before out is written
+    if spec is not None and not route.adapter.local:  # t is read before out is written
         return _quant_handle(out, _quantized_gather(route, t.contiguous(), out, spec,
                                                     async_op), async_op)
     me = route.ranks.index(current().topo.rank)
     block = out.narrow(0, me * t.shape[0], t.shape[0])
     if block.data_ptr() != t.data_ptr() or block.stride() != t.stride():
-        if route.engine == "shm" and t.is_contiguous() and not _overlaps(t, out) and \
-                adapter("shm").gather_from(route, t, out):
-            return _done(out, async_op)  # t in symmetric memory: read where it lies
+        if t.is_contiguous() and not overlaps(t, out) and \
+                route.adapter.gather_from(route, t, out):
+            return done(out, async_op)  # t in symmetric memory: read where it lies
         block.copy_(t)
-    work = None if route.engine == "local" else \
-        adapter(route.engine).all_gather_into(route, block, out, async_op)
-    return Handle(out, work) if async_op and work is not None else _done(out, async_op)
+    work = None if route.adapter.local else \
+        route.adapter.all_gather_into(route, block, out, async_op)
+    return Handle(out, work) if async_op and work is not None else done(out, async_op)
 
 
 def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
@@ -371,13 +301,13 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
     tensor of ``t``'s dtype and device to write the shard into, returned (a view of a larger
     buffer is fine: ZeRO-2/3 reduce straight into their gradient shard). ``quant``,
     ``residual``: see the module docstring."""
-    _check_tensor("reduce_scatter", t)  # arguments are checked before any communication
+    check_tensor("reduce_scatter", t)  # arguments are checked before any communication
     if t.dim() == 0:
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
                          "0-dim tensor")
     dim = _check_dim("reduce_scatter", t, dim)
     route, spec, t = _routed("reduce_scatter", t, group, op, quant, residual)
-    engine, op = route.engine, route.op
+    op = route.op
     n = len(route.ranks)
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by "
@@ -390,8 +320,8 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
             f"{t.device} and dim 0 (this rank's shard of {tuple(t.shape)} over {n} ranks); got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous={out.is_contiguous()}, "
             f"dim {dim}")
-    if engine == "local":
-        return _done(t if out is None else out.copy_(t), async_op)
+    if route.adapter.local:
+        return done(t if out is None else out.copy_(t), async_op)
     # Move dim to the front so that each rank's shard is one contiguous block.
     inp = t.movedim(dim, 0).contiguous()
     if out is None:
@@ -400,31 +330,27 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
         res = residual
         if res is not None and dim != 0:
             res = residual.movedim(dim, 0).contiguous()
-        if engine == "hier":
-            route.comm.quantized_reduce_scatter(inp, out, spec, res)
-            pending = None
-        else:
-            pending = quantized.reduce_scatter(route, inp, out, spec, res, async_op)
+        pending = route.adapter.quantized_reduce_scatter(route, inp, out, spec, res, async_op)
         if res is not residual:  # dim != 0: the carried error back in the input's layout
             if pending is not None:
                 pending.wait()
                 pending = None
             residual.copy_(res.movedim(0, dim))
         return _quant_handle(out.movedim(0, dim), pending, async_op)
-    work = adapter(engine).reduce_scatter(route, inp, out, op, async_op)
+    work = route.adapter.reduce_scatter(route, inp, out, op, async_op)
     result = out.movedim(0, dim)  # a view: filled when out is
     return Handle(result, work) if async_op else result
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """In place: ``t`` of global rank ``src`` on every rank of the group. Returns ``t``."""
-    route = _route("broadcast", t, group)
-    engine, ranks = route.engine, route.ranks
+    route = routing.route("broadcast", t, group)
+    ranks = route.ranks
     if src not in ranks:
         raise ValueError(f"broadcast: src rank {src} is not in the group {ranks}")
-    if engine == "local":
-        return _done(t, async_op)
+    if route.adapter.local:
+        return done(t, async_op)
     if not t.is_contiguous():
         return _through_contiguous(t, lambda c: broadcast(c, src, group, True), async_op)
-    work = adapter(engine).broadcast(route, t, src, async_op)
-    return Handle(t, work) if work is not None else _done(t, async_op)
+    work = route.adapter.broadcast(route, t, src, async_op)
+    return Handle(t, work) if work is not None else done(t, async_op)

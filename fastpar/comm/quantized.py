@@ -46,7 +46,6 @@ import torch.distributed as dist
 
 from fastpar import _native as _native_ext
 from fastpar.comm import quant as q
-from fastpar.comm.flat import flat_adapter
 
 log = logging.getLogger("fastpar.comm")
 
@@ -59,31 +58,18 @@ def me_of(route) -> int:
 # ---- byte moves per engine --------------------------------------------------------------------
 
 def _all_gather_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: bool):
-    """recv (n * len(send), uint8) = every rank's send, in group order. (The engines are
-    called here directly, not through ``engines.adapter``: the hierarchical engine, which
-    ``comm.state`` builds, calls this module, and engines imports state.)"""
-    engine = _byte_engine(route.engine)
-    if engine == "shm":
-        route.comm.all_gather(send, recv)  # the byte-moving kernel: carries any dtype
-        return None
-    return flat_adapter(engine).all_gather(route, send, recv, async_op)
+    """recv (n * len(send), uint8) = every rank's send, in group order, on the route's byte
+    mover (``Adapter.byte_mover``: shm's byte kernels carry any dtype; an engine without byte
+    collectives hands them to torch's backend of the group)."""
+    return route.adapter.byte_mover().all_gather(route, send, recv, async_op)
 
 
 def _all_to_all_bytes(route, send: torch.Tensor, recv: torch.Tensor, async_op: bool):
     """Equal splits: block j of send (n blocks) goes to rank j; block r of recv comes from
-    rank r. The engines' all_to_all, called directly as ``_all_gather_bytes`` does."""
-    engine = _byte_engine(route.engine)
+    rank r, on the route's byte mover as ``_all_gather_bytes``."""
     counts = [send.numel() // len(route.ranks)] * len(route.ranks)
-    if engine == "shm":
-        route.comm.all_to_all(send, counts, counts, recv)
-        return None
-    return flat_adapter(engine).all_to_all(route, send, counts, counts, recv, async_op)[2]
-
-
-def _byte_engine(engine: str) -> str:
-    """The engine that moves a quantized call's bytes: the engines that have no byte
-    collectives (CUDA IPC, NCCL through MPI) hand them to torch's backend of the group."""
-    return "gloo" if engine in ("cuda_ipc", "nccl_mpi") else engine
+    mover = route.adapter.byte_mover()
+    return mover.all_to_all(route, send, counts, counts, recv, async_op)[2]
 
 
 class Pending:
@@ -205,20 +191,6 @@ def _sum_packed_rows(buf: torch.Tensor, m: int, B: int, out: torch.Tensor) -> to
     return q.narrow(_sum_rows(q.unpack_rows(buf, m, B)), out)
 
 
-def _native(route, spec: q.Quant) -> bool:
-    """Whether the shm kernels run the call themselves: on the shm engine, unless a round of
-    one block per rank does not fit their slot (blocks of 64K elements among 32 ranks or more);
-    then the bytes move through the shm byte all-gather below, to the same result."""
-    if route.engine != "shm":
-        return False
-    if route.comm.quantizes(spec.block):
-        return True
-    log.debug("int8 on the shm engine of global ranks %s: one block of %d elements per rank "
-              "does not fit a round of the kernels' slot; moving packed bytes instead",
-              route.ranks, spec.block)
-    return False
-
-
 def fold_residual(t: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = t + residual`` added in float32 and rounded once to out's dtype (``out`` may be
     ``t``); ``residual`` (float32, t's shape) keeps what that rounding lost, so a bfloat16
@@ -237,7 +209,7 @@ def fold_residual(t: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) ->
 def all_gather(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, async_op: bool):
     """out (n * m elements, x's dtype, contiguous) = every rank's x, dequantized. Returns the
     work still in flight (call ``wait()``), or None when done."""
-    if _native(route, spec):
+    if route.adapter.native_quant(route, spec):
         route.comm.quantized_all_gather(x.reshape(-1), out.view(-1), spec)
         return None
     n, m, B = len(route.ranks), x.numel(), spec.block
@@ -256,7 +228,7 @@ def reduce_scatter(route, x: torch.Tensor, out: torch.Tensor, spec: q.Quant, res
                    async_op: bool):
     """out (m = numel / n elements, x's dtype) = this rank's chunk of the sum over ranks,
     dequantized and summed in float32. ``residual``: error feedback (see the module)."""
-    if _native(route, spec):
+    if route.adapter.native_quant(route, spec):
         route.comm.quantized_reduce_scatter(
             x.reshape(-1), out.view(-1), spec,
             None if residual is None else residual.view(-1))
@@ -285,7 +257,7 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
 
 def all_reduce(route, t: torch.Tensor, spec: q.Quant, residual) -> None:
     """t (in place) = the sum over ranks, through two quantizations (see the module)."""
-    if _native(route, spec):
+    if route.adapter.native_quant(route, spec):
         route.comm.quantized_all_reduce(t.view(-1), spec,
                                         None if residual is None else residual.view(-1))
         return

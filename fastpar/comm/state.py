@@ -1,25 +1,26 @@
 """The communication state of one job: the engine setting, cached routes and every communicator.
 
 Each job has one ``CommState``, a part of the ``Job`` made at the first call that needs it
-(``current()``), and ``fastpar.shutdown`` closes it, so a second ``init`` starts clean. Building it communicates
-nothing: a group's shm segment, MPI sub-communicator or CUDA IPC buffers are created at the
-group's first collective that the policy sends to that engine (a collective over the group).
+(``current()``), and ``fastpar.shutdown`` closes it, so a second ``init`` starts clean.
+Building it communicates nothing: a group's shm segment, MPI sub-communicator or CUDA IPC
+buffers are created at the group's first collective that the policy sends to that engine (a
+collective over the group), by the engine's own ``make`` (``comm/engines/``), into one table
+of (engine, group) -> communicator.
 """
 
 from __future__ import annotations
 
-import bisect
-
 import logging
 import os
-import zlib
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
 from fastpar.comm import policy
+from fastpar.comm.engines.nccl_mpi import unavailable as nccl_mpi_unavailable
 from fastpar.comm.policy import GroupFacts
+from fastpar.comm.symmetric_registry import Registry
 from fastpar.runtime.bootstrap import job
 from fastpar.runtime.groups import by_host
 
@@ -35,14 +36,13 @@ class CommState:
         self.forced_by = "FASTPAR_COMM_BACKEND"
         self.routes: dict = {}  # call signature -> Route; see collectives._route
         self._groups: dict = {}  # id(group) -> (group, global ranks in group order, GroupFacts)
-        # Each process group owns its communicators, keyed by id(group) (the group stays alive
-        # in _groups): two groups with the same members (the world and the dp group at
-        # tp = pp = 1) never share one, so threads may drive different groups at once.
-        self._shm: dict = {}  # id(group) -> ShmCommunicator
-        self._mpi: dict = {}  # id(group) -> MPI communicator
-        self._ipc: dict = {}  # id(group) -> CudaIpcCommunicator, or None where IPC is off
-        self._nccl_mpi: dict = {}  # id(group) -> NcclMpiCommunicator
-        self._hier: dict = {}  # id(group) -> HierCommunicator (its parts live in the tables)
+        # (engine, id(group)) -> (its adapter, its communicator; None where the engine needs
+        # none or, for cuda_ipc, could not build one). Each process group owns its
+        # communicators (the group stays alive in _groups): two groups with the same members
+        # (the world and the dp group at tp = pp = 1) never share one, so threads may drive
+        # different groups at once. In the order made: closed in reverse (a communicator made
+        # from another, nccl_mpi's from its MPI one, goes first).
+        self._comms: dict = {}
         # this rank's slot address -> its SymmetricSegment (fastpar/comm/symmetric.py
         # Registry); an entry goes with the segment's mapping, or at close()
         self.symmetric = Registry()
@@ -79,16 +79,12 @@ class CommState:
             self._groups[id(group)] = entry
         return entry
 
-    def choose(self, op: str, t: torch.Tensor, group, reduce_op: str = "sum"):
-        """``(group, ranks, Choice)`` for one call; builds nothing but the CUDA IPC communicator
-        that the decision needs (only when no other engine is forced)."""
-        group, ranks, facts = self.resolve(group)
-        if (t.is_cuda and op == "all_reduce" and facts.size > 1 and facts.same_host
-                and self.forced in (None, "cuda_ipc")):
-            comm = self.cuda_ipc(group, ranks, t.device)
-            if comm is not None:
-                facts = GroupFacts(**{**facts.__dict__, "ipc_ready": True,
-                                      "ipc_max_bytes": comm.max_bytes})
+    def choose(self, op: str, t: torch.Tensor, group, reduce_op: str = "sum", facts=None):
+        """``(group, ranks, Choice)`` for one call, from the group's ``GroupFacts`` (or the
+        ``facts`` given: ``comm.routing`` adds a CUDA group's IPC communicator to them); builds
+        nothing."""
+        group, ranks, known = self.resolve(group)
+        facts = known if facts is None else facts
         if self.forced == "nccl_mpi":
             facts = self._with_nccl_mpi(facts)
         choice = policy.choose(op, t.device.type, facts, t.numel() * t.element_size(), t.dtype,
@@ -97,82 +93,16 @@ class CommState:
         return group, ranks, choice
 
     def _with_nccl_mpi(self, facts):
-        from fastpar.comm.nccl_mpi import unavailable
-
-        why = unavailable(mpi_launched=self.topo.mpi_comm is not None) or ""
+        why = nccl_mpi_unavailable(mpi_launched=self.topo.mpi_comm is not None) or ""
         return GroupFacts(**{**facts.__dict__, "nccl_mpi": why})
 
-    def communicator(self, engine: str, group, ranks, device):
-        """The engine's communicator for the group (``None`` for torch.distributed engines)."""
-        if engine == "shm":
-            return self.shm(group, ranks)
-        if engine == "mpi":
-            return self.mpi(group, ranks)
-        if engine == "cuda_ipc":
-            return self.cuda_ipc(group, ranks, device)
-        if engine == "nccl_mpi":
-            return self.nccl_mpi(group, ranks, device)
-        if engine == "hier":
-            return self.hier(group, ranks)
-        return None
-
-    def hier(self, group, ranks):
-        key = id(group)
-        if key not in self._hier:
-            from fastpar.comm.hierarchical import HierCommunicator
-
-            _, _, facts = self.resolve(group)
-            split = self.topo.host_splits[group.group_name]
-            self._hier[key] = HierCommunicator(self, split, ranks, facts)
-        return self._hier[key]
-
-    def shm(self, group, ranks):
-        key = id(group)
-        if key not in self._shm:
-            from fastpar.comm.shm import ShmCommunicator
-
-            self._shm[key] = ShmCommunicator(group, ranks, self.topo.rank, self.topo.timeout)
-        return self._shm[key]
-
-    def mpi(self, group, ranks):
-        key = id(group)
-        if key not in self._mpi:
-            if self.topo.mpi_comm is None:
-                raise ValueError("the mpi engine needs an MPI launch (mpirun), but this job "
-                                 f"was started by {self.topo.launcher}")
-            world = self.topo.mpi_comm
-            # MPI_Comm_create_group is collective over the members only; the tag (alike on
-            # every member: torch names groups in creation order) keeps creations of different
-            # groups apart when threads make them at once.
-            tag = zlib.crc32(group.group_name.encode()) % 32768
-            self._mpi[key] = world.Create_group(world.group.Incl(list(ranks)), tag)
-        return self._mpi[key]
-
-    def cuda_ipc(self, group, ranks, device):
-        key = id(group)
-        if key not in self._ipc:
-            comm = None
-            if os.environ.get("FASTPAR_CUDA_IPC", "1") != "0":
-                from fastpar.comm.cuda_ipc import CudaIpcCommunicator, check_not_capturing
-
-                check_not_capturing(ranks, "the CUDA IPC communicator")
-                comm, why = CudaIpcCommunicator.create(group, ranks, self.topo.rank, device,
-                                                       self.topo.timeout)
-                if comm is None:
-                    log.info("cuda_ipc off for group %s, falling back to %s: %s", ranks,
-                             dist.get_backend(group), why)
-            self._ipc[key] = comm
-        return self._ipc[key]
-
-    def nccl_mpi(self, group, ranks, device):
-        key = id(group)
-        if key not in self._nccl_mpi:
-            from fastpar.comm.cuda_ipc import check_not_capturing
-            from fastpar.comm.nccl_mpi import NcclMpiCommunicator
-
-            check_not_capturing(ranks, "the nccl_mpi communicator")
-            self._nccl_mpi[key] = NcclMpiCommunicator(self.mpi(group, ranks), device)
-        return self._nccl_mpi[key]
+    def communicator(self, engine, group, ranks, device):
+        """``engine``'s communicator for ``group`` (an adapter of ``comm/engines/``: its
+        ``make``, on the group's first call that needs it; None for torch.distributed's)."""
+        key = (engine.name, id(group))
+        if key not in self._comms:
+            self._comms[key] = (engine, engine.make(self, group, ranks, device))
+        return self._comms[key][1]
 
     def engine_table(self, groups: dict, device_type: str, nbytes: int,
                      dtype: torch.dtype = torch.float32) -> list[dict]:
@@ -205,12 +135,9 @@ class CommState:
         error is raised once all were tried)."""
         closers = list(reversed(self.closers))
         self.closers = []
-        closers += [c.close for c in self._shm.values()]
-        closers += [c.close for c in self._ipc.values() if c is not None]
-        closers += [c.close for c in self._nccl_mpi.values()]
-        closers += [sub.Free for sub in self._mpi.values()]
-        for table in (self._shm, self._ipc, self._nccl_mpi, self._mpi, self._hier, self._groups,
-                      self.routes, self.symmetric):
+        closers += [lambda e=engine, c=comm: e.close(c)
+                    for engine, comm in reversed(list(self._comms.values())) if comm is not None]
+        for table in (self._comms, self._groups, self.routes, self.symmetric):
             table.clear()
         first = None
         for close in closers:
@@ -220,49 +147,6 @@ class CommState:
                 first = first or exc
         if first is not None:
             raise first
-
-
-class Registry:
-    """This job's symmetric segments by this rank's slot address (``CommState.symmetric``):
-    ``get`` the entry of a whole tensor, ``find`` the one whose slot holds an address."""
-
-    def __init__(self):
-        self._by_start: dict = {}
-        self._starts: list[int] = []  # sorted
-
-    def __len__(self) -> int:
-        return len(self._by_start)
-
-    def __contains__(self, start: int) -> bool:
-        return start in self._by_start
-
-    def get(self, start: int, default=None):
-        return self._by_start.get(start, default)
-
-    def __setitem__(self, start: int, seg) -> None:
-        if start not in self._by_start:
-            bisect.insort(self._starts, start)
-        self._by_start[start] = seg
-
-    def pop(self, start: int, default=None):
-        seg = self._by_start.pop(start, None)
-        if seg is None:
-            return default
-        self._starts.pop(bisect.bisect_left(self._starts, start))
-        return seg
-
-    def clear(self) -> None:
-        self._by_start.clear()
-        self._starts.clear()
-
-    def values(self):
-        return self._by_start.values()
-
-    def find(self, address: int):
-        """The segment whose slot (this rank's) starts at or before ``address`` nearest; the
-        caller checks the end (``SymmetricSegment.place``)."""
-        i = bisect.bisect_right(self._starts, address) - 1
-        return self._by_start[self._starts[i]] if i >= 0 else None
 
 
 def current() -> CommState:

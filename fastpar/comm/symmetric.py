@@ -52,82 +52,14 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm import dtypes, ipc_exchange
-from fastpar.comm.segments import map_segments
+from fastpar.comm.engines import ipc_exchange
+from fastpar.comm.engines.segments import map_segments
 from fastpar.comm.state import current
+from fastpar.comm.symmetric_registry import Placement, SymmetricSegment
 
 log = logging.getLogger("fastpar.comm")
 
 _PAGE = 4096
-_OPS = ("sum", "max")  # the ops the symmetric kernel reduces with
-
-
-class SymmetricSegment:
-    """What routes a symmetric tensor: its group, every rank's slot address (in this process's
-    mapping), the slot's bytes and the segment's token (alike on every rank of the group, drawn
-    at its collective creation). Holds no reference to the tensor or the mapping.
-
-    ``views`` (CPU segments: the shm kernels take any address): one of ``parts`` may take the
-    symmetric path too (``register_parts``: byte ranges the group agreed on, each a promise
-    that a collective on it gets the same part from every rank). Other parts (say each rank's
-    own block, at offsets that differ by rank) take the copying path, as they must: which path
-    a call takes is decided on each rank alone. Without ``views``, only the whole tensor, of
-    ``dtype`` and ``numel`` (CUDA IPC: its kernel wants the padded allocation it was made
-    from)."""
-
-    __slots__ = ("group", "ranks", "dtype", "numel", "slots", "mine", "nbytes", "token", "views",
-                 "parts")
-
-    def __init__(self, group, ranks, dtype, numel, slots, nbytes=None, token=0, views=False):
-        self.group, self.ranks, self.dtype, self.numel = group, ranks, dtype, numel
-        self.slots = slots  # list of ints: rank p's slot address, p in group order
-        self.mine = slots[ranks.index(current().topo.rank)]  # this rank's
-        esize = torch.empty((), dtype=dtype).element_size()
-        self.nbytes = numel * esize if nbytes is None else nbytes
-        self.token, self.views = token, views
-        self.parts: set[tuple[int, int]] = set()  # (byte offset, bytes) agreed by the group
-
-    def place(self, t: torch.Tensor, group, op: str = "sum") -> Placement | None:
-        """Where a collective on ``t`` over ``group`` with ``op`` runs on the symmetric path:
-        every rank's address of ``t``'s bytes and the signature the kernel compares across
-        ranks; None when it cannot (another group, an op the kernels do not reduce with, not
-        contiguous, not inside this rank's slot, or a part that ranks may not pass alike)."""
-        if group is not self.group or op not in _OPS or not t.is_contiguous():
-            return None
-        offset = t.data_ptr() - self.mine
-        if self.views:
-            if not (offset == 0 and t.nbytes == self.nbytes) and \
-                    (offset, t.nbytes) not in self.parts:
-                return None
-        elif offset != 0 or t.dtype != self.dtype or t.numel() != self.numel:
-            return None
-        return Placement([s + offset for s in self.slots], _signature(t, self.token, offset),
-                         offset)
-
-
-class Placement:
-    """A tensor on the symmetric path: ``slots[p]`` is rank p's copy of its bytes in this
-    process; ``sig`` its signature (dtype, shape, segment and offset), which the kernel
-    compares across ranks, so ranks that pass different symmetric memory fail alike."""
-
-    __slots__ = ("slots", "sig", "offset")
-
-    def __init__(self, slots, sig, offset):
-        self.slots, self.sig, self.offset = slots, sig, offset
-
-    def describe(self, t: torch.Tensor) -> dict:
-        """``{sig: words}`` for an error message (``ShmCommunicator._failed``)."""
-        return {self.sig: f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} at byte "
-                          f"{self.offset} of a symmetric tensor"}
-
-
-def _signature(t: torch.Tensor, token: int, offset: int) -> int:
-    """``fastpar.comm.shm.signature``'s layout (bits 56-63 the dtype, 48-55 the dims) with the
-    low 48 bits hashing the shape, the segment's token and the offset in the slot (ints and
-    tuples of ints hash alike in every process)."""
-    code = dtypes.CODE.get(t.dtype, 255)
-    return (code << 56) | (min(t.dim(), 255) << 48) | (
-        hash((tuple(t.shape), token, offset)) & (1 << 48) - 1)
 
 
 def symmetric_available(group, op: str = "all_reduce") -> bool:
@@ -242,7 +174,7 @@ def _cpu_segment(st, group, ranks, nbytes: int, token: int, what: str):
     base = anchor.data_ptr()
     del anchor
     key = base + group_rank * slot
-    st.symmetric[key] = SymmetricSegment(group, ranks, torch.uint8, nbytes,
+    st.symmetric[key] = SymmetricSegment(st.topo.rank, group, ranks, torch.uint8, nbytes,
                                          [base + p * slot for p in range(len(ranks))],
                                          token=token, views=True)
     # Runs when the last tensor goes, before the mapping does (`view` holds it).
@@ -398,7 +330,8 @@ def _cuda_symmetric(st, group, ranks, size, numel, dtype, device, driver=None) -
         log.info("symmetric_empty on %s for global ranks %s: a plain tensor (%s)", device, ranks,
                  why)
         return t
-    st.symmetric[t.data_ptr()] = SymmetricSegment(group, ranks, dtype, numel, peers.addresses)
+    st.symmetric[t.data_ptr()] = SymmetricSegment(st.topo.rank, group, ranks, dtype, numel,
+                                                  peers.addresses)
     # At shutdown, on every rank, the exchange's teardown: nobody is in a kernel on these tensors
     # (sync, barrier), unmap the peers', and only after a second barrier let go of ours (a peer
     # must not hold a mapping of memory its owner has freed). The caching allocator takes the

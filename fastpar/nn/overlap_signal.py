@@ -85,12 +85,12 @@ def signal_path(x: torch.Tensor, weight: torch.Tensor, group, sp: bool):
     if os.environ.get("FASTPAR_SIGNAL_OVERLAP", "0") != "1":
         return None, ("signal-driven path is opt-in until measured on a GPU "
                       "(FASTPAR_SIGNAL_OVERLAP=1)")
-    from fastpar.comm.cuda_ipc import all_agree
+    from fastpar.comm.engines.cuda_ipc import CudaIpc, all_agree
     from fastpar.comm.state import current
 
     st = current()
     g, ranks, layout = st.resolve(group)
-    comm = st.cuda_ipc(g, ranks, x.device) if layout.same_host and \
+    comm = st.communicator(CudaIpc, g, ranks, x.device) if layout.same_host and \
         st.forced in (None, "cuda_ipc") else None
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     why = signal_refusal(**facts, triton=_triton_refusal(), sms=sms,

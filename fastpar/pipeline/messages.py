@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fastpar.comm.dtypes import CODE, dtype_of
+from fastpar.comm.engines.dtypes import CODE, dtype_of
 from fastpar.comm.transport.base import BACKWARD, FORWARD, HEADER_MAX
 
 ACTIVATION, GRADIENT = FORWARD, BACKWARD  # each direction on its own lane of the transport

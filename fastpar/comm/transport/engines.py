@@ -24,7 +24,7 @@ from fastpar.comm.transport.base import HEADER_MAX, SendHandle
 # waiting 1000ms for recv operation to complete"), NCCL's watchdog with a DistBackendError
 # ("... collective operation timeout ..."), a dead peer with the same types. So, as a fallback
 # documented here, a torch error counts as a timeout when its text says so; fastpar's own shm
-# engine reports a code instead (fastpar/comm/native_errors.py).
+# engine reports a code instead (fastpar/comm/engines/native_errors.py).
 _TORCH_TIMEOUT = re.compile(r"[Tt]imed out|timeout")
 
 

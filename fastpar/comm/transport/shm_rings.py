@@ -36,9 +36,9 @@ import torch
 
 from fastpar import _native
 from fastpar.comm.transport import shm_rings_setup as setup
-from fastpar.comm.native_errors import shm_error
+from fastpar.comm.engines.native_errors import shm_error
 from fastpar.comm.transport.base import SendHandle
-from fastpar.comm.shm import host_oversubscribed, raise_after_kernel
+from fastpar.comm.engines.shm import host_oversubscribed, raise_after_kernel
 
 TAG_ACTIVATIONS = 0
 TAG_GRADIENTS = 1

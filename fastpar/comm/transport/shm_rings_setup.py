@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from fastpar.comm.segments import map_segments
+from fastpar.comm.engines.segments import map_segments
 
 log = logging.getLogger("fastpar.comm.shm_p2p")
 

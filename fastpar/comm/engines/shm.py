@@ -10,6 +10,7 @@ last mapping does. Kernel protocol: ``csrc/shm/README.md``.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import signal
@@ -18,9 +19,13 @@ import threading
 import torch
 
 from fastpar import _native
-from fastpar.comm import dtypes
-from fastpar.comm.native_errors import Kind, ShmError, shm_error
-from fastpar.comm.segments import map_segments
+from fastpar.comm import symmetric
+from fastpar.comm.engines import dtypes
+from fastpar.comm.engines.base import Native
+from fastpar.comm.engines.native_errors import Kind, ShmError, shm_error
+from fastpar.comm.engines.segments import map_segments
+
+log = logging.getLogger("fastpar.comm")
 
 SLOT_BYTES = 4 << 20  # per rank; larger messages are chunked by the kernel
 # The dtype/shape signature that byte-moving calls (all_gather, broadcast) pass to the kernel,
@@ -67,6 +72,17 @@ def raise_after_kernel(error: ShmError) -> None:
             raise KeyboardInterrupt(str(error))
         signal.raise_signal(signal.SIGINT)
     raise error
+
+
+# Below these sizes the copying shm kernels' single round beats the symmetric kernels' entry and
+# exit signals (measured: 2 and 4 ranks on 2 cores, bench/collectives.py --symmetric; the
+# signals cost most when ranks share cores), so symmetric tensors that small take the copying
+# kernels, which work on any memory. Bytes of the tensor passed (all_gather: per rank).
+SYMMETRIC_ALL_REDUCE_MIN = 16 << 10
+SYMMETRIC_GATHER_MIN = 64 << 10
+SYMMETRIC_SCATTER_MIN = 256 << 10
+SYMMETRIC_ALL_TO_ALL_MIN = 64 << 10  # the input's bytes (alltoall.py); the copying kernel's
+# single copy (process_vm_readv) starts at 64 KiB per pair too
 
 
 class ShmCommunicator:
@@ -242,3 +258,79 @@ class ShmCommunicator:
         self._comm = None
         del self._anchor
         self._mmap.close()
+
+
+class Shm(Native):
+    """fastpar's shared-memory kernels (``ShmCommunicator``); a symmetric tensor of the group,
+    or a contiguous part of one (above the sizes where it pays), is worked on where it lies, no
+    copy in or out."""
+
+    name = "shm"
+
+    @staticmethod
+    def make(state, group, ranks, device):
+        return ShmCommunicator(group, ranks, state.topo.rank, state.topo.timeout)
+
+    @staticmethod
+    def close(comm) -> None:
+        comm.close()
+
+    @staticmethod
+    def native_quant(route, spec) -> bool:
+        """The shm kernels run int8 calls themselves, unless one block per rank does not fit
+        a round of their slot (blocks of 64K elements among 32 ranks or more): then the bytes
+        move through the byte all-gather, to the same result."""
+        if route.comm.quantizes(spec.block):
+            return True
+        log.debug("int8 on the shm engine of global ranks %s: one block of %d elements per "
+                  "rank does not fit a round of the kernels' slot; moving packed bytes instead",
+                  route.ranks, spec.block)
+        return False
+
+    @staticmethod
+    def all_to_all_symmetric(route, inp, out):
+        """``inp`` in symmetric memory of the group (or a contiguous part of one, from
+        ``SYMMETRIC_ALL_TO_ALL_MIN`` bytes): every rank reads its blocks from the peers'
+        buffers where they lie (the kernel checks every rank passed the same part of the same
+        one). Returns the output (``out``, or a new tensor), None when not done here."""
+        at = symmetric.lookup(inp, route.group) if inp.nbytes >= SYMMETRIC_ALL_TO_ALL_MIN \
+            else None
+        if at is None:
+            return None
+        out = torch.empty_like(inp) if out is None else out
+        route.comm.all_to_all_symmetric(inp, at, out)
+        return out
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        at = symmetric.lookup(t, route.group, op) if t.nbytes >= SYMMETRIC_ALL_REDUCE_MIN \
+            else None
+        if at is None:
+            return Native.all_reduce(route, t, op, async_op)
+        route.comm.all_reduce_symmetric(t, at, op)
+
+    @staticmethod
+    def all_gather_into(route, block, out, async_op):
+        at = symmetric.lookup(out, route.group) if block.nbytes >= SYMMETRIC_GATHER_MIN else None
+        if at is None:
+            return Native.all_gather_into(route, block, out, async_op)
+        route.comm.all_gather_symmetric(out, at)
+
+    @staticmethod
+    def gather_from(route, t, out) -> bool:
+        """``all_gather(t, out=out)`` with ``t`` (not ``out``'s block) in symmetric memory: every
+        rank copies each rank's ``t`` into ``out`` where it lies. False (nothing done) when
+        ``t`` is not symmetric memory of the group, or too small to pay."""
+        at = symmetric.lookup(t, route.group) if t.nbytes >= SYMMETRIC_GATHER_MIN else None
+        if at is None or symmetric.lookup(out, route.group) is not None:
+            return False  # (a symmetric out: the in-place kernel, after the copy in)
+        route.comm.all_gather_from_symmetric(t, at, out)
+        return True
+
+    @staticmethod
+    def reduce_scatter(route, inp, out, op, async_op):
+        at = symmetric.lookup(inp, route.group, op) if inp.nbytes >= SYMMETRIC_SCATTER_MIN \
+            else None
+        if at is None:
+            return Native.reduce_scatter(route, inp, out, op, async_op)
+        route.comm.reduce_scatter_symmetric(inp, at, out, op)

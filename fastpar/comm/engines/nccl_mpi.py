@@ -19,6 +19,10 @@ import contextlib
 import torch
 
 from fastpar.comm import policy
+from fastpar.comm.engines.base import Native
+from fastpar.comm.engines.ipc_exchange import check_not_capturing
+from fastpar.comm.engines.mpi import Mpi
+from fastpar.comm.engines.torch_dist import Torch
 
 # NCCL's ncclDataType_t / ncclRedOp_t values (nccl.h; stable across NCCL 2.x), used where the
 # installed CuPy lacks a name (NCCL_BFLOAT16 came late).
@@ -107,3 +111,21 @@ class NcclMpiCommunicator:
         self._comm.destroy()
         self._comm = None
 
+
+class NcclMpi(Native):
+    """NCCL through CuPy, bootstrapped over the group's MPI sub-communicator."""
+
+    name = "nccl_mpi"
+
+    @staticmethod
+    def make(state, group, ranks, device):
+        check_not_capturing(ranks, "the nccl_mpi communicator")
+        return NcclMpiCommunicator(state.communicator(Mpi, group, ranks, device), device)
+
+    @staticmethod
+    def close(comm) -> None:
+        comm.close()
+
+    @staticmethod
+    def byte_mover():
+        return Torch  # no byte collectives of its own: a quantized call's bytes go on torch's

@@ -25,17 +25,24 @@ a fake one.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm import policy
-from fastpar.comm.ipc_exchange import (Driver, PeerMaps, Refused, agreed_step, all_agree,
-                                       check_not_capturing)
+from fastpar.comm import policy, symmetric
+from fastpar.comm.engines.base import Adapter
+from fastpar.comm.engines.ipc_exchange import (Driver, PeerMaps, Refused, agreed_step,
+                                               all_agree, check_not_capturing)
+from fastpar.comm.engines.torch_dist import Torch
 
-__all__ = ["ALGOS", "PROBE_TIMEOUT", "CudaIpcCommunicator", "Driver", "Refused", "agreed_step",
-           "all_agree", "check_not_capturing", "describe", "link_kind", "size_limit"]
+__all__ = ["ALGOS", "PROBE_TIMEOUT", "CudaIpc", "CudaIpcCommunicator", "Driver", "Refused",
+           "agreed_step", "all_agree", "check_not_capturing", "describe", "link_kind",
+           "size_limit"]
+
+log = logging.getLogger("fastpar.comm")
 
 
 ALGOS = {"auto": 0, "one_shot": 1, "two_shot": 2}
@@ -224,6 +231,43 @@ class CudaIpcCommunicator:
 
         ptr = self._ptr
         return lambda: self._driver.free(ptr, self.device)
+
+
+class CudaIpc(Adapter):
+    """The CUDA IPC all-reduce (the policy sends it nothing else); a CUDA symmetric tensor of
+    the group is reduced in place. Its communicator is None where the set-up failed or
+    ``FASTPAR_CUDA_IPC=0`` (the policy then sends the calls to the group's torch engine)."""
+
+    name = "cuda_ipc"
+
+    @staticmethod
+    def make(state, group, ranks, device):
+        if os.environ.get("FASTPAR_CUDA_IPC", "1") == "0":
+            return None
+        check_not_capturing(ranks, "the CUDA IPC communicator")
+        comm, why = CudaIpcCommunicator.create(group, ranks, state.topo.rank, device,
+                                               state.topo.timeout)
+        if comm is None:
+            log.info("cuda_ipc off for group %s, falling back to %s: %s", ranks,
+                     dist.get_backend(group), why)
+        return comm
+
+    @staticmethod
+    def close(comm) -> None:
+        if comm is not None:
+            comm.close()
+
+    @staticmethod
+    def byte_mover():
+        return Torch  # no byte collectives of its own: a quantized call's bytes go on torch's
+
+    @staticmethod
+    def all_reduce(route, t, op, async_op):
+        sym = symmetric.lookup(t, route.group, op)
+        if sym is not None:
+            route.comm.all_reduce_symmetric(t, sym.slots)
+        else:
+            route.comm.all_reduce(t)
 
 
 def describe(world_sizes=(2, 4, 8), driver=None) -> list[str]:

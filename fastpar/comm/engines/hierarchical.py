@@ -25,8 +25,11 @@ import collections
 
 import torch
 
-from fastpar.comm import policy
-from fastpar.comm.flat import Mpi, flat_adapter
+from fastpar.comm import policy, quantized
+from fastpar.comm.engines.base import Native
+from fastpar.comm.engines.mpi import Mpi
+from fastpar.comm.engines.shm import Shm
+from fastpar.comm.engines.torch_dist import Torch
 from fastpar.runtime.groups import cross_ranks
 
 # An all_reduce whose cross-host stage runs on torch's engine (in the background: from
@@ -54,7 +57,7 @@ class HierCommunicator:
         # hosts may come in another order for each i)
         order = [index[r] for i in range(self.local) for r in cross_ranks(split.members, i)]
         self._order = None if order == list(range(len(order))) else torch.tensor(order)
-        self.intra = state.shm(split.intra, split.intra_ranks)
+        self.intra = state.communicator(Shm, split.intra, split.intra_ranks, None)
         self._cross = (split.cross, split.cross_ranks)
         self._legs: dict = {}  # cross engine -> _Leg
 
@@ -63,12 +66,12 @@ class HierCommunicator:
 
     def _leg(self, dtype: torch.dtype, nbytes: int):
         """The adapter and route of the cross-host stage of a message of ``nbytes``."""
-        engine = self.cross_engine(dtype, nbytes)
+        engine = Mpi if self.cross_engine(dtype, nbytes) == "mpi" else Torch
         if engine not in self._legs:
             group, ranks = self._cross
             comm = self._state.communicator(engine, group, ranks, torch.device("cpu"))
             self._legs[engine] = _Leg(group, ranks, comm)
-        return flat_adapter(engine), self._legs[engine]
+        return engine, self._legs[engine]
 
     def all_reduce(self, t: torch.Tensor, op: str) -> None:
         flat = t.view(-1)
@@ -140,11 +143,9 @@ class HierCommunicator:
 
     def _cross_route(self, dtype: torch.dtype, nbytes: int):
         engine, leg = self._leg(dtype, nbytes)
-        return _CrossRoute(leg.group, leg.ranks, "mpi" if engine is Mpi else "gloo", leg.comm)
+        return _CrossRoute(leg.group, leg.ranks, engine, leg.comm)
 
     def quantized_all_reduce(self, t: torch.Tensor, spec, residual) -> None:
-        from fastpar.comm import quantized
-
         flat = t.view(-1)
         n = flat.numel()
         if n == 0:
@@ -170,8 +171,6 @@ class HierCommunicator:
 
     def quantized_reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, spec,
                                  residual) -> None:
-        from fastpar.comm import quantized
-
         groups = self.hosts * self.local
         src = inp
         if residual is not None:  # added in float32; bf16's rounding of it stays carried
@@ -204,8 +203,6 @@ class HierCommunicator:
         blocks.index_copy_(0, self._order, arranged)
 
     def quantized_all_gather(self, inp: torch.Tensor, stacked: torch.Tensor, spec) -> None:
-        from fastpar.comm import quantized
-
         flat = inp.reshape(-1).contiguous()
         pieces = torch.empty(self.hosts * flat.numel(), dtype=inp.dtype)
         route = self._cross_route(inp.dtype, stacked.nbytes)
@@ -217,8 +214,34 @@ class HierCommunicator:
 class _CrossRoute:
     """What ``fastpar.comm.quantized`` reads of a route, for the cross-host stage."""
 
-    __slots__ = ("group", "ranks", "engine", "comm")
+    __slots__ = ("group", "ranks", "adapter", "comm")
 
-    def __init__(self, group, ranks, engine, comm):
-        self.group, self.ranks, self.engine, self.comm = group, ranks, engine, comm
+    def __init__(self, group, ranks, adapter, comm):
+        self.group, self.ranks, self.adapter, self.comm = group, ranks, adapter, comm
+
+
+class Hier(Native):
+    """Hierarchical across hosts (``HierCommunicator``): shm within a host, a flat engine
+    between hosts; its quantized calls quantize only the cross-host stage."""
+
+    name = "hier"
+
+    @staticmethod
+    def make(state, group, ranks, device):
+        _, _, facts = state.resolve(group)
+        return HierCommunicator(state, state.topo.host_splits[group.group_name], ranks, facts)
+
+    @staticmethod
+    def quantized_all_reduce(route, t, spec, residual) -> None:
+        route.comm.quantized_all_reduce(t, spec, residual)
+
+    @staticmethod
+    def quantized_reduce_scatter(route, inp, out, spec, residual, async_op):
+        route.comm.quantized_reduce_scatter(inp, out, spec, residual)
+        return None
+
+    @staticmethod
+    def quantized_all_gather(route, t, out, spec, async_op):
+        route.comm.quantized_all_gather(t, out, spec)
+        return None
 
