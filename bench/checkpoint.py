@@ -106,7 +106,7 @@ def timed(fn):
 def gathered_save(t, root, step):
     import fastpar
     from fastpar.checkpoint import serial
-    from fastpar.training.save_resume import masters_in_place, run_meta
+    from fastpar.training.save_resume import masters_in_place
     from fastpar.training.serial_optimizer import serial_optimizer_state
 
     with t.gathered(), masters_in_place(t.opt):
@@ -114,7 +114,7 @@ def gathered_save(t, root, step):
     tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
     if t.topo.rank == 0:
         serial.save(root, step, model=weights, optimizer=tensors,
-                    meta={**run_meta(t), "optimizer_scalars": scalars})
+                    meta={**t.checkpoints.meta(), "optimizer_scalars": scalars})
     del weights, tensors
 
 
@@ -125,7 +125,6 @@ def run_layout(args, model, mode, layout, base) -> dict:
     import fastpar
     from fastpar.training.args import parse_args
     from fastpar.training.trainer import Trainer
-    from fastpar.training import save_resume
 
     argv = [*MODELS[model], *layout.split(), "--steps", "10", "--no-progress", "--plot", "",
             "--save", os.path.join(base, "unused"), "--sync-save",
@@ -144,7 +143,7 @@ def run_layout(args, model, mode, layout, base) -> dict:
         for i in range(reps):  # step 1 is kept for the loads; the others are removed
             peak = RssPeak()
             syncs.append(timed(lambda: t.ckpt.save(sdir, 1 + 100 * i, t.pipe, t.opt,
-                                                  meta=save_resume.run_meta(t), keep=None))[0])
+                                                  meta=t.checkpoints.meta(), keep=None))[0])
             extras.append(peak.stop())
             if i:
                 _drop_step(t, sdir, 1 + 100 * i)
@@ -155,7 +154,7 @@ def run_layout(args, model, mode, layout, base) -> dict:
         # write before its update. Each save's step is paired with a plain step just before it,
         # and the kinds alternate, so the machine's drift falls on both sides of a pair.
         rec["staged_first_stage_s"], _ = timed(lambda: t.ckpt.save(
-            sdir, 2, t.pipe, t.opt, meta=save_resume.run_meta(t), async_save=True, keep=None))
+            sdir, 2, t.pipe, t.opt, meta=t.checkpoints.meta(), async_save=True, keep=None))
         t.train_step(2)
         t.ckpt.wait()
         _drop_step(t, sdir, 2)
@@ -171,7 +170,7 @@ def run_layout(args, model, mode, layout, base) -> dict:
                 stage = 0.0
                 if kind != "none":
                     stage, _ = timed(lambda: t.ckpt.save(sdir, step, t.pipe, t.opt,
-                                                         meta=save_resume.run_meta(t),
+                                                         meta=t.checkpoints.meta(),
                                                          async_save=True, keep=None,
                                                          hold=kind == "held"))
                 t.ckpt.read_wait_s = 0.0
@@ -207,7 +206,7 @@ def run_layout(args, model, mode, layout, base) -> dict:
     else:  # this layout's own checkpoints (the same layout), beside the first one's (resharded)
         gown, sown = gdir + "-" + mode, sdir + "-" + mode
         gathered_save(t, gown, 1)
-        t.ckpt.save(sown, 1, t.pipe, t.opt, meta=save_resume.run_meta(t), keep=None)
+        t.ckpt.save(sown, 1, t.pipe, t.opt, meta=t.checkpoints.meta(), keep=None)
         loads = {"gathered": [(gdir, "_resharded"), (gown, "")],
                  "sharded": [(sdir, "_resharded"), (sown, "")]}
     # the loads alternate (resharded, own, resharded, ...): the fastest of each is its time
@@ -217,7 +216,7 @@ def run_layout(args, model, mode, layout, base) -> dict:
         for i in range(reps):
             for directory, suffix in sources if i % 2 == 0 else sources[::-1]:
                 path = os.path.join(directory, "step_00000001")
-                load = (lambda: save_resume._resume_serial(t, path)) if fmt == "gathered" else \
+                load = (lambda: t.checkpoints.resume_serial(path)) if fmt == "gathered" else \
                     (lambda: t.ckpt.load(path, t.pipe, t.opt))
                 times[suffix].append(timed(load)[0])
         for suffix, ts in times.items():

@@ -70,7 +70,7 @@ def body_serial_format(root):
     from fastpar.training.args import parse_args
     from fastpar.training.trainer import Trainer
     from fastpar.checkpoint import serial as checkpoint
-    from fastpar.training.save_resume import masters_in_place, run_meta
+    from fastpar.training.save_resume import masters_in_place
     from fastpar.training.serial_optimizer import serial_optimizer_state
 
     t = Trainer(parse_args(BASE))
@@ -79,7 +79,7 @@ def body_serial_format(root):
         weights = fastpar.full_state_dict(t.model)
     tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
     checkpoint.save(root, 5, model=weights, optimizer=tensors,
-                    meta={**run_meta(t), "optimizer_scalars": scalars})
+                    meta={**t.checkpoints.meta(), "optimizer_scalars": scalars})
     fastpar.shutdown()
     resumed = Trainer(parse_args(BASE + ["--resume", root])).run()
     fastpar.shutdown()

@@ -5,7 +5,7 @@ job: the end-of-run table and one ``--metrics`` record per rank.
     meter.sample()                  # after backward, and again after the optimizer step
     rows = meter.gather()           # collective: every rank's record, on every rank
     print(format_table(rows))       # rank 0
-    rows = report(trainer_meter(trainer), metrics, lead)   # what fastpar.train does
+    rows = report(trainer_meter(cfg, args, topo, setup, m, rows), metrics, lead)  # the trainer
     storage_bytes(owned(params, opt))   # the same count for any loop (bench/memory.py)
 
 Measured on the CPU (and, the same way, on a GPU) from the tensors the runtime owns, each
@@ -164,21 +164,22 @@ def contract(row: dict) -> dict:
                                                      "peak_rss")}}
 
 
-def trainer_meter(trainer) -> MemoryMeter:
-    """The meter of a ``fastpar.training.trainer.Trainer`` (built after its optimizer)."""
-    args, topo = trainer.args, trainer.topo
+def trainer_meter(cfg, args, topo, setup, microbatches: int, rows: int) -> MemoryMeter:
+    """The meter of the main job's rank: its model ``cfg`` and flags ``args`` on ``topo``, its
+    optimizer set-up (``training.optimizer``: the stages, what runs the step, the optimizer),
+    ``microbatches`` per step of ``rows`` rows each (this replica's)."""
     # dp: the ranks ZeRO shards over and gradients reduce over (dp x cp under cp)
-    inputs = MemoryInputs(trainer.cfg, tp=topo.tp_size, pp=topo.pp_size,
+    inputs = MemoryInputs(cfg, tp=topo.tp_size, pp=topo.pp_size,
                           dp=topo.dp_size * topo.cp_size,
-                          pp_rank=topo.pp_rank, bounds=tuple(trainer.pipe.bounds),
-                          schedule=args.schedule, microbatches=trainer.microbatches,
-                          rows=trainer.rows, zero=args.zero,
+                          pp_rank=topo.pp_rank, bounds=tuple(setup.pipe.bounds),
+                          schedule=args.schedule, microbatches=microbatches,
+                          rows=rows, zero=args.zero,
                           dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
                           virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
                           ep=topo.ep_size, cp=topo.cp_size,
-                          symmetric_staging=bool(getattr(getattr(trainer.opt, "grads", None),
+                          symmetric_staging=bool(getattr(getattr(setup.opt, "grads", None),
                                                          "symmetric", False)))
-    return MemoryMeter(trainer.pipe, trainer.model, trainer.opt, inputs)
+    return MemoryMeter(setup.pipe, setup.model, setup.opt, inputs)
 
 
 def report(meter: MemoryMeter, metrics, lead: bool) -> list[dict]:

@@ -20,7 +20,7 @@ import torch
 
 from fastpar.plan.cluster import gpu_peak_flops
 from fastpar.runtime import hostid
-from fastpar.training import save_resume
+from fastpar.training.save_resume import Checkpoints, run_identity
 from fastpar.training.args import DEFAULT_STEPS, check_layout, lr_lambda, model_config
 from fastpar.training.optimizer import build_setup
 
@@ -106,13 +106,17 @@ class Trainer:
         self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
         from fastpar.training.memory import trainer_meter
 
-        self.memory = trainer_meter(self)  # peak bytes by category, and their prediction
+        self.memory = trainer_meter(cfg, args, topo, self.setup, self.microbatches, self.rows)
         self.ckpt = None  # sharded checkpoints: their own gloo group (collective to create)
-        self.ckpt_said = None  # the last save the log has announced as committed
         if args.save or args.resume:
             from fastpar.checkpoint.sharded import ShardedCheckpointer
 
             self.ckpt = ShardedCheckpointer()
+        # save and resume, of the state they save (not of the trainer)
+        self.checkpoints = Checkpoints(
+            self.ckpt, self.pipe, self.setup, self.sched,
+            run_identity(cfg, args, self.steps, topo), self.steps, directory=args.save,
+            sync=args.sync_save, hold=topo.device.type == "cpu", lead=topo.rank == 0)
         # before each optimizer step: a save's reads of the weights and state done (its commit
         # goes on; the next save or the end waits for it)
         self.wait_for_saves = self.ckpt.wait_for_reads if self.ckpt is not None else _nothing
@@ -229,8 +233,8 @@ class Trainer:
         args, topo = self.args, self.topo
         lead = topo.rank == 0
         if args.resume:
-            save_resume.resume(self, args.resume)
-        save_resume.check_save_dir(self)
+            self.start = self.checkpoints.resume(args.resume)
+        self.checkpoints.check_directory(self.start)
         if lead:
             for line in self.layout_lines:
                 print(line, flush=True)
@@ -275,11 +279,11 @@ class Trainer:
                 window = []
             if args.save and (done == self.steps or (args.save_every and
                                                       done % args.save_every == 0)):
-                save_resume.save(self, done)
+                self.checkpoints.save(done)
         if bar is not None:
             bar.close()
         if args.save:
-            save_resume.finish_saves(self)  # the last save committed, or its error raised
+            self.checkpoints.finish()  # the last save committed, or its error raised
             self.ckpt.close()  # and its staging buffer (async saves from a GPU) freed
         self.memory_rows = report(self.memory, metrics, lead)  # collective
         metrics.close()
