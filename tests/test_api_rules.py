@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastpar
-from fastpar.comm import policy
+from fastpar.comm import policy, routing
 from fastpar.comm.state import CommState
 from fastpar.version import MIN_TORCH, check_torch
 from tests.multirank import launch
@@ -122,9 +122,11 @@ def test_cuda_ipc_is_built_only_when_it_may_be_chosen(forced, builds, monkeypatc
     built = []
     facts = policy.GroupFacts(size=2, same_host=True, pg_backend="nccl")
     monkeypatch.setattr(state, "resolve", lambda group: ("g", [0, 1], facts), raising=False)
-    monkeypatch.setattr(state, "cuda_ipc", lambda *a: built.append(a), raising=False)
-    try:
-        engine = state.choose("all_reduce", _FakeCudaTensor(), None)[2].engine
+    monkeypatch.setattr(state, "communicator", lambda engine, *a: built.append(engine.name),
+                        raising=False)
+    monkeypatch.setattr(routing, "current", lambda: state)
+    try:  # the route's choice: a CUDA all_reduce probes the group's CUDA IPC communicator
+        engine = routing.choose("all_reduce", _FakeCudaTensor(), None)[2].engine
     except ValueError as exc:  # a forced engine that cannot serve (no IPC, a gloo group)
         engine = str(exc)
     assert bool(built) == builds, (forced, built)
