@@ -49,7 +49,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from fastpar.plan import busy, calibrate  # noqa: E402
+from fastpar.plan import busy  # noqa: E402
 from fastpar.plan.cluster import Cluster, Link  # noqa: E402
 from fastpar.plan import fitting  # noqa: E402
 from fastpar.plan.layouts import parse, why_not  # noqa: E402

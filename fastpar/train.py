@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import fastpar
 from fastpar import runtime

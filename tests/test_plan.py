@@ -16,6 +16,7 @@ import torch
 
 from fastpar.models import PRESETS
 from fastpar.plan import cli
+from fastpar.plan import pipeline_ends
 from fastpar.plan import predict as P
 from fastpar.plan.cluster import Cluster, Link, TrainerFit, model_signature
 from fastpar.plan.layouts import Layout, candidates, parse, why_not
@@ -105,10 +106,10 @@ def test_bubble_comes_from_the_pipeline_timeline():
     # B1 [9,13]; rank 0 B1 [13,15]: makespan 15, busy 6 + 12 = 18, bubble 1 - 18/30 = 0.4.
     def cost(rank, a):
         return {"F": 1.0, "B": 2.0}[a.kind] * (1 + rank)
-    ends, busy = P.pipeline_ends("1f1b", 2, 2, 1, cost)
+    ends, busy = pipeline_ends.pipeline_ends("1f1b", 2, 2, 1, cost)
     assert ends == [15.0, 13.0] and busy == 18.0
     # equal stages: (p - 1) / (m + p - 1), the schedule's theory
-    ends, busy = P.pipeline_ends("1f1b", 4, 8, 1, lambda r, a: {"F": 1.0, "B": 2.0}[a.kind])
+    ends, busy = pipeline_ends.pipeline_ends("1f1b", 4, 8, 1, lambda r, a: {"F": 1.0, "B": 2.0}[a.kind])
     assert 1 - busy / (4 * max(ends)) == pytest.approx(3 / 11)
     # a prediction's bubble is the simulated one: pp 2 with 2 microbatches idles
     pred = P.predict(PRESETS["small"], parse("tp1.pp2.dp2.mb2", 4), CLUSTER, 16,
@@ -128,9 +129,9 @@ def test_long_pipelines_are_extended_from_their_steady_state(monkeypatch, schedu
 
     def cost(rank, a):
         return table[rank, a.chunk, a.kind]
-    full = P._ends(schedule, pp, m, v, cost)
-    monkeypatch.setattr(P, "SIMULATE_MAX", 0)
-    ends, busy = P.pipeline_ends(schedule, pp, m, v, cost)
+    full = pipeline_ends.simulated_ends(schedule, pp, m, v, cost)
+    monkeypatch.setattr(pipeline_ends, "SIMULATE_MAX", 0)
+    ends, busy = pipeline_ends.pipeline_ends(schedule, pp, m, v, cost)
     assert busy == pytest.approx(full[1], rel=1e-12)
     assert max(abs(a - b) / a for a, b in zip(full[0], ends)) < exact
 

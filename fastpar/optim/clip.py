@@ -114,3 +114,28 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
             comm.all_reduce(experts, group=topo.ep_group)
         local += experts
     return clip_by_global_norm_(grads, local, max_norm, 2.0, [topology().mp_group])
+
+
+@torch.no_grad()
+def clip_shards_(flat, group, max_norm: float, norm_type: float, model) -> torch.Tensor:
+    """``DistributedOptimizer.clip_grad_norm_`` over its master shards (``flat``: its
+    ``FlatGroup`` list, each a master with its reduced ``.grad`` shard) on the dp ``group``:
+    each rank's sum of ``w * |g_shard| ** p`` (w = 1, or with ``model`` the shard of
+    ``counted(model)``'s mask) summed over dp, and over mp (tp x pp) with ``model``; every
+    shard scaled by ``min(1, max_norm / (norm + 1e-6))``. Returns the norm in the masters'
+    dtype."""
+    norm_type = float(norm_type)
+    grads = [f.master.grad for f in flat]
+    weights, groups = [None] * len(grads), [group]
+    if model is not None:
+        keep = counted(model)
+        weights = [f.shard_mask(keep) for f in flat]
+        groups.append(topology().mp_group)
+    if math.isinf(norm_type):
+        local = torch.stack([(g.abs() if w is None else g.abs() * w).max().double()
+                             for g, w in zip(grads, weights)]).max().reshape(1)
+    else:
+        local = sum((g.double().abs().pow(norm_type) * (1.0 if w is None else w)).sum()
+                    for g, w in zip(grads, weights)).reshape(1)
+    total = clip_by_global_norm_(grads, local, max_norm, norm_type, groups)
+    return total.to(grads[0].dtype)

@@ -56,14 +56,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 
 import torch
 
 from fastpar import comm
 from fastpar.comm import quant as quant_codec
 from fastpar.comm import symmetric
-from fastpar.optim.clip import check_max_norm, clip_by_global_norm_, counted
+from fastpar.optim.clip import check_max_norm, clip_shards_
 from fastpar.optim.zero_shards import FlatGroup, master_dtype
 from fastpar.optim.inner import InnerOptimizerView
 from fastpar.optim.zero_checkpoint import CheckpointMixin
@@ -377,23 +376,9 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         ``GPT`` (see ``fastpar.optim.clip``).
         """
         check_max_norm(max_norm)
-        norm_type = float(norm_type)
         if not self._reduced:
             self.reduce()
-        grads = [f.master.grad for f in self.flat]
-        weights, groups = [None] * len(grads), [self.group]
-        if model is not None:
-            keep = counted(model)
-            weights = [f.shard_mask(keep) for f in self.flat]
-            groups.append(topology().mp_group)
-        if math.isinf(norm_type):
-            local = torch.stack([(g.abs() if w is None else g.abs() * w).max().double()
-                                 for g, w in zip(grads, weights)]).max().reshape(1)
-        else:
-            local = sum((g.double().abs().pow(norm_type) * (1.0 if w is None else w)).sum()
-                        for g, w in zip(grads, weights)).reshape(1)
-        total = clip_by_global_norm_(grads, local, max_norm, norm_type, groups)
-        return total.to(grads[0].dtype)
+        return clip_shards_(self.flat, self.group, max_norm, norm_type, model)
 
     # ---- memory ------------------------------------------------------------------------------
 

@@ -27,8 +27,6 @@ wait for each other) and each rank gets its share of the host's cores.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import json
 import os
 import shutil

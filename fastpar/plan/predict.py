@@ -26,14 +26,11 @@ import torch
 
 from fastpar.models.config import GPTConfig
 from fastpar.pipeline.partition import balanced_bounds
-from fastpar.pipeline.schedules import SCHEDULES
-from fastpar.pipeline.timeline import simulate
 from fastpar.plan import busy, costs
 from fastpar.plan.cluster import Cluster
 from fastpar.plan.layouts import Layout, model_for
+from fastpar.plan.pipeline_ends import extended, pipeline_ends
 from fastpar.plan import memory as mem_model
-
-SIMULATE_MAX = 1536  # compute actions per rank simulated in full; longer lists: extended
 
 
 @dataclasses.dataclass
@@ -86,36 +83,6 @@ def memory_by_rank(cfg: GPTConfig, lay: Layout, global_batch: int, dtype) -> lis
         schedule=lay.schedule, microbatches=lay.microbatches, rows=global_batch // lay.dp,
         zero=lay.zero, dtype=dtype, virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp))
         for r in range(lay.pp)]
-
-
-@functools.lru_cache(maxsize=16)
-def _lists(schedule: str, pp: int, m: int, v: int) -> tuple:
-    return tuple(SCHEDULES[schedule](pp, m, r, v) for r in range(pp))
-
-
-def _ends(schedule: str, pp: int, m: int, v: int, cost) -> tuple[list[float], float]:
-    """Each rank's end time and the busy total, from the timeline of the real lists."""
-    lists = [list(x) for x in _lists(schedule, pp, m, v)]
-    spans = simulate(lists, cost=cost)
-    ends = [row[-1][1] if row else 0.0 for row in spans]
-    return ends, sum(b - a for row in spans for a, b, _ in row)
-
-
-def extended(pp: int, m: int, v: int) -> bool:
-    """Whether ``pipeline_ends`` extends the timeline from its steady state."""
-    return not (m * v * 3 <= SIMULATE_MAX or m <= 4 * pp)
-
-
-def pipeline_ends(schedule: str, pp: int, m: int, v: int, cost) -> tuple[list[float], float]:
-    """``_ends``, or for long lists the ends at two counts one period (pp microbatches) apart,
-    extended linearly to ``m`` (the busy total is exact: every microbatch costs the same)."""
-    if not extended(pp, m, v):
-        return _ends(schedule, pp, m, v, cost)
-    m0, m1 = 2 * pp, 3 * pp
-    e0, b0 = _ends(schedule, pp, m0, v, cost)
-    e1, b1 = _ends(schedule, pp, m1, v, cost)
-    slope = [(b - a) / (m1 - m0) for a, b in zip(e0, e1)]
-    return [b + s * (m - m1) for b, s in zip(e1, slope)], b0 + (b1 - b0) / (m1 - m0) * (m - m0)
 
 
 def predict(cfg: GPTConfig, lay: Layout, cluster: Cluster, global_batch: int, *, dtype,
