@@ -12,7 +12,7 @@ causal mask leaves, each step the same amount of work (c = T / 2n, the chunk len
 and folds the block into its output with the log-sum-exp merge (``context_math``).
 
 **Forward**: before a step's attention, the K/V it holds go to rank r+1 and the next step's
-arrive from rank r-1 (``Ring.shift``: one ``batch_isend_irecv``); the attention runs while they
+arrive from rank r-1 (``Ring.shift``: one batch of isend/irecv on the point-to-point transport); the attention runs while they
 travel, then the receive is waited for. n-1 transfers of (2, B, Hkv, T/n, D) in the input
 dtype. **Backward**: the K/V go around again the same way, and so do their gradients: at step s
 rank r adds its share of dK/dV of block j to the partial sum that ranks j..r-1 made, received
@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from fastpar.comm.collectives import all_reduce
 from fastpar.comm.symmetric import symmetric_slots
-from fastpar.comm.transport.engines import TorchSend
+from fastpar.comm.transport.engines import exchange
 from fastpar.nn import context_math
 from fastpar.nn.context_math import (block_backward, block_forward, grouped, keep_mask,
                                      merge_into)
@@ -76,7 +76,8 @@ class _Ready:
 
 class Ring:
     """The p2p engine: this rank's neighbours in ``group`` (global ranks), the shift of a block
-    to the next rank receiving the previous rank's, and the dK/dV partial sums passed on."""
+    to the next rank receiving the previous rank's (on the point-to-point transport:
+    ``comm.transport.engines.exchange``), and the dK/dV partial sums passed on."""
 
     def __init__(self, group, positions):
         ranks = dist.get_process_group_ranks(group)
@@ -97,10 +98,7 @@ class Ring:
         returns ``(buffer, handle)``: ``buffer`` is valid after ``handle.wait()``, and ``t``
         must stay unchanged until then."""
         buf = torch.empty_like(t)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, t, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, buf, self.prev, self.group, tag)])
-        return buf, TorchSend(works, keep=(t, buf), timeout=self.timeout)
+        return buf, exchange(self.group, t, self.next, buf, self.prev, tag, self.timeout)
 
     def add_share(self, share: torch.Tensor, j: int) -> None:
         """Fold this rank's share of block j's dK/dV (2, B, Hkv, T/n, D) into the partial sum

@@ -18,11 +18,24 @@ import time
 
 import torch
 
+import fastpar
+from fastpar import comm
+from fastpar.models import GPTBlock, gpt_layers, gpt_loss, sum_tied_grads
+from fastpar.nn import ColumnParallelLinear, RowParallelLinear
+from fastpar.nn import random as tp_random
+from fastpar.nn.context import choose_type, context_positions
+from fastpar.pipeline import Pipeline
 from fastpar.plan.cluster import gpu_peak_flops
+from fastpar.checkpoint.sharded import ShardedCheckpointer
+from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
 from fastpar.runtime import hostid
-from fastpar.training.save_resume import Checkpoints, run_identity
 from fastpar.training.args import DEFAULT_STEPS, check_layout, lr_lambda, model_config
+from fastpar.training.auto_layout import choose_layout
+from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
+from fastpar.training.memory import report, trainer_meter
+from fastpar.training.metrics import MetricsWriter, format_line, plot_losses, read_records
 from fastpar.training.optimizer import build_setup
+from fastpar.training.save_resume import Checkpoints, run_identity
 
 
 class Trainer:
@@ -33,8 +46,6 @@ class Trainer:
         """``--cp-type auto``: ``nn.context.choose_type`` for this model and layout, said by
         rank 0. One answer for the whole job (every rank reads the same flags and host map):
         "in one host" means every cp group is, so that no group runs another type."""
-        from fastpar.nn.context import choose_type
-
         cfg = model_config(argparse.Namespace(**{**vars(args), "cp_type": "ring"}))
         same_host = all(len({topo.hosts[r] for r in ranks}) == 1
                         for ranks in topo.grid.groups("cp"))
@@ -47,15 +58,8 @@ class Trainer:
     def __init__(self, args, cfg=None):
         """``cfg``: a model other than the flags' (the planner's calibration trains the plan's
         own model, whose vocabulary and widths have no flags)."""
-        import fastpar
-        from fastpar.models import gpt_layers, gpt_loss
-        from fastpar.pipeline import Pipeline
-        from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
-
         self.layout_lines: list[str] = []  # --layout auto: what it chose and why
         if args.layout == "auto":  # the planner's choice, the same on every rank
-            from fastpar.training.auto_layout import choose_layout
-
             args, self.layout_lines = choose_layout(args)
         self.args = args
         self.topo = topo = fastpar.init(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
@@ -78,8 +82,6 @@ class Trainer:
         self.pipe = Pipeline(gpt_layers(cfg, seed=args.seed), loss_fn=gpt_loss,
                              schedule=args.schedule, microbatches=self.microbatches,
                              virtual_stages=args.virtual_stages)  # float32, as initialised
-        from fastpar.models import GPTBlock
-
         self.moe_blocks = [m for m in self.pipe.modules() if isinstance(m, GPTBlock) and m.moe]
         for block in self.moe_blocks:  # the pipeline divides each microbatch's loss by them
             block.aux_scale = 1.0 / self.microbatches
@@ -89,7 +91,6 @@ class Trainer:
         self.model, self.opt = self.setup.model, self.setup.opt
         if (args.quantize_grads or args.quantize_weights) and topo.dp_size > 1 and \
                 len({topo.hosts[r] for r in topo.ranks("dp")}) == 1 and topo.rank == 0:
-            from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
             if topo.device.type == "cuda":
                 print("[fastpar.train] note: the dp group is on one node: its CUDA calls stay "
                       "full precision (int8 is unmeasured against NCCL there; "
@@ -104,13 +105,9 @@ class Trainer:
         self.gathered = self.setup.gathered
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
         self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
-        from fastpar.training.memory import trainer_meter
-
         self.memory = trainer_meter(cfg, args, topo, self.setup, self.microbatches, self.rows)
         self.ckpt = None  # sharded checkpoints: their own gloo group (collective to create)
         if args.save or args.resume:
-            from fastpar.checkpoint.sharded import ShardedCheckpointer
-
             self.ckpt = ShardedCheckpointer()
         # save and resume, of the state they save (not of the trainer)
         self.checkpoints = Checkpoints(
@@ -136,17 +133,11 @@ class Trainer:
         (B, T/cp) in ``fastpar.nn.context``'s layout (chunks r and 2cp-1-r); else the rows."""
         if self.topo.cp_size == 1:
             return x, y
-        from fastpar.nn.context import context_positions
-
         pos = context_positions(x.shape[1], self.topo.cp_group, x.device)
         return x.index_select(1, pos), y.index_select(1, pos)
 
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step on batch ``step``; returns (global mean loss, grad norm)."""
-        from fastpar import comm
-        from fastpar.models import sum_tied_grads
-        from fastpar.nn import random as tp_random
-
         topo, args = self.topo, self.args
         tp_random.seed(self.sampler_seed(step))  # dropout streams: a function of (seed, step)
         for block in self.moe_blocks:
@@ -178,8 +169,6 @@ class Trainer:
         the load-balancing and z losses (unweighted, mean over blocks, microbatches and dp
         ranks), the tokens per expert (slots, top-k per token) of the busiest and idlest
         expert of any block, and the slots dropped by the capacity."""
-        from fastpar import comm
-
         cfg, topo = self.cfg, self.topo
         blocks = cfg.moe_blocks
         table = torch.zeros(len(blocks), 4 + cfg.moe_experts, dtype=torch.float64)
@@ -209,9 +198,6 @@ class Trainer:
     @torch.no_grad()
     def validation_loss(self) -> float:
         """Mean loss over the fixed validation batches (the same tokens under every layout)."""
-        from fastpar import comm
-        from fastpar.models import gpt_loss
-
         self.pipe.eval()
         total = torch.zeros(1, dtype=torch.float64)
         with self.gathered():
@@ -226,10 +212,6 @@ class Trainer:
     # ---- the run -----------------------------------------------------------------------------
 
     def run(self) -> list[dict]:
-        from fastpar.training.memory import report
-        from fastpar.training.metrics import (MetricsWriter, format_line, plot_losses,
-                                              read_records)
-
         args, topo = self.args, self.topo
         lead = topo.rank == 0
         if args.resume:
@@ -323,8 +305,6 @@ class Trainer:
     def say_overlap(self) -> None:
         """What the overlap policy did in the first step's parallel linear layers (rank 0's
         stage), and why: printed once."""
-        from fastpar.nn import ColumnParallelLinear, RowParallelLinear
-
         seen: dict = {}
         for module in self.model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \

@@ -65,6 +65,16 @@ class TorchSend(SendHandle):
         self._works, self._keep = [], ()
 
 
+def exchange(group, t: torch.Tensor, to: int, buf: torch.Tensor, source: int, tag: int,
+             timeout: float = math.inf) -> TorchSend:
+    """Send ``t`` to global rank ``to`` and receive ``buf`` from ``source`` in one batch of
+    torch's isend/irecv on ``group`` (a ring's shift: nn.context_ring's K/V blocks and dK/dV
+    sums), matched by ``tag``; the handle keeps both alive until its bounded ``wait()``."""
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group, tag),
+                                    dist.P2POp(dist.irecv, buf, source, group, tag)])
+    return TorchSend(works, keep=(t, buf), timeout=timeout)
+
+
 class TorchEngine:
     """Batched isend/irecv on one clone of the group per direction."""
 
