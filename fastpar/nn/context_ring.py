@@ -12,8 +12,8 @@ causal mask leaves, each step the same amount of work (c = T / 2n, the chunk len
 and folds the block into its output with the log-sum-exp merge (``context_math``).
 
 **Forward**: before a step's attention, the K/V it holds go to rank r+1 and the next step's
-arrive from rank r-1 (``Ring.shift``: one batch of isend/irecv on the point-to-point transport); the attention runs while they
-travel, then the receive is waited for. n-1 transfers of (2, B, Hkv, T/n, D) in the input
+arrive from rank r-1 (``Ring.shift``: one batch of isend/irecv on the point-to-point
+transport); the attention runs while they travel, then the receive is waited for. n-1 transfers of (2, B, Hkv, T/n, D) in the input
 dtype. **Backward**: the K/V go around again the same way, and so do their gradients: at step s
 rank r adds its share of dK/dV of block j to the partial sum that ranks j..r-1 made, received
 during this step's attention, and sends the sum on (working dtype, float32 for bf16/fp16/fp32
