@@ -1,5 +1,5 @@
 """fastpar's shm P2P rings with the calls that only the benchmarks and tests make (the library's
-pipeline uses ``isend``/``recv`` of ``fastpar.comm.shm_p2p.ShmP2P``); a helper of
+pipeline uses ``isend``/``recv`` of ``fastpar.comm.transport.shm_rings.ShmP2P``); a helper of
 ``bench/collectives.py`` (``--ops sendrecv`` on ``shm``), imported by tests too.
 
     rings = ShmRings(group, ranks, rank, peers, timeout)    # collective, as ShmP2P

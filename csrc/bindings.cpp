@@ -66,7 +66,8 @@ TORCH_LIBRARY(fastpar, m) {
   m.def("shm_all_to_all(int comm, Tensor inp, int[] send_counts, int[]? recv_counts, int sig, "
         "Tensor(a!)? out=None) -> (Tensor, int[])", &fastpar::shm_all_to_all);
 
-  // Shared-memory point-to-point channels (CPU). Pair segments owned by fastpar/comm/shm_p2p.py.
+  // Shared-memory point-to-point channels (CPU). Pair segments owned by
+  // fastpar/comm/transport/shm_rings.py.
   m.def("shm_p2p_segment_bytes(int tags, int ring_bytes) -> int", &fastpar::shm_p2p_segment_bytes);
   m.def("shm_p2p_init_segment(int base, int rank_lo, int rank_hi, int tags, int ring_bytes) -> ()",
         &fastpar::shm_p2p_init_segment);

@@ -1,7 +1,8 @@
 #pragma once
 // Torch glue of the shared-memory point-to-point channels: tensors in, checks, then the pure
 // kernel (csrc/shm/shm_p2p.h). The pair segments are mapped and owned by the Python communicator
-// (fastpar/comm/shm_p2p.py); these functions only receive their addresses. Handles are ints.
+// (fastpar/comm/transport/shm_rings.py); these functions only receive their addresses. Handles
+// are ints.
 #include <ATen/core/Tensor.h>
 
 #include <tuple>

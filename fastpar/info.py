@@ -83,7 +83,7 @@ def engine_table(topo) -> list[dict]:
     1 MiB, this rank's device), with the reason; creates no communicator. The ep and edp groups
     are listed when ep > 1, the cp and dpcp groups when cp > 1 (with 1 they are this rank alone
     and the dp ranks)."""
-    from fastpar.comm.state import current
+    from fastpar.comm import routing
 
     groups = {"world": dist.group.WORLD, "tp": topo.tp_group, "dp": topo.dp_group,
               "pp": topo.pp_group}
@@ -91,7 +91,7 @@ def engine_table(topo) -> list[dict]:
         groups.update(ep=topo.ep_group, edp=topo.edp_group)
     if topo.cp_size > 1:
         groups.update(cp=topo.cp_group, dpcp=topo.dpcp_group)
-    return current().engine_table(groups, topo.device.type, ENGINE_TABLE_BYTES)
+    return routing.engine_table(groups, topo.device.type, ENGINE_TABLE_BYTES)
 
 
 def report(topo) -> dict | None:

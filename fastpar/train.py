@@ -29,7 +29,6 @@ fastpar.checkpoint export`` writes the serial layout).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import fastpar
@@ -46,7 +45,7 @@ def main(argv=None) -> int:
     try:
         Trainer(args).run()
     except Exception as exc:  # noqa: BLE001 - said in one line (FASTPAR_DEBUG=1: the traceback)
-        if os.environ.get("FASTPAR_DEBUG", "0") == "1":
+        if failures.debug():
             raise  # the traceback, and under MPI fastpar's hook aborts the whole job
         end_job_with(exc)
     # Only after success: on Ctrl-C the KeyboardInterrupt must reach fastpar's hook, which

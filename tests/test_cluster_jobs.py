@@ -101,13 +101,13 @@ def body_flat(expect_reason):
     """A spanning world whose all_reduce the policy sends to a flat engine: the reason, and
     the results (float64 bounds) of every op."""
     import fastpar
-    from fastpar.comm.state import current
+    from fastpar.comm import routing
 
     result = body_hier(None, dtypes=["float32", "bfloat16"], sizes=[5, 4099])
     topo = fastpar.init(timeout=120)
     import torch
 
-    choice = current().choose("all_reduce", torch.empty(1 << 18), None)[2]
+    choice = routing.choose("all_reduce", torch.empty(1 << 18), None)[2]
     assert (choice.engine, choice.reason) == ("mpi", f"spans hosts, not hier: {expect_reason}")
     result["hosts"] = list(topo.hosts)
     return result

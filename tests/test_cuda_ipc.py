@@ -80,8 +80,8 @@ def body_ipc():
     import fastpar
     from fastpar import comm
     from fastpar.comm.engines import cuda_ipc
+    from fastpar.comm import routing
     from fastpar.comm.engines.cuda_ipc import CudaIpcCommunicator
-    from fastpar.comm.state import current
 
     topo = fastpar.init(timeout=120)
     n, rank, dev = topo.world_size, topo.rank, topo.device
@@ -125,7 +125,7 @@ def body_ipc():
     for count, engine in ((limit // 4, "cuda_ipc"), (limit // 4 + 4, topo.backend)):
         ins = _inputs(n, count, torch.float32, seed=count)
         x = ins[rank].to(dev)
-        _, _, choice = current().choose("all_reduce", x, None)
+        _, _, choice = routing.choose("all_reduce", x, None)
         assert choice.engine == engine, (count * 4, choice)
         comm.all_reduce(x)
         if engine == "cuda_ipc":

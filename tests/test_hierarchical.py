@@ -54,7 +54,7 @@ def body_hier(hosts, tp=1, forced=None, expect=None, dtypes=DTYPES, sizes=SIZES)
 
     import fastpar
     from fastpar import comm
-    from fastpar.comm.state import current
+    from fastpar.comm import routing
 
     if hosts is not None:  # else: real hosts (the cluster tests)
         os.environ["FASTPAR_HOST_ID"] = hosts[_rank()]
@@ -62,10 +62,9 @@ def body_hier(hosts, tp=1, forced=None, expect=None, dtypes=DTYPES, sizes=SIZES)
     n, rank = topo.world_size, topo.rank
     assert topo.hosts == tuple(hosts) if hosts is not None else len(set(topo.hosts)) > 1, \
         topo.hosts
-    st = current()
     big = torch.empty(1 << 18)
-    chosen = {op: st.choose(op, big, None)[2] for op in ("all_reduce", "all_gather",
-                                                         "reduce_scatter", "broadcast")}
+    chosen = {op: routing.choose(op, big, None)[2] for op in ("all_reduce", "all_gather",
+                                                              "reduce_scatter", "broadcast")}
     for op, engine in (expect or {}).items():
         assert chosen[op].engine == engine, (op, chosen[op])
     comm.use_backend(forced)

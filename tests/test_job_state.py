@@ -31,9 +31,10 @@ def body_reinit():
         out["received"] = ch.recv_forward(mb=0, stage=1).tolist()
     ch.finish_step()
     out["sum"] = comm.all_reduce(torch.ones(2), group=topo.pp_group).tolist()
+    from fastpar.comm import routing
     from fastpar.comm.state import current
 
-    out["reason"] = current().engine_table({"pp": topo.pp_group}, "cpu", 64)[0]["reason"]
+    out["reason"] = routing.engine_table({"pp": topo.pp_group}, "cpu", 64)[0]["reason"]
     nn_random.seed(7)
     out["parts"] = sorted(first.parts)
     first.on_close(fastpar.shutdown)  # a closer that shuts down: not re-entered
@@ -75,13 +76,13 @@ def test_reinit_with_another_layout_starts_clean():
 
 def body_forced_by_environment():
     import fastpar
-    from fastpar.comm.state import current
+    from fastpar.comm import routing
     from fastpar.pipeline.channels import Channels
 
     topo = fastpar.init(pp=2)
     ch = Channels(topo.pp_group, all_groups=topo.grid.groups("pp"))
     return [ch.engine_name, ch.reason,
-            current().engine_table({"pp": topo.pp_group}, "cpu", 64)[0]["reason"]]
+            routing.engine_table({"pp": topo.pp_group}, "cpu", 64)[0]["reason"]]
 
 
 def test_environment_forces_collectives_and_p2p_alike():

@@ -136,7 +136,7 @@ def test_long_pipelines_are_extended_from_their_steady_state(monkeypatch, schedu
     assert max(abs(a - b) / a for a, b in zip(full[0], ends)) < exact
 
 
-# A trainer fit for the tiny preset in float32 (the shape of calibrate.trainer_fit's answer)
+# A trainer fit for the tiny preset in float32 (the shape of training.fit.trainer_fit's answer)
 FIT = TrainerFit(model_signature(PRESETS["tiny"], 4), (2e-3, 1e-5), (3e-3, 2e-5), 4e-3,
                  (5e-4, 8e-4), (1.5e-3, 4e-6))
 
@@ -665,7 +665,7 @@ def test_pipeline_sends_wait_for_busy_neighbours_on_their_link():
 
 
 def body_trainer_fit():
-    """calibrate.trainer_fit on a one-rank job's process (its own Trainers, as --calibrate):
+    """training.fit.trainer_fit on a one-rank job's process (its own Trainers, as --calibrate):
     the fit and what it said on standard error."""
     import contextlib
     import io
@@ -700,7 +700,7 @@ def test_trainer_fit_trains_the_plans_model_and_fits_nonnegative_terms():
 
 @pytest.mark.quick
 def test_recompute_fit_recovers_the_extra(capsys):
-    """trainer_fit.recompute_fit on steps that follow a + b n per block and microbatch exactly
+    """training.fit.recompute_fit on steps that follow a + b n per block and microbatch exactly
     (the points' own steps without recompute beside them): (a, b) times the scale; None when
     the recompute finds nothing extra, and None, said, when a point cannot train."""
     from fastpar.training.fit import recompute_fit

@@ -126,9 +126,9 @@ def _quant_route(name: str, t: torch.Tensor, group, op, spec):
     a node, a bfloat16 all_reduce across hosts), the call's own full-precision route and spec
     None."""
     flat = t.reshape(-1)
-    route = routing.route("all_gather", flat.view(torch.uint8) if flat.is_contiguous() else
-                   torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8,
-                               device=t.device), group)
+    as_bytes = flat.view(torch.uint8) if flat.is_contiguous() else \
+        torch.empty(flat.numel() * flat.element_size(), dtype=torch.uint8, device=t.device)
+    route = routing.route("all_gather", as_bytes, group)
     st = current()
     yes, why = policy.quantizes(name, route.engine, t.numel() * t.element_size(), t.dtype,
                                 device=t.device.type,
@@ -136,7 +136,9 @@ def _quant_route(name: str, t: torch.Tensor, group, op, spec):
     if yes:
         return route, spec
     log.debug("%s quant=%r on global ranks %s: %s", name, spec.kind, route.ranks, why)
-    return (routing.route(name, t, group, op) if name != "all_gather" else routing.route(name, t, group)), None
+    if name == "all_gather":
+        return routing.route(name, t, group), None
+    return routing.route(name, t, group, op), None
 
 
 def _routed(name: str, t: torch.Tensor, group, op, quant, residual):
@@ -237,7 +239,8 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     if spec is not None:
         n = len(route.ranks)
         stacked = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        pending = _quantized_gather(route, t.contiguous(), stacked, spec, async_op)
+        pending = route.adapter.quantized_all_gather(route, t.contiguous(), stacked, spec,
+                                                     async_op)
         if dim == 0:
             return _quant_handle(stacked, pending, async_op)
         if pending is not None:
@@ -260,10 +263,6 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
 
 
 
-def _quantized_gather(route, t: torch.Tensor, out: torch.Tensor, spec, async_op: bool):
-    return route.adapter.quantized_all_gather(route, t, out, spec, async_op)
-
-
 def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_op: bool,
                      spec=None):
     """``all_gather(t, out=out)``: this rank's block of ``out`` holds ``t``, then the others."""
@@ -277,8 +276,8 @@ def _all_gather_into(t: torch.Tensor, out: torch.Tensor, dim: int, route, async_
             f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous={out.is_contiguous()}, "
             f"dim {dim}")
     if spec is not None and not route.adapter.local:  # t is read before out is written
-        return _quant_handle(out, _quantized_gather(route, t.contiguous(), out, spec,
-                                                    async_op), async_op)
+        pending = route.adapter.quantized_all_gather(route, t.contiguous(), out, spec, async_op)
+        return _quant_handle(out, pending, async_op)
     me = route.ranks.index(current().topo.rank)
     block = out.narrow(0, me * t.shape[0], t.shape[0])
     if block.data_ptr() != t.data_ptr() or block.stride() != t.stride():

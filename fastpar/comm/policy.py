@@ -8,7 +8,7 @@ Engines:
   ``cuda_ipc``  our CUDA IPC all-reduce (CUDA tensors, one node, small/medium messages)
   ``nccl``/``gloo``  torch.distributed's engine for the device
   ``hier``      hierarchical, for a group that spans hosts with as many ranks on each (CPU):
-                shm within each host, one engine across hosts (``comm/hierarchical.py``)
+                shm within each host, one engine across hosts (``comm/engines/hierarchical.py``)
   ``mpi``       the MPI library's own collective through mpi4py (CPU; unforced only for a group
                 that spans hosts in an MPI-launched job: the flat engine there, and the cross-
                 host stage of ``hier`` below CROSS_ASYNC_MIN_BYTES)
@@ -200,7 +200,7 @@ def cross_engine(facts: GroupFacts, dtype: torch.dtype, nbytes: int = 0) -> str:
     was MPI-launched and MPI carries the dtype (its latency is gloo's 1/30 here), up to
     ``CROSS_ASYNC_MIN_BYTES`` of message; from there, and without MPI, the group's torch
     backend, which runs in the background, so the hierarchical all-reduce overlaps one part's
-    cross-host stage with the next part's host-local ones (``comm/hierarchical.py``)."""
+    cross-host stage with the next part's host-local ones (``comm/engines/hierarchical.py``)."""
     if facts.mpi and dtype in MPI_DTYPES and nbytes < CROSS_ASYNC_MIN_BYTES:
         return "mpi"
     return facts.pg_backend

@@ -21,6 +21,7 @@ from fastpar.comm.engines.cuda_ipc import CudaIpc
 from fastpar.comm.engines.hierarchical import Hier
 from fastpar.comm.engines.mpi import Mpi
 from fastpar.comm.engines.nccl_mpi import NcclMpi
+from fastpar.comm.engines.nccl_mpi import unavailable as nccl_mpi_unavailable
 from fastpar.comm.engines.shm import Shm
 from fastpar.comm.engines.torch_dist import TORCH_OPS, Torch
 from fastpar.comm.state import current
@@ -69,19 +70,56 @@ def check_tensor(name: str, t) -> None:
                         "call .to_dense() first")
 
 
+def engine_facts(st, facts):
+    """``facts`` with what only the engines can tell, short of building anything: under a
+    forced ``nccl_mpi``, whether it can run here (CuPy's NCCL, an MPI launch)."""
+    if st.forced != "nccl_mpi":
+        return facts
+    why = nccl_mpi_unavailable(mpi_launched=st.topo.mpi_comm is not None) or ""
+    return policy.GroupFacts(**{**facts.__dict__, "nccl_mpi": why})
+
+
 def choose(name: str, t: torch.Tensor, group, op: str = "sum"):
     """``(group, ranks, Choice)`` for one call. A CUDA all_reduce within a node first builds
     the group's CUDA IPC communicator (collective over the group), whose size limit the
     decision needs (only when no other engine is forced)."""
     st = current()
     group, ranks, facts = st.resolve(group)
+    facts = engine_facts(st, facts)
     if (t.is_cuda and name == "all_reduce" and facts.size > 1 and facts.same_host
             and st.forced in (None, "cuda_ipc")):
         comm = st.communicator(CudaIpc, group, ranks, t.device)
         if comm is not None:
             facts = policy.GroupFacts(**{**facts.__dict__, "ipc_ready": True,
                                          "ipc_max_bytes": comm.max_bytes})
-    return st.choose(name, t, group, op, facts=facts)
+    return group, ranks, st.decide(name, t.device.type, facts, t.numel() * t.element_size(),
+                                   t.dtype, op)
+
+
+def engine_table(groups: dict, device_type: str, nbytes: int,
+                 dtype: torch.dtype = torch.float32) -> list[dict]:
+    """What the policy would choose for each op on each of ``groups`` (``{name: group}``),
+    without creating any communicator: rows ``{"group", "ranks", "op", "engine", "reason"}``.
+    CUDA IPC is reported as undecided: it needs its collective probe."""
+    st = current()
+    rows = []
+    for name, group in groups.items():
+        if group is None:
+            continue
+        _, ranks, facts = st.resolve(group)
+        facts = engine_facts(st, facts)
+        for op in policy.OPS:
+            try:
+                choice = st.decide(op, device_type, facts, nbytes, dtype)
+                engine, reason = choice.engine, choice.reason
+            except ValueError as exc:
+                engine, reason = "error", str(exc)
+            if device_type == "cuda" and op == "all_reduce" and engine != "local" \
+                    and st.forced in (None, "cuda_ipc"):
+                reason += " (cuda_ipc is probed at the group's first all_reduce)"
+            rows.append({"group": name, "ranks": ranks, "op": op, "engine": engine,
+                         "reason": reason})
+    return rows
 
 
 def route(name: str, t: torch.Tensor, group, op="sum") -> Route:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from fastpar import _native
 from fastpar.comm import policy
-from fastpar.comm.engines.nccl_mpi import unavailable as nccl_mpi_unavailable
 from fastpar.comm.policy import GroupFacts
 from fastpar.comm.symmetric_registry import Registry
 from fastpar.runtime.bootstrap import job
@@ -34,7 +33,7 @@ class CommState:
         # in code. Collectives and pipeline P2P both take the engine from here.
         self.forced: str | None = os.environ.get("FASTPAR_COMM_BACKEND") or None
         self.forced_by = "FASTPAR_COMM_BACKEND"
-        self.routes: dict = {}  # call signature -> Route; see collectives._route
+        self.routes: dict = {}  # call signature -> Route (comm.routing.route)
         self._groups: dict = {}  # id(group) -> (group, global ranks in group order, GroupFacts)
         # (engine, id(group)) -> (its adapter, its communicator; None where the engine needs
         # none or, for cuda_ipc, could not build one). Each process group owns its
@@ -79,22 +78,13 @@ class CommState:
             self._groups[id(group)] = entry
         return entry
 
-    def choose(self, op: str, t: torch.Tensor, group, reduce_op: str = "sum", facts=None):
-        """``(group, ranks, Choice)`` for one call, from the group's ``GroupFacts`` (or the
-        ``facts`` given: ``comm.routing`` adds a CUDA group's IPC communicator to them); builds
-        nothing."""
-        group, ranks, known = self.resolve(group)
-        facts = known if facts is None else facts
-        if self.forced == "nccl_mpi":
-            facts = self._with_nccl_mpi(facts)
-        choice = policy.choose(op, t.device.type, facts, t.numel() * t.element_size(), t.dtype,
-                               reduce_op=reduce_op, forced=self.forced,
-                               forced_by=self.forced_by)
-        return group, ranks, choice
-
-    def _with_nccl_mpi(self, facts):
-        why = nccl_mpi_unavailable(mpi_launched=self.topo.mpi_comm is not None) or ""
-        return GroupFacts(**{**facts.__dict__, "nccl_mpi": why})
+    def decide(self, op: str, device_type: str, facts, nbytes: int, dtype: torch.dtype,
+               reduce_op: str = "sum"):
+        """The policy's ``Choice`` for one call on a group of ``facts``, under this job's
+        forced engine (if any). ``comm.routing.choose`` adds to the facts what only the engines
+        can tell (a CUDA group's IPC communicator, whether nccl_mpi can run)."""
+        return policy.choose(op, device_type, facts, nbytes, dtype, reduce_op=reduce_op,
+                             forced=self.forced, forced_by=self.forced_by)
 
     def communicator(self, engine, group, ranks, device):
         """``engine``'s communicator for ``group`` (an adapter of ``comm/engines/``: its
@@ -103,32 +93,6 @@ class CommState:
         if key not in self._comms:
             self._comms[key] = (engine, engine.make(self, group, ranks, device))
         return self._comms[key][1]
-
-    def engine_table(self, groups: dict, device_type: str, nbytes: int,
-                     dtype: torch.dtype = torch.float32) -> list[dict]:
-        """What the policy would choose for each op on each of ``groups`` (``{name: group}``),
-        without creating any communicator: rows ``{"group", "ranks", "op", "engine",
-        "reason"}``. CUDA IPC is reported as undecided: it needs its collective probe."""
-        rows = []
-        for name, group in groups.items():
-            if group is None:
-                continue
-            _, ranks, facts = self.resolve(group)
-            if self.forced == "nccl_mpi":
-                facts = self._with_nccl_mpi(facts)
-            for op in policy.OPS:
-                try:
-                    choice = policy.choose(op, device_type, facts, nbytes, dtype,
-                                           forced=self.forced, forced_by=self.forced_by)
-                    engine, reason = choice.engine, choice.reason
-                except ValueError as exc:
-                    engine, reason = "error", str(exc)
-                if device_type == "cuda" and op == "all_reduce" and engine != "local" \
-                        and self.forced in (None, "cuda_ipc"):
-                    reason += " (cuda_ipc is probed at the group's first all_reduce)"
-                rows.append({"group": name, "ranks": ranks, "op": op, "engine": engine,
-                             "reason": reason})
-        return rows
 
     def close(self):
         """Close every communicator; one that fails does not keep the others open (the first

@@ -70,11 +70,10 @@ def symmetric_available(group, op: str = "all_reduce") -> bool:
     if os.environ.get("FASTPAR_SYMMETRIC", "1") == "0":
         return False
     st = current()
-    _, ranks, _ = st.resolve(group)
+    _, ranks, facts = st.resolve(group)
     if len(ranks) == 1:
         return False
-    _, _, choice = st.choose(op, torch.empty(1), group)
-    return choice.engine == "shm"
+    return st.decide(op, "cpu", facts, 4, torch.float32).engine == "shm"
 
 
 def lookup(t: torch.Tensor, group, op: str = "sum") -> Placement | None:

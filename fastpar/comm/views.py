@@ -1,7 +1,7 @@
 """A tensor's memory seen as another type, without a copy: as bytes (a uint8 tensor) and as a
 numpy array (what mpi4py and Python's buffer protocol take).
 
-The MPI engine (``flat.py``), the all-to-alls (``alltoall.py``) and the checkpoint writer
+The MPI engine (``engines/mpi.py``), the all-to-alls (``alltoall.py``) and the checkpoint writer
 (``fastpar.checkpoint.files``) use them.
 """
 

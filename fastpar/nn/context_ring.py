@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from fastpar.comm.collectives import all_reduce
 from fastpar.comm.symmetric import symmetric_slots
-from fastpar.comm.transport.engines import exchange
+from fastpar.comm.transport.carriers import shift
 from fastpar.nn import context_math
 from fastpar.nn.context_math import (block_backward, block_forward, grouped, keep_mask,
                                      merge_into)
@@ -77,7 +77,7 @@ class _Ready:
 class Ring:
     """The p2p engine: this rank's neighbours in ``group`` (global ranks), the shift of a block
     to the next rank receiving the previous rank's (on the point-to-point transport:
-    ``comm.transport.engines.exchange``), and the dK/dV partial sums passed on."""
+    ``comm.transport.carriers.shift``), and the dK/dV partial sums passed on."""
 
     def __init__(self, group, positions):
         ranks = dist.get_process_group_ranks(group)
@@ -98,7 +98,7 @@ class Ring:
         returns ``(buffer, handle)``: ``buffer`` is valid after ``handle.wait()``, and ``t``
         must stay unchanged until then."""
         buf = torch.empty_like(t)
-        return buf, exchange(self.group, t, self.next, buf, self.prev, tag, self.timeout)
+        return buf, shift(self.group, t, self.next, buf, self.prev, tag, self.timeout)
 
     def add_share(self, share: torch.Tensor, j: int) -> None:
         """Fold this rank's share of block j's dK/dV (2, B, Hkv, T/n, D) into the partial sum

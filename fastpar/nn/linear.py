@@ -72,13 +72,12 @@ def _forced() -> str | None:
 
 def _engine(group, op: str, device: str, nbytes: int, dtype) -> str:
     """The engine the comm policy gives ``op`` of ``nbytes`` on ``group`` (creates nothing)."""
-    from fastpar.comm import policy
     from fastpar.comm.state import current
 
     st = current()
-    _, _, layout = st.resolve(group)
+    _, _, facts = st.resolve(group)
     try:
-        return policy.choose(op, device, layout, nbytes, dtype, forced=st.forced).engine
+        return st.decide(op, device, facts, nbytes, dtype).engine
     except ValueError:  # a forced engine that cannot serve it: the call itself will say so
         return str(st.forced)
 

@@ -89,8 +89,8 @@ def signal_path(x: torch.Tensor, weight: torch.Tensor, group, sp: bool):
     from fastpar.comm.state import current
 
     st = current()
-    g, ranks, layout = st.resolve(group)
-    comm = st.communicator(CudaIpc, g, ranks, x.device) if layout.same_host and \
+    g, ranks, group_facts = st.resolve(group)
+    comm = st.communicator(CudaIpc, g, ranks, x.device) if group_facts.same_host and \
         st.forced in (None, "cuda_ipc") else None
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     why = signal_refusal(**facts, triton=_triton_refusal(), sms=sms,

@@ -21,7 +21,7 @@ earlier in the step (and, for gradients, the shapes of the activations they belo
 sender applies the same rules to what it sends, so a mismatch raises on both sides, naming the
 stage, the microbatch and both shapes.
 
-The transport is ``fastpar.comm.transport``: its engines (``engines.py``), chosen per
+The transport is ``fastpar.comm.transport``: its engines (``carriers.py``), chosen per
 neighbour (``routes.py``): fastpar's shared-memory rings for CPU tensors to the neighbours on
 this rank's host, batched ``isend``/``irecv`` on clones of the group to those on other hosts;
 all created and warmed up in the constructor. The header's words: ``messages.py``; the
@@ -35,7 +35,7 @@ import torch
 
 from fastpar.comm.state import current
 from fastpar.comm.transport.base import SendHandle
-from fastpar.comm.transport.engines import ShmEngine
+from fastpar.comm.transport.carriers import ShmEngine
 from fastpar.comm.transport.routes import choose_routes, open_routes
 from fastpar.pipeline.messages import (ACTIVATION, GRADIENT, WHAT, P2PError, P2PTimeout,
                                        abort_reason, decode, describe, encode, encode_abort,

@@ -24,7 +24,10 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
+from fastpar.nn.context_ring import TAG_KV, Ring
+from fastpar.pipeline.channels import Channels
 from fastpar.plan.cluster import BUSY_BYTES, Link
 from fastpar.plan.fitting import nnls
 
@@ -91,7 +94,6 @@ def fit_busy(points: list[tuple[float, float]]) -> tuple[float, float]:
     return s0, k
 
 
-
 def with_busy_p2p(link: Link, points: list, share: float = 1.0) -> Link:
     """``link`` with ``busy_p2p`` fitted (``fit_busy``) to ``busy_p2p_points``' extras less
     the message's own alpha-beta time on ``link`` at ``share`` of its bandwidth (the planner
@@ -106,7 +108,6 @@ def with_busy_ring(link: Link, points: list) -> Link:
     whole: the exchange's own transfer is the ring's engine's, which the link does not
     describe."""
     return dataclasses.replace(link, busy_ring=fit_busy([tuple(p) for p in points]))
-
 
 
 BUSY_SEGMENTS = (2, 8, 24)  # compute between two collectives, in 160 x 160 matmuls
@@ -132,8 +133,6 @@ def segment_points(comm, meet, segments, rounds: int, drain=None) -> list[tuple]
     matmuls: a loop of the segment then ``meet()`` (the communication with the pair; a
     ``drain()`` after the loop's last, timed with it) against the same loop without them, on
     every rank (collective over the world)."""
-    import torch.distributed as dist
-
     a = torch.randn(160, 160)
     points = []
     for mm in segments:
@@ -165,8 +164,6 @@ def busy_points(topo, comm, segments=BUSY_SEGMENTS,
     includes the all-reduce itself: ``measure_link`` takes its alpha-beta time off before
     ``fit_busy``). What a pair waits for beyond the all-reduce itself is the peer being off
     the core: on a CPU host with more ranks than cores it grows with the segment."""
-    import torch.distributed as dist
-
     pairs = [dist.new_group(p) for p in rank_pairs(topo.world_size, False)]
     mine = pairs[topo.rank // 2] if topo.rank // 2 < len(pairs) else None
     x = torch.ones(BUSY_BYTES // 4)
@@ -195,10 +192,6 @@ def busy_p2p_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
     extra includes the message itself: ``with_busy_p2p`` takes its alpha-beta time off). On a
     CPU host with more ranks than cores the extra is the partner being off the core, and a
     receive's wake-up."""
-    import torch.distributed as dist
-
-    from fastpar.pipeline.channels import Channels
-
     check_pairs("busy_p2p_points", pairs, topo.world_size)
     groups = [dist.new_group(p) for p in pairs]
     ch = Channels(next(g for g, p in zip(groups, pairs) if topo.rank in p), all_groups=pairs)
@@ -233,10 +226,6 @@ def busy_ring_points(topo, comm, pairs: list[list[int]], segments=BUSY_SEGMENTS,
     it). On a CPU host whose ranks outnumber its cores each exchange waits for gloo's threads
     and the peer to get a core: 2-4 ms on 4 ranks of 2 cores, whatever the segment.
     ``RuntimeError`` when a received block is not the peer's."""
-    import torch.distributed as dist
-
-    from fastpar.nn.context_ring import TAG_KV, Ring
-
     check_pairs("busy_ring_points", pairs, topo.world_size)
     groups = [dist.new_group(p) for p in pairs]
     pair = next(p for p in pairs if topo.rank in p)

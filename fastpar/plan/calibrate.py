@@ -196,7 +196,7 @@ def _one_thread(yes: bool):
 def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None,
               cfg=None, fit=None) -> Cluster:
     """This machine as a ``Cluster``. With ``cfg`` on a CPU: the model's host overheads, and
-    with ``fit`` (``fastpar.plan.trainer_fit.trainer_fit``, which trains: the front doors
+    with ``fit`` (``fastpar.training.fit.trainer_fit``, which trains: the front doors
     pass it, the trainer's own ``--layout auto`` does not) the trainer fit."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -34,8 +34,8 @@ block and per embedding or head layer for a microbatch's forward and backward, p
 tensor for a step's clip and AdamW, measured by one process; with more ranks than ``cpus`` on
 a host each takes ``ranks / cpus`` times as long; its optional ``"sync_s"``, ``"sync_ratio"``:
 ``busy_sync``. ``"trainer": {"model", "block_s": [a, b], "end_s": [a, b], "step_s", "zb_s":
-[block, ends], "recompute_s": [a, b]}`` (``--calibrate`` with a model, ``plan.trainer_fit``;
-``zb_s`` and ``recompute_s`` optional): the trainer's own step measured for that model
+[block, ends], "recompute_s": [a, b]}`` (``--calibrate`` with a model,
+``training.fit.trainer_fit``; ``zb_s`` and ``recompute_s`` optional): the trainer's own step measured for that model
 (``model_signature``), which replaces the rates for its layers' own work (``costs.fitted``;
 docs/design.md, "The trainer fit"): a ``TrainerFit``.
 """
@@ -63,13 +63,13 @@ def model_signature(cfg, esize: int) -> str:
 
 
 class TrainerFit(typing.NamedTuple):
-    """The trainer's own step measured on one rank for one model (``plan.trainer_fit``): a
-    layer's forward and backward take a + b n seconds per microbatch of n tokens (``block``,
-    and ``end`` for the embedding and head together), a step's host work ``step`` seconds
-    beyond them; zb's split backward takes ``zb`` = (a block's, the ends') seconds more per
-    microbatch; full recompute takes a block ``recompute`` = (a, b) more per microbatch of n
-    tokens: None where it was not measured (a file from before it was), and the planner keeps
-    the rate model's recomputed forward."""
+    """The trainer's own step measured on one rank for one model
+    (``training.fit.trainer_fit``): a layer's forward and backward take a + b n seconds per
+    microbatch of n tokens (``block``, and ``end`` for the embedding and head together), a
+    step's host work ``step`` seconds beyond them; zb's split backward takes ``zb`` = (a
+    block's, the ends') seconds more per microbatch; full recompute takes a block
+    ``recompute`` = (a, b) more per microbatch of n tokens: None where it was not measured (a
+    file from before it was), and the planner keeps the rate model's recomputed forward."""
 
     model: str  # model_signature
     block: tuple
@@ -164,7 +164,7 @@ class Cluster:
     # host with every rank busy, busy.busy_points: ranks sharing cores wait for the peer
     # the scheduler took off); (0, 0) where not measured
     busy_sync: tuple = (0.0, 0.0)
-    # the trainer's own step measured on one rank for one model (plan.trainer_fit)
+    # the trainer's own step measured on one rank for one model (training.fit.trainer_fit)
     trainer_fit: TrainerFit | None = None
 
     def fit_for(self, cfg, esize: int) -> TrainerFit | None:

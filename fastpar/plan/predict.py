@@ -27,10 +27,10 @@ import torch
 from fastpar.models.config import GPTConfig
 from fastpar.pipeline.partition import balanced_bounds
 from fastpar.plan import busy, costs
+from fastpar.plan import memory as mem_model
 from fastpar.plan.cluster import Cluster
 from fastpar.plan.layouts import Layout, model_for
 from fastpar.plan.pipeline_ends import extended, pipeline_ends
-from fastpar.plan import memory as mem_model
 
 
 @dataclasses.dataclass

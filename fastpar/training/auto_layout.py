@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
@@ -43,8 +44,6 @@ def quick_cluster(cfg, hosts: int, ranks_per_host: int, link_points: list, link_
                   engine: str):
     """This host's speeds, measured now (``plan.calibrate``'s GEMM sweep, attention and
     copy, on this process), with the all-reduce points every rank measured."""
-    import os
-
     from fastpar.plan import calibrate
     from fastpar.plan.cluster import Cluster, Link
     from fastpar.plan.fitting import fit

@@ -10,11 +10,13 @@ training step needs, so that the step itself never asks which set-up it runs.
 
 The set-ups (AdamW with the flags' betas and weight decay in each):
 
-| flags | ``model`` (runs the step) | ``opt`` (steps) | gradients over dp |
-|---|---|---|---|
-| ``--zero N`` | the pipeline, in the model's dtype | ``DistributedOptimizer`` stage N: float32 masters of its shard | reduce-scattered in ``opt.step()`` (stage 1: all-reduced there) |
-| float32 | ``DataParallel(pipe)`` | AdamW | all-reduced in buckets during the backward |
-| ``--dtype bfloat16`` | ``DataParallel(pipe.to(bf16))`` reducing in float32 | ``MasterWeights``: float32 masters | as float32 |
+- ``--zero N``: ``model`` the pipeline in the model's dtype, ``opt`` a ``DistributedOptimizer``
+  of stage N (float32 masters of its shard), which reduces the gradients over dp in
+  ``opt.step()`` (reduce-scatter; stage 1: all-reduce);
+- float32: ``model`` ``DataParallel(pipe)``, ``opt`` AdamW; gradients all-reduced in buckets
+  during the backward;
+- ``--dtype bfloat16``: ``model`` ``DataParallel(pipe.to(bf16))`` reducing in float32, ``opt``
+  ``MasterWeights`` (float32 masters).
 
 ``group``: the ranks the gradients are averaged over (dp, or dp x cp; None: the dp group).
 """
@@ -69,15 +71,15 @@ class ZeroSetup(OptimizerSetup):
         super().__init__(pipe, model, opt)
         self.stage = args.zero
 
+    @contextlib.contextmanager
     def accumulating(self):
         """Stages 2 and 3: the microbatches accumulate whole gradients (``no_sync``), ZeRO-3's
         parameters gathered for the whole step; ``opt.step()`` reduce-scatters once."""
         if self.stage < 2:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.opt.no_sync())
-        stack.enter_context(self.opt.gathered())
-        return stack
+            yield
+            return
+        with self.opt.no_sync(), self.opt.gathered():
+            yield
 
     def gathered(self):
         return self.opt.gathered()

@@ -20,14 +20,14 @@ import torch
 
 import fastpar
 from fastpar import comm
+from fastpar.checkpoint.sharded import ShardedCheckpointer
+from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
 from fastpar.models import GPTBlock, gpt_layers, gpt_loss, sum_tied_grads
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn import random as tp_random
 from fastpar.nn.context import choose_type, context_positions
 from fastpar.pipeline import Pipeline
 from fastpar.plan.cluster import gpu_peak_flops
-from fastpar.checkpoint.sharded import ShardedCheckpointer
-from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
 from fastpar.runtime import hostid
 from fastpar.training.args import DEFAULT_STEPS, check_layout, lr_lambda, model_config
 from fastpar.training.auto_layout import choose_layout

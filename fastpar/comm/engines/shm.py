@@ -178,7 +178,7 @@ class ShmCommunicator:
         self._call("all_reduce", self._all_reduce, t, op)
 
     def all_reduce_symmetric(self, t: torch.Tensor, at, op: str) -> None:
-        """``t`` lies in a symmetric segment of this group; ``at`` (``symmetric.Placement``):
+        """``t`` lies in a symmetric segment of this group; ``at`` (``symmetric_registry.Placement``):
         every rank's address of it in this process and its signature. No copy in or out."""
         self._call("all_reduce", self._all_reduce_symmetric, t, at.slots, op, at.sig,
                    said=at.describe(t))

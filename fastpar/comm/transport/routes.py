@@ -7,7 +7,7 @@ the engine that routes every call by peer.
     routes.reason       # "shm with rank 1 (this host), torch with rank 3 (host b)"
     engine = open_routes(routes, group=..., ranks=..., ...)  # PeerEngines; collective (below)
 
-"auto" gives the shm rings (``engines.ShmEngine``) to the neighbours on this rank's host,
+"auto" gives the shm rings (``carriers.ShmEngine``) to the neighbours on this rank's host,
 when tensors are on the CPU and the native extension is built, and the torch engine (batched
 isend/irecv on clones of the group) to the others: a pipeline with several stages per host
 keeps the bytes between them in shared memory and sends only what crosses a host over gloo /
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from fastpar import _native
 from fastpar.comm.transport.base import BACKWARD, FORWARD
-from fastpar.comm.transport.engines import ShmEngine, TorchEngine
+from fastpar.comm.transport.carriers import ShmEngine, TorchEngine
 from fastpar.runtime import hostid
 
 

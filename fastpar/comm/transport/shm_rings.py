@@ -35,10 +35,10 @@ import threading
 import torch
 
 from fastpar import _native
-from fastpar.comm.transport import shm_rings_setup as setup
 from fastpar.comm.engines.native_errors import shm_error
-from fastpar.comm.transport.base import SendHandle
 from fastpar.comm.engines.shm import host_oversubscribed, raise_after_kernel
+from fastpar.comm.transport import shm_rings_setup as setup
+from fastpar.comm.transport.base import SendHandle
 
 TAG_ACTIVATIONS = 0
 TAG_GRADIENTS = 1

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from fastpar.comm.engines.segments import map_segments
 
-log = logging.getLogger("fastpar.comm.shm_p2p")
+log = logging.getLogger("fastpar.comm.transport")
 
 
 def check_arguments(ranks: list[int], rank: int, peers: list[int], tags: int, ring_bytes: int,

@@ -1,12 +1,14 @@
-"""The engines under ``fastpar.pipeline.channels.Channels``: batched isend/irecv on clones of the group
-(NCCL / gloo), and fastpar's shared-memory rings.
+"""The engines that carry point-to-point bytes (under ``fastpar.pipeline.channels.Channels``
+and the cp ring): batched isend/irecv on clones of the group (NCCL / gloo), and fastpar's
+shared-memory rings.
 
-``shm`` (fastpar's native shared-memory rings, ``fastpar/comm/transport/shm_rings.py``) serves neighbours
-on this rank's host with tensors on the CPU; ``torch``: batched ``isend``/``irecv`` (NCCL /
-gloo) on two clones of the group, one per direction, so that activation and gradient messages
-never queue behind each other (NCCL has no tags), serves the others. Which engine serves which
-neighbour, and opening them: ``fastpar/comm/transport/routes.py``. Both are created and exercised (a
-warm-up message each way) in the ``Channels`` constructor, never lazily in a step.
+``shm`` (fastpar's native shared-memory rings, ``shm_rings.py``) serves neighbours on this
+rank's host with tensors on the CPU; ``torch``: batched ``isend``/``irecv`` (NCCL / gloo) on two
+clones of the group, one per direction, so that activation and gradient messages never queue
+behind each other (NCCL has no tags), serves the others. Which engine serves which neighbour,
+and opening them: ``routes.py``. Both are created and exercised (a warm-up message each way) in
+the ``Channels`` constructor, never lazily in a step. ``shift``: a ring's one batch (send to
+the next rank, receive from the previous), for ``nn.context_ring``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class TorchSend(SendHandle):
         self._works, self._keep = [], ()
 
 
-def exchange(group, t: torch.Tensor, to: int, buf: torch.Tensor, source: int, tag: int,
+def shift(group, t: torch.Tensor, to: int, buf: torch.Tensor, source: int, tag: int,
              timeout: float = math.inf) -> TorchSend:
     """Send ``t`` to global rank ``to`` and receive ``buf`` from ``source`` in one batch of
     torch's isend/irecv on ``group`` (a ring's shift: nn.context_ring's K/V blocks and dK/dV
