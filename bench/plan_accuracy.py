@@ -26,8 +26,8 @@ h0,.. -ppn RANKS/H`` from h0, so that groups spanning hosts go through the hiera
 and pipeline sends between hosts through gloo, as on a real cluster. The plan's cluster is this
 machine's calibration with the hosts' link measured between them (``inter_link``:
 ``fastpar.plan.calibrate``'s link launch with one rank a host, the all-reduce across them
-fitted to alpha-beta, and its pipeline neighbours' waits at the job's ranks a host), and each
-host given its share of this machine's cores: the namespaced hosts share them.
+fitted to alpha-beta), and each host given its share of this machine's cores: the namespaced
+hosts share them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from fastpar.plan import busy  # noqa: E402
 from fastpar.plan.cluster import Cluster, Link  # noqa: E402
 from fastpar.plan import fitting  # noqa: E402
 from fastpar.plan.layouts import parse, why_not  # noqa: E402
@@ -129,36 +128,26 @@ def run(lay, args, tmp: str, hosts=None) -> dict:
 
 def inter_link(hosts, args, tmp: str) -> Link:
     """The link between the namespaced hosts: ``fastpar.plan.calibrate``'s link launch with one
-    rank a host (``--link-only``: all_reduce 4 KiB .. 16 MiB on the engine the policy picks
-    across hosts), fitted to alpha-beta as the intra-host link is; then its ``busy_p2p`` and
-    ``busy_ring`` from the same module at the job's ranks a host, neighbours paired across the
-    hosts (``--across``: the pairs cross the link at once, each at its share of it)."""
-    ppn = args.ranks // args.hosts
-    got = {}
-    for name, n, mode in (("link", 1, "--link-only"), ("p2p", ppn, "--across")):
-        out = os.path.join(tmp, f"inter_{name}.json")
-        try:
-            r = launch([sys.executable, "-m", "fastpar.plan.calibrate", out, mode], args,
-                       hosts, args.timeout, ppn=n)
-        except subprocess.TimeoutExpired:
-            raise SystemExit(f"measuring the hosts' link ({mode}) took over --timeout "
-                             f"{args.timeout:g} s") from None
-        if r.returncode != 0:
-            raise SystemExit(f"measuring the hosts' link ({mode}) failed: "
-                             f"{r.stderr.strip()[-500:]}")
-        with open(out) as f:
-            got[name] = json.load(f)
-    d = got["link"]
+    rank a host (all_reduce 4 KiB .. 16 MiB on the engine the policy picks across hosts),
+    fitted to alpha-beta as the intra-host link is."""
+    out = os.path.join(tmp, "inter_link.json")
+    try:
+        r = launch([sys.executable, "-m", "fastpar.plan.calibrate", out], args, hosts,
+                   args.timeout, ppn=1)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"measuring the hosts' link took over --timeout {args.timeout:g} s") \
+            from None
+    if r.returncode != 0:
+        raise SystemExit(f"measuring the hosts' link failed: {r.stderr.strip()[-500:]}")
+    with open(out) as f:
+        d = json.load(f)
     alpha, busbw = fitting.fit(d["ranks"], [tuple(x) for x in d["points"]])
-    link = busy.with_busy_p2p(Link(alpha, busbw, d["engine"]), got["p2p"].get("p2p", []),
-                                   share=1.0 / ppn)
-    return busy.with_busy_ring(link, got["p2p"].get("ring", []))
+    return Link(alpha, busbw, d["engine"])
 
 
 def across(base: Cluster, args, link: Link) -> Cluster:
     """This machine's calibration (``args.ranks`` ranks on one host) as ``args.hosts`` hosts
-    joined by ``link``, each with its share of the cores (the namespaced hosts share them).
-    The busy peers' waits carry over: the ranks per core are the same."""
+    joined by ``link``, each with its share of the cores (the namespaced hosts share them)."""
     cpus = base.cpus_per_host // args.hosts
     return dataclasses.replace(base, name=f"{base.name}, {args.hosts} namespaced hosts",
                                hosts=args.hosts, ranks_per_host=args.ranks // args.hosts,
@@ -226,11 +215,7 @@ def main() -> int:
             cluster = across(cluster, args, inter_link(hosts, args, tmp))
             print(f"measured the hosts' link in {time.perf_counter() - t0:.0f} s: alpha "
                   f"{cluster.inter.alpha_s * 1e6:.0f} us, {cluster.inter.busbw_Bps / 1e6:.0f} "
-                  f"MB/s ({cluster.inter.engine}); a busy pipeline message waits "
-                  f"{cluster.inter.busy_p2p[0] * 1e3:.2f} ms + {cluster.inter.busy_p2p[1]:.2f} x "
-                  f"the compute before it, a cp ring's exchange "
-                  f"{cluster.inter.busy_ring[0] * 1e3:.2f} ms + {cluster.inter.busy_ring[1]:.2f} "
-                  f"x the compute behind it", flush=True)
+                  f"MB/s ({cluster.inter.engine})", flush=True)
         calibration = cluster.to_json()
         pred = Predictor(cfg, cluster, args.global_batch, dtype=torch.float32)
         layouts = []
@@ -316,10 +301,6 @@ def main() -> int:
                   f"+{summary['rounds_spread_median']:.1%} (median over layouts), up to "
                   f"+{summary['rounds_spread_max']:.1%}; a step error below it cannot be told "
                   "from this machine's noise")
-        summary["busy_ablation"] = ablation(cfg, cluster, args.global_batch, ok, args.ranks)
-        print("the busy peers' terms (plan/busy.py), |step error| without each:")
-        for name, e in summary["busy_ablation"].items():
-            print(f"  {name:<22} median {e['median']:6.1%}  max {e['max']:6.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": {"preset": args.preset, "ranks": args.ranks, "global_batch":
@@ -329,22 +310,6 @@ def main() -> int:
                                   "load": loads, "cluster": calibration},
                        "rows": rows, "summary": summary}, f, indent=1)
     return 0
-
-
-def ablation(cfg, cluster, global_batch: int, rows: list[dict], ranks: int) -> dict:
-    """The rows' |step error| (measured over predicted - 1: median and max) with every busy
-    term of ``cluster`` (plan/busy.py), without each one, and without any: a term earns its
-    place where taking it out raises the error by more than the measurement's own spread."""
-    cases = {"with every term": cluster, **{f"without {t}": busy.without(cluster, t)
-                                            for t in busy.TERMS},
-             "without any": busy.without(cluster)}
-    out = {}
-    for name, c in cases.items():
-        pred = Predictor(cfg, c, global_batch, dtype=torch.float32)
-        errs = sorted(abs(r["step_s"] / pred.predict(parse(r["layout"], ranks)).step_time_s - 1)
-                      for r in rows)
-        out[name] = {"median": statistics.median(errs), "max": errs[-1]}
-    return out
 
 
 def round_spread(rows: list[dict]) -> dict:

@@ -109,7 +109,8 @@ def test_bubble_comes_from_the_pipeline_timeline():
     ends, busy = pipeline_ends.pipeline_ends("1f1b", 2, 2, 1, cost)
     assert ends == [15.0, 13.0] and busy == 18.0
     # equal stages: (p - 1) / (m + p - 1), the schedule's theory
-    ends, busy = pipeline_ends.pipeline_ends("1f1b", 4, 8, 1, lambda r, a: {"F": 1.0, "B": 2.0}[a.kind])
+    ends, busy = pipeline_ends.pipeline_ends("1f1b", 4, 8, 1,
+                                             lambda r, a: {"F": 1.0, "B": 2.0}[a.kind])
     assert 1 - busy / (4 * max(ends)) == pytest.approx(3 / 11)
     # a prediction's bubble is the simulated one: pp 2 with 2 microbatches idles
     pred = P.predict(PRESETS["small"], parse("tp1.pp2.dp2.mb2", 4), CLUSTER, 16,
@@ -166,40 +167,17 @@ def test_cluster_file_round_trips_and_bad_fields_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"trainer: block_s must be two numbers >= 0 .*"
                                          r"got \[0.001, -1\]"):
         Cluster.from_json(d)
-    busy = dataclasses.replace(CLUSTER, cpus_per_host=2, busy_sync=(2e-4, 0.3))
-    busy.save(str(path))
-    assert Cluster.load(str(path)) == busy
-    d = busy.to_json()
-    d["host"]["sync_ratio"] = -0.5
-    with pytest.raises(ValueError, match=r"host: sync_ratio must be a number >= 0, got -0.5"):
+    # an earlier calibration's busy peers' waits: refused, naming them (no longer modelled)
+    d = CLUSTER.to_json()
+    d["intra"]["busy_p2p"] = [5e-4, 0.2]
+    with pytest.raises(ValueError, match=r"intra: busy_p2p: busy peers' waits, which the planner "
+                                         r"no longer models"):
         Cluster.from_json(d)
-    del d["host"]["sync_s"], d["host"]["sync_ratio"]  # a file from before: no waits
-    assert Cluster.from_json(d).busy_sync == (0.0, 0.0)
-    p2p = dataclasses.replace(busy, intra=dataclasses.replace(busy.intra, busy_p2p=(5e-4, 0.2)))
-    p2p.save(str(path))
-    assert Cluster.load(str(path)) == p2p
-    d = p2p.to_json()
-    d["intra"]["busy_p2p"] = [5e-4]
-    with pytest.raises(ValueError, match=r"intra: busy_p2p must be two numbers >= 0 .*"
-                                         r"got \[0.0005\]"):
+    d = dataclasses.replace(CLUSTER, cpus_per_host=2).to_json()
+    d["host"].update(sync_s=2e-4, sync_ratio=0.3)
+    with pytest.raises(ValueError, match=r"host: sync_s, sync_ratio: busy peers' waits"):
         Cluster.from_json(d)
-    del d["intra"]["busy_p2p"]  # a file from before: no waits
-    assert Cluster.from_json(d).intra.busy_p2p == (0.0, 0.0)
-    ring = dataclasses.replace(p2p, intra=dataclasses.replace(p2p.intra, busy_ring=(2e-3, 0.1)))
-    ring.save(str(path))
-    assert Cluster.load(str(path)) == ring
-    d = ring.to_json()
-    d["intra"]["busy_ring"] = [2e-3, float("nan")]
-    with pytest.raises(ValueError, match=r"intra: busy_ring must be two numbers >= 0 \(seconds, "
-                                         r"a fraction of the compute between a cp ring's "
-                                         r"exchanges\), got \[0.002, nan\]"):
-        Cluster.from_json(d)
-    del d["intra"]["busy_ring"]  # a file from before: the ring's hops as alpha-beta
-    assert Cluster.from_json(d).intra.busy_ring == (0.0, 0.0)
-    # measured at 4 ranks a host: at 4 they stay, at 2 (fewer ranks a core) none carries
-    assert ring.with_ranks(2, 4) == dataclasses.replace(ring, hosts=2)
-    other = ring.with_ranks(1, 2)
-    assert other.intra.busy_p2p == other.intra.busy_ring == other.busy_sync == (0.0, 0.0)
+    assert CLUSTER.with_ranks(2, 2) == dataclasses.replace(CLUSTER, hosts=2, ranks_per_host=2)
     d = CLUSTER.to_json()
     d["peak_flops"] = -1
     with pytest.raises(ValueError, match=r"peak_flops must be a number > 0, got -1"):
@@ -328,7 +306,6 @@ def test_full_recompute_takes_the_fits_measured_extra():
     comm = tp_terms(ref2)  # run again in the recompute: the rate model's under full recompute
     assert comm and comm != tp_terms(plain._layer("none", 2, 1, 1, rows, 1))
     assert set(tp_terms(two)) == set(comm) and all(two.terms[k] == t for k, t in comm.items())
-    assert two.syncs == ref2.syncs
     own = two.f + two.i + two.w - sum(comm.values())
     none1, none2 = plain._layer("none", 1, 1, 1, rows, 1), plain._layer("none", 2, 1, 1, rows, 1)
     assert own == pytest.approx(3.5e-3 + 1.4e-5 * n * rate_math(none2) / rate_math(none1))
@@ -374,41 +351,6 @@ def test_zb_weight_passes_carry_the_split_backwards_measured_extra():
 
 
 @pytest.mark.quick
-def test_busy_peers_wait_per_mid_layer_collective_and_with_the_compute_before_it():
-    """cluster.busy_sync (s0, k): each phase with s collectives that all of a group must reach
-    mid-layer (tp's two per block and phase, again in a full recompute; cp's ring steps) adds
-    s s0 + k x the phase's own work; layers without such collectives add nothing."""
-    cfg, rows = PRESETS["tiny"], 4
-    s0, k = 3e-4, 0.4
-    waits = dataclasses.replace(CLUSTER, cpus_per_host=2, rates_per_core=True, busy_sync=(s0, k))
-    plain = dataclasses.replace(waits, busy_sync=(0.0, 0.0))
-    name = "peer waits (ranks share cores)"
-    for recompute, tp, cp, f_syncs, i_syncs in (("none", 2, 1, 2, 2), ("full", 2, 1, 2, 4),
-                                                 ("none", 1, 2, 1, 1), ("none", 1, 1, 0, 0)):
-        w = P.Predictor(cfg, waits, 16, dtype=torch.float32)._layer(recompute, tp, cp, 1, rows, 1)
-        ref = P.Predictor(cfg, plain, 16, dtype=torch.float32)._layer(recompute, tp, cp, 1,
-                                                                       rows, 1)
-        assert {k_: t for k_, t in w.terms.items() if name not in k_} == ref.terms
-        own = {ph: sum(t for k_, t in ref.terms.items() if k_.startswith(ph + ":")
-                       and not k_.split(":")[1].startswith(("tp ", "cp "))) for ph in "fiw"}
-        for phase, syncs in (("f", f_syncs), ("i", i_syncs), ("w", 0)):
-            got = w.terms.get(f"{phase}:{name}", 0.0)
-            want = syncs * s0 + k * own[phase] if syncs else 0.0
-            assert got == pytest.approx(want, rel=1e-12), (recompute, tp, cp, phase)
-    # the embedding's one all-reduce forward, the head's three loss all-reduces forward and
-    # one backward (tp 2)
-    pred = P.Predictor(cfg, waits, 16, dtype=torch.float32)
-    assert pred._layer("none", 2, 1, 1, rows, 0).syncs == {"f": 1, "i": 0, "w": 0}
-    assert pred._layer("none", 2, 1, 1, rows, cfg.layers + 1).syncs == {"f": 3, "i": 1, "w": 0}
-    lay = parse("tp2.pp1.dp2.zero0.none.1f1b.mb2")
-    assert pred.predict(lay).step_time_s > P.Predictor(cfg, plain, 16, dtype=torch.float32) \
-        .predict(lay).step_time_s
-    # measured with 4 ranks a host: not carried to another rank count
-    assert waits.with_ranks(1, 4).busy_sync == (s0, k)
-    assert waits.with_ranks(1, 2).busy_sync == (0.0, 0.0)
-
-
-@pytest.mark.quick
 def test_zero_steps_one_flat_shard_not_every_parameter_tensor():
     """The optimizer's host loop (clip + AdamW, ``overhead_tensor_s`` per tensor) runs over the
     rank's parameter tensors without ZeRO and over its one flat shard with it."""
@@ -426,8 +368,7 @@ def test_zero_steps_one_flat_shard_not_every_parameter_tensor():
 def test_accuracy_bench_splits_this_machine_into_namespaced_hosts():
     """bench/plan_accuracy.py --hosts 2: this machine's calibration of 4 ranks becomes 2 hosts
     of 2 ranks, each with half the cores (the namespaced hosts share them: a rank's share is
-    unchanged), joined by the measured link, the busy peers' waits kept (the ranks per core
-    are the same); a cross-host dp group then pays the link."""
+    unchanged), joined by the measured link; a cross-host dp group then pays the link."""
     import argparse
     import importlib.util
 
@@ -435,12 +376,11 @@ def test_accuracy_bench_splits_this_machine_into_namespaced_hosts():
         "plan_accuracy", os.path.join(ROOT, "bench", "plan_accuracy.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    one = dataclasses.replace(CLUSTER, cpus_per_host=2, rates_per_core=True,
-                              busy_sync=(1e-4, 0.3))
+    one = dataclasses.replace(CLUSTER, cpus_per_host=2, rates_per_core=True)
     link = Link(5e-4, 1e8, "gloo")
     two = bench.across(one, argparse.Namespace(hosts=2, ranks=4), link)
     assert (two.hosts, two.ranks_per_host, two.cpus_per_host, two.inter) == (2, 2, 1, link)
-    assert two.share == one.share == 0.5 and two.busy_sync == (1e-4, 0.3)
+    assert two.share == one.share == 0.5
     cfg, lay = PRESETS["tiny"], parse("tp1.pp1.dp4.zero0.none.1f1b.mb2")
     red = [P.Predictor(cfg, c, 16, dtype=torch.float32).rank_terms(lay)[0]["red"]
            for c in (one, two)]
@@ -485,183 +425,6 @@ def test_link_fit_keeps_the_latency_of_a_slow_link():
         got = fit(2, noisy)
         assert got[0] == pytest.approx(alpha, rel=0.2) and got[1] == pytest.approx(bw, rel=0.1)
     assert fit(2, [(s, s / 1e9) for s in LINK_SIZES]) == pytest.approx((0.0, 1e9))
-
-
-@pytest.mark.quick
-def test_fit_busy_recovers_a_line_and_clamps_at_zero():
-    from fastpar.plan.busy import fit_busy
-
-    pts = [(c, 3e-4 + 0.4 * c) for c in (2e-4, 1e-3, 4e-3)]
-    assert fit_busy(pts) == pytest.approx((3e-4, 0.4), rel=1e-9)
-    assert fit_busy([(1e-3, 5e-4), (4e-3, 2e-4)]) == pytest.approx((3.5e-4, 0.0))  # falling
-    s0, k = fit_busy([(1e-3, 1e-4), (2e-3, 5e-4), (4e-3, 1.3e-3)])  # intercept < 0: origin
-    assert s0 == 0.0 and k == pytest.approx((1e-7 + 1e-6 + 5.2e-6) / (1e-6 + 4e-6 + 16e-6))
-    assert fit_busy([]) == (0.0, 0.0)
-
-
-def body_busy_points():
-    import fastpar
-    from fastpar import comm
-    from fastpar.plan.busy import busy_p2p_points, busy_points, busy_ring_points
-
-    topo = fastpar.init(timeout=60)
-    return (busy_points(topo, comm, segments=(1, 4), rounds=1),
-            busy_p2p_points(topo, comm, [[0, 1]], segments=(1, 4), rounds=1),
-            busy_ring_points(topo, comm, [[0, 1]], segments=(1, 4), rounds=1))
-
-
-def test_busy_points_time_pairs_of_busy_ranks():
-    """busy_points (pairs all-reducing), busy_p2p_points (pairs as pipeline neighbours,
-    through Channels) and busy_ring_points (as a cp ring's, through its exchange) in one
-    2-rank job: each segment timed. (Which segment is longer is a timing, and timings are not
-    asserted here: one of four matmuls measured shorter than one of one under a loaded CI
-    machine.)"""
-    from tests.multirank import run_ranks
-
-    # (busy_ring_points raises if a received block is not the peer's)
-    for sync, (p2p, engine), ring in run_ranks(2, body_busy_points, timeout=120).values():
-        assert engine == "shm"
-        for points in (sync, p2p, ring):
-            assert len(points) == 2
-            assert all(0 < point[0] < 1.0 for point in points), points
-
-
-@pytest.mark.quick
-def test_rank_pairs_in_a_host_and_across_two():
-    from fastpar.plan.busy import rank_pairs
-
-    assert rank_pairs(4, False) == [[0, 1], [2, 3]]
-    assert rank_pairs(3, False) == [[0, 1]]  # the odd rank computes alone
-    assert rank_pairs(4, True) == [[0, 2], [1, 3]]
-    assert rank_pairs(8, True) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-
-
-@pytest.mark.quick
-def test_busy_pairs_take_medians_of_back_to_back_differences():
-    """busy.paired: plain and communicating loops alternate; the segment is the plain
-    loops' median and the extra the median of the pairs' differences (one round that lost a
-    time slice moves neither; a negative difference is no wait), on the slowest rank's times
-    (``slowest`` reduces in place)."""
-    from fastpar.plan.busy import paired
-
-    times = iter([1.0, 1.5, 1.1, 1.4, 5.0, 9.0, 0.9, 1.3, 1.0, 1.2])
-
-    def loop(messages):
-        return next(times)
-
-    def slowest(t):
-        t.mul_(2)  # as though another rank were twice as slow
-
-    assert paired(loop, 5, slowest) == pytest.approx((2.0, 0.8))
-    times = iter([1.0, 0.5, 1.0, 0.7, 1.0, 0.9])
-    assert paired(loop, 3, lambda t: None) == (1.0, 0.0)
-
-
-@pytest.mark.quick
-def test_busy_p2p_fit_takes_the_messages_own_time_off_at_its_share():
-    """with_busy_p2p: each point's extra less the 32 KiB message's alpha-beta time on the link
-    (at 1/pairs of its bandwidth when that many pairs crossed it at once), fitted s0 + k x c."""
-    from fastpar.plan.busy import BUSY_BYTES, with_busy_p2p
-
-    link = Link(1e-4, 1e8, "gloo")
-    for share in (1.0, 0.5):
-        own = 1e-4 + BUSY_BYTES / (1e8 * share)
-        pts = [(c, own + 2e-3 + 0.25 * c) for c in (5e-4, 2e-3, 5e-3)]
-        got = with_busy_p2p(link, pts, share=share)
-        assert got.busy_p2p == pytest.approx((2e-3, 0.25), rel=1e-9)
-        assert (got.alpha_s, got.busbw_Bps, got.engine) == (1e-4, 1e8, "gloo")
-    assert with_busy_p2p(link, []).busy_p2p == (0.0, 0.0)  # not measured: no waits
-
-
-@pytest.mark.quick
-def test_busy_ring_fit_keeps_the_exchange_whole():
-    """with_busy_ring: the points' extras fitted s0 + k x c as they are (the ring's transfer
-    goes through torch's engine, which the link's alpha-beta does not describe)."""
-    from fastpar.plan.busy import with_busy_ring
-
-    link = Link(1e-4, 1e8, "shm", busy_p2p=(1e-4, 0.1))
-    got = with_busy_ring(link, [[c, 2e-3 + 0.25 * c] for c in (5e-4, 2e-3, 5e-3)])
-    assert got.busy_ring == pytest.approx((2e-3, 0.25), rel=1e-9)
-    assert dataclasses.replace(got, busy_ring=(0.0, 0.0)) == link
-    assert with_busy_ring(link, []).busy_ring == (0.0, 0.0)  # not measured
-
-
-@pytest.mark.quick
-def test_cp_ring_exchanges_cost_what_busy_peers_make_them():
-    """A cp ring (nn.context_ring) exchanges a K/V block cp - 1 times in a block's forward and
-    2 cp - 1 times in its backward (cp - 1 K/V, cp dK/dV sums; the forward's again under full
-    and selective recompute, which re-run the ring's forward). With the ring's link's
-    busy_ring (s0, k) measured, each takes s0 + k x the attention computed since the last
-    (a block larger than the 32 KiB measured: plus the link's time beyond it), and none is a
-    sync point; without, a hop is alpha-beta behind the attention (on this fast link: hidden)
-    and each a sync point. Ulysses keeps the alpha-beta hops. On two hosts of 2, cp 2 under
-    tp 2 pairs ranks 0 and 2 across the hosts: the inter link's busy_ring is charged; under
-    tp 1 it pairs 0 and 1 in a host: the intra link's."""
-    from fastpar.plan.cluster import BUSY_BYTES
-    from fastpar.plan.costs import ATTN_BACKWARD, layer_work
-
-    s0, k = 2e-3, 0.1
-    busy = dataclasses.replace(CLUSTER, intra=dataclasses.replace(CLUSTER.intra,
-                                                                  busy_ring=(s0, k)))
-    for recompute in ("none", "selective", "full"):
-        cfg = dataclasses.replace(PRESETS["tiny"], context_parallel="ring", recompute=recompute)
-        again = recompute != "none"
-        quiet = layer_work(cfg, CLUSTER, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
-        got = layer_work(cfg, busy, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
-        core = got.terms["f:attention core"]
-        fwd = s0 + k * core / 2
-        assert got.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(fwd)
-        assert got.terms["i:cp ring exchanges (busy peers)"] == pytest.approx(
-            3 * s0 + k * ATTN_BACKWARD * core + (fwd if again else 0.0))
-        assert sum(got.syncs.values()) == 0
-        assert quiet.terms["f:cp ring (exposed)"] == quiet.terms["i:cp ring (exposed)"] == 0.0
-        assert quiet.syncs["i"] == (2 if again else 1) and quiet.syncs["f"] == 1
-        assert got.f - quiet.f == pytest.approx(fwd)
-        ulysses = layer_work(dataclasses.replace(cfg, context_parallel="ulysses"), busy,
-                             index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
-        assert "f:cp ring exchanges (busy peers)" not in ulysses.terms, ulysses.terms
-    # a block of 64 rows: 16x the 32 KiB measured, the link's time beyond it added per exchange
-    big = layer_work(cfg, busy, index=1, tp=1, cp=2, ep=1, rows=64, esize=4)
-    link = busy.intra
-    beyond = link.time("sendrecv", 2, 16 * BUSY_BYTES) - link.time("sendrecv", 2, BUSY_BYTES)
-    assert beyond > 0
-    assert big.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(
-        s0 + beyond + k * big.terms["f:attention core"] / 2)
-    two = dataclasses.replace(busy, hosts=2, ranks_per_host=2,
-                              inter=Link(1e-4, 1e9, "gloo", busy_ring=(5e-3, 0.0)))
-    across = layer_work(cfg, two, index=1, tp=2, cp=2, ep=1, rows=4, esize=4)
-    assert across.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(5e-3)
-    inside = layer_work(cfg, two, index=1, tp=1, cp=2, ep=1, rows=4, esize=4)
-    assert inside.terms["f:cp ring exchanges (busy peers)"] == pytest.approx(
-        s0 + k * inside.terms["f:attention core"] / 2)
-
-
-@pytest.mark.quick
-def test_pipeline_sends_wait_for_busy_neighbours_on_their_link():
-    """A link's busy_p2p (s0, k) adds s0 + k x the sending action's compute to each action
-    that sends: F but on the last stage, B and I but on the first, over the link the message
-    crosses (pp 4 on 2 hosts of 2: stage 1 -> 2 crosses, 0 -> 1 does not); W sends nothing."""
-    cfg = PRESETS["tiny"]
-    quiet = dataclasses.replace(CLUSTER, hosts=2, ranks_per_host=2,
-                                inter=Link(1e-4, 1e9, "gloo"))
-    busy = dataclasses.replace(quiet, intra=dataclasses.replace(quiet.intra,
-                                                                busy_p2p=(3e-4, 0.2)),
-                               inter=dataclasses.replace(quiet.inter, busy_p2p=(2e-3, 0.5)))
-    lay = parse("tp1.pp4.dp1.zero0.none.zb.mb8", 4)
-    base = P.Predictor(cfg, quiet, 16, dtype=torch.float32)
-    got = P.Predictor(cfg, busy, 16, dtype=torch.float32)
-    a, b = base.action_costs(lay), got.action_costs(lay)
-    st = base.stages(lay)[1]
-    level = [(3e-4, 0.2), (2e-3, 0.5), (3e-4, 0.2)]  # the link after stage s
-    for s in range(4):
-        fwd = level[s][0] + level[s][1] * st[s]["f"] if s < 3 else 0.0
-        assert b[s, 0, "F"] - a[s, 0, "F"] == pytest.approx(fwd, rel=1e-12, abs=1e-15)
-        s0, k = level[s - 1] if s else (0.0, 0.0)
-        assert b[s, 0, "I"] - a[s, 0, "I"] == pytest.approx(s0 + k * st[s]["i"], abs=1e-15)
-        assert b[s, 0, "B"] - a[s, 0, "B"] == pytest.approx(
-            s0 + k * (st[s]["i"] + st[s]["w"]), abs=1e-15)
-        assert b[s, 0, "W"] == a[s, 0, "W"]
-    assert got.predict(lay).step_time_s > base.predict(lay).step_time_s
 
 
 def body_trainer_fit():
@@ -734,7 +497,7 @@ def test_recompute_fit_recovers_the_extra(capsys):
 @pytest.mark.parametrize("preset,change", [
     ("small", {}), ("small", {"memory_bytes": 30 * 2**20}),
     ("tiny", {"trainer_fit": FIT}),
-    ("tiny", {"cpus_per_host": 2, "rates_per_core": True, "busy_sync": (3e-4, 0.4)}),
+    ("tiny", {"cpus_per_host": 2, "rates_per_core": True}),
     ("tiny", {"hosts": 2, "ranks_per_host": 2, "inter": Link(5e-5, 1e8)}),
     ("small", {"ranks_per_host": 8, "memory_bytes": 60 * 2**20})])
 def test_pruned_search_is_the_exhaustive_one(preset, change):
@@ -776,23 +539,3 @@ def test_layout_auto_refuses_layout_flags_and_chooses_deterministically(tmp_path
     assert line.startswith("chose tp1.pp1.dp2.zero1.none.1f1b.mb8 (tp 1 x pp 1 x dp 2, ZeRO-1")
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("layout", ["tp2.pp2.dp1.zero0.none.1f1b.mb4",
-                                    "tp1.pp2.dp1.cp2.zero0.none.1f1b.mb4"])
-def test_one_switch_turns_every_busy_term_off(monkeypatch, layout):
-    """FASTPAR_PLAN_BUSY=0 (plan/busy.py's switch): a cluster with every busy peer's wait
-    measured (busy_sync, busy_p2p, busy_ring) predicts what the same cluster without them
-    does, and with the switch on, more (tp's peer waits, pp's message waits, cp's ring)."""
-    cfg = dataclasses.replace(PRESETS["tiny"], context_parallel="ring")
-    link = dataclasses.replace(CLUSTER.intra, busy_p2p=(5e-4, 0.2), busy_ring=(2e-3, 0.1))
-    waits = dataclasses.replace(CLUSTER, cpus_per_host=2, busy_sync=(2e-4, 0.3), intra=link)
-    quiet = dataclasses.replace(waits, busy_sync=(0.0, 0.0), intra=dataclasses.replace(
-        link, busy_p2p=(0.0, 0.0), busy_ring=(0.0, 0.0)))
-    lay = parse(layout, 4)
-
-    def step(cluster):
-        return P.predict(cfg, lay, cluster, 8, dtype=torch.float32).step_time_s
-
-    on = step(waits)
-    monkeypatch.setenv("FASTPAR_PLAN_BUSY", "0")
-    assert step(waits) == step(quiet) < on

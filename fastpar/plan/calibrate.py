@@ -2,10 +2,6 @@
 
     cluster = calibrate(hosts=1, ranks_per_host=4)     # then cluster.save(path)
     mpirun -np 2 python -m fastpar.plan.calibrate OUT.json   # the link part alone
-    mpirun -np 2 python -m fastpar.plan.calibrate OUT.json --link-only    # all_reduce alone
-    mpirun -np 4 python -m fastpar.plan.calibrate OUT.json --across   # neighbours' waits,
-                                            # paired across two hosts of 2 (busy_p2p_points,
-                                            # busy_ring_points)
 
 Measured: GEMM throughput at a sweep of shapes (squares and the tall-skinny shapes of layers:
 many tokens, a few hundred to a thousand features), causal attention (SDPA, forward and
@@ -13,10 +9,7 @@ backward) at a few sequence lengths, a large copy (memory bandwidth), and the in
 all_reduce on the engine the policy picks, at sizes 4 KiB .. 16 MiB on the ranks per host (a
 CPU: even past its cores, as the job runs; a GPU: at most its devices) launched with
 ``mpirun``, fitted to ``t = 2(n-1) alpha + 2(n-1)/n S / busbw`` by least squares of the
-relative error; on a CPU in the same launch the waits of busy ranks that meet in pairs
-(``plan/busy.py``: ``busy_points`` all-reducing, ``busy_p2p_points`` as pipeline neighbours,
-``busy_ring_points`` as a cp ring's neighbours). The
-inter-host link cannot be measured from one host: it comes from
+relative error. The inter-host link cannot be measured from one host: it comes from
 ``--inter-gbps`` / ``--inter-latency-us`` (or ``scripts/cluster.sh`` and bench/collectives.py).
 A CPU's peak is its best measured GEMM rate (no data sheet); a GPU's the bf16 data sheet's. On
 a CPU the rates are measured by this one process on all the host's cores, so the file says
@@ -38,8 +31,7 @@ import time
 
 import torch
 
-from fastpar.plan import busy
-from fastpar.plan.cluster import BUSY_BYTES, Cluster, Link
+from fastpar.plan.cluster import Cluster, Link
 from fastpar.plan.fitting import fit
 
 GEMM_SHAPES_CPU = [(n, n, n) for n in (128, 256, 512, 1024)] + \
@@ -156,10 +148,8 @@ def memory_bandwidth(device) -> float:
     return 2 * 4 * n / t
 
 
-def measure_link(ranks: int, timeout: float = 180.0) -> tuple[Link, tuple] | None:
-    """The intra-host link (with its ``busy_p2p`` and ``busy_ring`` on a CPU) and
-    ``busy.fit_busy`` of the busy ranks' waits, from an ``mpirun -np ranks`` of this module (None:
-    no mpirun)."""
+def measure_link(ranks: int, timeout: float = 180.0) -> Link | None:
+    """The intra-host link, from an ``mpirun -np ranks`` of this module (None: no mpirun)."""
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep +
                           os.environ.get("PATH", ""))
     if mpirun is None or ranks < 2:
@@ -173,12 +163,7 @@ def measure_link(ranks: int, timeout: float = 180.0) -> tuple[Link, tuple] | Non
         with open(out) as f:
             d = json.load(f)
     alpha, busbw = fit(d["ranks"], [tuple(p) for p in d["points"]])
-    link = Link(alpha, busbw, d["engine"])
-    # the waits beyond the pair's all-reduce itself, which the planner charges apart
-    own = link.time("all_reduce", 2, BUSY_BYTES)
-    waits = busy.fit_busy([(c, max(0.0, e - own)) for c, e in d.get("busy", [])])
-    return busy.with_busy_ring(busy.with_busy_p2p(link, d.get("p2p", [])),
-                               d.get("ring", [])), waits
+    return Link(alpha, busbw, d["engine"])
 
 
 @contextlib.contextmanager
@@ -218,12 +203,12 @@ def calibrate(hosts: int = 1, ranks_per_host: int = 1, inter: Link | None = None
     # step then waits for peers the scheduler has taken off, which the job's steps pay too)
     n = max(2, ranks_per_host) if device.type == "cpu" else \
         min(ranks_per_host, torch.cuda.device_count())
-    link, busy = measure_link(n) or (Link(2e-6, membw / 2, "memcpy estimate"), (0.0, 0.0))
+    link = measure_link(n) or Link(2e-6, membw / 2, "memcpy estimate")
     host = {}
     if device.type == "cpu":
         block, end, tensor = host_overheads(cfg) if cfg is not None else (0.0, 0.0, 0.0)
         host = {"overhead_block_s": block, "overhead_end_s": end, "overhead_tensor_s": tensor,
-                "cpus_per_host": len(os.sched_getaffinity(0)), "busy_sync": busy}
+                "cpus_per_host": len(os.sched_getaffinity(0))}
         if cfg is not None and fit is not None:
             with _one_thread(True):  # one rank's thread, as the rates
                 host["trainer_fit"] = fit(cfg, membw, tensor)
@@ -249,29 +234,14 @@ def link_points(topo, comm, sizes=LINK_SIZES, reps: int = 20,
     return points, engine
 
 
-def _link_worker(out: str, mode: str = "") -> None:
-    """Each rank: ``link_points`` and, one thread each as the job's ranks, ``busy_points`` and
-    (an even world) ``busy_p2p_points`` and ``busy_ring_points`` of neighbours in a host;
-    ``mode`` "--link-only": ``link_points`` alone; "--across" (an even world on two hosts,
-    half on each): ``busy_p2p_points`` and ``busy_ring_points`` of neighbours paired across
-    them alone. Rank 0 writes them."""
+def _link_worker(out: str) -> None:
+    """Each rank: ``link_points``; rank 0 writes them."""
     import fastpar
     from fastpar import comm
 
     topo = fastpar.init()
-    cpu, world = topo.device.type == "cpu", topo.world_size
-    if mode == "--across" and world % 2:
-        raise ValueError(f"--across pairs ranks over two hosts: an even world, not {world}")
-    result = {"ranks": world}
-    if mode != "--across":
-        result["points"], result["engine"] = link_points(topo, comm)
-    with _one_thread(cpu):
-        if cpu and not mode:
-            result["busy"] = busy.busy_points(topo, comm)
-        if cpu and mode != "--link-only" and world % 2 == 0:
-            pairs = busy.rank_pairs(world, mode == "--across")
-            result["p2p"], result["p2p_engine"] = busy.busy_p2p_points(topo, comm, pairs)
-            result["ring"] = busy.busy_ring_points(topo, comm, pairs)
+    result = {"ranks": topo.world_size}
+    result["points"], result["engine"] = link_points(topo, comm)
     if topo.rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -279,4 +249,4 @@ def _link_worker(out: str, mode: str = "") -> None:
 
 
 if __name__ == "__main__":
-    _link_worker(sys.argv[1], *sys.argv[2:3])
+    _link_worker(sys.argv[1])

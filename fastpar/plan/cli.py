@@ -158,7 +158,6 @@ def table(preds, budget) -> list[str]:
 
 def explain(pred, cfg, cluster) -> list[str]:
     """Every term of one prediction."""
-    from fastpar.plan import busy
     from fastpar.plan.memory import CATEGORIES
 
     t, lay = pred.terms, pred.layout
@@ -179,16 +178,15 @@ def explain(pred, cfg, cluster) -> list[str]:
         for term, s in work.terms.items():
             out.append(f"    {term:<34} {s * 1e3:>10.4f}")
     zb = lay.schedule == "zb"
-    out.append("stages (per microbatch, ms; send: the activation to the next stage, wait: "
-               "what it waits for busy neighbours after f" + (
-                   "; w with the split backward's extra" if zb else "") + "):")
+    out.append("stages (per microbatch, ms; send: the activation to the next stage" + (
+        "; w with the split backward's extra" if zb else "") + "):")
     last = len(t["stages"]) - 1
     for s, st in enumerate(t["stages"]):
-        send, wait = (st["send"], busy.p2p_wait(st["link"], st["f"])) if s < last else (0, 0)
+        send = st["send"] if s < last else 0.0
         w = st["w"] + (st["zb"] if zb else 0.0)
         out.append(f"  stage {s} (rank {s % lay.pp}, layers {st['layers'][0]}..."
                    f"{st['layers'][1] - 1}): f {st['f'] * 1e3:.4f}  i {st['i'] * 1e3:.4f}  "
-                   f"w {w * 1e3:.4f}  send {send * 1e3:.4f}  wait {wait * 1e3:.4f}")
+                   f"w {w * 1e3:.4f}  send {send * 1e3:.4f}")
     out.append(f"pipeline (pipeline.timeline.simulate of the {lay.schedule} action lists): "
                f"makespan {t['makespan_s'] * 1e3:.3f} ms, busy {t['busy_s'] * 1e3:.3f} "
                f"rank-ms, bubble {pred.bubble:.2%}")

@@ -21,10 +21,9 @@ A GEMM's rate is the measured point nearest its shape (distance in log m, log n,
 head dim). ``intra`` is one rank's bus bandwidth inside a host (nccl-tests' busbw: a ring
 collective of S bytes over n ranks takes ``steps x alpha + factor(n) x S / busbw``); ``inter``
 is one host's bandwidth to the others (all its NICs together), which the host's ranks share
-when they send at once. A link's optional ``"busy_p2p": [s0, k]`` (``--calibrate`` on a CPU):
-a pipeline message on it waits s0 + k x the sender's compute before it for busy neighbours;
-its optional ``"busy_ring": [s0, k]`` (likewise): a cp ring's K/V exchange on it takes
-s0 + k x the attention computed since the last one.
+when they send at once. (Files of earlier calibrations with busy peers' waits, a link's
+``busy_p2p`` or ``busy_ring`` or the host's ``sync_s`` and ``sync_ratio``, are refused: the
+planner no longer models them, docs/planner.md; calibrate again.)
 ``"rates_per_core": true`` (what ``--calibrate`` writes on a CPU): the GEMM, attention and
 memory rates are one core's (measured on one thread: several threads on a loaded machine wait
 for each other), and each of a host's ranks gets ``cpus / ranks_per_host`` cores of the
@@ -32,8 +31,7 @@ for each other), and each of a host's ranks gets ``cpus / ranks_per_host`` cores
 "end_s", "tensor_s", "cpus"}`` (``--calibrate`` on a CPU): host time beyond the math, per
 block and per embedding or head layer for a microbatch's forward and backward, per parameter
 tensor for a step's clip and AdamW, measured by one process; with more ranks than ``cpus`` on
-a host each takes ``ranks / cpus`` times as long; its optional ``"sync_s"``, ``"sync_ratio"``:
-``busy_sync``. ``"trainer": {"model", "block_s": [a, b], "end_s": [a, b], "step_s", "zb_s":
+a host each takes ``ranks / cpus`` times as long. ``"trainer": {"model", "block_s": [a, b], "end_s": [a, b], "step_s", "zb_s":
 [block, ends], "recompute_s": [a, b]}`` (``--calibrate`` with a model,
 ``training.fit.trainer_fit``; ``zb_s`` and ``recompute_s`` optional): the trainer's own step measured for that model
 (``model_signature``), which replaces the rates for its layers' own work (``costs.fitted``;
@@ -96,8 +94,6 @@ def gpu_peak_flops(name: str) -> float | None:
     return next((peak for key, peak in _PEAKS if key in name), None)
 
 
-# what calibrate's busy pairs all-reduce or send each way (the busy_* fits are at this size)
-BUSY_BYTES = 32 << 10
 # ring steps and the bytes factor of each collective of S bytes over n ranks (nccl-tests)
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
          "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
@@ -109,21 +105,12 @@ FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """Alpha-beta of one hierarchy level: ``alpha_s`` per ring step, ``busbw_Bps``; and
-    ``busy_p2p`` (s0, k): what a pipeline message between neighbours on this level that
-    compute between messages waits beyond it, s0 + k x the sender's compute before it
-    (``busy.busy_p2p_points``; (0, 0) where not measured); ``busy_ring`` (s0, k): what
-    a context-parallel ring's exchange (``nn.context_ring``: torch isend/irecv of a K/V block
-    with both neighbours) takes between ranks that compute between exchanges, s0 + k x that
-    compute, the transfer of ``BUSY_BYTES`` included (``busy.busy_ring_points``; (0, 0):
-    not measured, the ring's hops are then the link's alpha-beta, hidden behind the
-    attention)."""
+    """Alpha-beta of one hierarchy level: ``alpha_s`` per ring step, ``busbw_Bps``, and the
+    engine it was measured on."""
 
     alpha_s: float
     busbw_Bps: float
     engine: str = ""
-    busy_p2p: tuple = (0.0, 0.0)
-    busy_ring: tuple = (0.0, 0.0)
 
     def time(self, op: str, n: int, nbytes: float, share: float = 1.0) -> float:
         """Seconds of ``op`` on ``nbytes`` over ``n`` ranks, at ``share`` of the bandwidth."""
@@ -159,11 +146,6 @@ class Cluster:
     overhead_end_s: float = 0.0
     overhead_tensor_s: float = 0.0
     cpus_per_host: int = 0
-    # (s0, k): a collective among ranks that compute between collectives (tp's, cp's) waits
-    # s0 + k x the compute since the one before, beyond its alpha-beta time (measured on the
-    # host with every rank busy, busy.busy_points: ranks sharing cores wait for the peer
-    # the scheduler took off); (0, 0) where not measured
-    busy_sync: tuple = (0.0, 0.0)
     # the trainer's own step measured on one rank for one model (training.fit.trainer_fit)
     trainer_fit: TrainerFit | None = None
 
@@ -215,16 +197,8 @@ class Cluster:
                              self.peak_flops * self.attention_efficiency)
 
     def with_ranks(self, hosts: int, ranks_per_host: int) -> "Cluster":
-        """The same machines with another job's ranks; busy peers' waits (``busy_sync``, the
-        links' ``busy_p2p`` and ``busy_ring``), measured with this many ranks a host, do not
-        carry to another count (more or fewer ranks a core)."""
-        if ranks_per_host == self.ranks_per_host:
-            return dataclasses.replace(self, hosts=hosts)
-        quiet = [None if x is None else dataclasses.replace(x, busy_p2p=(0.0, 0.0),
-                                                            busy_ring=(0.0, 0.0))
-                 for x in (self.intra, self.inter)]
-        return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host,
-                                   busy_sync=(0.0, 0.0), intra=quiet[0], inter=quiet[1])
+        """The same machines with another job's ranks."""
+        return dataclasses.replace(self, hosts=hosts, ranks_per_host=ranks_per_host)
 
     # ---- the file ------------------------------------------------------------------------
 
@@ -242,8 +216,7 @@ class Cluster:
             out["rates_per_core"] = True
         if self.cpus_per_host:
             out["host"] = {"block_s": self.overhead_block_s, "end_s": self.overhead_end_s,
-                           "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host,
-                           "sync_s": self.busy_sync[0], "sync_ratio": self.busy_sync[1]}
+                           "tensor_s": self.overhead_tensor_s, "cpus": self.cpus_per_host}
         if self.inter is not None:
             out["inter"] = dataclasses.asdict(self.inter)
         if self.trainer_fit is not None:
@@ -283,12 +256,16 @@ class Cluster:
             if not isinstance(src, dict):
                 raise ValueError(f"{where}: {key} must be an object with alpha_s and busbw_Bps")
             at = f"{where}: {key}"
+            dropped(src, at, ("busy_p2p", "busy_ring"))
             return Link(num("alpha_s", src, at, positive=False), num("busbw_Bps", src, at),
-                        str(src.get("engine", "")),
-                        two("busy_p2p", src, at, "seconds, a fraction of the compute before "
-                            "a message", optional=True),
-                        two("busy_ring", src, at, "seconds, a fraction of the compute between "
-                            "a cp ring's exchanges", optional=True))
+                        str(src.get("engine", "")))
+
+        def dropped(src, at, keys):
+            old = [k for k in keys if k in src]
+            if old:
+                raise ValueError(f"{at}: {', '.join(old)}: busy peers' waits, which the planner "
+                                 "no longer models (docs/planner.md); remove them, or "
+                                 "calibrate again")
 
         def two(key, src, at, what, optional=False):
             v = src.get(key, [0.0, 0.0] if optional else None)
@@ -319,14 +296,13 @@ class Cluster:
                 return {}
             if not isinstance(src, dict):
                 raise ValueError(f"{where}: host must be an object (block_s, end_s, tensor_s, "
-                                 "cpus, optional sync_s and sync_ratio)")
+                                 "cpus)")
             at = f"{where}: host"
+            dropped(src, at, ("sync_s", "sync_ratio"))
             return {"overhead_block_s": num("block_s", src, at, positive=False),
                     "overhead_end_s": num("end_s", src, at, positive=False),
                     "overhead_tensor_s": num("tensor_s", src, at, positive=False),
-                    "cpus_per_host": num("cpus", src, at, integer=True),
-                    "busy_sync": tuple(num(k, src, at, positive=False) if k in src else 0.0
-                                       for k in ("sync_s", "sync_ratio"))}
+                    "cpus_per_host": num("cpus", src, at, integer=True)}
 
         def trainer(src):
             if src is None:

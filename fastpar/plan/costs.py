@@ -19,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastpar.models.config import GPTConfig
-from fastpar.plan import busy
-from fastpar.plan.cluster import BUSY_BYTES, Cluster
+from fastpar.plan.cluster import Cluster
 
 ATTN_BACKWARD = 2.5  # the core's backward FLOPs over its forward's (flash: 5 matmuls vs 2)
 OPTIMIZER_BYTES = 32  # AdamW per element: p, g, m, v read; p, m, v written; the clip's read
@@ -36,8 +35,6 @@ class Work:
     i: float = 0.0
     w: float = 0.0
     terms: dict = dataclasses.field(default_factory=dict)
-    # collectives per phase that every member of a group must reach mid-layer (tp, cp, ep)
-    syncs: dict = dataclasses.field(default_factory=lambda: {"f": 0, "i": 0, "w": 0})
 
     def add(self, name: str, phase: str, seconds: float) -> None:
         setattr(self, phase, getattr(self, phase) + seconds)
@@ -127,7 +124,6 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         work.add("embedding gather", "f", act / membw)
         if tp > 1:
             work.add("tp all-reduce", "f", tp_s)
-            work.syncs["f"] += 1
         return work
     if index == cfg.layers + 1:
         gemm = _gemm(work, cluster, "head", n, cfg.vocab_size // tp, h)
@@ -138,8 +134,6 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
             work.add("tp all-reduce", "i", tp_exposed(cfg, cluster, tp, tp_s, gemm, act))
             work.add("tp loss all-reduces", "f", 3 * group_time(cluster, "all_reduce", 4 * n,
                                                                  tp, 1))
-            work.syncs["f"] += 3
-            work.syncs["i"] += 1
         return work
     # attention: q, k, v projections, the core, the output projection
     _gemm(work, cluster, "qkv", n, q + 2 * kv, h, full)
@@ -156,8 +150,7 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
     o = _gemm(work, cluster, "o_proj", n, h, q, full)
     if cp > 1:
         cp_ring(work, cluster, cp, tp, 2 * rows * (T // cp) * kv * esize, core,
-                again=cfg.recompute in ("full", "selective"),
-                ring=cfg.context_parallel != "ulysses")
+                again=cfg.recompute in ("full", "selective"))
     # the MLP (or the experts)
     if cfg.is_moe(index):
         k = cfg.moe_top_k
@@ -168,9 +161,6 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
         a2a = group_time(cluster, "all_to_all", n * k * h * esize, ep, tp * cp)
         work.add("ep all-to-all", "f", 2 * a2a)
         work.add("ep all-to-all", "i", 2 * a2a * (2 if full else 1))
-        if ep > 1:
-            work.syncs["f"] += 2
-            work.syncs["i"] += 2 * (2 if full else 1)
         down = 0.0
         width = cfg.ffn_size * k
     else:
@@ -188,47 +178,31 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
             tp_exposed(cfg, cluster, tp, tp_s, down, act)
         work.add("tp collectives", "f", fwd)
         work.add("tp collectives", "i", fwd * (2 if full else 1))
-        work.syncs["f"] += 2
-        work.syncs["i"] += 2 * (2 if full else 1)
     return work
 
 
 def cp_ring(work: Work, cluster: Cluster, cp: int, tp: int, step_bytes: float, core: float,
-            again: bool, ring: bool = True) -> None:
+            again: bool) -> None:
     """The exchanges of ``nn.context_ring``'s ring attention in one layer (``core``: the
     attention's forward on this rank, ``step_bytes``: a K/V block): cp - 1 forward, each
     behind a block's attention, cp - 1 K/V and cp dK/dV partial sums backward, and the
     forward's again when ``again`` (full or selective recompute re-run the ring's forward).
     The ring's link is the one its group crosses (``host_span``: across hosts, the inter link
-    paces it, at its share of the host's link). Where that link has a measured ``busy_ring``
-    (s0, k) (ranks that share cores; ``ring``: Ulysses' all-to-alls are not measured so):
-    each exchange takes s0 + k x the attention computed since the last, its 32 KiB
-    (``BUSY_BYTES``) transfer included, and a larger block the link's time beyond that.
-    Otherwise a hop is the link's alpha-beta time, exposed past the block's attention it
-    travels behind, and each is a sync point (``busy.peer_waits``)."""
+    paces it, at its share of the host's link). A hop is the link's alpha-beta time, exposed
+    past the block's attention it travels behind."""
     _, h = host_span(cluster, cp, tp)
     link = cluster.link("inter") if h > 1 else cluster.intra
     share = 1.0 / cluster.ranks_per_host if h > 1 else 1.0  # the host's ranks send at once
     hop = link.time("sendrecv", 2, step_bytes, share=share)
-    s0, k = busy.terms(link.busy_ring)
     back = ATTN_BACKWARD * core
-    if ring and (s0 or k):
-        s0 += max(0.0, hop - link.time("sendrecv", 2, BUSY_BYTES, share=share))
-        fwd = (cp - 1) * s0 + k * core * (cp - 1) / cp
-        work.add("cp ring exchanges (busy peers)", "f", fwd)
-        work.add("cp ring exchanges (busy peers)", "i",
-                 (2 * cp - 1) * s0 + k * back + (fwd if again else 0.0))
-        return
     fwd = (cp - 1) * max(0.0, hop - core / cp)
     work.add("cp ring (exposed)", "f", fwd)
     work.add("cp ring (exposed)", "i", (cp - 1) * max(0.0, 2 * hop - back / cp) +
              (fwd if again else 0.0))
-    work.syncs["f"] += cp - 1
-    work.syncs["i"] += (cp - 1) * (2 if again else 1)
 
 
-COMM_PREFIXES = ("tp ", "cp ", "ep ", "peer waits")  # Work terms that are collectives (and
-# their waits), not the rank's own work
+COMM_PREFIXES = ("tp ", "cp ", "ep ")  # Work terms that are collectives, not the rank's own
+# work
 
 
 def _host(work: Work) -> float:
@@ -275,7 +249,7 @@ def fitted(work: Work, base: Work, fit: tuple, tokens: float, cluster: Cluster,
     own = work.own(False)
     total = sum(own.values())
     keep = work if comms is None else comms
-    out = Work(syncs=dict(keep.syncs))
+    out = Work()
     if total:
         for phase, t in own.items():
             if t:

@@ -26,7 +26,7 @@ import torch
 
 from fastpar.models.config import GPTConfig
 from fastpar.pipeline.partition import balanced_bounds
-from fastpar.plan import busy, costs
+from fastpar.plan import costs
 from fastpar.plan import memory as mem_model
 from fastpar.plan.cluster import Cluster
 from fastpar.plan.layouts import Layout, model_for
@@ -138,7 +138,7 @@ class Predictor:
                     again, comms, w = fit.recompute, w, work(tp, "none")
                 w = costs.fitted(w, base, ab, rows * self.cfg.seq_len / cp, self.cluster,
                                  again=again, comms=comms)
-            self._memo[key] = busy.peer_waits(w, self.cluster)
+            self._memo[key] = w
         return self._memo[key]
 
     def bounds(self, tp: int, ep: int, stages: int) -> tuple:
@@ -208,7 +208,7 @@ class Predictor:
 
     def _action_costs(self, lay: Layout, stages: list) -> dict:
         """``{(rank, chunk, kind): seconds}``: a chunk's compute and the send it makes (its
-        bytes, and what it waits for busy neighbours after that compute: ``busy.p2p_wait``).
+        bytes on its link).
         The activation goes to the next stage over that stage's link, the gradient back over
         the previous stage's. Under zb, W adds the split backward's extra host work (the
         trainer fit's: the second autograd pass over the weights)."""
@@ -219,16 +219,10 @@ class Predictor:
             r, c = s % pp, s // pp
             prev = stages[s - 1] if s > 0 else None
 
-            def fwd(compute):
-                return st["send"] + busy.p2p_wait(st["link"], compute) if s < last else 0.0
-
-            def bwd(compute):
-                return prev["send"] + busy.p2p_wait(prev["link"], compute) if prev else 0.0
-
-            out[r, c, "F"] = st["f"] + fwd(st["f"])
-            out[r, c, "I"] = st["i"] + bwd(st["i"])
+            out[r, c, "F"] = st["f"] + (st["send"] if s < last else 0.0)
+            out[r, c, "I"] = st["i"] + (prev["send"] if prev else 0.0)
             out[r, c, "W"] = st["w"] + (st["zb"] if lay.schedule == "zb" else 0.0)
-            out[r, c, "B"] = st["i"] + st["w"] + bwd(st["i"] + st["w"])
+            out[r, c, "B"] = st["i"] + st["w"] + (prev["send"] if prev else 0.0)
         return out
 
     def action_costs(self, lay: Layout) -> dict:
