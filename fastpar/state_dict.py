@@ -29,7 +29,7 @@ def _module(obj) -> nn.Module:
     return obj
 
 
-def _sharded_keys(model: nn.Module) -> dict[str, tuple[ShardedModule, str]]:
+def sharded_keys(model: nn.Module) -> dict[str, tuple[ShardedModule, str]]:
     """State-dict key -> (layer, parameter name) for every sharded parameter."""
     keys = {}
     for prefix, module in model.named_modules():
@@ -45,7 +45,7 @@ def full_state_dict(obj) -> dict[str, torch.Tensor]:
     if hasattr(obj, "_full_state_dict"):  # a Pipeline: its stages live on other ranks too
         return obj._full_state_dict()
     model = _module(obj)
-    sharded = _sharded_keys(model)
+    sharded = sharded_keys(model)
     out = {}
     for key, value in model.state_dict(keep_vars=False).items():
         if key in sharded:
@@ -61,7 +61,7 @@ def load_full_state_dict(obj, state_dict: dict[str, torch.Tensor], strict: bool 
     if hasattr(obj, "_load_full_state_dict"):  # a Pipeline: each rank loads its stages' keys
         return obj._load_full_state_dict(state_dict, strict=strict)
     model = _module(obj)
-    sharded = _sharded_keys(model)
+    sharded = sharded_keys(model)
     # Every sharded tensor is checked against its serial shape before anything is sliced or
     # copied: a slice of a too-large tensor would otherwise load silently.
     mismatches = []

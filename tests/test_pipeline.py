@@ -127,11 +127,11 @@ def run_case(topo, seed, *, schedule, m, v, n_blocks=None, kind="block", balance
         case.close("input grad", xp.grad, x64.grad, xs.grad, scale=1.0)
 
     ser_params, ref_params = dict(serial.named_parameters()), dict(ref.named_parameters())
-    from fastpar.state_dict import _sharded_keys
+    from fastpar.state_dict import sharded_keys
 
     seen = 0
     for chunk in pipe.chunks:
-        sharded = _sharded_keys(chunk)  # TP layers' shards: compared whole (gathered)
+        sharded = sharded_keys(chunk)  # TP layers' shards: compared whole (gathered)
         for key, p in chunk.named_parameters():
             grad = sharded[key][0].gather_full(sharded[key][1], p.grad) if key in sharded \
                 else p.grad

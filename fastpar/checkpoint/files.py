@@ -43,7 +43,7 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def _bytes(t: torch.Tensor, start: int, stop: int) -> memoryview:
+def tensor_bytes(t: torch.Tensor, start: int, stop: int) -> memoryview:
     """Bytes ``[start, stop)`` of a contiguous 1-D tensor, on the host."""
     raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
     part = raw[start:stop]
@@ -83,7 +83,7 @@ def write(path: str, items: list[tuple], metadata: dict | None = None) -> dict:
             h = hashlib.sha256()
             n = data.numel() * data.element_size()
             for start in range(0, n, BLOCK):
-                chunk = _bytes(data, start, min(n, start + BLOCK))
+                chunk = tensor_bytes(data, start, min(n, start + BLOCK))
                 h.update(chunk)  # hashlib and write release the GIL on large buffers
                 f.write(chunk)
             digests[key] = h.hexdigest()

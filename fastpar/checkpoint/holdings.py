@@ -30,7 +30,7 @@ import torch
 
 from fastpar.checkpoint.boxes import Box
 from fastpar.optim import DistributedOptimizer, MasterWeights
-from fastpar.state_dict import _sharded_keys
+from fastpar.state_dict import sharded_keys
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ def keyed_tensors(model) -> list[tuple[str, torch.Tensor, tuple, Box]]:
     state dict on this rank (parameters and buffers)."""
     out = []
     for chunk in _chunks(model):
-        sharded = _sharded_keys(chunk)
+        sharded = sharded_keys(chunk)
         for key, t in chunk.state_dict(keep_vars=True).items():
             if key in sharded:
                 layer, leaf = sharded[key]

@@ -192,7 +192,7 @@ def replica_digest(model, opt) -> tuple[str, str]:
         if released and t.requires_grad:
             continue
         h.update(key.encode())
-        h.update(files._bytes(t.detach().contiguous().reshape(-1), 0,
+        h.update(files.tensor_bytes(t.detach().contiguous().reshape(-1), 0,
                               t.numel() * t.element_size()))
     return repr(sorted(shards)), h.hexdigest()
 

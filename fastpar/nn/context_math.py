@@ -95,7 +95,7 @@ def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
     return s
 
 
-def _fused(q, keep) -> bool:
+def fused_kernel(q, keep) -> bool:
     """Whether a block runs in torch's fused CPU attention (flash-style: no (Tq, Tk) scores
     held; it returns the block's log-sum-exp, and its backward takes the whole attention's
     output and log-sum-exp, which is what a block's share of the gradients needs). Without
@@ -125,8 +125,8 @@ def block_forward(q, k, v, scale: float, causal: bool, keep, p: float):
     """``(o, lse)`` of one block: q (B, Hkv, G, Tq, D), k, v (B, Hkv, 1, Tk, D) in the working
     dtype; ``keep`` None or bool (B, Hkv, G, Tq, Tk) with drop probability ``p``. Every row
     must see at least one key (true of every block ``fastpar.nn.context`` forms). Without
-    dropout on the CPU: torch's fused kernel (``_fused``); else written out."""
-    if _fused(q, keep):
+    dropout on the CPU: torch's fused kernel (``fused_kernel``); else written out."""
+    if fused_kernel(q, keep):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.reshape(_rows(q, causal)), _heads(q, k, causal), _heads(q, v, causal), 0.0,
             causal, attn_mask=None, scale=scale)
@@ -145,7 +145,7 @@ def block_backward(q, k, v, do, o, lse, delta, scale: float, causal: bool, keep,
     (merged over all blocks); dk, dv (B, Hkv, 1, Tk, D) summed over the G query heads of each
     kv head. Without dropout on the CPU, torch's fused backward given the whole attention's
     ``o`` and ``lse`` (it forms delta itself)."""
-    if _fused(q, keep):
+    if fused_kernel(q, keep):
         flat = _rows(q, causal)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.reshape(flat), q.reshape(flat), _heads(q, k, causal), _heads(q, v, causal),

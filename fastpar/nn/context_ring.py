@@ -280,7 +280,7 @@ class RingAttention(torch.autograd.Function):
         q5 = grouped(q.to(work), hkv)
         do, o5 = grouped(dout.to(work), hkv), grouped(out.to(work), hkv)  # (B, Hkv, G, T/n, D)
         # rowsum(do * o) for the written-out blocks (B, Hkv, G, T/n); the fused kernel forms it
-        fused = not p and context_math._fused(q5, None)  # every block: no mask to apply
+        fused = not p and context_math.fused_kernel(q5, None)  # every block: no mask to apply
         delta = None if fused else (do * o5).sum(-1)
         dq = torch.zeros_like(q5)
         heads = torch.arange(H, device=q.device)
