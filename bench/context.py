@@ -25,7 +25,7 @@ Activation bytes per rank: ``saved`` is what autograd keeps for the backward, co
 the call holds at once beyond what it started with (forward, backward and the input gradients
 it returns), from the allocator's events recorded by ``torch.profiler(profile_memory=True)`` in
 one extra, untimed rep. Without dropout every row runs torch's fused CPU attention (the ring
-per block, ``context_math._fused``): no (T/cp)^2 scores are held, so the peak is O(T/cp). The
+per block, ``context_math.fused_kernel``): no (T/cp)^2 scores are held, so the peak is O(T/cp). The
 target (issue 25) is ``saved`` at cp N within 10% of cp 1's / N.
 
 Every row is checked before it is timed: its output and q, k, v gradients (this rank's slice)

@@ -70,14 +70,14 @@ def _check_layout(group, seed, checks: Checks):
         attend = {"ring": context.ring_attention, "ulysses": context.ulysses_attention,
                   "ring-shared": lambda *a, **kw: context.ring_attention(*a, engine="shared", **kw),
                   "ring-written": context.ring_attention}
-        fused, asked = context_math._fused, []
+        fused, asked = context_math.fused_kernel, []
         if kind == "ring-written":
-            context_math._fused = lambda q, keep: asked.append(1) and False
+            context_math.fused_kernel = lambda q, keep: asked.append(1) and False
         try:
             out = attend[kind](*local, group, causal=causal, dropout_p=p, dropout_seed=drop_seed)
             out.backward(context.context_split(dout, group, 2))
         finally:
-            context_math._fused = fused
+            context_math.fused_kernel = fused
         assert kind != "ring-written" or asked, "the ring never asked for a block's kernel"
         got = [context.context_gather(t.detach(), group, 2)
                for t in (out, *(x.grad for x in local))]
