@@ -322,7 +322,9 @@ def check_pipeline_training(c, topo, seed):
     """DataParallel around a Pipeline (pp x dp; also pp 1): ``model.step`` runs the pipeline's
     microbatches, then reduces; every dp replica trains on its own slice of the batch. The
     serial-layout weights after each Adam step against the serial model on the full batch
-    (float32) and its float64 copy; schedules 1f1b and zb (whose W pass writes .grad directly)."""
+    (float32) and its float64 copy; schedules 1f1b and zb (whose W pass writes .grad directly).
+    Under 1f1b the buckets are launched during the pipeline's last backward (overlapped, as
+    DDP does), under zb after the step."""
     import fastpar
     from fastpar.pipeline import Pipeline
 
@@ -337,6 +339,21 @@ def check_pipeline_training(c, topo, seed):
         model = fastpar.DataParallel(pipe, bucket_mb=TINY)
         opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
                 for m in (ser, ref, model)]
+        inside, launched = [False], []  # whether the pipeline's executor runs; each launch's
+        run = pipe.executor.run
+
+        def timed_run(*args, **kwargs):
+            inside[0] = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                inside[0] = False
+        pipe.executor.run = timed_run
+        for red in model._reducers:
+            def launch(b, real=red._all_reduce):
+                launched.append(inside[0])
+                return real(b)
+            red._all_reduce = launch
         gen = torch.Generator().manual_seed(seed + 2)
         for step in range(STEPS):
             x = torch.randn(dp * 2 * MB, 12, generator=gen)
@@ -355,6 +372,10 @@ def check_pipeline_training(c, topo, seed):
             sp, rp = ser.state_dict(), ref.state_dict()
             for name, t in full.items():
                 c.close(f"{tag}.step{step}.{name}", t, rp[name], sp[name])
+        n = len(model.buckets) * STEPS
+        want = [schedule == "1f1b"] * n  # 1f1b: each bucket as its last backward fills it
+        assert launched == want, (tag, launched)
+        c.checked.append(f"{tag}.overlap")
 
 
 def check_replicas_differ(c, topo):

@@ -44,6 +44,7 @@ class Reducer:
         self.find_unused_parameters, self.reduce_dtype = find_unused_parameters, reduce_dtype
         self._build_buckets(bucket_mb)
         self.sync = True  # whether the current backward reduces (set by each forward)
+        self.cycles = 0  # reduction cycles completed (every bucket reduced and averaged)
         self._reset_cycle()
         self._hooks = []
 
@@ -173,6 +174,7 @@ class Reducer:
                         p.grad = view.to(p.dtype)
                     else:
                         p.grad.copy_(view)
+        self.cycles += 1
         self._reset_cycle()
 
     def finish(self) -> None:
@@ -200,6 +202,21 @@ class Reducer:
             "error: which parameters a model uses is a property of its structure, alike on all "
             "replicas. Set requires_grad=False on parameters the model never uses, or pass "
             "find_unused_parameters=True if it skips some on purpose.")
+
+    @torch.no_grad()
+    def close_cycle(self, finished: bool) -> None:
+        """After a pipeline step whose last backward reduced as it went (``DataParallel.step``):
+        ``finished``, every parameter's hook fired and the cycle completed; else the parameters
+        it did not reach, whose gradients are final too, are marked ready, launching and
+        completing the rest. Without any hook in the cycle (no full backward): ``reduce_all``.
+        Collective over dp."""
+        if finished:
+            return
+        if self._hooked == 0:
+            self.reduce_all()
+            return
+        for i in [i for i, ready in enumerate(self._ready) if not ready]:
+            self._mark_unused(i)
 
     @torch.no_grad()
     def reduce_all(self) -> None:

@@ -164,14 +164,17 @@ class DataParallel(nn.Module):
         return output
 
     def step(self, *args, **kwargs):
-        """For a wrapped ``fastpar.pipeline.Pipeline``: its ``step(inputs, targets)`` (every
-        microbatch's backward accumulates into the buckets, nothing is reduced meanwhile), then
-        every bucket reduced over dp, unless inside ``no_sync()``. Returns the pipeline's loss
-        (this replica's mean; average it over dp for the global one). Collective over dp.
+        """For a wrapped ``fastpar.pipeline.Pipeline``: its ``step(inputs, targets)``, every
+        bucket reduced over dp unless inside ``no_sync()``. Returns the pipeline's loss (this
+        replica's mean; average it over dp for the global one). Collective over dp.
 
-        The reduction runs after the pipeline's last backward, not overlapped with it: which
-        backward is a parameter's last depends on the schedule (and the zero-bubble W pass
-        writes ``.grad`` without the hooks), so readiness is not known per parameter here."""
+        The microbatches' backwards accumulate into the buckets, reducing nothing, until this
+        rank's last full backward (``Pipeline.step(before_last_backward=)``): no gradient
+        changes after it, so its hooks launch each bucket as it fills, overlapped with the rest
+        of that backward, as DDP does. After the step the buckets of the parameters it did not
+        reach (another chunk's, an expert no token chose) are launched and every reduction
+        waited for. Where the schedule has no full backward (zb's W passes write ``.grad``
+        without the hooks) every bucket is reduced after the step."""
         step = getattr(self.module, "step", None)
         if step is None:
             raise TypeError(f"DataParallel.step needs a wrapped module with .step (a fastpar "
@@ -181,10 +184,17 @@ class DataParallel(nn.Module):
             r.finish()
             r.prepare_gradients()
             r.sync = False  # the hooks only keep .grad in the buckets
-        loss = step(*args, **kwargs)
-        if not self._no_sync:
+
+        def reduce_from_here():  # the last backward's gradients are final: reduce as they come
             for r in self._reducers:
-                r.reduce_all()
+                r.sync = True
+
+        cycles = [r.cycles for r in self._reducers]
+        loss = step(*args, **kwargs,
+                    before_last_backward=None if self._no_sync else reduce_from_here)
+        if not self._no_sync:
+            for r, before in zip(self._reducers, cycles):
+                r.close_cycle(finished=r.cycles > before)
         return loss
 
     @property

@@ -145,18 +145,25 @@ class Executor:
                 "RF": self._recv_forward, "SB": self._send_backward, "RB": self._recv_backward,
                 "I": self._input_backward, "W": self._weight_backward}
 
-    def run(self, actions, data, targets, *, train: bool):
+    def run(self, actions, data, targets, *, train: bool, before_last_backward=None):
         """Run ``actions``; ``data``/``targets``: the microbatches (``None`` where this rank
         does not use them). Returns ``(losses, outputs, records, peak_bytes)``: the last stage's
         per-microbatch losses (train) or outputs (inference), and ``(start, end, kind, mb,
-        chunk)`` of every action."""
+        chunk)`` of every action. ``before_last_backward()`` is called just before this rank's
+        last full backward (``B``) action, after which no gradient of its parameters changes
+        (``DataParallel`` reduces during it); not at all where there is none (zb's split
+        backward writes ``.grad`` in its W passes)."""
         self.steps += 1
         m = len(data) if data is not None else len(targets) if targets is not None else None
         step = _Step(data, targets, m, train,
                      _Memory(p for c in self.chunks for p in c.parameters()))
         handlers = self._handlers()
         clock = time.perf_counter
+        last_b = max((pos for pos, a in enumerate(actions) if a.kind == "B"), default=None) \
+            if before_last_backward is not None else None
         for pos, a in enumerate(actions):
+            if pos == last_b:
+                before_last_backward()
             if self.board is not None:
                 self.board.set(self.steps, pos, len(actions), a)
             start = clock()

@@ -148,18 +148,20 @@ class Pipeline(nn.Module):
         tgt = _split(targets, m, "targets", dev) if last and targets is not None else None
         return data, tgt, last
 
-    def step(self, inputs, targets) -> float:
+    def step(self, inputs, targets, *, before_last_backward=None) -> float:
         """Forward and backward of the whole batch (``microbatches`` equal slices along dim 0)
         by the schedule; gradients accumulate into ``.parameters()``. Returns the batch's mean
         loss (the mean of the microbatch losses), the same value on every rank of the pipeline.
         ``inputs`` is needed on the first stage and ``targets`` on the last (others may pass
-        ``None``)."""
+        ``None``). ``before_last_backward``: called just before this rank's last full backward
+        (``Executor.run``; ``DataParallel.step`` passes it to reduce during that backward)."""
         data, tgt, last = self._stage_data(inputs, targets)
         if last and tgt is None:
             raise ValueError("targets is None on the last pipeline stage, which needs them")
         start = time.perf_counter()
-        losses, _, records, peak = self.executor.run(self.actions[self.pp_rank], data, tgt,
-                                                     train=True)
+        losses, _, records, peak = self.executor.run(
+            self.actions[self.pp_rank], data, tgt, train=True,
+            before_last_backward=before_last_backward)
         _join_grads(self._joins)
         loss = torch.zeros((), dtype=torch.float64, device=self._topo.device)
         if last:
