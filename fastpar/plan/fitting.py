@@ -1,6 +1,6 @@
 """The least-squares fits of the calibration: the link's alpha-beta model from its timings
-(``fit``) and an exact non-negative least squares for a few columns (``nnls``: the busy ranks'
-waits, the trainer fit)."""
+(``fit``) and an exact non-negative least squares for a few columns (``nnls``: the trainer
+fit)."""
 
 from __future__ import annotations
 

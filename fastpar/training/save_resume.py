@@ -82,6 +82,12 @@ class Checkpoints:
                 print(f"[fastpar.train] saving step {step} in the background (set up in "
                       f"{took:.2f} s)", flush=True)
 
+    def wait_for_reads(self) -> None:
+        """Before an optimizer step: an async save has read the weights and the state (its
+        commit goes on; the next save or ``finish`` waits for it). Nothing without a writer."""
+        if self.writer is not None:
+            self.writer.wait_for_reads()
+
     def finish(self) -> None:
         """Wait for the save in flight, if any (collective outcome: it raises on every
         rank)."""

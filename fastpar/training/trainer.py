@@ -114,9 +114,6 @@ class Trainer:
             self.ckpt, self.pipe, self.setup, self.sched,
             run_identity(cfg, args, self.steps, topo), self.steps, directory=args.save,
             sync=args.sync_save, hold=topo.device.type == "cpu", lead=topo.rank == 0)
-        # before each optimizer step: a save's reads of the weights and state done (its commit
-        # goes on; the next save or the end waits for it)
-        self.wait_for_saves = self.ckpt.wait_for_reads if self.ckpt is not None else _nothing
         self.memory_rows: list[dict] = []  # every rank's memory record, after run()
         self.start = 0
         self.records: list[dict] = []
@@ -149,7 +146,7 @@ class Trainer:
         if self.cfg.tie_embeddings:  # the same on every rank: the embedding group's collective
             sum_tied_grads(self.stage_modules, topo.embedding_group)
         norm = self.setup.clip(args.clip)
-        self.wait_for_saves()  # an async save may still read the weights and the state
+        self.checkpoints.wait_for_reads()  # an async save may still read weights and state
         self.opt.step()
         self.memory.sample()  # the optimizer state and the masters' gradients
         self.sched.step()
@@ -326,6 +323,3 @@ class Trainer:
         flops = self.cfg.flops_per_token()
         return {"mfu": tokens_per_s * flops / (peak * self.topo.world_size)}
 
-
-def _nothing() -> None:
-    return None
