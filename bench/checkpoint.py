@@ -109,7 +109,7 @@ def gathered_save(t, root, step):
     from fastpar.training.save_resume import masters_in_place
     from fastpar.training.serial_optimizer import serial_optimizer_state
 
-    with t.gathered(), masters_in_place(t.opt):
+    with t.setup.gathered(), masters_in_place(t.opt):
         weights = fastpar.full_state_dict(t.model)
     tensors, scalars = serial_optimizer_state(t.pipe, t.opt)
     if t.topo.rank == 0:

@@ -12,10 +12,12 @@ per-rank state dict round trip; a consolidated state saved at dp 2 (a pair of ra
 reloaded at dp = world and at dp 1, training on equal to the reference. One more launch at
 tp 2 x dp 2: ``ParallelMLP`` with ZeRO over dp and ``clip_grad_norm_(model=)`` against the
 serial ``SerialMLP`` clip. Stages 2 and 3 run every case again (``test_zero_stages``), each
-step as two accumulated halves (the first under ``no_sync()``), stage 3 compared inside
+step as two accumulated halves (the first under ``no_sync()``, or on odd steps both reduced, the
+shards accumulating; the never-used parameter's run then reduced at the step), stage 3 compared inside
 ``gathered()``; the checkpoint continuations load into the next stage (1 -> 2 -> 3 -> 1).
 """
 
+import contextlib
 import copy
 import io
 import os
@@ -99,14 +101,16 @@ class in_place_calls:
             setattr(self.cls, name, getattr(self.cls, name).__wrapped__)
 
 
-def zero_step(net, opt, x, y, group, max_norm=None):
+def zero_step(net, opt, x, y, group, max_norm=None, reduce_each=False):
+    """One step on this rank's rows; stages 2 and 3 as two accumulated halves, the first under
+    ``no_sync()`` or, with ``reduce_each``, both reduced (the shards accumulate)."""
     from fastpar.runtime import group_rank, group_size
 
     dp, r = group_size(group), group_rank(group)
     x, y = x.chunk(dp)[r], y.chunk(dp)[r]
     if opt.stage > 1:  # two accumulated halves: the mean over this rank's rows
         h = len(x) // 2
-        with opt.no_sync():
+        with opt.no_sync() if not reduce_each else contextlib.nullcontext():
             (0.5 * F.mse_loss(net(x[:h]), y[:h])).backward()
         (0.5 * F.mse_loss(net(x[h:]), y[h:])).backward()
     else:
@@ -157,7 +161,8 @@ def check_training(c, topo, seed, stage):
             scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=gamma) for o in (*opts, opt)]
         for step, (x, y) in enumerate(data):
             ns, nr = (serial_step(m, o, x, y, max_norm) for m, o in zip((ser, ref), opts))
-            n = zero_step(par, opt, x, y, topo.dp_group, max_norm)
+            # odd steps reduce each half (a reduction per microbatch, shards accumulating)
+            n = zero_step(par, opt, x, y, topo.dp_group, max_norm, reduce_each=step % 2 == 1)
             if max_norm is not None:
                 c.close(f"{tag}.step{step}.norm", n, nr, ns)
                 if step == 0:  # the clip cases clip (at least at first), noclip does not

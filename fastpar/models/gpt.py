@@ -314,26 +314,30 @@ def tied_parameters(modules) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def sum_tied_grads(modules, group=None) -> None:
+def sum_tied_grads(modules, group=None, grad_of=None) -> None:
     """Give every tied Parameter the gradient of the tied weight: the sum of all copies' grads,
     here and over ``group`` (the topology's ``embedding_group``: first and last pipeline stage;
     None or one rank: local only). Call after backward, before clipping and the optimizer step;
     a missing grad counts as zeros. The sum is in float32 at least (a bf16 model's copies are
-    widened, summed here and over the group, and rounded once)."""
+    widened, summed here and over the group, and rounded once). ``grad_of(p)``: the tensor to
+    sum in place for copy ``p`` instead of ``p.grad`` (ZeRO-2/3: this rank's reduced gradient
+    shard, the same elements of every copy, ``DistributedOptimizer.grad_shard``)."""
     from fastpar.comm.collectives import all_reduce
 
     params = tied_parameters(modules)
     if not params:  # untied (then no rank has any), or a middle stage (in no embedding group)
         return
-    wide = torch.promote_types(params[0].dtype, torch.float32)
-    total = torch.zeros_like(params[0], dtype=wide)
-    for p in params:
-        if p.grad is not None:
-            total += p.grad
+    grads = [grad_of(p) for p in params] if grad_of is not None else [p.grad for p in params]
+    like = next((g for g in grads if g is not None), params[0])
+    wide = torch.promote_types(like.dtype, torch.float32)
+    total = torch.zeros_like(like, dtype=wide)
+    for g in grads:
+        if g is not None:
+            total += g
     if group is not None and group_size(group) > 1:
         all_reduce(total, group)
-    for p in params:  # in place: a data-parallel reducer may hold views of the grads
-        if p.grad is None:
+    for p, g in zip(params, grads):  # in place: a reducer or optimizer may hold views of them
+        if g is None:
             p.grad = total.to(p.dtype, copy=True)
         else:
-            p.grad.copy_(total)
+            g.copy_(total)

@@ -63,11 +63,12 @@ from fastpar import comm
 from fastpar.comm import quant as quant_codec
 from fastpar.comm import symmetric
 from fastpar.optim.clip import check_max_norm, clip_shards_
-from fastpar.optim.zero_shards import FlatGroup, master_dtype
+from fastpar.optim.zero_shards import FlatGroup, master_dtype, run_cuts
 from fastpar.optim.inner import InnerOptimizerView
 from fastpar.optim.zero_checkpoint import CheckpointMixin
+from fastpar.optim.zero_flat import build_flat_buffers, reduce_flat
 from fastpar.optim.zero_grads import GradReducer
-from fastpar.optim.zero_stage3 import ShardedParams, module_units, unit_cuts
+from fastpar.optim.zero_stage3 import ShardedParams, module_units
 from fastpar.runtime import group_rank, group_size, topology
 
 log = logging.getLogger("fastpar.optim")
@@ -80,7 +81,9 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
     supported); frozen ones (``requires_grad=False``) are skipped and stay as they are.
     ``optimizer_cls(masters, **kwargs)`` builds the inner optimizer over one flat master shard
     per (dtype, device). ``stage``: 1, 2 or 3. ``module``: the model holding ``params``
-    (stage 3 needs it: its modules are the gather units). ``bucket_mb``: stage 2's run size.
+    (stage 3 needs it: its modules are the gather units). ``bucket_mb``: the largest run of
+    stages 2 and 3 (a unit larger than it is gathered as several runs; a parameter larger than
+    it is a run of its own).
     ``quant_weights="int8"`` (stage 3): the parameters are all-gathered as block-scaled int8
     (like ZeRO++'s qwZ; the masters stay full precision, each gather quantizes them afresh);
     ``quant_grads="int8"``: the gradients are reduce-scattered as int8 (float32 sums), with
@@ -92,13 +95,25 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
     ``prefetch`` (stage 3): gather the next module's parameters while the current one computes
     (True: two modules gathered at a time); False gathers each module when it is used, holding
     one module's parameters fewer at the cost of collectives that no longer overlap compute.
+    ``keep_gathered`` (stage 3): a module gathered for a training forward or backward stays
+    gathered until the step's reduction (one all-gather per module per step, whatever the
+    microbatches; ``zero_stage3``). Stage 2 with ``module`` cuts its runs at the module
+    boundaries too (a run never spans two gather units: a backward drops each module's
+    gradients once it is done). ``isolate``: parameters that each get a run of their own, so
+    that every dp rank holds the same element range of each (``grad_shard``: the trainer sums a
+    tied embedding's gradient shards).
+    Every backward outside ``no_sync()`` reduce-scatters (stages 2 and 3) and the step's
+    backwards add up in the master gradients: microbatches may run under ``no_sync()`` (one
+    reduction per step, full gradients held meanwhile) or not (one per microbatch, only shards
+    held).
     ``param_groups`` and ``state`` are the inner optimizer's, so ``torch.optim.lr_scheduler``
     drives it. Masters are ``float32`` (or ``float64`` for ``float64`` parameters).
     """
 
     def __init__(self, params, optimizer_cls, *, group=None, stage: int = 1, module=None,
                  bucket_mb: float = 25.0, quant_weights=None, quant_grads=None,
-                 error_feedback: bool = False, prefetch: bool = True, **kwargs):
+                 error_feedback: bool = False, prefetch: bool = True,
+                 keep_gathered: bool = False, isolate=(), **kwargs):
         # torch.optim.Optimizer.__init__ is not called: it would build param_groups of the
         # full parameters; this class delegates them to the inner optimizer instead.
         params = list(params)
@@ -127,8 +142,9 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                              f"parameters' all-gather of stage 3; stage {stage} gathers no "
                              "parameters before use (its all-gather after the step sends the "
                              "weights of record)")
-        if not prefetch and stage != 3:
-            raise ValueError(f"DistributedOptimizer: prefetch=False changes stage 3's parameter "
+        if (not prefetch or keep_gathered) and stage != 3:
+            what = "prefetch=False" if not prefetch else "keep_gathered=True"
+            raise ValueError(f"DistributedOptimizer: {what} changes stage 3's parameter "
                              f"gathers; stage {stage} gathers no parameters before use")
         if error_feedback and self.quant_grads is None:
             raise ValueError("DistributedOptimizer: error_feedback=True needs quant_grads")
@@ -147,8 +163,11 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         by_key: dict[tuple, list] = {}  # (dtype, device) -> params, in order of first appearance
         for p in trainable:
             by_key.setdefault((p.dtype, p.device), []).append(p)
-        units = module_units(module) if stage == 3 else None
-        self.flat = [FlatGroup(ps, self.dp_size, self.dp_rank, self._cuts(ps, units, bucket_mb))
+        units = module_units(module) if stage == 3 or (stage == 2 and module is not None) \
+            else None
+        alone = {id(p) for p in isolate}
+        self.flat = [FlatGroup(ps, self.dp_size, self.dp_rank,
+                               run_cuts(ps, stage, units, bucket_mb, alone))
                      for ps in by_key.values()]
         # Symmetric memory where the dp group's collectives go to shm (CPU, one host): the
         # reduce-scatters read every rank's gradients where they lie (stage 1's flat gradient
@@ -167,7 +186,7 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         self.grads = self.sharded = None
         if stage < 3:
             for f in self.flat:
-                self._build_buffers(f)
+                build_flat_buffers(f, self.stage, self.group, self.symmetric)
         else:
             self.symmetric = gather and self.quant_weights is None
             for f in self.flat:  # collective: the same groups, dtypes, order on every rank
@@ -179,7 +198,8 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
                     f.master_symmetric = True
             self.symmetric = any(f.master_symmetric for f in self.flat)
             self.sharded = ShardedParams(self.flat, self.group, self.dp_rank, module, units,
-                                         quant=self.quant_weights, prefetch=bool(prefetch))
+                                         quant=self.quant_weights, prefetch=bool(prefetch),
+                                         keep_gathered=bool(keep_gathered))
         if stage >= 2:
             self.grads = GradReducer(self.flat, self.group, self.dp_size,
                                      quant=self.quant_grads, error_feedback=self.error_feedback,
@@ -189,52 +209,6 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         self.inner = optimizer_cls([f.master for f in self.flat], **kwargs)
         self._reduced = False  # master grads hold this backward's reduced gradient
         log.debug("%r", self)
-
-    def _cuts(self, ps, units, bucket_mb) -> list[int]:
-        """Where the runs of one flat group start (see ``fastpar.optim.zero_shards``)."""
-        if self.stage == 1:
-            return [0]
-        if self.stage == 3:
-            return unit_cuts(ps, units)
-        cap, used, cuts = int(bucket_mb * 2**20), 0, [0]
-        for i, p in enumerate(ps):
-            nbytes = p.numel() * torch.empty((), dtype=master_dtype(p.dtype)).element_size()
-            if used and used + nbytes > cap:
-                cuts.append(i)
-                used = 0
-            used += nbytes
-        return cuts
-
-    def _alloc(self, numel: int, dtype, device) -> torch.Tensor:
-        if self.symmetric:  # collective: same order on every rank
-            return comm.symmetric_empty(numel, dtype=dtype, group=self.group).zero_()
-        return torch.zeros(numel, dtype=dtype, device=device)
-
-    @torch.no_grad()
-    def _build_buffers(self, f: FlatGroup) -> None:
-        """Stages 1 and 2: the parameters become views of one padded flat buffer (their values
-        kept); stage 1 also puts the gradients in one (views when the dtype is the master's)."""
-        f.param_buf = self._alloc(f.padded, f.dtype, f.device)
-        if self.symmetric:  # each run's block: the same offset on every rank, gathered in place
-            symmetric.register_parts(f.param_buf, [(r.poff, r.piece * self.dp_size)
-                                                   for r in f.runs])
-        for i, p in enumerate(f.params):
-            view = f.padded_view(f.param_buf, i)
-            view.copy_(p.detach())
-            p.data = view
-        f.master_is_view = self.stage == 1 and f.dtype == master_dtype(f.dtype)
-        if f.master_is_view:  # this rank's block of the parameters is the master itself
-            f.master = torch.nn.Parameter(f.param_buf[self.dp_rank * f.shard:
-                                                      (self.dp_rank + 1) * f.shard])
-        f.grad_buf = f.grad_views = None
-        if self.stage == 1:
-            f.grad_buf = self._alloc(f.padded, master_dtype(f.dtype), f.device)
-            if f.master_is_view:
-                f.grad_views = [f.padded_view(f.grad_buf, i) for i in range(len(f.params))]
-                for p, v in zip(f.params, f.grad_views):
-                    if p.grad is not None:
-                        v.copy_(p.grad)
-                    p.grad = v  # autograd accumulates into the flat buffer from now on
 
     # ---- what torch.optim.Optimizer users read (param_groups, state, defaults: the inner ones) --
 
@@ -265,6 +239,30 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         finally:
             self.grads.sync = old
 
+    def grad_shard(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's reduced gradient of ``p`` (after ``reduce()``): a view of its master
+        gradient, ``p``'s run's piece. ``p`` must have been given in ``isolate`` (its run is it
+        alone, so every rank's piece holds the same elements of every isolated parameter of
+        its shape)."""
+        for f in self.flat:
+            for i, q in enumerate(f.params):
+                if q is p:
+                    run = f.run_of[i]
+                    if run.last - run.first != 1 or f.master.grad is None:
+                        raise ValueError("DistributedOptimizer.grad_shard: the parameter is "
+                                         "not isolated (pass it in isolate=) or no gradient "
+                                         "was reduced yet")
+                    return f.master.grad[run.soff:run.soff + run.piece]
+        raise ValueError("DistributedOptimizer.grad_shard: not one of this optimizer's "
+                         "parameters")
+
+    def begin_peaks(self) -> None:
+        """The memory peaks (gather buffers, gradients, staging) count from now."""
+        if self.sharded is not None:
+            self.sharded.begin_peaks()
+        if self.grads is not None:
+            self.grads.begin_peaks()
+
     def gathered(self):
         """Context: stage 3 keeps every parameter gathered for its duration (collective on
         entry); stages 1 and 2 hold them anyway. For a pipeline step, evaluation, checkpoints."""
@@ -276,26 +274,8 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         if self.grads is not None:
             self.grads.finish()
         else:
-            for f in self.flat:
-                buf = f.grad_buf
-                for i, p in enumerate(f.params):
-                    g, view = p.grad, f.padded_view(buf, i)
-                    if f.grad_views is not None and g is not None and \
-                            g.data_ptr() == view.data_ptr():
-                        continue  # accumulated in place
-                    view.copy_(g) if g is not None else view.zero_()
-                    if f.grad_views is not None:
-                        p.grad = view
-                quant = self.quant_grads if buf.dtype in quant_codec.DTYPES else None
-                residual = None
-                if quant is not None and self.error_feedback and self.dp_size > 1:
-                    residual = self.residuals.get(id(f))
-                    if residual is None:
-                        residual = self.residuals[id(f)] = torch.zeros(
-                            buf.shape, dtype=torch.float32, device=buf.device)
-                # (shard,): the dp sum
-                g = comm.reduce_scatter(buf, group=self.group, quant=quant, residual=residual)
-                f.master.grad = g.div_(self.dp_size) if self.dp_size > 1 else g.clone()
+            reduce_flat(self.flat, self.group, self.quant_grads, self.error_feedback,
+                        self.residuals)
         if self.sharded is not None and not self.sharded.pinned:
             self.sharded.free_all()  # units whose parameters got no gradient stayed gathered
         self._reduced = True

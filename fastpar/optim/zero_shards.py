@@ -10,9 +10,9 @@ communication and no storage but the master shard::
     rank r owns flat[lo + r * piece : lo + (r + 1) * piece] of every run
     shard  = cat over runs of rank r's piece                            # (sum of pieces,)
 
-ZeRO-1 has one run (the whole group: rank r owns one block of the flat order); ZeRO-2 cuts runs
-by bucket size (each is reduce-scattered as soon as backward fills it); ZeRO-3 cuts them by
-module (each is all-gathered before its module runs). The order is the order the parameters
+ZeRO-1 has one run (the whole group: rank r owns one block of the flat order); ZeRO-2 and 3
+cut runs by bucket size and at the gather units' boundaries (``run_cuts``: each is
+reduce-scattered as soon as backward fills it, ZeRO-3's all-gathered before its module runs). The order is the order the parameters
 were given in, so every dp rank that passes the same model derives the same runs, and the
 unpadded flat order does not depend on dp or on the runs (what makes a consolidated state
 re-shardable at another dp size or stage).
@@ -28,6 +28,38 @@ import torch
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the shard the inner optimizer updates: at least float32."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def unit_cuts(flat_params: list, units) -> list[int]:
+    """Where runs start in ``flat_params`` so that no run crosses a unit."""
+    unit_of = {id(p): u for u, (_, ps, _) in enumerate(units) for p in ps}
+    missing = [i for i, p in enumerate(flat_params) if id(p) not in unit_of]
+    if missing:
+        raise ValueError(f"DistributedOptimizer(stage=3): {len(missing)} of the parameters are "
+                         f"not in `module` (positions {missing[:5]}); pass module= the model "
+                         "that holds every parameter given")
+    return [i for i in range(len(flat_params))
+            if i == 0 or unit_of[id(flat_params[i])] != unit_of[id(flat_params[i - 1])]]
+
+
+def run_cuts(ps: list, stage: int, units, bucket_mb: float, alone: set) -> list[int]:
+    """Where the runs of one flat group ``ps`` start: stage 1 one run; stages 2 and 3 one per
+    ``bucket_mb`` of master bytes, cut at the ``units`` too (``zero_stage3.module_units``; None:
+    no units); a parameter whose id is in ``alone`` a run of its own."""
+    if stage == 1:
+        return [0]
+    forced = set(unit_cuts(ps, units)) if units is not None else {0}
+    for i, p in enumerate(ps):
+        if id(p) in alone:
+            forced |= {i, i + 1}
+    cap, used, cuts = int(bucket_mb * 2**20), 0, []
+    for i, p in enumerate(ps):
+        nbytes = p.numel() * torch.empty((), dtype=master_dtype(p.dtype)).element_size()
+        if i in forced or (used and used + nbytes > cap):
+            cuts.append(i)
+            used = 0
+        used += nbytes
+    return cuts
 
 
 @dataclasses.dataclass

@@ -22,8 +22,17 @@ linear) a view of memory that the backward's gather fills again::
                                   prefetch=False)
     post-accumulate-grad hooks:   once every parameter of u has its gradient, free u
 
-``gathered()`` pins every unit full for its duration (``fastpar.train`` runs a pipeline step,
-validation and checkpoints inside it; see ``docs/design.md``, ZeRO-3 and pipelines).
+Prefetching stays inside a unit's container (``module_units``): a pipeline's chunk does not
+prefetch the next chunk's first unit, which runs at another point of the schedule.
+``keep_gathered``: a unit gathered for a training forward or backward is not freed after it but
+at the step's reduction (``DistributedOptimizer.reduce`` frees every unit): one all-gather per
+unit per step instead of two per microbatch, the stage's whole parameters held meanwhile
+(FSDP2's ``reshard_after_forward=False``, kept across the microbatches too).
+``held`` / ``peak_held``: the bytes of gather buffers allocated now and at most since
+``begin_peaks()`` (the trainer's memory records take the peak of every step).
+
+``gathered()`` pins every unit full for its duration (checkpoints, and ``fastpar.train``'s
+pipeline steps when it gathers once per step; see ``docs/design.md``, ZeRO and pipelines).
 Recomputation (``nn.recompute``) inside a unit re-runs its forward hooks in backward: only
 under ``gathered()``.
 
@@ -52,47 +61,43 @@ from fastpar.data_parallel.reducer import tensors_in
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def module_units(root: nn.Module) -> list[tuple[nn.Module, list]]:
-    """``[(module, its trainable parameters not in an earlier unit)]`` in registration order
-    (the forward order of a sequential model); units without parameters are left out."""
+def module_units(root: nn.Module) -> list[tuple[nn.Module, list, int]]:
+    """``[(module, its trainable parameters not in an earlier unit, its container)]`` in
+    registration order (the forward order of a sequential model); units without parameters
+    are left out. The container is an id shared by the units of one ``nn.Sequential`` (or
+    other container, or the root): prefetching stays inside it (a pipeline's chunk is one, and
+    the next chunk does not run next)."""
     units, seen = [], set()
 
-    def take(m, recurse):
+    def take(m, recurse, parent):
         ps = [p for p in m.parameters(recurse=recurse) if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in ps)
         if ps:
-            units.append((m, ps))
+            units.append((m, ps, parent))
 
-    def walk(m, is_root):
+    def walk(m, is_root, parent):
         if is_root or isinstance(m, CONTAINERS):
-            take(m, recurse=False)
+            take(m, recurse=False, parent=id(m))
             for child in m.children():
-                walk(child, False)
+                walk(child, False, id(m))
         else:
-            take(m, recurse=True)
+            take(m, recurse=True, parent=parent)
 
-    walk(root, True)
+    walk(root, True, id(root))
     return units
-
-
-def unit_cuts(flat_params: list, units) -> list[int]:
-    """Where runs start in ``flat_params`` so that no run crosses a unit."""
-    unit_of = {id(p): u for u, (_, ps) in enumerate(units) for p in ps}
-    missing = [i for i, p in enumerate(flat_params) if id(p) not in unit_of]
-    if missing:
-        raise ValueError(f"DistributedOptimizer(stage=3): {len(missing)} of the parameters are "
-                         f"not in `module` (positions {missing[:5]}); pass module= the model "
-                         "that holds every parameter given")
-    return [i for i in range(len(flat_params))
-            if i == 0 or unit_of[id(flat_params[i])] != unit_of[id(flat_params[i - 1])]]
 
 
 class ShardedParams:
     """Owns the gather buffers of every run and the module hooks of ZeRO-3."""
 
     def __init__(self, flat, group, dp_rank: int, root: nn.Module, units, quant=None,
-                 prefetch: bool = True):
+                 prefetch: bool = True, keep_gathered: bool = False):
         self.group, self.dp_rank, self.quant, self.prefetch = group, dp_rank, quant, prefetch
+        # keep_gathered: a unit gathered in a training forward or backward stays gathered until
+        # the step's reduction frees every unit (DistributedOptimizer.reduce): one all-gather
+        # per unit per step across the microbatches, the whole stage held meanwhile
+        self.keep_gathered = keep_gathered
+        self.held = self.peak_held = 0  # bytes of gather buffers allocated now / at most
         self.runs = {}  # (id(f), run.index) -> [f, run, buffer, handle or None, gathered]
         self._nan = {}  # (dtype, device) -> one NaN element: what a released parameter shows
         with torch.no_grad():
@@ -103,7 +108,8 @@ class ShardedParams:
                         f.params[i].data = f.run_view(buf, i)  # views from now on
                     self.runs[(id(f), run.index)] = [f, run, buf, None, True]
         where = {id(p): (id(f), f.run_of[i].index) for f in flat for i, p in enumerate(f.params)}
-        self.units = [(m, sorted({where[id(p)] for p in ps})) for m, ps in units]
+        self.units = [(m, sorted({where[id(p)] for p in ps})) for m, ps, _ in units]
+        self.container = [parent for _, _, parent in units]  # prefetch stays inside one
         self.pinned = 0
         self._hooks = []
         for u, (m, keys) in enumerate(self.units):
@@ -117,7 +123,9 @@ class ShardedParams:
                     self._hooks.append(f.params[i].register_post_accumulate_grad_hook(
                         self._grad_ready(u)))
         self._left = [0] * len(self.units)  # parameters still without gradient, per backward
+        self.held = sum(entry[2].untyped_storage().nbytes() for entry in self.runs.values())
         self.free_all()
+        self.peak_held = 0
 
     # ---- one run -----------------------------------------------------------------------------
 
@@ -127,7 +135,11 @@ class ShardedParams:
         f, run, buf, handle, gathered = entry
         if gathered or handle is not None:
             return
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        nbytes = buf.numel() * buf.element_size()
+        if buf.untyped_storage().nbytes() == 0:
+            self.held += nbytes
+            self.peak_held = max(self.peak_held, self.held)
+        buf.untyped_storage().resize_(nbytes)
         for i in range(run.first, run.last):
             f.params[i].data = f.run_view(buf, i)  # read only after _wait
         piece = f.master.detach()[run.soff:run.soff + run.piece]
@@ -162,6 +174,7 @@ class ShardedParams:
                                                                   dtype=buf.dtype, device=buf.device)
         for i in range(run.first, run.last):
             f.params[i].data = nan.expand(f.params[i].shape)
+        self.held -= buf.untyped_storage().nbytes()
         buf.untyped_storage().resize_(0)
 
     # ---- units ---------------------------------------------------------------------------------
@@ -171,20 +184,27 @@ class ShardedParams:
         optimizer prefetches)."""
         for key in self.units[u][1]:
             self._launch(key)
-        if self.prefetch and prefetch is not None and 0 <= prefetch < len(self.units):
+        if self.prefetch and prefetch is not None and 0 <= prefetch < len(self.units) and \
+                self.container[prefetch] == self.container[u]:
             for key in self.units[prefetch][1]:  # overlaps the compute of unit u
                 self._launch(key)
         for key in self.units[u][1]:
             self._wait(key)
 
-    def free_unit(self, u: int) -> None:
-        if not self.pinned:
+    def free_unit(self, u: int, training: bool = False) -> None:
+        """Free unit ``u``'s gathered parameters (not while pinned, nor after a training pass
+        while the units are kept gathered)."""
+        if not self.pinned and not (training and self.keep_gathered):
             for key in self.units[u][1]:
                 self._free(key)
 
     def free_all(self) -> None:
         for key in self.runs:
             self._free(key)
+
+    def begin_peaks(self) -> None:
+        """``peak_held`` from now (the trainer's memory meter: one step at a time)."""
+        self.peak_held = self.held
 
     def refresh(self) -> None:
         """After the masters changed: gathered runs are gathered again."""
@@ -235,7 +255,7 @@ class ShardedParams:
                 for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(pre_backward)
-            self.free_unit(u)
+            self.free_unit(u, training=torch.is_grad_enabled())
             return None
         return hook
 
@@ -258,7 +278,7 @@ class ShardedParams:
                 return
             self._left[u] -= 1
             if self._left[u] == 0:
-                self.free_unit(u)
+                self.free_unit(u, training=True)
         return hook
 
     def close(self) -> None:

@@ -43,8 +43,9 @@ def _free_data(values) -> None:
 
 class _Memory:
     """Bytes each in-flight (microbatch, chunk) keeps for its backward: the storages autograd
-    saves during its forward (parameters excluded: they live anyway), plus its stage input.
-    ``peak``: the largest total seen."""
+    saves during its forward (parameters excluded: they live anyway, or, gathered by ZeRO-3
+    for this forward, are counted as parameters: a saved ``nn.Parameter`` or view of one is
+    never counted), plus its stage input. ``peak``: the largest total seen."""
 
     def __init__(self, params):
         self.alive: dict = {}
@@ -63,7 +64,8 @@ class _Memory:
 
         def pack(t):
             s = t.untyped_storage()
-            if s.data_ptr() not in seen:
+            base = t._base if t._base is not None else t
+            if s.data_ptr() not in seen and not isinstance(base, nn.Parameter):
                 seen.add(s.data_ptr())
                 size[0] += s.nbytes()
             # an alias, not ``t`` itself: freeing a sent output's data (``_free_data``) must

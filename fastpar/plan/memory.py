@@ -7,26 +7,34 @@
 
 Symbols (this rank): ``n_i`` the elements of its i-th parameter tensor (the tp shard; layers of
 its pipeline chunks, ``bounds`` cut them), ``P = sum n_i``, ``e`` the model's element size (4
-float32, 2 bfloat16), ``d`` dp, ``s = sum over runs of ceil(run / d)`` the ZeRO shard (runs of
-the flat order: ZeRO-1 one, ZeRO-2 one per 25 MiB, ZeRO-3 one per layer, its gather unit),
-``pad16(n)`` ``n`` rounded up to 64 bytes of float32 (DataParallel's bucket alignment)::
+float32, 2 bfloat16), ``d`` dp, ``s = sum over runs of ceil(r / d)`` the ZeRO shard (runs of
+the flat order, ``r`` elements each: ZeRO-1 one; ZeRO-2/3 each layer, their unit, cut into runs
+of at most ``ZERO_RUN_BYTES`` of float32, a tied embedding's copy a run of its own:
+``zero_runs``), ``pad16(n)`` ``n`` rounded up to 64 bytes of float32 (DataParallel's bucket
+alignment)::
 
     layout          params   grads                      optimizer          buffers
     fp32            4P       4 sum pad16(n_i) (buckets)  8P                 0
     bf16            2P       2P + 4P (master grads)      12P (masters+m,v)  4 sum pad16(n_i)
     ZeRO-1 fp32     4ds      4ds (flat) + 4s             8s (master: view)  0
     ZeRO-1 bf16     2ds      2P + 4s                     12s                4ds (fp32 flat)
-    ZeRO-2/3        e ds     max(eP, 4s)                 12s                4d max ceil(r/d) (*)
+    ZeRO-2/3 step   e ds     max(eP, 4s)                 12s                4d R (*)
+    ZeRO-2 unit     e ds     4s + e max r                12s                4(d + a) R (*)
+    ZeRO-3 unit     e d W    4s + e max r                12s                4(d + a) R (*)
     error feedback (dp > 1): buffers + 4 sum pad16(n_i) (no ZeRO) or + 4ds (ZeRO)
 
-ZeRO-2/3 in the trainer: a pipeline step accumulates full gradients (``no_sync``) and ZeRO-3
-keeps the stage's parameters gathered across its microbatches, so their peaks are the full ones;
-the reduce-scatter stages one run at a time in float32 (``fastpar.optim.zero_grads``), so its
-buffer is the largest run's, ``r`` ranging over the runs; (*) where that staging is symmetric
-memory (CPU ranks whose dp collectives go to shm: ``symmetric_staging``) it is dp rows of at
-most ``STAGING_ROW_BYTES``, 4d min(max ceil(r/d), 2^18). ZeRO-2's runs are cut as
-``DistributedOptimizer`` cuts them (``zero2_runs``: 25 MiB of float32, its ``bucket_mb``).
-Adam's ``step`` counters (0-dim) are not counted.
+Granularity (``zero_granularity``): "step" accumulates full gradients over a step's
+microbatches (``no_sync``) and ZeRO-3 keeps the stage gathered for the whole step, so their peaks
+are the full ones; "unit" reduce-scatters each run as a microbatch's backward completes it, so
+the gradients are the float32 master shards plus the ``.grad`` of one run (its r elements, in
+the model's dtype), and ZeRO-3 holds ``W``: the largest pair of consecutive units of one chunk
+(a unit computing, the next prefetched; one unit without prefetch; every unit, ``d s``, with
+``keep_gathered``), a unit's ``d sum ceil(r/d)`` over its runs. The reduce-scatter stages one
+run at a time in float32 (``fastpar.optim.zero_grads``): ``R = max ceil(r/d)`` its largest
+piece, and from a step's second microbatch on (``a = 1``, unit only) one more piece where the
+reduction is added to the earlier ones; (*) where that staging is symmetric memory (CPU ranks
+whose dp collectives go to shm: ``symmetric_staging``) a row is at most ``STAGING_ROW_BYTES``,
+R = min(max ceil(r/d), 2^18). Adam's ``step`` counters (0-dim) are not counted.
 
 Activations: the bytes autograd saves per microbatch for each layer (``layer_activations``,
 the derivation is in docs/design.md), summed over the microbatches in flight: the schedule's
@@ -48,7 +56,21 @@ from fastpar.pipeline.schedules import compile_schedule
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 ALIGN = 16  # DataParallel's buckets start every gradient on 64 bytes: 16 float32 elements
-ZERO2_RUN_BYTES = 25 * 2**20  # DistributedOptimizer's default bucket_mb, in master bytes
+# The trainer's ZeRO-2/3 runs: a unit (a block) cut into runs of at most this many bytes of
+# float32 (``training.optimizer`` passes it as ``bucket_mb``), so that a backward holds at most
+# about this much unreduced gradient and ZeRO-3 gathers a unit in a few collectives
+ZERO_RUN_BYTES = 2**20
+# ZeRO-2/3 under a pipeline, where --zero-granularity is auto: per step (docs/training.md has
+# the measurements behind it)
+PIPELINE_ZERO_GRANULARITY = "step"
+
+
+def default_granularity(pp: int, schedule: str) -> str:
+    """``--zero-granularity auto``: "unit" at pp 1, ``PIPELINE_ZERO_GRANULARITY`` under a
+    pipeline, "step" under zb (its split backward needs the weights from I to W)."""
+    if schedule == "zb":
+        return "step"
+    return "unit" if pp == 1 else PIPELINE_ZERO_GRANULARITY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +93,17 @@ class MemoryInputs:
     symmetric_staging: bool = False  # ZeRO-2/3's staging in symmetric rows (CPU ranks on shm)
     ep: int = 1  # expert-parallel ranks: a MoE block holds moe_experts / ep experts here
     cp: int = 1  # context-parallel ranks: each holds seq_len / cp tokens of every sequence
+    zero_granularity: str = "auto"  # ZeRO-2/3: "unit", "step", or auto (default_granularity)
+    keep_gathered: bool = False  # ZeRO-3 per unit: units gathered from first use to the step
+    prefetch: bool = True  # ZeRO-3 per unit: the next unit gathered while one computes
+
+    @property
+    def granularity(self) -> str:
+        if self.zero < 2:
+            return "step"
+        if self.zero_granularity != "auto":
+            return self.zero_granularity
+        return default_granularity(self.pp, self.schedule)
 
     def stage_layers(self, chunk: int) -> range:
         s = chunk * self.pp + self.pp_rank
@@ -174,17 +207,33 @@ def _compiled(schedule: str, pp: int, microbatches: int, virtual_stages: int) ->
                                                           virtual_stages))
 
 
-def zero2_runs(tensors: list[int]) -> list[int]:
-    """Elements of each ZeRO-2 run: parameters in order, a new run before one that would take
-    the current run past ``ZERO2_RUN_BYTES`` of float32 (``DistributedOptimizer._cuts``)."""
-    runs, used = [0], 0
-    for n in tensors:
-        if used and used + 4 * n > ZERO2_RUN_BYTES:
+def bucket_runs(tensors: list[int], cap: int = ZERO_RUN_BYTES, alone=()) -> list[int]:
+    """Elements of each run of one unit's tensors (in registration order): a new run before
+    one that would take the current run past ``cap`` bytes of float32, and around each tensor
+    whose index is in ``alone`` (``DistributedOptimizer._cuts``)."""
+    runs, used = [], 0
+    for i, n in enumerate(tensors):
+        if not runs or i in alone or (i - 1) in alone or (used and used + 4 * n > cap):
             runs.append(0)
             used = 0
         used += 4 * n
         runs[-1] += n
     return runs
+
+
+def zero_runs(inputs: MemoryInputs, chunk: int) -> list[list[int]]:
+    """The ZeRO-2/3 runs of each layer of ``chunk`` on this rank: ``[[r, ...] per layer]``, a
+    tied embedding's copy (the embedding's weight, the head's) a run of its own."""
+    cfg, out = inputs.cfg, []
+    for i in inputs.stage_layers(chunk):
+        tensors = layer_tensors(cfg, inputs.tp, i, inputs.ep)
+        alone = ()
+        if cfg.tie_embeddings and i == 0:
+            alone = (0,)
+        elif cfg.tie_embeddings and i == cfg.layers + 1:
+            alone = (len(tensors) - 1,)
+        out.append(bucket_runs(tensors, alone=alone))
+    return out
 
 
 def _pad(n: int, k: int) -> int:
@@ -213,12 +262,8 @@ def state_bytes(inputs: MemoryInputs) -> dict[str, int]:
         out = {"params": e * P, "grads": (2 + 4) * P if bf16 else buckets,
                "optimizer": 12 * P if bf16 else 8 * P, "buffers": buckets if bf16 else 0}
     else:
-        if inputs.zero == 3:  # a run per layer (gather unit)
-            runs = [sum(layer_tensors(cfg, tp, i, inputs.ep)) for i in layers]
-        elif inputs.zero == 2:
-            runs = zero2_runs(tensors)
-        else:
-            runs = [P]
+        units = [[P]] if inputs.zero == 1 else [u for c in chunks for u in zero_runs(inputs, c)]
+        runs = [r for u in units for r in u]
         s = sum(-(-r // d) for r in runs)  # each run padded to a multiple of dp
         flat = 4 * d * s  # a padded flat buffer in float32
         if inputs.zero == 1:
@@ -230,9 +275,26 @@ def state_bytes(inputs: MemoryInputs) -> dict[str, int]:
                 row = min(row, STAGING_ROW_BYTES // 4)
             out = {"params": e * d * s, "grads": max(e * P, 4 * s), "optimizer": 12 * s,
                    "buffers": 4 * d * row}
+            if inputs.granularity == "unit":
+                out["grads"] = 4 * s + e * max(runs)
+                out["buffers"] = 4 * (d + (inputs.microbatches > 1)) * row
+                if inputs.zero == 3 and not inputs.keep_gathered:
+                    out["params"] = e * d * gathered_window(inputs)
     if inputs.error_feedback and d > 1:  # a float32 copy of what the reduction sends
         out["buffers"] += buckets if inputs.zero == 0 else flat
     return {k: int(v) for k, v in out.items()}
+
+
+def gathered_window(inputs: MemoryInputs) -> int:
+    """ZeRO-3 per unit: the most elements (per rank, ``d`` pieces each) of units gathered at
+    once: a unit and the next of its chunk (prefetched) at most, or one unit without prefetch."""
+    d, best = inputs.dp, 0
+    for c in range(inputs.virtual_stages):
+        sizes = [sum(-(-r // d) for r in u) for u in zero_runs(inputs, c)]
+        for k, size in enumerate(sizes):
+            pair = size + (sizes[k + 1] if inputs.prefetch and k + 1 < len(sizes) else 0)
+            best = max(best, pair)
+    return best
 
 
 def activation_bytes(inputs: MemoryInputs) -> int:

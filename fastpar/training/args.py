@@ -69,6 +69,16 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--zero", type=int, nargs="?", const=1, default=0, choices=[1, 2, 3],
       help="ZeRO stage (alone: 1): 1 shards the optimizer state over dp (x cp), 2 also the "
            "gradients, 3 also the parameters")
+    a("--zero-granularity", default="auto", choices=["auto", "unit", "step"],
+      help="ZeRO-2/3: unit reduce-scatters each unit's (block's) gradients as each "
+           "microbatch's backward finishes it and keeps only shards, and ZeRO-3 gathers each "
+           "unit around its forward and backward; step accumulates whole gradients over the "
+           "microbatches and reduces once, ZeRO-3 with the stage gathered for the whole step. "
+           "auto: unit at --pp 1, step under a pipeline and with --schedule zb")
+    a("--zero-keep-gathered", action="store_true",
+      help="ZeRO-3 per unit: a unit stays gathered from its first use to the optimizer step "
+           "(one all-gather per unit per step instead of two per microbatch; the stage's whole "
+           "parameters held meanwhile)")
     a("--quantize-weights", default=None, choices=["int8"],
       help="ZeRO-3's parameter all-gather as block-scaled int8 (the float32 masters and the "
            "optimizer stay full precision)")
@@ -169,6 +179,18 @@ def check_args(p, args) -> None:
     p.check(args.quantize_weights is None or args.zero == 3,
             f"--quantize-weights {args.quantize_weights} quantizes ZeRO-3's parameter "
             f"all-gather; add --zero 3 (this run: --zero {args.zero})")
+    p.check(args.zero_granularity == "auto" or args.zero >= 2,
+            f"--zero-granularity {args.zero_granularity} chooses how ZeRO-2/3 gather and reduce; "
+            f"add --zero 2 or 3 (this run: --zero {args.zero})")
+    p.check(not (args.zero_granularity == "unit" and args.schedule == "zb"),
+            "--zero-granularity unit with --schedule zb: the split backward computes the "
+            "weight gradients (W) apart from the input gradients (I), so the units stay gathered "
+            "from I to W and gradients are reduced once per step; use --zero-granularity step")
+    p.check(not args.zero_keep_gathered or (args.zero == 3 and
+                                            zero_granularity(args) == "unit"),
+            f"--zero-keep-gathered keeps ZeRO-3's units gathered across the microbatches of a "
+            f"per-unit step; this run has --zero {args.zero}, granularity "
+            f"{zero_granularity(args)}")
     p.check(not args.error_feedback or args.quantize_grads is not None,
             "--error-feedback carries the rounding of --quantize-grads; add --quantize-grads "
             "int8")
@@ -255,6 +277,19 @@ def check_layout(args, topo, cfg) -> int:
 
 def warmup_steps(args, steps: int) -> int:
     return args.warmup if args.warmup is not None else max(1, steps // 10)
+
+
+def zero_granularity(args) -> str:
+    """How ZeRO-2/3 gather and reduce in this run: "unit" or "step" (``--zero-granularity``;
+    auto: unit at pp 1, step under a pipeline or zb's split backward); "step" for ZeRO-1 and
+    no ZeRO (nothing to choose)."""
+    from fastpar.plan.memory import default_granularity
+
+    if args.zero < 2:
+        return "step"
+    if args.zero_granularity != "auto":
+        return args.zero_granularity
+    return default_granularity(args.pp, args.schedule)
 
 
 def lr_schedule(args, steps: int) -> dict:

@@ -112,16 +112,27 @@ class MemoryMeter:
         """Bytes per category now, each storage once (in its first category)."""
         return storage_bytes(self.owned())
 
+    def begin(self) -> None:
+        """A step starts: ZeRO's in-step peaks (gathered units, gradients, staging) count from
+        here (what ran between steps, a resume or a validation, is not the step's)."""
+        if isinstance(self.opt, DistributedOptimizer):
+            self.opt.begin_peaks()
+
     def sample(self) -> None:
         self.samples += 1
         now = self.current()
         for category, nbytes in now.items():
             self.peak[category] = max(self.peak[category], nbytes)
+        sharded = getattr(self.opt, "sharded", None)  # ZeRO-3: the units gathered at once
+        if sharded is not None:
+            self.peak["params"] = max(self.peak["params"], sharded.peak_held)
         self.peak["activations"] = max(self.peak["activations"],
                                        int(self.pipe.stats.get("peak_activation_bytes", 0)))
         grads = getattr(self.opt, "grads", None)  # ZeRO-2/3: the reduce-scatter's staging,
         if grads is not None:  # beside what the buffers hold for good (error feedback)
             self.peak["buffers"] = max(self.peak["buffers"], now["buffers"] + grads.peak_staging)
+            # per unit: the master gradients and the .grad not yet reduced, at their most
+            self.peak["grads"] = max(self.peak["grads"], grads.peak_grads)
 
     def record(self) -> dict:
         """``{"memory": {"rank", "measured", "predicted", "peak_rss"}}`` (the contract)."""
@@ -177,6 +188,9 @@ def trainer_meter(cfg, args, topo, setup, microbatches: int, rows: int) -> Memor
                           dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
                           virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
                           ep=topo.ep_size, cp=topo.cp_size,
+                          zero_granularity=getattr(setup, "granularity", "step"),
+                          keep_gathered=bool(getattr(setup.opt, "sharded", None) and
+                                             setup.opt.sharded.keep_gathered),
                           symmetric_staging=bool(getattr(getattr(setup.opt, "grads", None),
                                                          "symmetric", False)))
     return MemoryMeter(setup.pipe, setup.model, setup.opt, inputs)

@@ -2,17 +2,24 @@
 training step needs, so that the step itself never asks which set-up it runs.
 
     setup = build_setup(pipe, args, group=dpcp, dtype=torch.bfloat16)
-    with setup.accumulating():          # the pipeline's microbatches; ZeRO-2/3: whole grads
+    with setup.accumulating():          # the pipeline's microbatches (what holds: see below)
         loss = setup.model.step(x, y)
+    setup.sum_tied(embedding_group)     # a tied embedding's copies: one gradient
     norm = setup.clip(max_norm)         # the serial model's global norm (nan when max_norm <= 0)
     setup.opt.step(); setup.opt.zero_grad(set_to_none=True)
-    with setup.gathered(): ...          # every parameter whole (ZeRO-3): validation, checkpoints
+    with setup.evaluating(): ...        # validation (ZeRO-3 gathered once per step: whole)
+    with setup.gathered(): ...          # every parameter whole (ZeRO-3): checkpoints
 
 The set-ups (AdamW with the flags' betas and weight decay in each):
 
 - ``--zero N``: ``model`` the pipeline in the model's dtype, ``opt`` a ``DistributedOptimizer``
-  of stage N (float32 masters of its shard), which reduces the gradients over dp in
-  ``opt.step()`` (reduce-scatter; stage 1: all-reduce);
+  of stage N (float32 masters of its shard). Stage 1 reduces the gradients at ``opt.step()``.
+  Stages 2 and 3 by ``zero_granularity(args)``: "unit" (pp 1's default) reduce-scatters each
+  unit's gradients as each microbatch's backward finishes it, keeping only shards, and stage 3
+  gathers each unit around its forward and backward (``--zero-keep-gathered``: once per step);
+  "step" accumulates whole gradients over the microbatches (``no_sync``), stage 3 with the
+  stage's parameters gathered for the whole step, and reduce-scatters once at ``opt.step()``.
+  A tied embedding's copies are runs of their own, and their reduced shards are summed;
 - float32: ``model`` ``DataParallel(pipe)``, ``opt`` AdamW; gradients all-reduced in buckets
   during the backward;
 - ``--dtype bfloat16``: ``model`` ``DataParallel(pipe.to(bf16))`` reducing in float32, ``opt``
@@ -29,7 +36,10 @@ import math
 import torch
 
 from fastpar.data_parallel import DataParallel
+from fastpar.models import sum_tied_grads, tied_parameters
 from fastpar.optim import DistributedOptimizer, MasterWeights, clip_grad_norm_
+from fastpar.plan.memory import ZERO_RUN_BYTES
+from fastpar.training.args import zero_granularity
 
 
 class OptimizerSetup:
@@ -47,6 +57,16 @@ class OptimizerSetup:
         """Every parameter of this rank's stages whole (a no-op but under ZeRO-3)."""
         return contextlib.nullcontext()
 
+    def evaluating(self):
+        """Around validation's forwards: what the parameters need (ZeRO-3 per unit: nothing,
+        each unit is gathered as it runs)."""
+        return self.gathered()
+
+    def sum_tied(self, group) -> None:
+        """A tied embedding's copies get the sum of their gradients, here and over ``group``
+        (the embedding group), before clipping (``models.sum_tied_grads``)."""
+        sum_tied_grads(self.pipe.modules(), group)
+
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients by the serial model's global norm; returns the norm (nan when
         ``max_norm <= 0``: no clip, no norm)."""
@@ -62,20 +82,24 @@ class ZeroSetup(OptimizerSetup):
         initial = {p: p.detach().clone() for p in pipe.parameters()} \
             if dtype != torch.float32 else None
         model = pipe.to(dtype)  # the same Parameter objects, now in the model's dtype
+        self.stage, self.granularity = args.zero, zero_granularity(args)
+        # stages 2 and 3: each tied copy a run of its own, so their shards can be summed
+        tied = tied_parameters(pipe.modules()) if self.stage >= 2 else []
         opt = DistributedOptimizer(
             pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=pipe, group=group,
             quant_weights=args.quantize_weights, quant_grads=args.quantize_grads,
-            error_feedback=args.error_feedback, **adamw)
+            error_feedback=args.error_feedback, isolate=tied, bucket_mb=ZERO_RUN_BYTES / 2**20,
+            keep_gathered=self.stage == 3 and args.zero_keep_gathered, **adamw)
         if initial is not None:  # the float32 masters start from the float32 initial weights
             opt.load_master_weights(initial)
         super().__init__(pipe, model, opt)
-        self.stage = args.zero
 
     @contextlib.contextmanager
     def accumulating(self):
-        """Stages 2 and 3: the microbatches accumulate whole gradients (``no_sync``), ZeRO-3's
-        parameters gathered for the whole step; ``opt.step()`` reduce-scatters once."""
-        if self.stage < 2:
+        """Stages 2 and 3 per step: the microbatches accumulate whole gradients (``no_sync``),
+        ZeRO-3's parameters gathered for the whole step; ``opt.step()`` reduce-scatters once.
+        Per unit (and stage 1): nothing to hold, the optimizer's hooks do the work."""
+        if self.stage < 2 or self.granularity == "unit":
             yield
             return
         with self.opt.no_sync(), self.opt.gathered():
@@ -83,6 +107,20 @@ class ZeroSetup(OptimizerSetup):
 
     def gathered(self):
         return self.opt.gathered()
+
+    def evaluating(self):
+        if self.granularity == "unit":
+            return contextlib.nullcontext()
+        return self.opt.gathered()
+
+    def sum_tied(self, group) -> None:
+        """Stages 2 and 3: the reduction completed, then the copies' reduced shards summed
+        (the same elements on every rank: each copy is a run of its own)."""
+        if self.stage < 2:
+            super().sum_tied(group)
+            return
+        self.opt.reduce()
+        sum_tied_grads(self.pipe.modules(), group, grad_of=self.opt.grad_shard)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         if max_norm <= 0:

@@ -22,7 +22,7 @@ import fastpar
 from fastpar import comm
 from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
-from fastpar.models import GPTBlock, gpt_layers, gpt_loss, sum_tied_grads
+from fastpar.models import GPTBlock, gpt_layers, gpt_loss
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn import random as tp_random
 from fastpar.nn.context import choose_type, context_positions
@@ -101,10 +101,7 @@ class Trainer:
                       f"calls of {QUANT_SHM_MIN_BYTES >> 20} MiB and more (smaller ones cost "
                       "about what they save there and stay full precision); across hosts every "
                       "call is int8", flush=True)
-        # ZeRO-3: what needs the full parameters (validation, checkpoints)
-        self.gathered = self.setup.gathered
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
-        self.stage_modules = list(self.pipe.modules())  # this rank's, for the tied weights
         self.memory = trainer_meter(cfg, args, topo, self.setup, self.microbatches, self.rows)
         self.ckpt = None  # sharded checkpoints: their own gloo group (collective to create)
         if args.save or args.resume:
@@ -140,11 +137,12 @@ class Trainer:
         for block in self.moe_blocks:
             block.moe_stats = None
         x, y = self.context_slice(*self.sampler.shard(step, topo.dp_rank, topo.dp_size))
+        self.memory.begin()  # the step's peaks (ZeRO's gathers, gradients, staging) from here
         with self.setup.accumulating():  # the microbatches (OptimizerSetup says what holds)
             loss = self.model.step(x, y)  # this replica's mean
             self.memory.sample()  # the parameters and gradients at their peak
         if self.cfg.tie_embeddings:  # the same on every rank: the embedding group's collective
-            sum_tied_grads(self.stage_modules, topo.embedding_group)
+            self.setup.sum_tied(topo.embedding_group)
         norm = self.setup.clip(args.clip)
         self.checkpoints.wait_for_reads()  # an async save may still read weights and state
         self.opt.step()
@@ -197,7 +195,7 @@ class Trainer:
         """Mean loss over the fixed validation batches (the same tokens under every layout)."""
         self.pipe.eval()
         total = torch.zeros(1, dtype=torch.float64)
-        with self.gathered():
+        with self.setup.evaluating():  # ZeRO-3: per unit as it runs, or gathered whole
             for x, y in self.val:
                 logits = self.pipe.forward(x)
                 total += gpt_loss(logits.to(self.topo.device),
