@@ -6,6 +6,8 @@ of its own (the same model and data), so one row's peak never hides another's.
     python bench/memory.py --quick            # mlp dp 2: dp, zero1, zero3(-nopf), fsdp2, +- full
     python bench/memory.py --plan all --layouts dp4 --variants zero1,zero3 --json out.json
     python bench/memory.py --tiny --quick     # tiny sizes: the test suite's smoke run
+    python bench/memory.py --gpt8x512 --plan all --models gpt --layouts dp4 --recompute none \
+        --variants dp,ddp,fsdp2,zero1,zero2,zero3,zero3-nopf   # beside FSDP2 (issue 43)
 
 Models (AdamW, float32; every dp rank takes its own rows, the same in every row):
   mlp          ``blocks`` of ``x + fc2(tanh(fc1(x)))`` (h -> 4h -> h) on x (batch, seq, h), MSE;
@@ -87,6 +89,10 @@ SIZES = {  # per rank; "full" is the default, "tiny" (--tiny) the smoke run's
     "full": {"hidden": 512, "blocks": 4, "batch": 4, "seq": 128, "gpt_batch": 4,
              "gpt": GPTConfig(seq_len=256, layers=4, hidden=256, heads=8), "warmup": 2,
              "steps": 5},
+    # issue 43's comparison with FSDP2: 8 blocks of hidden 512 (gpt, 4 x 128 tokens per rank)
+    "gpt8x512": {"hidden": 512, "blocks": 4, "batch": 4, "seq": 128, "gpt_batch": 4,
+                 "gpt": GPTConfig(seq_len=128, layers=8, hidden=512, heads=8), "warmup": 2,
+                 "steps": 4},
     "tiny": {"hidden": 32, "blocks": 4, "batch": 2, "seq": 8, "gpt_batch": 2,
              "gpt": GPTConfig(seq_len=16, layers=2, hidden=32, heads=4), "warmup": 2,
              "steps": 1},
@@ -313,7 +319,7 @@ def worker(job: str, size: dict) -> None:
     heap_base = heap_bytes()
     module, blocks, batch, loss_fn, pred = build(model_name, tp, recompute, size)
     units = sorted((sum(p.numel() * p.element_size() for p in ps)
-                    for _, ps in module_units(module)), reverse=True)
+                    for _, ps, _ in module_units(module)), reverse=True)
     n_params = sum(p.numel() for p in module.parameters())
     model, opt, tensors, extra, visible = wrap(variant, module, blocks, topo)
     meter = Meter(tensors, extra)
@@ -414,7 +420,7 @@ def run_job(job, size_name: str) -> dict | str:
         env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     cmd = [mpirun, "-np", str(world), sys.executable, os.path.abspath(__file__), "--worker",
-           ",".join(job), *(["--tiny"] if size_name == "tiny" else [])]
+           ",".join(job), *([f"--{size_name}"] if size_name != "full" else [])]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
                              stdin=subprocess.DEVNULL)
@@ -574,10 +580,13 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="rounds over the plan (every other "
                    "one in reverse order); a row is its fastest round's")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (a smoke run)")
+    p.add_argument("--gpt8x512", action="store_true",
+                   help="gpt of 8 blocks of hidden 512 (issue 43's FSDP2 comparison: "
+                        "--models gpt --layouts dp4)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help="internal: run one job on this rank")
     args = p.parse_args()
-    size_name = "tiny" if args.tiny else "full"
+    size_name = "tiny" if args.tiny else "gpt8x512" if args.gpt8x512 else "full"
     size = SIZES[size_name]
     if args.worker:
         worker(args.worker, size)

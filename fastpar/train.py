@@ -10,8 +10,10 @@
 Each step: the global batch (a pure function of (seed, step): ``fastpar.training.data``) is cut
 into dp slices; ``DataParallel(Pipeline(gpt_layers(cfg)))`` runs the microbatches through the
 stages (tp inside each layer) and averages the gradients over dp (x cp; ``--zero N``: a ZeRO-N
-``DistributedOptimizer`` reduce-scatters them instead; at stage 3 each pipeline step runs
-with the stage's parameters gathered, see docs/design.md); tied embedding gradients are summed over
+``DistributedOptimizer`` reduce-scatters them instead; stages 2 and 3 at pp 1 per unit, each
+block's gradients as its backward finishes and ZeRO-3's block gathered around its forward and
+backward, under a pipeline once per step with the stage gathered: ``--zero-granularity``, see
+docs/design.md); tied embedding gradients are summed over
 the first and last stage; under ``--cp N`` each sequence is split over the cp ranks, which see
 the same rows (``fastpar.nn.context``'s layout; attention by ``--cp-type`` ring or ulysses), and
 gradients are averaged over dp x cp; the gradients are clipped by the serial model's global norm; AdamW

@@ -274,7 +274,24 @@ def test_recompute_bench_runs(tmp_path):
 
 
 BENCHES = ["bootstrap", "collectives", "context", "data_parallel", "gemm", "memory", "moe",
-           "overlap", "pipeline", "recompute", "tp_layers", "train_throughput", "zero_gather"]
+           "overlap", "pipeline", "recompute", "tp_layers", "train_throughput", "zero_gather",
+           "zero_trainer"]
+
+
+def test_zero_trainer_bench_reads_the_trainers_records(tmp_path):
+    """bench/zero_trainer.py on the tiny preset at dp 2: each mode a trainer job, its records
+    read back; the same loss in every mode (to rounding), the prediction equal to the measurement, ZeRO-3's
+    model state below plain dp's and ZeRO-1's."""
+    out = tmp_path / "z.json"
+    proc = launch([sys.executable, "bench/zero_trainer.py", "--setups", "tiny-dp2", "--steps",
+                   "3", "--skip", "1", "--json", str(out)], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]["tiny-dp2"]
+    assert sorted(rows) == ["dp", "zero1", "zero3"], rows
+    losses = [r["loss"] for r in rows.values()]  # the same curve, up to float32 rounding
+    assert max(losses) - min(losses) < 1e-4 * max(losses), rows
+    assert all(r["state"] == r["pred"] and r["step_ms"] > 0 for r in rows.values()), rows
+    assert rows["zero3"]["state"] < rows["zero1"]["state"] < rows["dp"]["state"], rows
 
 
 def body_bad_flags(cases):

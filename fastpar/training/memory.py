@@ -191,6 +191,7 @@ def trainer_meter(cfg, args, topo, setup, microbatches: int, rows: int) -> Memor
                           zero_granularity=getattr(setup, "granularity", "step"),
                           keep_gathered=bool(getattr(setup.opt, "sharded", None) and
                                              setup.opt.sharded.keep_gathered),
+                          prefetch=args.zero_prefetch == "on",
                           symmetric_staging=bool(getattr(getattr(setup.opt, "grads", None),
                                                          "symmetric", False)))
     return MemoryMeter(setup.pipe, setup.model, setup.opt, inputs)

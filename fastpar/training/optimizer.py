@@ -89,7 +89,8 @@ class ZeroSetup(OptimizerSetup):
             pipe.parameters(), torch.optim.AdamW, stage=args.zero, module=pipe, group=group,
             quant_weights=args.quantize_weights, quant_grads=args.quantize_grads,
             error_feedback=args.error_feedback, isolate=tied, bucket_mb=ZERO_RUN_BYTES / 2**20,
-            keep_gathered=self.stage == 3 and args.zero_keep_gathered, **adamw)
+            keep_gathered=self.stage == 3 and args.zero_keep_gathered,
+            prefetch=args.zero_prefetch == "on", **adamw)
         if initial is not None:  # the float32 masters start from the float32 initial weights
             opt.load_master_weights(initial)
         super().__init__(pipe, model, opt)
