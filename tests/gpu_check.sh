@@ -62,6 +62,10 @@ step gpu-tests-other 240 env FASTPAR_TRITON_AUTOTUNE=0 $PY -m pytest -q -rs -m g
 step bench-gemm 120 $PY bench/gemm.py --json "$OUT/gemm.json"
 step train-gpu-bf16 120 $PY -m fastpar.train --preset tiny --steps 30 --dtype bfloat16 \
     --no-progress --plot "$OUT/train_loss.png" --metrics "$OUT/train.jsonl"
+# ZeRO-3 per unit on the device: gather buffers' storage resized there, a reduction per backward
+# (one rank: two sharing a GPU would put NCCL on one device twice)
+step train-gpu-zero3 120 $PY -m fastpar.train --preset tiny --steps 20 --zero 3 \
+    --dtype bfloat16 --no-progress --plot "" --metrics "$OUT/train_zero3.jsonl"
 LAUNCH="mpirun -np"
 command -v mpirun >/dev/null || LAUNCH="$PY -m torch.distributed.run --standalone --nproc-per-node"
 for n in 2 4; do

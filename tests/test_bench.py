@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.multirank import launch, run_ranks, run_script
+from tests.test_train import PARITY
 
 RECORD_KEYS = {"op", "backend", "bytes", "count", "dtype", "world_size", "time_us", "p99_us",
                "algbw_gbps", "busbw_gbps", "wrong", "symmetric", "quant"}
@@ -288,8 +289,8 @@ def test_zero_trainer_bench_reads_the_trainers_records(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]["tiny-dp2"]
     assert sorted(rows) == ["dp", "zero1", "zero3"], rows
-    losses = [r["loss"] for r in rows.values()]  # the same curve, up to float32 rounding
-    assert max(losses) - min(losses) < 1e-4 * max(losses), rows
+    losses = [r["loss"] for r in rows.values()]  # the same curve, within the layouts' bound
+    assert max(losses) - min(losses) < PARITY * max(losses), rows
     assert all(r["state"] == r["pred"] and r["step_ms"] > 0 for r in rows.values()), rows
     assert rows["zero3"]["state"] < rows["zero1"]["state"] < rows["dp"]["state"], rows
 

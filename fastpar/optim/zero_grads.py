@@ -125,9 +125,15 @@ class GradReducer:
             for i, p in enumerate(f.params):
                 k = slot[(id(f), f.run_of[i].index)]
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(k)))
-        self.handles: list = []  # in flight (at most one): (run's slice, piece or None, Handle)
+        self.handles: list = []  # in flight (at most one): (run's slice, accumulate, Handle)
+        self.master_nbytes = sum(f.shard * _esize(master_dtype(f.dtype)) for f in flat)
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """Nothing reduced yet: the next backward (or ``finish``) starts a step."""
         self.written: set[int] = set()  # slots reduced into the master gradients this step
         self.started = False  # the master gradients exist (the step's first cycle began)
+        self.live = 0
         self.reset()
 
     def reset(self) -> None:
@@ -138,9 +144,10 @@ class GradReducer:
         self.next = 0
         self.in_cycle = False
 
-    def _master_bytes(self) -> int:
-        return sum(f.master.numel() * f.master.element_size() for f in self.flat) \
-            if self.started else 0
+    def _grad_bytes(self) -> int:
+        """Gradient bytes alive now: the master gradients (once the step began) and the .grad
+        that hooks saw and no launch has dropped yet."""
+        return (self.master_nbytes if self.started else 0) + self.live
 
     def _hook(self, k: int):
         def on_grad(p: torch.Tensor) -> None:
@@ -154,7 +161,7 @@ class GradReducer:
                 self._begin_cycle()
             self.fired.add(id(p))
             self.live += p.numel() * p.element_size()
-            self.peak_grads = max(self.peak_grads, self._master_bytes() + self.live)
+            self.peak_grads = max(self.peak_grads, self._grad_bytes())
             self.touched[k] = True
             self.pending[k] -= 1
             if self.pending[k] == 0:
@@ -215,8 +222,8 @@ class GradReducer:
                 a = f.offsets[i] - run.lo
                 buf[a:a + f.numels[i]].copy_(p.grad.reshape(-1))
                 p.grad = None
-        self.staged = buf.numel() * buf.element_size() * (self.dp_size + accumulate) \
-            // self.dp_size  # and the piece a reduction that accumulates returns
+        # the staging, and the piece a reduction that accumulates returns beside it
+        self.staged = (run.piece * self.dp_size + run.piece * accumulate) * buf.element_size()
         self.peak_staging = max(self.peak_staging, self.staged)
         # int8 for float32 (and bf16 models' float32) gradients; float64 stays full precision
         quant = self.quant if buf.dtype in quant_codec.DTYPES else None
@@ -291,10 +298,7 @@ class GradReducer:
             if k not in self.written or self._has_grads(k):
                 self._launch(k)
         self._complete()
-        self.reset()
-        self.written = set()
-        self.started = False
-        self.live = 0
+        self._new_step()
 
     def _has_grads(self, k: int) -> bool:
         """Run ``k`` holds gradients no cycle reduced (a ``no_sync`` backward's)."""
@@ -304,7 +308,7 @@ class GradReducer:
     def begin_peaks(self) -> None:
         """Peaks from now (the trainer's memory meter: one step at a time)."""
         self.peak_staging = self.staged
-        self.peak_grads = self._master_bytes() + self.live
+        self.peak_grads = self._grad_bytes()
 
     def abandon(self) -> None:
         """Complete what is in flight (every rank launched it) without using it; a new step."""
@@ -312,10 +316,7 @@ class GradReducer:
             handle.wait()
         self.handles = []
         self.staged = 0
-        self.reset()
-        self.written = set()
-        self.started = False
-        self.live = 0
+        self._new_step()
 
     def close(self) -> None:
         for h in self._hooks:

@@ -65,9 +65,15 @@ ZERO_RUN_BYTES = 2**20
 PIPELINE_ZERO_GRANULARITY = "step"
 
 
-def default_granularity(pp: int, schedule: str) -> str:
-    """``--zero-granularity auto``: "unit" at pp 1, ``PIPELINE_ZERO_GRANULARITY`` under a
-    pipeline, "step" under zb (its split backward needs the weights from I to W)."""
+def zero_granularity(zero: int, choice: str, pp: int, schedule: str) -> str:
+    """How ZeRO-2/3 gather and reduce: ``choice`` ("unit" or "step", ``--zero-granularity``),
+    or for "auto" "unit" at pp 1, ``PIPELINE_ZERO_GRANULARITY`` under a pipeline, "step" under
+    zb (its split backward needs the weights from I to W); "step" for ZeRO-1 and no ZeRO
+    (nothing to choose)."""
+    if zero < 2:
+        return "step"
+    if choice != "auto":
+        return choice
     if schedule == "zb":
         return "step"
     return "unit" if pp == 1 else PIPELINE_ZERO_GRANULARITY
@@ -93,17 +99,13 @@ class MemoryInputs:
     symmetric_staging: bool = False  # ZeRO-2/3's staging in symmetric rows (CPU ranks on shm)
     ep: int = 1  # expert-parallel ranks: a MoE block holds moe_experts / ep experts here
     cp: int = 1  # context-parallel ranks: each holds seq_len / cp tokens of every sequence
-    zero_granularity: str = "auto"  # ZeRO-2/3: "unit", "step", or auto (default_granularity)
+    zero_granularity: str = "auto"  # ZeRO-2/3: "unit", "step", or auto (zero_granularity)
     keep_gathered: bool = False  # ZeRO-3 per unit: units gathered from first use to the step
     prefetch: bool = True  # ZeRO-3 per unit: the next unit gathered while one computes
 
     @property
     def granularity(self) -> str:
-        if self.zero < 2:
-            return "step"
-        if self.zero_granularity != "auto":
-            return self.zero_granularity
-        return default_granularity(self.pp, self.schedule)
+        return zero_granularity(self.zero, self.zero_granularity, self.pp, self.schedule)
 
     def stage_layers(self, chunk: int) -> range:
         s = chunk * self.pp + self.pp_rank

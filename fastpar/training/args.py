@@ -286,16 +286,11 @@ def warmup_steps(args, steps: int) -> int:
 
 
 def zero_granularity(args) -> str:
-    """How ZeRO-2/3 gather and reduce in this run: "unit" or "step" (``--zero-granularity``;
-    auto: unit at pp 1, step under a pipeline or zb's split backward); "step" for ZeRO-1 and
-    no ZeRO (nothing to choose)."""
-    from fastpar.plan.memory import default_granularity
+    """How ZeRO-2/3 gather and reduce in this run, "unit" or "step"
+    (``plan.memory.zero_granularity`` of the flags)."""
+    from fastpar.plan import memory
 
-    if args.zero < 2:
-        return "step"
-    if args.zero_granularity != "auto":
-        return args.zero_granularity
-    return default_granularity(args.pp, args.schedule)
+    return memory.zero_granularity(args.zero, args.zero_granularity, args.pp, args.schedule)
 
 
 def lr_schedule(args, steps: int) -> dict:

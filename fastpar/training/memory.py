@@ -188,9 +188,8 @@ def trainer_meter(cfg, args, topo, setup, microbatches: int, rows: int) -> Memor
                           dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
                           virtual_stages=args.virtual_stages, error_feedback=args.error_feedback,
                           ep=topo.ep_size, cp=topo.cp_size,
-                          zero_granularity=getattr(setup, "granularity", "step"),
-                          keep_gathered=bool(getattr(setup.opt, "sharded", None) and
-                                             setup.opt.sharded.keep_gathered),
+                          zero_granularity=args.zero_granularity,
+                          keep_gathered=args.zero_keep_gathered,
                           prefetch=args.zero_prefetch == "on",
                           symmetric_staging=bool(getattr(getattr(setup.opt, "grads", None),
                                                          "symmetric", False)))
