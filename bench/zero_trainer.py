@@ -55,7 +55,8 @@ def run(ranks: int, flags: list, steps: int) -> dict:
     """One trainer job; its records (memory and steps) from ``--metrics``."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
-        cmd = ["mpirun", "-np", str(ranks), sys.executable, "-m", "fastpar.train", *flags,
+        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")  # the venv's MPICH
+        cmd = [mpirun, "-np", str(ranks), sys.executable, "-m", "fastpar.train", *flags,
                "--steps", str(steps), "--no-progress", "--plot", "", "--log-every",
                str(steps), "--val-every", str(10 * steps), "--metrics", metrics]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -212,7 +212,7 @@ def _compiled(schedule: str, pp: int, microbatches: int, virtual_stages: int) ->
 def bucket_runs(tensors: list[int], cap: int = ZERO_RUN_BYTES, alone=()) -> list[int]:
     """Elements of each run of one unit's tensors (in registration order): a new run before
     one that would take the current run past ``cap`` bytes of float32, and around each tensor
-    whose index is in ``alone`` (``DistributedOptimizer._cuts``)."""
+    whose index is in ``alone`` (``optim.zero_shards.run_cuts``)."""
     runs, used = [], 0
     for i, n in enumerate(tensors):
         if not runs or i in alone or (i - 1) in alone or (used and used + 4 * n > cap):
@@ -264,8 +264,8 @@ def state_bytes(inputs: MemoryInputs) -> dict[str, int]:
         out = {"params": e * P, "grads": (2 + 4) * P if bf16 else buckets,
                "optimizer": 12 * P if bf16 else 8 * P, "buffers": buckets if bf16 else 0}
     else:
-        units = [[P]] if inputs.zero == 1 else [u for c in chunks for u in zero_runs(inputs, c)]
-        runs = [r for u in units for r in u]
+        runs = [P] if inputs.zero == 1 else [r for c in chunks for u in zero_runs(inputs, c)
+                                             for r in u]
         s = sum(-(-r // d) for r in runs)  # each run padded to a multiple of dp
         flat = 4 * d * s  # a padded flat buffer in float32
         if inputs.zero == 1:
@@ -288,8 +288,9 @@ def state_bytes(inputs: MemoryInputs) -> dict[str, int]:
 
 
 def gathered_window(inputs: MemoryInputs) -> int:
-    """ZeRO-3 per unit: the most elements (per rank, ``d`` pieces each) of units gathered at
-    once: a unit and the next of its chunk (prefetched) at most, or one unit without prefetch."""
+    """ZeRO-3 per unit: the most pieces (elements per rank; a gathered unit holds ``d`` times
+    its pieces) of units gathered at once: a unit and the next of its chunk (prefetched), or
+    one unit without prefetch."""
     d, best = inputs.dp, 0
     for c in range(inputs.virtual_stages):
         sizes = [sum(-(-r // d) for r in u) for u in zero_runs(inputs, c)]
