@@ -169,7 +169,11 @@ def four_ranks(tmp_path_factory):
             ("pp2dp2.zero3.unit.sel", ["--pp", "2", "--zero", "3", "--zero-granularity", "unit",
                                        "--recompute", "selective"]),
             ("dp4.zero2.bf16", ["--zero", "2", *BF16]),
-            # memory only (test_memory_is_measured_beside_its_prediction): 2 steps
+            # memory only (test_memory_is_measured_beside_its_prediction): 2 steps; ZeRO-3 per
+            # unit under 1F1B with 3 units a stage (a unit's gradients counted per backward,
+            # not per forward: two forwards run before their backwards)
+            ("pp2dp2.zero3.unit.l4", ["--pp", "2", "--zero", "3", "--zero-granularity", "unit",
+                                      "--layers", "4", "--steps", "2"]),
             ("pp2dp2.zero2.full", ["--pp", "2", "--zero", "2", "--recompute", "full",
                                    "--steps", "2", "--metrics", memory_metrics])]
     values = run_ranks(4, body_runs, runs=runs, timeout=360).values()
@@ -414,7 +418,7 @@ def test_memory_is_measured_beside_its_prediction(four_ranks):
 
     four, _, _, metrics, _, _ = four_ranks
     names = sorted(n for n in four if n.endswith(":memory"))
-    assert len(names) == 21, names
+    assert len(names) == 22, names
     print("activations, worst relative error per run:",
           {name: check_memory_rows(name, four[name], 4) for name in names})
     records = [r for r in read_records(metrics) if "memory" in r]

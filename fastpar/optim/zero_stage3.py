@@ -122,7 +122,7 @@ class ShardedParams:
                 for i in range(run.first, run.last):
                     self._hooks.append(f.params[i].register_post_accumulate_grad_hook(
                         self._grad_ready(u)))
-        self._left = [0] * len(self.units)  # parameters still without gradient, per backward
+        self._left = [0] * len(self.units)  # parameters still without gradient, this backward
         self.held = sum(entry[2].untyped_storage().nbytes() for entry in self.runs.values())
         self.free_all()
         self.peak_held = 0
@@ -243,13 +243,15 @@ class ShardedParams:
             if self.pinned:
                 return None
             if torch.is_grad_enabled():
-                self._left[u] = sum(self.runs[k][1].last - self.runs[k][1].first
-                                    for k in self.units[u][1])
                 state = {"done": False}
 
                 def pre_backward(grad):
                     if not state["done"] and not self.pinned:
                         state["done"] = True
+                        # counted per backward, not per forward: a pipeline runs several
+                        # forwards of a unit before their backwards
+                        self._left[u] = sum(self.runs[k][1].last - self.runs[k][1].first
+                                            for k in self.units[u][1])
                         self.gather_unit(u, prefetch=u - 1)
                     return grad
                 for t in tensors_in(output):
