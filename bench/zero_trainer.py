@@ -1,5 +1,6 @@
 """The trainer's own memory records and step time under each data-parallel mode: plain data
-parallelism, ZeRO-1, -2 and -3 (per unit, without prefetch, kept gathered, and per step), each
+parallelism, ZeRO-1, -2 and -3 (per unit with prefetch on and off, kept gathered, and per
+step; ``zero3`` alone takes the trainer's default, prefetch off on the CPU), each
 a ``python -m fastpar.train`` job of its own (so no job's peak RSS hides another's), the same
 model, data and seed.
 
@@ -30,6 +31,7 @@ CATS = ("params", "grads", "optimizer", "buffers")
 STATE = CATS[:3]  # the model state
 MODES = {  # name -> trainer flags
     "dp": [], "zero1": ["--zero", "1"], "zero2": ["--zero", "2"], "zero3": ["--zero", "3"],
+    "zero3-pf": ["--zero", "3", "--zero-prefetch", "on"],
     "zero3-nopf": ["--zero", "3", "--zero-prefetch", "off"],
     "zero3-keep": ["--zero", "3", "--zero-keep-gathered"],
     "zero2-step": ["--zero", "2", "--zero-granularity", "step"],
@@ -38,16 +40,16 @@ MODES = {  # name -> trainer flags
     "zero3-step": ["--zero", "3", "--zero-granularity", "step"],
 }
 SETUPS = {  # name -> (ranks, model and layout flags, modes)
-    "dp2": (2, ["--preset", "small"], ["dp", "zero1", "zero2", "zero3", "zero3-nopf",
+    "dp2": (2, ["--preset", "small"], ["dp", "zero1", "zero2", "zero3-pf", "zero3-nopf",
                                        "zero3-keep", "zero3-step"]),
-    "dp4": (4, ["--preset", "small"], ["dp", "zero1", "zero2", "zero3", "zero3-nopf",
+    "dp4": (4, ["--preset", "small"], ["dp", "zero1", "zero2", "zero3-pf", "zero3-nopf",
                                        "zero3-step"]),
     "pp2dp2": (4, ["--preset", "small", "--pp", "2"], ["zero1", "zero2-step", "zero2-unit",
                                                         "zero3-step", "zero3-unit"]),
     "tiny-dp2": (2, ["--preset", "tiny"], ["dp", "zero1", "zero3"]),  # the suite's smoke run
     "dp4-8x512": (4, ["--preset", "small", "--layers", "8", "--hidden", "512",
                       "--global-batch", "16", "--microbatches", "2"],
-                  ["dp", "zero1", "zero2", "zero3", "zero3-nopf"]),
+                  ["dp", "zero1", "zero2", "zero3-pf", "zero3-nopf"]),
 }
 
 
@@ -106,7 +108,7 @@ def targets(setup: str, ranks: int, flags: list, rows: dict) -> list[str]:
     cfg = model_config(parse_args(flags))
     unit = 4 * max(sum(layer_tensors(cfg, 1, i)) for i in range(cfg.layers + 2))
     bound = {2: 0.6, 4: 0.4}.get(ranks)
-    for mode in ("zero3", "zero3-nopf"):
+    for mode in ("zero3", "zero3-pf", "zero3-nopf"):
         r = rows.get(mode)
         if r and "state" in r and bound is not None:
             x = r["state"] / dp["state"]

@@ -292,20 +292,24 @@ def cluster_pp(cluster: Cluster, per_stage: int) -> int:
 
 
 def reduction_terms(cluster: Cluster, *, zero: int, elements: int, shard: int, tp: int,
-                    cp: int, dp: int, esize: int, tensors: int = 0) -> dict:
+                    cp: int, dp: int, esize: int, tensors: int = 0, reductions: int = 1,
+                    gathers: int = 1) -> dict:
     """Seconds of the per-step gradient reduction over dp x cp (float32 on every axis) and the
     parameters' all-gather of ZeRO (at ``esize``), after the pipeline's last backward (the
     runtime does not overlap them: which backward is a parameter's last depends on the
     schedule), and of the optimizer update over this rank's ``shard`` of the elements (and the
-host's per-tensor loop over its ``tensors``)."""
+    host's per-tensor loop over its ``tensors``). ZeRO-2/3 per unit reduce once per microbatch
+    (``reductions``) and ZeRO-3 per unit gathers around each forward and backward
+    (``gathers``); they overlap the backward in part, which is not counted here."""
     size, stride = dp * cp, tp
     out = {}
     if zero == 0:
         out["dp all-reduce"] = group_time(cluster, "all_reduce", 4 * elements, size, stride)
     else:
-        out["dp reduce-scatter"] = group_time(cluster, "reduce_scatter", 4 * elements, size,
-                                              stride)
-        out["dp all-gather"] = group_time(cluster, "all_gather", esize * elements, size, stride)
+        out["dp reduce-scatter"] = reductions * group_time(cluster, "reduce_scatter",
+                                                           4 * elements, size, stride)
+        out["dp all-gather"] = gathers * group_time(cluster, "all_gather", esize * elements,
+                                                    size, stride)
     out["optimizer"] = OPTIMIZER_BYTES * shard / cluster.membw
     if cluster.overhead_tensor_s:  # the clip's and AdamW's loops over this rank's tensors
         out["optimizer host"] = cluster.overhead_scale * cluster.overhead_tensor_s * tensors

@@ -73,18 +73,6 @@ def _bounds(weights: tuple, stages: int) -> tuple:
     return tuple(balanced_bounds(list(weights), stages))
 
 
-def memory_by_rank(cfg: GPTConfig, lay: Layout, global_batch: int, dtype) -> list[dict]:
-    """``plan.memory.predict_memory`` of every pipeline rank of ``lay`` (the trainer's memory
-    inputs)."""
-    cfg = model_for(cfg, lay)
-    bounds = stage_bounds(cfg, lay.tp, lay.ep, lay.pp * lay.virtual_stages)
-    return [mem_model.predict_memory(mem_model.MemoryInputs(
-        cfg, tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp, pp_rank=r, bounds=bounds,
-        schedule=lay.schedule, microbatches=lay.microbatches, rows=global_batch // lay.dp,
-        zero=lay.zero, dtype=dtype, virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp))
-        for r in range(lay.pp)]
-
-
 def predict(cfg: GPTConfig, lay: Layout, cluster: Cluster, global_batch: int, *, dtype,
             overlap_dp: bool = False) -> Prediction:
     """The prediction of ``lay`` (a layout ``layouts.why_not`` accepts). ``overlap_dp``: the
@@ -251,7 +239,8 @@ class Predictor:
     def rank_terms(self, lay: Layout) -> list[dict]:
         """Per pipeline rank: its layers' parameters and the after-pipeline terms (the dp x cp
         reduction, ZeRO's all-gather, the optimizer), before any overlap."""
-        key = ("ranks", lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages, lay.dp, lay.zero)
+        key = ("ranks", lay.tp, lay.cp, lay.ep, lay.pp, lay.virtual_stages, lay.dp, lay.zero,
+               lay.microbatches, lay.schedule)
         return self._cached(key, lambda: self._rank_terms(lay))
 
     def _rank_terms(self, lay: Layout) -> list[dict]:
@@ -260,9 +249,14 @@ class Predictor:
             shard = -(-elements // (lay.dp * lay.cp)) if lay.zero else elements
             # ZeRO's inner optimizer and clip loop over its flat shard: one tensor (per dtype
             # and parameter group; the plan's model has one of each), not the parameters
-            red = costs.reduction_terms(self.cluster, zero=lay.zero, elements=elements,
-                                        shard=shard, tp=lay.tp, cp=lay.cp, dp=lay.dp,
-                                        esize=self.esize, tensors=1 if lay.zero else tensors)
+            # the trainer's granularity (--zero-granularity auto): per unit, a reduction per
+            # microbatch and (ZeRO-3) a gather around each forward and backward
+            unit = mem_model.zero_granularity(lay.zero, "auto", lay.pp, lay.schedule) == "unit"
+            red = costs.reduction_terms(
+                self.cluster, zero=lay.zero, elements=elements, shard=shard, tp=lay.tp,
+                cp=lay.cp, dp=lay.dp, esize=self.esize, tensors=1 if lay.zero else tensors,
+                reductions=lay.microbatches if unit else 1,
+                gathers=2 * lay.microbatches if unit and lay.zero == 3 else 1)
             fit = self.cluster.fit_for(self.cfg, self.esize)
             if fit is not None:  # the step's host work beyond layers and optimizer, measured
                 red["trainer step host"] = fit.step * self.cluster.overhead_scale
@@ -335,7 +329,9 @@ class Predictor:
             cfg, tp=lay.tp, pp=lay.pp, dp=lay.dp * lay.cp, pp_rank=r, bounds=bounds,
             schedule=lay.schedule, microbatches=lay.microbatches,
             rows=self.global_batch // lay.dp, zero=lay.zero, dtype=self.dtype,
-            virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp) for r in range(lay.pp)]
+            virtual_stages=lay.virtual_stages, ep=lay.ep, cp=lay.cp,
+            # the trainer's --zero-prefetch auto (training.optimizer.zero_prefetch)
+            prefetch=self.cluster.device == "cuda") for r in range(lay.pp)]
 
     def state_over_budget(self, lay: Layout) -> bool:
         """Whether some rank's parameters, gradients, optimizer state and buffers alone

@@ -79,9 +79,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
       help="ZeRO-3 per unit: a unit stays gathered from its first use to the optimizer step "
            "(one all-gather per unit per step instead of two per microbatch; the stage's whole "
            "parameters held meanwhile)")
-    a("--zero-prefetch", default="on", choices=["on", "off"],
+    a("--zero-prefetch", default="auto", choices=["auto", "on", "off"],
       help="ZeRO-3 per unit: gather the next unit while one computes (on: two units held at "
-           "a time; off: one, each gather waited for when its unit runs)")
+           "a time; off: one, each gather waited for when its unit runs). auto: on for CUDA, "
+           "off on the CPU, where it measured no faster (docs/training.md)")
     a("--quantize-weights", default=None, choices=["int8"],
       help="ZeRO-3's parameter all-gather as block-scaled int8 (the float32 masters and the "
            "optimizer stay full precision)")
@@ -194,9 +195,10 @@ def check_args(p, args) -> None:
             f"--zero-keep-gathered keeps ZeRO-3's units gathered across the microbatches of a "
             f"per-unit step; this run has --zero {args.zero}, granularity "
             f"{zero_granularity(args)}")
-    p.check(args.zero_prefetch == "on" or (args.zero == 3 and zero_granularity(args) == "unit"),
-            f"--zero-prefetch off changes ZeRO-3's per-unit gathers; this run has --zero "
-            f"{args.zero}, granularity {zero_granularity(args)}")
+    p.check(args.zero_prefetch == "auto" or (args.zero == 3 and
+                                             zero_granularity(args) == "unit"),
+            f"--zero-prefetch {args.zero_prefetch} changes ZeRO-3's per-unit gathers; this run "
+            f"has --zero {args.zero}, granularity {zero_granularity(args)}")
     p.check(not args.error_feedback or args.quantize_grads is not None,
             "--error-feedback carries the rounding of --quantize-grads; add --quantize-grads "
             "int8")

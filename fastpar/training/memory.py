@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from fastpar.optim import DistributedOptimizer, MasterWeights
 from fastpar.plan.memory import CATEGORIES, MemoryInputs, predict_memory
+from fastpar.training.optimizer import zero_prefetch
 
 MiB = 2**20
 
@@ -190,7 +191,7 @@ def trainer_meter(cfg, args, topo, setup, microbatches: int, rows: int) -> Memor
                           ep=topo.ep_size, cp=topo.cp_size,
                           zero_granularity=args.zero_granularity,
                           keep_gathered=args.zero_keep_gathered,
-                          prefetch=args.zero_prefetch == "on",
+                          prefetch=zero_prefetch(args, topo.device),
                           symmetric_staging=bool(getattr(getattr(setup.opt, "grads", None),
                                                          "symmetric", False)))
     return MemoryMeter(setup.pipe, setup.model, setup.opt, inputs)
