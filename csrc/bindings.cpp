@@ -1,9 +1,11 @@
 // The one bindings file: op schemas of every native op (`Tensor(a!)` marks a mutated argument)
 // and the Python module `fastpar._C`. Kernels and torch glue live in their own files.
 #include <Python.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include "build_info.h"
+#include "c10d_backend.h"
 #include "quant_ops.h"
 #include "shm_alltoall_ops.h"
 #include "shm_ops.h"
@@ -126,6 +128,18 @@ TORCH_LIBRARY(fastpar, m) {
 #endif
 }
 
-// Importing fastpar._C loads this library, which registers the ops above as torch.ops.fastpar.*.
-static struct PyModuleDef fastpar_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&fastpar_module); }
+// Importing fastpar._C loads this library, which registers the ops above as torch.ops.fastpar.*;
+// the module itself holds what torch ops cannot carry: the torch.distributed backend.
+PYBIND11_MODULE(_C, m) {
+  m.def(
+      "make_backend",
+      [](int64_t rank, int64_t size, c10::intrusive_ptr<c10d::Backend> cpu,
+         std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int64_t shm, py::object owner,
+         double timeout_s) {
+        return fastpar::make_backend(rank, size, std::move(cpu), std::move(cuda), shm,
+                                     owner.is_none() ? nullptr : owner.ptr(), timeout_s);
+      },
+      py::arg("rank"), py::arg("size"), py::arg("cpu"), py::arg("cuda"), py::arg("shm"),
+      py::arg("owner"), py::arg("timeout_s"));
+  m.def("backend_served", &fastpar::backend_served, py::arg("backend"));
+}

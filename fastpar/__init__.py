@@ -13,6 +13,7 @@ from fastpar.version import __version__, check_torch
 
 check_torch(_torch.__version__)  # before anything that needs a newer torch is imported
 
+from fastpar import backend as _backend  # noqa: E402
 from fastpar import nn  # noqa: E402
 from fastpar import optim  # noqa: E402
 from fastpar.data_parallel import DataParallel  # noqa: E402
@@ -24,6 +25,8 @@ from fastpar.state_dict import full_state_dict, load_full_state_dict  # noqa: E4
 __all__ = ["DataParallel", "Grid", "Topology", "__version__", "full_state_dict", "init",
            "is_initialized", "load_full_state_dict", "nn", "optim", "parallelize", "shutdown",
            "topology"]
+
+_backend.register()  # dist.init_process_group("fastpar") from here on
 
 # Subpackages reachable as attributes (``fastpar.pipeline.Pipeline``) without importing them
 # all at ``import fastpar``: each is imported at its first use (kernels needs Triton, models

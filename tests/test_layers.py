@@ -116,9 +116,14 @@ NEVER = {
     "fastpar.runtime": ("fastpar.comm", "fastpar.nn", "fastpar.kernels", "fastpar.pipeline",
                         "fastpar.data_parallel", "fastpar.optim", "fastpar.models",
                         "fastpar.parallelize", "fastpar.state_dict", "fastpar.plan",
-                        "fastpar.checkpoint", *JOBS),
+                        "fastpar.checkpoint", "fastpar.backend", *JOBS),
     "fastpar.comm": ("fastpar.nn", "fastpar.pipeline", "fastpar.data_parallel", "fastpar.optim",
-                     "fastpar.models", "fastpar.plan", "fastpar.checkpoint", *JOBS),
+                     "fastpar.models", "fastpar.plan", "fastpar.checkpoint", "fastpar.backend",
+                     *JOBS),
+    # the torch.distributed backend stands on the engines, beside the layers that use them
+    "fastpar.backend": ("fastpar.nn", "fastpar.pipeline", "fastpar.data_parallel",
+                        "fastpar.optim", "fastpar.models", "fastpar.plan", "fastpar.checkpoint",
+                        *JOBS),
     "fastpar.kernels": ("fastpar.comm", "fastpar.nn", *FRONT_DOORS),
     "fastpar.pipeline": ("fastpar.nn", "fastpar.models", *JOBS),
     "fastpar.models": ("fastpar.plan", *JOBS),
@@ -134,7 +139,7 @@ NEVER = {
                         "fastpar.optim", "fastpar.models", "fastpar.training",
                         "fastpar.parallelize", "fastpar.state_dict", "fastpar._native",
                         "fastpar.version", "fastpar._C", "fastpar.plan", "fastpar.checkpoint",
-                        *FRONT_DOORS),
+                        "fastpar.backend", *FRONT_DOORS),
 }
 
 

@@ -15,6 +15,10 @@ For each segment this rank is a member of:
 4. a barrier over the group: every member has mapped it, so the owner unlinks the name (the
    memory goes with the last mapping, whoever dies later), and the reaper goes.
 
+``group`` is a torch.distributed group, or an ``Exchange`` of the same two steps over something
+else: ``StoreExchange`` runs them over a c10d store, for the torch.distributed backend, whose
+group cannot yet run collectives while it is being made (``fastpar/backend/``).
+
 On any failure, on any rank (a peer that died or never came, /dev/shm full, an interrupt),
 this rank closes what it mapped and unlinks every name of its segments it knows (the owner
 may be the one that died), so nothing is left behind; an ``Exception`` is raised again as a
@@ -24,12 +28,49 @@ may be the one that died), so nothing is left behind; an ``Exception`` is raised
 from __future__ import annotations
 
 import contextlib
+import datetime
 import mmap
 import os
+import pickle
 import secrets
 import subprocess
 
 import torch.distributed as dist
+
+
+class Exchange:
+    """The two collective steps of the protocol over a torch.distributed group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def all_gather_object(self, obj) -> list:
+        table = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(table, obj, group=self.group)
+        return table
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+class StoreExchange(Exchange):
+    """The same steps over a c10d ``store`` shared by ``size`` ranks (this one ``rank``): each
+    call writes this rank's key of a round and reads the others', waiting for each up to
+    ``timeout`` seconds (then the store raises)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: float):
+        self.store, self.rank, self.size, self.round = store, rank, size, 0
+        self.timeout = datetime.timedelta(seconds=timeout)
+
+    def all_gather_object(self, obj) -> list:
+        self.round += 1
+        keys = [f"x{self.round}/{r}" for r in range(self.size)]
+        self.store.set(keys[self.rank], pickle.dumps(obj))
+        self.store.wait(keys, self.timeout)
+        return [pickle.loads(self.store.get(k)) for k in keys]
+
+    def barrier(self) -> None:
+        self.all_gather_object(None)
 
 
 def _posixshmem():
@@ -69,6 +110,7 @@ def map_segments(group, me: int, segments: dict, nbytes: int, what: str, *, tag:
     runs on the owner before any other member maps it. ``populate``: prefault the pages
     (MAP_POPULATE). See the module docstring for the protocol and what a failure leaves."""
     shm = _posixshmem()
+    exchange = group if isinstance(group, Exchange) else Exchange(group)
     maps, created, names, reapers, failed = {}, {}, {}, [], False
     try:
         for key, (owner, _) in segments.items():
@@ -79,14 +121,12 @@ def map_segments(group, me: int, segments: dict, nbytes: int, what: str, *, tag:
                 maps[key] = _open_map(shm, name, nbytes, True, populate)
                 if init is not None:
                     init(key, maps[key])
-        table = [None] * dist.get_world_size(group)
-        dist.all_gather_object(table, created, group=group)
-        for part in table:
+        for part in exchange.all_gather_object(created):
             names.update(part)
         for key, (owner, members) in segments.items():
             if owner != me and me in members:
                 maps[key] = _open_map(shm, names[key], nbytes, False, populate)
-        dist.barrier(group=group)  # every member has mapped its segments: the names may go
+        exchange.barrier()  # every member has mapped its segments: the names may go
     except BaseException as exc:
         failed = True
         for m in maps.values():

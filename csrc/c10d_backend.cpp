@@ -1,0 +1,567 @@
+// The torch.distributed backend "fastpar": see c10d_backend.h. Which call takes the shm kernels
+// and which the fallback is decided here, per call, from the tensors and the op; docs/backend.md
+// has the table.
+#include "c10d_backend.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <mutex>
+#include <utility>
+
+#include "shm_alltoall_ops.h"
+#include "shm_ops.h"
+
+namespace fastpar {
+namespace {
+
+using c10d::OpType;
+using c10d::ReduceOp;
+using Tensors = std::vector<at::Tensor>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// A call that finished before it returned (the shm kernels complete on the calling thread):
+// its future already holds the result tensors, which DDP's communication hooks read.
+class DoneWork final : public c10d::Work {
+ public:
+  DoneWork(Tensors result, OpType type, int rank)
+      : c10d::Work(rank, type),
+        result_(std::move(result)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(result_));
+    finish();
+  }
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  Tensors result_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// fastpar/comm/engines/dtypes.py's numbering (0: another dtype), for the kernels' signatures.
+int64_t dtype_code(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return 1;
+    case at::kDouble: return 2;
+    case at::kHalf: return 3;
+    case at::kBFloat16: return 4;
+    case at::kChar: return 5;
+    case at::kByte: return 6;
+    case at::kShort: return 7;
+    case at::kInt: return 8;
+    case at::kLong: return 9;
+    case at::kBool: return 10;
+    case at::kComplexFloat: return 11;
+    case at::kComplexDouble: return 12;
+    default: return 0;
+  }
+}
+
+// What a byte-moving call carries, compared across ranks by the kernel (as shm.signature does):
+// bits 56-63 the dtype, 48-55 the number of dims, 0-47 a hash of the shape.
+int64_t signature(at::ScalarType s, at::IntArrayRef sizes) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
+  for (auto d : sizes) h = (h ^ static_cast<uint64_t>(d)) * 1099511628211ull;
+  uint64_t dims = std::min<uint64_t>(sizes.size(), 255);
+  return static_cast<int64_t>((static_cast<uint64_t>(dtype_code(s)) << 56) | (dims << 48) |
+                              (h & ((1ull << 48) - 1)));
+}
+
+// gloo carries no 16-bit integers, no unsigned ones wider than a byte and (in some operations)
+// no complex numbers: the fallback moves them as a float or signed type of their size, complex
+// ones as their real view (bits unchanged), and reduces int16 as int32.
+bool gloo_lacks(at::ScalarType s) {
+  return s == at::kShort || s == at::kUInt16 || s == at::kUInt32 || s == at::kUInt64;
+}
+
+at::Tensor as_bits(const at::Tensor& t) {
+  if (t.is_cpu() && t.is_complex()) return at::view_as_real(t);
+  if (!t.is_cpu() || !gloo_lacks(t.scalar_type())) return t;
+  switch (t.element_size()) {
+    case 2: return t.view(at::kHalf);
+    case 4: return t.view(at::kInt);
+    default: return t.view(at::kLong);
+  }
+}
+
+Tensors as_bits(const Tensors& ts) {
+  Tensors out;
+  for (const auto& t : ts) out.push_back(as_bits(t));
+  return out;
+}
+
+std::vector<Tensors> as_bits(const std::vector<Tensors>& tss) {
+  std::vector<Tensors> out;
+  for (const auto& ts : tss) out.push_back(as_bits(ts));
+  return out;
+}
+
+bool float_kind(at::ScalarType s) {
+  return s == at::kFloat || s == at::kDouble || s == at::kBFloat16 || s == at::kHalf;
+}
+
+// The kernels reduce floats by sum and max; MIN, AVG and PREMUL_SUM are made from them here.
+// Complex tensors are their real view (sums only).
+bool reduces(const at::Tensor& t, const ReduceOp& op) {
+  switch (op.op_) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      return float_kind(t.is_complex() ? c10::toRealValueType(t.scalar_type()) : t.scalar_type());
+    case ReduceOp::PREMUL_SUM:
+    case ReduceOp::MAX:
+    case ReduceOp::MIN:
+      return float_kind(t.scalar_type());
+    default:
+      return false;
+  }
+}
+
+void premultiply(at::Tensor& t, const ReduceOp& op) {
+  auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK(s != nullptr, "fastpar backend: PREMUL_SUM without its factor");
+  if (s->tensor_factor.defined()) {
+    t.mul_(s->tensor_factor.to(t.device()));
+  } else {
+    t.mul_(s->double_factor);
+  }
+}
+
+void average(at::Tensor& t, int64_t size) {
+  TORCH_CHECK(t.scalar_type() != at::kBool, "fastpar backend: ReduceOp.AVG of a bool tensor");
+  if (t.is_floating_point() || t.is_complex()) {
+    t.div_(size);
+  } else {
+    t.div_(size, "trunc");  // integers: the sum divided, rounded toward zero
+  }
+}
+
+class FastparBackend final : public c10d::Backend {
+ public:
+  FastparBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> cpu,
+                 c10::intrusive_ptr<c10d::Backend> cuda, int64_t shm, PyObject* owner,
+                 double timeout_s)
+      : c10d::Backend(rank, size), cpu_(std::move(cpu)), cuda_(std::move(cuda)), shm_(shm),
+        owner_(owner), timeout_(static_cast<int64_t>(timeout_s * 1000)) {
+    Py_XINCREF(owner_);
+  }
+  ~FastparBackend() override { release(); }
+
+  const std::string getBackendName() const override { return "fastpar"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>("fastpar", timeout_);
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    timeout_ = timeout;
+    cpu_->setTimeout(timeout);
+    if (cuda_) cuda_->setTimeout(timeout);
+  }
+
+  WorkPtr allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
+    if (ts.size() == 1 && here(ts[0]) && reduces(ts[0], o.reduceOp)) {
+      reduce_in_place(ts[0], o.reduceOp);
+      return done(ts, OpType::ALLREDUCE, "allreduce");
+    }
+    if (!ts.empty() && ts[0].is_cpu() && ts[0].scalar_type() == at::kShort) {
+      for (auto& t : ts) {  // as int32: sums and products wrap as int16's do once narrowed
+        Tensors wide{t.to(at::kInt)};
+        allreduce(wide, o)->wait();
+        t.copy_(wide[0]);
+      }
+      return done(ts, OpType::ALLREDUCE, nullptr);
+    }
+    if (ts.empty() || !ts[0].is_cpu() || !emulated(o.reduceOp)) {
+      return pass("allreduce", ts).allreduce(ts, o);
+    }
+    // gloo has no AVG nor PREMUL_SUM: a sum made into them
+    if (o.reduceOp.op_ == ReduceOp::PREMUL_SUM) {
+      for (auto& t : ts) premultiply(t, o.reduceOp);
+    }
+    c10d::AllreduceOptions sum = o;
+    sum.reduceOp = ReduceOp(ReduceOp::SUM);
+    pass("allreduce", ts).allreduce(ts, sum)->wait();
+    if (o.reduceOp.op_ == ReduceOp::AVG) {
+      for (auto& t : ts) average(t, size_);
+    }
+    return done(ts, OpType::ALLREDUCE, nullptr);
+  }
+
+  WorkPtr allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) override {
+    bool fused = !ts.empty() && std::all_of(ts.begin(), ts.end(), [&](const at::Tensor& t) {
+      return here(t) && t.scalar_type() == ts[0].scalar_type() && reduces(t, o.reduceOp);
+    });
+    if (!fused) {
+      for (auto& t : ts) {  // one call per tensor: the emulated ops and shm's checks apply
+        Tensors one{t};
+        allreduce(one, o)->wait();
+      }
+      return done(ts, OpType::ALLREDUCE_COALESCED, nullptr);
+    }
+    Tensors flat_parts;
+    for (auto& t : ts) flat_parts.push_back(t.reshape(-1));
+    auto flat = at::cat(flat_parts);
+    reduce_in_place(flat, o.reduceOp);
+    int64_t at = 0;
+    for (auto& t : ts) {
+      t.view(-1).copy_(flat.narrow(0, at, t.numel()));
+      at += t.numel();
+    }
+    return done(ts, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced");
+  }
+
+  WorkPtr broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
+    if (ts.size() == 1 && here(ts[0])) {
+      {
+        std::lock_guard<std::mutex> busy(busy_);
+        shm_broadcast(shm_, ts[0], o.rootRank, signature(ts[0].scalar_type(), ts[0].sizes()));
+      }
+      return done(ts, OpType::BROADCAST, "broadcast");
+    }
+    auto bits = as_bits(ts);
+    return pass("broadcast", ts).broadcast(bits, o);
+  }
+
+  WorkPtr reduce(Tensors& ts, const c10d::ReduceOptions& o) override {
+    bool ours = ts.size() == 1 && here(ts[0]) && reduces(ts[0], o.reduceOp);
+    bool made = ts.size() == 1 && ts[0].is_cpu() &&
+                (emulated(o.reduceOp) || ts[0].scalar_type() == at::kShort);
+    if (ours || made) {
+      // every rank reduces; only the root's tensor takes the result, as gloo leaves the others
+      Tensors x{rank_ == o.rootRank ? ts[0] : ts[0].clone()};
+      c10d::AllreduceOptions all;
+      all.reduceOp = o.reduceOp;
+      allreduce(x, all)->wait();
+      return done(ts, OpType::REDUCE, ours ? "reduce" : nullptr);
+    }
+    return pass("reduce", ts).reduce(ts, o);
+  }
+
+  WorkPtr allgather(std::vector<Tensors>& outs, Tensors& ins,
+                    const c10d::AllgatherOptions& o) override {
+    if (ins.size() == 1 && outs.size() == 1 && gathers(ins[0], outs[0])) {
+      auto& in = ins[0];
+      auto flat = at::empty({size_ * in.numel()}, in.options());
+      {
+        std::lock_guard<std::mutex> busy(busy_);
+        shm_all_gather(shm_, in, flat, signature(in.scalar_type(), in.sizes()));
+      }
+      for (int64_t p = 0; p < size_; ++p) {
+        outs[0][p].copy_(flat.narrow(0, p * in.numel(), in.numel()).view(in.sizes()));
+      }
+      return done(outs[0], OpType::ALLGATHER, "allgather");
+    }
+    auto outs_bits = as_bits(outs);
+    auto ins_bits = as_bits(ins);
+    return pass("allgather", ins).allgather(outs_bits, ins_bits, o);
+  }
+
+  WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in,
+                          const c10d::AllgatherOptions& o) override {
+    if (here(in) && here(out) && in.scalar_type() == out.scalar_type() &&
+        out.numel() == size_ * in.numel()) {
+      {
+        std::lock_guard<std::mutex> busy(busy_);
+        shm_all_gather(shm_, in, out, signature(in.scalar_type(), in.sizes()));
+      }
+      return done({out}, OpType::_ALLGATHER_BASE, "_allgather_base");
+    }
+    Tensors one{in};
+    auto out_bits = as_bits(out), in_bits = as_bits(in);
+    return pass("_allgather_base", one)._allgather_base(out_bits, in_bits, o);
+  }
+
+  WorkPtr allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
+                                          const c10d::AllgatherOptions& o) override {
+    if (!ins.empty() && ins[0].is_cpu()) {
+      for (size_t i = 0; i < ins.size(); ++i) _allgather_base(outs[i], ins[i], o)->wait();
+      return done(outs, OpType::COALESCED, nullptr);
+    }
+    return pass("allgather_into_tensor_coalesced", ins)
+        .allgather_into_tensor_coalesced(outs, ins, o);
+  }
+
+  WorkPtr reduce_scatter(Tensors& outs, std::vector<Tensors>& ins,
+                         const c10d::ReduceScatterOptions& o) override {
+    if (outs.size() != 1 || ins.size() != 1 || !outs[0].is_cpu()) {
+      return pass("reduce_scatter", outs).reduce_scatter(outs, ins, o);
+    }
+    Tensors parts;
+    for (auto& t : ins[0]) parts.push_back(t.reshape(-1));
+    auto flat = at::cat(parts);  // a copy: the ops made from sum and max may work on it
+    return scatter_reduced(flat, outs[0], o, OpType::REDUCE_SCATTER);
+  }
+
+  WorkPtr _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                               const c10d::ReduceScatterOptions& o) override {
+    if (!out.is_cpu()) {
+      Tensors one{in};
+      return pass("_reduce_scatter_base", one)._reduce_scatter_base(out, in, o);
+    }
+    TORCH_CHECK(in.numel() == size_ * out.numel(), "fastpar backend: reduce_scatter input of ",
+                in.numel(), " elements for an output of ", out.numel(), " on ", size_, " ranks");
+    auto flat = in.reshape(-1);
+    bool shared = flat.data_ptr() == in.data_ptr() && out.numel() > 0 &&
+                  static_cast<const char*>(out.data_ptr()) <
+                      static_cast<const char*>(in.data_ptr()) + in.nbytes() &&
+                  static_cast<const char*>(in.data_ptr()) <
+                      static_cast<const char*>(out.data_ptr()) + out.nbytes();
+    // the caller's input stays as it was: a copy where this call would change it (the ops
+    // made from sum and max, the fallback's allreduce) or where the output lies in it
+    bool keeps = scatters(flat, out, o.reduceOp) && !shared &&
+                 (o.reduceOp.op_ == ReduceOp::SUM || o.reduceOp.op_ == ReduceOp::MAX ||
+                  o.reduceOp.op_ == ReduceOp::AVG);
+    auto work = keeps ? flat.contiguous() : flat.clone(at::MemoryFormat::Contiguous);
+    return scatter_reduced(work, out, o, OpType::_REDUCE_SCATTER_BASE);
+  }
+
+  WorkPtr reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
+                                          const c10d::ReduceScatterOptions& o) override {
+    if (!ins.empty() && ins[0].is_cpu()) {
+      for (size_t i = 0; i < ins.size(); ++i) _reduce_scatter_base(outs[i], ins[i], o)->wait();
+      return done(outs, OpType::COALESCED, nullptr);
+    }
+    return pass("reduce_scatter_tensor_coalesced", ins)
+        .reduce_scatter_tensor_coalesced(outs, ins, o);
+  }
+
+  WorkPtr alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
+                        std::vector<int64_t>& in_splits,
+                        const c10d::AllToAllOptions& o) override {
+    if (here(in) && here(out) && in.dim() >= 1 && in.scalar_type() == out.scalar_type() &&
+        splits_fit(in, in_splits) &&
+        splits_fit(out, out_splits)) {
+      auto send = rows(in, in_splits), recv = rows(out, out_splits);
+      {
+        std::lock_guard<std::mutex> busy(busy_);
+        shm_all_to_all(shm_, in, send, recv, signature(in.scalar_type(), in.sizes().slice(1)),
+                       out);
+      }
+      return done({out}, OpType::ALLTOALL_BASE, "alltoall_base");
+    }
+    Tensors one{in};
+    auto out_bits = as_bits(out), in_bits = as_bits(in);
+    return pass("alltoall_base", one).alltoall_base(out_bits, in_bits, out_splits, in_splits, o);
+  }
+
+  // The rest takes the fallback as it is.
+  WorkPtr allgather_coalesced(std::vector<Tensors>& outs, Tensors& ins,
+                              const c10d::AllgatherOptions& o) override {
+    auto outs_bits = as_bits(outs);
+    auto ins_bits = as_bits(ins);
+    return pass("allgather_coalesced", ins).allgather_coalesced(outs_bits, ins_bits, o);
+  }
+  WorkPtr alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override {
+    auto outs_bits = as_bits(outs), ins_bits = as_bits(ins);
+    return pass("alltoall", ins).alltoall(outs_bits, ins_bits, o);
+  }
+  WorkPtr gather(std::vector<Tensors>& outs, Tensors& ins,
+                 const c10d::GatherOptions& o) override {
+    auto outs_bits = as_bits(outs);
+    auto ins_bits = as_bits(ins);
+    return pass("gather", ins).gather(outs_bits, ins_bits, o);
+  }
+  WorkPtr scatter(Tensors& outs, std::vector<Tensors>& ins,
+                  const c10d::ScatterOptions& o) override {
+    auto outs_bits = as_bits(outs);
+    auto ins_bits = as_bits(ins);
+    return pass("scatter", outs).scatter(outs_bits, ins_bits, o);
+  }
+  WorkPtr send(Tensors& ts, int dst, int tag) override {
+    auto bits = as_bits(ts);
+    return pass("send", ts).send(bits, dst, tag);
+  }
+  WorkPtr recv(Tensors& ts, int src, int tag) override {
+    auto bits = as_bits(ts);
+    return pass("recv", ts).recv(bits, src, tag);
+  }
+  WorkPtr recvAnysource(Tensors& ts, int tag) override {
+    auto bits = as_bits(ts);
+    return pass("recv_anysource", ts).recvAnysource(bits, tag);
+  }
+  WorkPtr barrier(const c10d::BarrierOptions& o) override {
+    count("barrier", cpu_->getBackendName());
+    return cpu_->barrier(o);  // gloo's waits for this group's calls still in flight too
+  }
+  void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
+    count("monitored_barrier", cpu_->getBackendName());
+    cpu_->monitoredBarrier(o, wait_all_ranks);
+  }
+
+  void abort() override {
+    release();
+    cpu_->abort();
+    if (cuda_) cuda_->abort();
+  }
+  void shutdown() override {
+    release();
+    cpu_->shutdown();
+    if (cuda_) cuda_->shutdown();
+  }
+
+  std::map<std::string, std::map<std::string, int64_t>> served() {
+    std::lock_guard<std::mutex> lock(stats_);
+    return served_;
+  }
+
+ private:
+  // Whether the shm kernels take this tensor: the group has a segment, a dense contiguous
+  // CPU tensor.
+  bool here(const at::Tensor& t) const {
+    return shm_ != 0 && t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous();
+  }
+  bool gathers(const at::Tensor& in, const Tensors& outs) const {
+    if (!here(in) || static_cast<int64_t>(outs.size()) != size_) {
+      return false;
+    }
+    return std::all_of(outs.begin(), outs.end(), [&](const at::Tensor& t) {
+      return t.is_cpu() && t.scalar_type() == in.scalar_type() && t.sizes() == in.sizes();
+    });
+  }
+  // Whether the kernels reduce-scatter flat into out by op.
+  bool scatters(const at::Tensor& flat, const at::Tensor& out, const ReduceOp& op) const {
+    return here(out) && flat.is_cpu() && flat.scalar_type() == out.scalar_type() &&
+           !flat.is_complex() && reduces(flat, op);
+  }
+  static bool emulated(const ReduceOp& op) {
+    return op.op_ == ReduceOp::AVG || op.op_ == ReduceOp::PREMUL_SUM;
+  }
+  bool splits_fit(const at::Tensor& t, const std::vector<int64_t>& splits) const {
+    if (splits.empty()) return t.size(0) % size_ == 0;
+    int64_t total = 0;
+    for (auto s : splits) total += s;
+    return static_cast<int64_t>(splits.size()) == size_ && total == t.size(0);
+  }
+  std::vector<int64_t> rows(const at::Tensor& t, const std::vector<int64_t>& splits) const {
+    return splits.empty() ? std::vector<int64_t>(size_, t.size(0) / size_) : splits;
+  }
+
+  // t = op over the group of t, on the kernels (reduces(t, op) holds).
+  void reduce_in_place(at::Tensor& t, const ReduceOp& op) {
+    at::Tensor x = t.is_complex() ? at::view_as_real(t) : t;
+    std::lock_guard<std::mutex> busy(busy_);
+    switch (op.op_) {
+      case ReduceOp::MIN:  // min(x) = -max(-x), exactly
+        x.neg_();
+        shm_all_reduce(shm_, x, "max");
+        x.neg_();
+        return;
+      case ReduceOp::MAX:
+        shm_all_reduce(shm_, x, "max");
+        return;
+      case ReduceOp::PREMUL_SUM:
+        premultiply(x, op);
+        shm_all_reduce(shm_, x, "sum");
+        return;
+      default:
+        shm_all_reduce(shm_, x, "sum");
+        if (op.op_ == ReduceOp::AVG) average(x, size_);
+    }
+  }
+
+  // out = this rank's block of op(flat) over the group; flat is contiguous and, for the ops
+  // made from sum and max, a copy this call may change.
+  WorkPtr scatter_reduced(at::Tensor& flat, at::Tensor& out, const c10d::ReduceScatterOptions& o,
+                          OpType type) {
+    const auto& op = o.reduceOp;
+    if (!scatters(flat, out, op)) {  // the whole sum through allreduce (and its emulations), then our block
+      Tensors all{flat};
+      c10d::AllreduceOptions a;
+      a.reduceOp = op;
+      allreduce(all, a)->wait();
+      out.view(-1).copy_(flat.narrow(0, rank_ * out.numel(), out.numel()));
+      return done({out}, type, nullptr);
+    }
+    if (op.op_ == ReduceOp::MIN) flat.neg_();
+    if (op.op_ == ReduceOp::PREMUL_SUM) premultiply(flat, op);
+    {
+      std::lock_guard<std::mutex> busy(busy_);
+      shm_reduce_scatter(shm_, flat, out,
+                         op.op_ == ReduceOp::MAX || op.op_ == ReduceOp::MIN ? "max" : "sum");
+    }
+    if (op.op_ == ReduceOp::MIN) out.neg_();
+    if (op.op_ == ReduceOp::AVG) average(out, size_);
+    return done({out}, type, "reduce_scatter");
+  }
+
+  // The fallback for these tensors' device, counted as serving `op`.
+  c10d::Backend& pass(const char* op, const Tensors& ts) {
+    bool cuda = !ts.empty() && ts[0].is_cuda();
+    TORCH_CHECK(!cuda || cuda_, "fastpar backend: ", op, " of a CUDA tensor, but this group "
+                "has no CUDA backend (a CPU-only torch, or the group was made for \"cpu\" "
+                "only: use backend=\"cpu:fastpar,cuda:nccl\" or \"fastpar\" on a CUDA build)");
+    auto& fb = cuda ? *cuda_ : *cpu_;
+    count(op, fb.getBackendName());
+    return fb;
+  }
+
+  WorkPtr done(Tensors ts, OpType type, const char* shm_op) {
+    if (shm_op != nullptr) count(shm_op, "shm");
+    return c10::make_intrusive<DoneWork>(std::move(ts), type, rank_);
+  }
+
+  void count(const std::string& op, const std::string& engine) {
+    std::lock_guard<std::mutex> lock(stats_);
+    served_[op][engine] += 1;
+  }
+
+  // Stop using the segment and let its Python owner close it (after any call in flight).
+  void release() {
+    PyObject* owner = nullptr;
+    {
+      std::lock_guard<std::mutex> busy(busy_);
+      shm_ = 0;
+      std::swap(owner, owner_);
+    }
+    if (owner == nullptr || !Py_IsInitialized()) return;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (Py_IsFinalizing()) return;
+#else
+    if (_Py_IsFinalizing()) return;
+#endif
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* r = PyObject_CallMethod(owner, "close", nullptr);
+    if (r == nullptr) {
+      PyErr_Clear();
+    } else {
+      Py_DECREF(r);
+    }
+    Py_DECREF(owner);
+    PyGILState_Release(gil);
+  }
+
+  c10::intrusive_ptr<c10d::Backend> cpu_, cuda_;
+  int64_t shm_;
+  PyObject* owner_;
+  std::chrono::milliseconds timeout_;
+  std::mutex busy_;  // one shm call at a time: ranks must agree on the order
+  std::mutex stats_;
+  std::map<std::string, std::map<std::string, int64_t>> served_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
+                                               c10::intrusive_ptr<c10d::Backend> cpu,
+                                               std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
+                                               int64_t shm, PyObject* owner, double timeout_s) {
+  TORCH_CHECK(cpu, "fastpar backend: no CPU fallback backend given");
+  return c10::make_intrusive<FastparBackend>(static_cast<int>(rank), static_cast<int>(size),
+                                             std::move(cpu), cuda ? *cuda : nullptr, shm, owner,
+                                             timeout_s);
+}
+
+std::map<std::string, std::map<std::string, int64_t>> backend_served(
+    const c10::intrusive_ptr<c10d::Backend>& backend) {
+  auto* ours = dynamic_cast<FastparBackend*>(backend.get());
+  return ours == nullptr ? std::map<std::string, std::map<std::string, int64_t>>{}
+                         : ours->served();
+}
+
+}  // namespace fastpar

@@ -1,0 +1,31 @@
+#pragma once
+// The torch.distributed backend "fastpar" (fastpar/backend/): a c10d::Backend that runs each
+// operation on fastpar's shared-memory kernels where they serve it (a group within one host;
+// CPU tensors) and hands everything else to a backend made beside it on the same store (gloo
+// for CPU tensors, NCCL for CUDA ones). Built and owned from Python (fastpar/backend/create.py).
+#include <Python.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace fastpar {
+
+// rank/size: this rank in the group and the group's size. cpu: the CPU fallback (gloo), cuda:
+// the CUDA one (NCCL; none on a CPU build). shm: the group's shm communicator handle
+// (csrc/shm_ops.h), 0 where the group spans hosts; owner: the Python object that owns its
+// segment, whose close() detaches it (a new reference is taken; released at shutdown);
+// timeout_s: the group's timeout.
+c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
+                                               c10::intrusive_ptr<c10d::Backend> cpu,
+                                               std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
+                                               int64_t shm, PyObject* owner, double timeout_s);
+
+// What served each operation of a fastpar backend so far: {"allreduce": {"shm": n, ...}, ...};
+// empty for another backend.
+std::map<std::string, std::map<std::string, int64_t>> backend_served(
+    const c10::intrusive_ptr<c10d::Backend>& backend);
+
+}  // namespace fastpar

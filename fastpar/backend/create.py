@@ -1,0 +1,75 @@
+"""A group's fastpar backend, made by torch.distributed when a group of backend ``"fastpar"`` is
+created (``init_process_group``, ``new_group``, ``init_device_mesh``): collective over the
+group's ranks, on its store.
+
+1. A gloo backend on the group's store (under the prefix ``gloo/``) serves what fastpar's kernels
+   do not; on a CUDA build an NCCL one (prefix ``nccl/``) serves CUDA tensors.
+2. The ranks exchange their host identities (``runtime.hostid``) through the store. Where all
+   share a host (and the extension is built) the group's shm segment is made and mapped
+   (``comm/engines/segments.py``'s protocol, its two steps over the store).
+3. The extension's backend takes both and decides per call (``csrc/c10d_backend.cpp``).
+
+torch.distributed calls the creator once per device the backend serves; on a CUDA build the
+second call (the same group) gets the first call's backend, which dispatches by tensor device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from fastpar import _native
+from fastpar.comm.engines.segments import StoreExchange
+from fastpar.comm.engines.shm import ShmCommunicator
+from fastpar.runtime.hostid import host_id
+
+log = logging.getLogger("fastpar.backend")
+
+_last: tuple | None = None  # (group id, backend) of the latest group: its second device's call
+
+
+def create(options, backend_options=None):
+    """torch.distributed's creator (extended API): ``options`` carries the group's store, rank,
+    size, timeout, id and global ranks."""
+    global _last
+    if _last is not None and _last[0] == options.group_id:
+        backend, _last = _last[1], None
+        return backend
+    backend = _make(options)
+    _last = (options.group_id, backend) if torch.cuda.is_available() else None
+    return backend
+
+
+def _make(options):
+    _native.require('the torch.distributed backend "fastpar"')
+    from fastpar import _C
+
+    store, rank, size = options.store, options.group_rank, options.group_size
+    timeout = options.timeout
+    ranks = list(options.global_ranks_in_group) or list(range(size))
+    cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    cuda = None
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size)
+    exchange = StoreExchange(dist.PrefixStore("fastpar/", store), rank, size,
+                             timeout.total_seconds())
+    hosts = exchange.all_gather_object(host_id())
+    shm = None
+    if size > 1 and len(set(hosts)) == 1:
+        shm = ShmCommunicator(exchange, ranks, ranks[rank], timeout.total_seconds())
+    elif size > 1:
+        log.info("fastpar backend: the group of global ranks %s spans %d hosts: gloo serves "
+                 "every call", ranks, len(set(hosts)))
+    return _C.make_backend(
+        rank, size, cpu, cuda, shm._comm if shm is not None else 0, shm,
+        timeout.total_seconds())
+
+
+def served(group, device: str) -> dict:
+    pg = dist.group.WORLD if group is None else group
+    _native.require('the torch.distributed backend "fastpar"')
+    from fastpar import _C
+
+    return _C.backend_served(pg._get_backend(torch.device(device)))
