@@ -16,7 +16,7 @@ if ! python -c "import torch" 2>/dev/null; then
   pip_q "torch${FASTPAR_TORCH:-==2.13.0}"
 fi
 # transformers: the tests parallelize a model from a library we did not write (tiny, random init).
-deps="mpi4py>=4 numpy safetensors tqdm matplotlib pytest>=8 pytest-timeout pytest-xdist>=3.8 setuptools wheel ninja transformers>=5.24,<6"
+deps="mpi4py>=4 numpy safetensors tqdm matplotlib pytest>=8 pytest-timeout pytest-xdist>=3.8 expecttest setuptools wheel ninja transformers>=5.24,<6 accelerate"
 [ "${FASTPAR_SYSTEM_MPI:-0}" = "1" ] || deps="$deps mpich"
 pip_q $deps
 # Triton (fastpar.kernels; on CPU its interpreter runs the kernel tests). A CUDA torch brings its
