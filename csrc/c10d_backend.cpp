@@ -210,7 +210,7 @@ class FastparBackend final : public c10d::Backend {
     reduce_in_place(flat, o.reduceOp);
     int64_t at = 0;
     for (auto& t : ts) {
-      t.view(-1).copy_(flat.narrow(0, at, t.numel()));
+      t.copy_(flat.narrow(0, at, t.numel()).view(t.sizes()));
       at += t.numel();
     }
     return done(ts, OpType::ALLREDUCE_COALESCED, "allreduce_coalesced");
@@ -218,10 +218,12 @@ class FastparBackend final : public c10d::Backend {
 
   WorkPtr broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
     if (ts.size() == 1 && here(ts[0])) {
+      auto c = ts[0].contiguous();
       {
         std::lock_guard<std::mutex> busy(busy_);
-        shm_broadcast(shm_, ts[0], o.rootRank, signature(ts[0].scalar_type(), ts[0].sizes()));
+        shm_broadcast(shm_, c, o.rootRank, signature(c.scalar_type(), c.sizes()));
       }
+      back(ts[0], c);
       return done(ts, OpType::BROADCAST, "broadcast");
     }
     auto bits = as_bits(ts);
@@ -246,7 +248,7 @@ class FastparBackend final : public c10d::Backend {
   WorkPtr allgather(std::vector<Tensors>& outs, Tensors& ins,
                     const c10d::AllgatherOptions& o) override {
     if (ins.size() == 1 && outs.size() == 1 && gathers(ins[0], outs[0])) {
-      auto& in = ins[0];
+      auto in = ins[0].contiguous();
       auto flat = at::empty({size_ * in.numel()}, in.options());
       {
         std::lock_guard<std::mutex> busy(busy_);
@@ -266,10 +268,13 @@ class FastparBackend final : public c10d::Backend {
                           const c10d::AllgatherOptions& o) override {
     if (here(in) && here(out) && in.scalar_type() == out.scalar_type() &&
         out.numel() == size_ * in.numel()) {
+      auto in_c = in.contiguous();
+      auto out_c = out.contiguous();
       {
         std::lock_guard<std::mutex> busy(busy_);
-        shm_all_gather(shm_, in, out, signature(in.scalar_type(), in.sizes()));
+        shm_all_gather(shm_, in_c, out_c, signature(in.scalar_type(), in.sizes()));
       }
+      back(out, out_c);
       return done({out}, OpType::_ALLGATHER_BASE, "_allgather_base");
     }
     Tensors one{in};
@@ -338,11 +343,14 @@ class FastparBackend final : public c10d::Backend {
         splits_fit(in, in_splits) &&
         splits_fit(out, out_splits)) {
       auto send = rows(in, in_splits), recv = rows(out, out_splits);
+      auto in_c = in.contiguous();
+      auto out_c = out.contiguous();
       {
         std::lock_guard<std::mutex> busy(busy_);
-        shm_all_to_all(shm_, in, send, recv, signature(in.scalar_type(), in.sizes().slice(1)),
-                       out);
+        shm_all_to_all(shm_, in_c, send, recv, signature(in.scalar_type(), in.sizes().slice(1)),
+                       out_c);
       }
+      back(out, out_c);
       return done({out}, OpType::ALLTOALL_BASE, "alltoall_base");
     }
     Tensors one{in};
@@ -411,10 +419,11 @@ class FastparBackend final : public c10d::Backend {
   }
 
  private:
-  // Whether the shm kernels take this tensor: the group has a segment, a dense contiguous
-  // CPU tensor.
+  // Whether the shm kernels take this tensor: the group has a segment, a dense CPU tensor.
+  // Never its layout: ranks may pass the same call with different strides, and all must take
+  // the same engine (the kernels work on a contiguous copy where a tensor is not).
   bool here(const at::Tensor& t) const {
-    return shm_ != 0 && t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous();
+    return shm_ != 0 && t.is_cpu() && t.layout() == at::kStrided;
   }
   bool gathers(const at::Tensor& in, const Tensors& outs) const {
     if (!here(in) || static_cast<int64_t>(outs.size()) != size_) {
@@ -444,25 +453,34 @@ class FastparBackend final : public c10d::Backend {
 
   // t = op over the group of t, on the kernels (reduces(t, op) holds).
   void reduce_in_place(at::Tensor& t, const ReduceOp& op) {
-    at::Tensor x = t.is_complex() ? at::view_as_real(t) : t;
-    std::lock_guard<std::mutex> busy(busy_);
-    switch (op.op_) {
-      case ReduceOp::MIN:  // min(x) = -max(-x), exactly
-        x.neg_();
-        shm_all_reduce(shm_, x, "max");
-        x.neg_();
-        return;
-      case ReduceOp::MAX:
-        shm_all_reduce(shm_, x, "max");
-        return;
-      case ReduceOp::PREMUL_SUM:
-        premultiply(x, op);
-        shm_all_reduce(shm_, x, "sum");
-        return;
-      default:
-        shm_all_reduce(shm_, x, "sum");
-        if (op.op_ == ReduceOp::AVG) average(x, size_);
+    at::Tensor c = t.contiguous();
+    at::Tensor x = c.is_complex() ? at::view_as_real(c) : c;
+    {
+      std::lock_guard<std::mutex> busy(busy_);
+      switch (op.op_) {
+        case ReduceOp::MIN:  // min(x) = -max(-x), exactly
+          x.neg_();
+          shm_all_reduce(shm_, x, "max");
+          x.neg_();
+          break;
+        case ReduceOp::MAX:
+          shm_all_reduce(shm_, x, "max");
+          break;
+        case ReduceOp::PREMUL_SUM:
+          premultiply(x, op);
+          shm_all_reduce(shm_, x, "sum");
+          break;
+        default:
+          shm_all_reduce(shm_, x, "sum");
+          if (op.op_ == ReduceOp::AVG) average(x, size_);
+      }
     }
+    back(t, c);
+  }
+
+  // A result computed in c, a contiguous copy of t where t is not, lands in t.
+  static void back(at::Tensor& t, const at::Tensor& c) {
+    if (!c.is_same(t)) t.copy_(c);
   }
 
   // out = this rank's block of op(flat) over the group; flat is contiguous and, for the ops
@@ -475,18 +493,20 @@ class FastparBackend final : public c10d::Backend {
       c10d::AllreduceOptions a;
       a.reduceOp = op;
       allreduce(all, a)->wait();
-      out.view(-1).copy_(flat.narrow(0, rank_ * out.numel(), out.numel()));
+      out.copy_(flat.narrow(0, rank_ * out.numel(), out.numel()).view(out.sizes()));
       return done({out}, type, nullptr);
     }
     if (op.op_ == ReduceOp::MIN) flat.neg_();
     if (op.op_ == ReduceOp::PREMUL_SUM) premultiply(flat, op);
+    auto out_c = out.contiguous();
     {
       std::lock_guard<std::mutex> busy(busy_);
-      shm_reduce_scatter(shm_, flat, out,
+      shm_reduce_scatter(shm_, flat, out_c,
                          op.op_ == ReduceOp::MAX || op.op_ == ReduceOp::MIN ? "max" : "sum");
     }
-    if (op.op_ == ReduceOp::MIN) out.neg_();
-    if (op.op_ == ReduceOp::AVG) average(out, size_);
+    if (op.op_ == ReduceOp::MIN) out_c.neg_();
+    if (op.op_ == ReduceOp::AVG) average(out_c, size_);
+    back(out, out_c);
     return done({out}, type, "reduce_scatter");
   }
 

@@ -288,6 +288,35 @@ def body_async_and_threads(path):
     return True
 
 
+def body_layouts(path):
+    """Ranks pass the same calls with different strides (rank 0 contiguous, the others a
+    transposed view): all take the same engine and get the same results."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = init(path)
+
+    def shaped(t):  # the same values, another layout on ranks other than 0
+        return t if rank == 0 else t.t().contiguous().t()
+
+    xs = [data(r, (6, 4), "float32", "lay") for r in range(n)]
+    t = shaped(xs[rank].clone())
+    dist.all_reduce(t)
+    close("all_reduce strided", t, reference("SUM", xs, "float32"), "float32")
+    t = shaped(xs[rank].clone())
+    dist.broadcast(t, src=0)
+    close("broadcast strided", t, xs[0], "float32")
+    out = shaped(torch.empty(6 * n, 4))
+    dist.all_gather_into_tensor(out, shaped(xs[rank].clone()))
+    close("all_gather_into_tensor strided", out, torch.cat(xs), "float32")
+    out = shaped(torch.empty(6, 4))
+    big = [data(r, (6 * n, 4), "float32", "rsl") for r in range(n)]
+    dist.reduce_scatter_tensor(out, shaped(big[rank].clone()))
+    close("reduce_scatter_tensor strided", out,
+          reference("SUM", big, "float32")[6 * rank:6 * (rank + 1)], "float32")
+    return True
+
+
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_every_reduction_matches_its_reference(nranks, tmp_path):
     launch = run_ranks(nranks, body_reductions, path=str(tmp_path / "rdv"), timeout=240)
@@ -311,6 +340,10 @@ def test_every_move_and_the_rest_of_the_interface(nranks, tmp_path):
         for op in ("broadcast", "allgather", "_allgather_base", "alltoall_base"):
             assert served[op].get("shm", 0) > 0, (op, served[op])
         assert served["alltoall"] == {"gloo": 12}
+
+
+def test_ranks_passing_different_layouts_take_the_same_engine(tmp_path):
+    run_ranks(2, body_layouts, path=str(tmp_path / "rdv"), timeout=120)
 
 
 def test_async_work_futures_and_two_groups_from_two_threads(tmp_path):
