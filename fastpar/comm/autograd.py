@@ -151,7 +151,8 @@ def reduce_from_tp(x: torch.Tensor, group, *, inplace: bool = False) -> torch.Te
     ``inplace=True`` reduces ``x``'s storage (only for a fresh tensor no other op saved)."""
     if group_size(group, "reduce_from_tp") == 1:
         return x
-    return ReduceFromTP.apply(x, group, inplace)
+    # traced by torch.compile: out of place (the graph's functional all-reduce is anyway)
+    return ReduceFromTP.apply(x, group, inplace and not torch.compiler.is_compiling())
 
 
 def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:

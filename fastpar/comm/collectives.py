@@ -28,6 +28,7 @@ import torch
 from fastpar.comm import policy, quantized
 from fastpar.comm import quant as quant_codec
 from fastpar.comm import routing
+from fastpar.comm.engines import functional
 from fastpar.comm.routing import check_tensor, choose, op_name
 from fastpar.comm.state import current
 
@@ -85,6 +86,13 @@ def engine_for(name: str, t: torch.Tensor, group=None, op="sum") -> tuple[str, s
     check_tensor(name, t)
     choice = choose(name, t, group, op_name(op))[2]
     return choice.engine, choice.reason
+
+
+def _traceable(name: str, async_op: bool, quant=None, residual=None) -> None:
+    """What torch.compile cannot trace of a raw collective, refused naming it."""
+    if async_op or quant is not None or residual is not None:
+        raise ValueError(f"{name} under torch.compile: async_op, quant and residual are eager "
+                         "only (compiled code runs the functional collective in the graph)")
 
 
 def _check_dim(name: str, t: torch.Tensor, dim: int) -> int:
@@ -196,6 +204,9 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *,
     also a registered part of one, ``symmetric.register_parts``) is reduced where it lies (no
     copy in or out; bitwise the copying path's result). ``quant``,
     ``residual``: see the module docstring (quantized calls complete before they return)."""
+    if functional.compiling():  # traced by torch.compile: torch's functional collective
+        _traceable("all_reduce", async_op, quant, residual)
+        return t.copy_(functional.all_reduce(t, group, op_name(op)))
     route, spec, _ = _routed("all_reduce", t, group, op, quant, residual)
     op = route.op
     if route.adapter.local:
@@ -228,6 +239,10 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
     if t.dim() == 0:
         t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
     dim = _check_dim("all_gather", t, dim)
+    if functional.compiling():
+        _traceable("all_gather", async_op, quant)
+        y = functional.all_gather(t, group, dim)
+        return y if out is None else out.copy_(y)
     spec = _quant("all_gather", t, None, quant) if quant is not None else None
     route = routing.route("all_gather", t, group) if spec is None else None
     if route is None:
@@ -305,6 +320,10 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
         raise ValueError("reduce_scatter needs a tensor with at least one dim to split, got a "
                          "0-dim tensor")
     dim = _check_dim("reduce_scatter", t, dim)
+    if functional.compiling():
+        _traceable("reduce_scatter", async_op, quant, residual)
+        y = functional.reduce_scatter(t, group, dim, op_name(op))
+        return y if out is None else out.copy_(y)
     route, spec, t = _routed("reduce_scatter", t, group, op, quant, residual)
     op = route.op
     n = len(route.ranks)
@@ -343,6 +362,9 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """In place: ``t`` of global rank ``src`` on every rank of the group. Returns ``t``."""
+    if functional.compiling():
+        _traceable("broadcast", async_op)
+        return t.copy_(functional.broadcast(t, src, group))
     route = routing.route("broadcast", t, group)
     ranks = route.ranks
     if src not in ranks:

@@ -37,6 +37,9 @@ from fastpar.nn.sharding import (ShardedModule, copy_into, copy_replicated, full
                                  resolve_group)
 from fastpar.runtime import group_size
 
+# The decision inside a graph torch.compile traces: the collective runs whole, in the graph.
+TRACED = ov.Decision(False, 1, "traced by torch.compile: the collectives run in the graph")
+
 
 def check_overlap(overlap, overlap_pieces) -> None:
     if overlap not in (None, True, False):
@@ -137,6 +140,8 @@ class _ParallelLinear(ShardedModule):
     def _decide(self, x: torch.Tensor, op: str, features: int) -> ov.Decision:
         """The overlap decision for an input like ``x`` whose collective is ``op`` over
         ``features`` per full-sequence token; kept per input shape, logged when it changes."""
+        if torch.compiler.is_compiling():  # no overlap in a traced graph (nor state to keep)
+            return TRACED
         # the forced engine too: comm.use_backend() between two calls changes the engine
         forced = _forced() if self.tp > 1 else None
         autocast = torch.is_autocast_enabled(x.device.type)
