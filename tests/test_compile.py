@@ -7,14 +7,14 @@ import pytest
 from tests.multirank import run_ranks
 
 
-def body_layers(seed):
+def body_layers(seed, backend=None):
     import torch
 
     import fastpar
     from fastpar import comm
     from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
-    topo = fastpar.init(tp=2)
+    topo = fastpar.init(tp=2, backend=backend)
     g = topo.tp_group
 
     class Block(torch.nn.Module):
@@ -47,13 +47,18 @@ def body_layers(seed):
     raw_eager = raw(x.detach())
     raw_compiled = torch.compile(raw, fullgraph=True)(x.detach())
     after = comm.all_reduce(torch.ones(3), group=g)  # the group still serves eager calls
+    from fastpar.backend import served
+
     return {"worst": worst, "raw": [raw_eager.item(), raw_compiled.item()],
-            "after": after.tolist()}
+            "after": after.tolist(), "served": served(g) if backend == "fastpar" else {}}
 
 
-@pytest.mark.parametrize("nranks", [2, 4])
-def test_parallel_layers_and_collectives_compile_fullgraph(nranks):
-    for r in run_ranks(nranks, body_layers, seed=3, timeout=300).values():
+@pytest.mark.parametrize("nranks,backend", [(2, None), (4, None), (4, "fastpar")])
+def test_parallel_layers_and_collectives_compile_fullgraph(nranks, backend):
+    for r in run_ranks(nranks, body_layers, seed=3, backend=backend, timeout=300).values():
         assert r["worst"] <= 1e-5, r  # float32: eager and the compiled kernels' own rounding
         assert abs(r["raw"][0] - r["raw"][1]) <= 1e-4 * abs(r["raw"][0]), r
         assert r["after"] == [2.0] * 3
+        if backend == "fastpar":  # fastpar.init's groups on the backend: the graph's
+            # collectives ran on the shm kernels (the eager ones went through fastpar.comm)
+            assert r["served"]["allreduce"]["shm"] >= 2 and r["served"]["_allgather_base"], r
