@@ -108,7 +108,18 @@ def report(topo) -> dict | None:
             "dp": topo.dp_size, "cp": topo.cp_size, "ep": topo.ep_size, "edp": topo.edp_size,
             "backend": topo.backend, "versions": versions(topo),
             "hosts": hosts(topo), "warnings": layout_warnings(topo),
-            "ranks": entries, "engines": engine_table(topo), "gpu_engines": gpu_engines()}
+            "ranks": entries, "engines": engine_table(topo), "gpu_engines": gpu_engines(),
+            "dist_backend": dist_backend()}
+
+
+def dist_backend() -> dict:
+    """The torch.distributed backend "fastpar": whether it is registered, and what serves each
+    operation (``fastpar.backend.OPERATIONS``)."""
+    from fastpar import backend
+
+    return {"registered": backend.registered(), "native": _native.available(),
+            "operations": [{"op": op, "here": here, "else": other}
+                           for op, here, other in backend.OPERATIONS]}
 
 
 def hosts(topo) -> list[dict]:
@@ -153,6 +164,15 @@ def format_report(rep: dict) -> str:
     for line in rep["gpu_engines"]["cuda_ipc"]:
         lines.append(f"  cuda_ipc  {line}")
     lines.append(f"  nccl_mpi  {rep['gpu_engines']['nccl_mpi']}")
+    lines.append("")
+    db = rep["dist_backend"]
+    state = ("registered" if db["registered"] else "NOT registered") + (
+        "" if db["native"] else " (the extension fastpar._C did not load: it cannot run)")
+    lines.append(f'torch.distributed backend "fastpar": {state}; init_process_group("fastpar") '
+                 "(a group within one host, CPU tensors):")
+    width = max(len(o["op"]) for o in db["operations"])
+    for o in db["operations"]:
+        lines.append(f"  {o['op']:<{width}}  {o['here']}; else {o['else']}")
     lines.append("")
     lines.append("hosts: " + "; ".join(f"{h['host']} (ranks {', '.join(map(str, h['ranks']))})"
                                        for h in rep["hosts"]))

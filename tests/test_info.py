@@ -8,7 +8,7 @@ import pytest
 from tests.multirank import launch
 
 KEYS = {"world_size", "tp", "pp", "dp", "cp", "ep", "edp", "backend", "versions", "ranks",
-        "engines"}
+        "engines", "dist_backend"}
 RANK_KEYS = {"rank", "host", "local_rank", "device", "tp_rank", "cp_rank", "pp_rank", "dp_rank",
              "ep_rank", "edp_rank", "cpus"}
 
@@ -43,6 +43,10 @@ def test_info_json_under_mpirun():
     assert engines[("world", "all_gather")]["ranks"] == [0, 1, 2, 3]
     # ep 1, cp 1: no ep, edp, cp or dpcp rows
     assert {e["group"] for e in rep["engines"]} == {"world", "tp", "dp", "pp"}
+    # the torch.distributed backend: registered, with what serves each operation
+    assert rep["dist_backend"]["registered"] and rep["dist_backend"]["native"]
+    ops = {o["op"]: o for o in rep["dist_backend"]["operations"]}
+    assert ops["all_reduce"]["here"].startswith("shm") and "gloo" in ops["all_reduce"]["else"]
 
 
 def test_info_text_single_process_and_torchrun():
@@ -56,6 +60,7 @@ def test_info_text_single_process_and_torchrun():
     assert "not loaded (single launch)" in proc.stdout
     # our GPU engines say whether they would run here, and why not (this build has no CUDA)
     assert "GPU engines on this machine:" in proc.stdout
+    assert 'torch.distributed backend "fastpar": registered' in proc.stdout, proc.stdout
     assert "cuda_ipc  off: fastpar._C was built without CUDA" in proc.stdout \
         or "cuda_ipc  2 ranks:" in proc.stdout, proc.stdout
     assert "nccl_mpi  " in proc.stdout

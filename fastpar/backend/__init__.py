@@ -20,6 +20,25 @@ import torch.distributed as dist
 
 NAME = "fastpar"
 
+# What serves each operation of a group whose ranks share a host, CPU tensors (the rule of
+# csrc/c10d_backend.cpp; a group across hosts, or of one rank, passes every call to gloo; CUDA
+# tensors go to NCCL). ``fastpar info`` prints it; docs/backend.md explains it.
+OPERATIONS = (
+    ("all_reduce", "shm: float32/64, bf16, fp16 (complex as real): SUM, AVG, MIN, MAX, PREMUL_SUM",
+     "gloo: integers, bool, PRODUCT, bitwise (int16 as int32; AVG/PREMUL_SUM made from SUM)"),
+    ("all_reduce_coalesced", "shm: one fused call when all share a dtype the kernels reduce",
+     "one all_reduce per tensor"),
+    ("reduce", "shm: as all_reduce (the root's tensor takes the result)", "gloo"),
+    ("reduce_scatter (tensor, list, coalesced)", "shm: as all_reduce's floats",
+     "an all_reduce (above), then this rank's block"),
+    ("broadcast", "shm: every dtype", "gloo"),
+    ("all_gather (tensor, list, into-tensor coalesced)", "shm: every dtype", "gloo"),
+    ("all_to_all_single (equal and uneven splits)", "shm: every dtype", "gloo"),
+    ("all_to_all (lists), allgather_coalesced, gather, scatter", "-", "gloo"),
+    ("send, recv, recv any source, batch_isend_irecv", "-", "gloo"),
+    ("barrier, monitored_barrier", "-", "gloo (waits for the group's calls in flight)"),
+)
+
 
 def _create(options, backend_options):
     from fastpar.backend.create import create
@@ -36,6 +55,11 @@ def register() -> bool:
         devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=devices)
     return True
+
+
+def registered() -> bool:
+    """Whether torch.distributed knows the backend (``import fastpar`` registers it)."""
+    return dist.is_available() and NAME.upper() in dist.Backend._plugins
 
 
 def served(group=None, device: str = "cpu") -> dict:
