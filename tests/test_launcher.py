@@ -1,5 +1,7 @@
 """Launcher detection from fake environments: each launcher, stacked ones, conflicting ones."""
 
+import os
+
 import pytest
 
 from fastpar.runtime.launcher import LaunchInfo, detect
@@ -71,3 +73,47 @@ def test_override_and_bad_values():
         detect({"RANK": "x", "WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match="RANK 4 is outside WORLD_SIZE 4"):
         detect({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_rendezvous_takes_the_interface_a_torch_user_names(monkeypatch):
+    """FASTPAR_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME (its first name), else the default
+    route; a name that is not an interface here is refused naming the variable."""
+    from fastpar.runtime import rendezvous
+
+    for var in ("FASTPAR_MASTER_ADDR", "FASTPAR_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,eth9")
+    assert rendezvous._routable_address() == "127.0.0.1"
+    with pytest.raises(RuntimeError, match="no address the others can reach"):
+        rendezvous._routable_address(spans_hosts=True, where="ranks 0-1 on a, 2-3 on b")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(ValueError, match="GLOO_SOCKET_IFNAME=nosuch0: no interface"):
+        rendezvous._routable_address()
+    monkeypatch.setenv("FASTPAR_SOCKET_IFNAME", "lo")  # fastpar's own variable comes first
+    assert rendezvous._routable_address() == "127.0.0.1"
+
+
+def test_without_a_default_route_the_first_interface_that_is_up(tmp_path):
+    """As NCCL does: the first interface up that is not loopback, physical before virtual
+    (a sysfs of this host's real interfaces, linked into tmp_path in another order)."""
+    from fastpar.runtime import rendezvous
+
+    real = "/sys/class/net"
+    up = [n for n in sorted(os.listdir(real)) if n != "lo"
+          and open(os.path.join(real, n, "operstate")).read().strip() in ("up", "unknown")]
+    addrs = {}
+    for n in up:
+        try:
+            addrs[n] = rendezvous.interface_address(n)
+        except ValueError:
+            pass
+    (tmp_path / "only_lo").mkdir()
+    os.symlink(os.path.realpath(os.path.join(real, "lo")), tmp_path / "only_lo" / "lo")
+    assert rendezvous.first_interface_address(str(tmp_path / "only_lo")) is None
+    if not addrs:
+        pytest.skip("no interface with an IPv4 address is up here besides loopback")
+    for n in os.listdir(real):
+        os.symlink(os.path.realpath(os.path.join(real, n)), tmp_path / n)
+    physical = [n for n in sorted(addrs) if "/virtual/" not in os.path.realpath(f"{real}/{n}")]
+    want = addrs[physical[0]] if physical else addrs[sorted(addrs)[0]]
+    assert rendezvous.first_interface_address(str(tmp_path)) == want

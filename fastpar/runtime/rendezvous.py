@@ -67,9 +67,9 @@ def mpi_world(info: _launcher.LaunchInfo, timeout: float):
     return MPI
 
 
-def interface_address(name: str) -> str:
+def interface_address(name: str, variable: str = "FASTPAR_SOCKET_IFNAME") -> str:
     """The IPv4 address of network interface ``name`` (``ValueError`` naming the interfaces
-    there are when it has none)."""
+    there are, and the ``variable`` that named it, when it has none)."""
     import fcntl
     import struct
 
@@ -80,7 +80,7 @@ def interface_address(name: str) -> str:
         return socket.inet_ntoa(packed[20:24])
     except OSError:
         names = ", ".join(n for _, n in socket.if_nameindex())
-        raise ValueError(f"FASTPAR_SOCKET_IFNAME={name}: no interface of that name with an IPv4 "
+        raise ValueError(f"{variable}={name}: no interface of that name with an IPv4 "
                          f"address on this host (interfaces: {names})") from None
 
 
@@ -107,16 +107,59 @@ def _outgoing_address(peer: str = "10.255.255.255") -> str | None:
         return None
 
 
+def named_interface() -> tuple[str, str] | None:
+    """``(variable, interface)`` the user named: ``FASTPAR_SOCKET_IFNAME``, else
+    ``GLOO_SOCKET_IFNAME`` (what a torch.distributed user sets; its first name where it lists
+    several), else None."""
+    for variable in ("FASTPAR_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        value = os.environ.get(variable, "").split(",")[0].strip()
+        if value:
+            return variable, value
+    return None
+
+
+def first_interface_address(sys_net: str = "/sys/class/net") -> str | None:
+    """The IPv4 address of the first interface (by name) that is up and not loopback, a
+    physical one before a virtual one (veth, bridge, docker: under /sys/devices/virtual), as
+    NCCL picks when nothing is named; None when there is none."""
+    try:
+        names = sorted(os.listdir(sys_net))
+    except OSError:
+        return None
+
+    def up(name):
+        try:
+            with open(os.path.join(sys_net, name, "operstate")) as f:
+                return f.read().strip() in ("up", "unknown")
+        except OSError:
+            return False
+
+    def virtual(name):
+        return "/virtual/" in os.path.realpath(os.path.join(sys_net, name))
+
+    for name in sorted((n for n in names if n != "lo" and up(n)), key=virtual):
+        try:
+            addr = interface_address(name)
+        except ValueError:
+            continue
+        if not addr.startswith("127."):
+            return addr
+    return None
+
+
 def _routable_address(spans_hosts: bool = False, where: str = "") -> str:
     """An address of this host that the job's other ranks can reach: ``FASTPAR_MASTER_ADDR``,
-    else the address of ``FASTPAR_SOCKET_IFNAME``, else the one the default route leaves from,
-    else loopback, which is refused for a job whose ranks span hosts (``where``: which rank
-    is on which host, for the message): they would wait for their own loopback."""
+    else the address of the interface ``FASTPAR_SOCKET_IFNAME`` or ``GLOO_SOCKET_IFNAME``
+    names, else the one the default route leaves from, else the first interface that is up
+    (``first_interface_address``), else loopback, which is refused for a job whose ranks span
+    hosts (``where``: which rank is on which host, for the message): they would wait for their
+    own loopback."""
     override = os.environ.get("FASTPAR_MASTER_ADDR")
     if override:
         return override
-    ifname = os.environ.get("FASTPAR_SOCKET_IFNAME")
-    addr = interface_address(ifname) if ifname else _outgoing_address()
+    named = named_interface()
+    addr = interface_address(named[1], named[0]) if named else (
+        _outgoing_address() or first_interface_address())
     if addr is None or addr.startswith("127."):
         if spans_hosts:
             raise RuntimeError(
@@ -139,7 +182,8 @@ def gloo_interface(store_address: str, spans_hosts: bool) -> str | None:
         return None
     ifname = os.environ.get("FASTPAR_SOCKET_IFNAME")
     if not ifname:
-        for local in (_outgoing_address(store_address), _outgoing_address()):
+        for local in (_outgoing_address(store_address), _outgoing_address(),
+                      first_interface_address()):
             if local and not local.startswith("127."):
                 ifname = interface_of(local)
                 break
