@@ -179,6 +179,56 @@ def body_compile(path, backend):
     return {"equal": torch.equal(eager, compiled), "value": eager.tolist()}
 
 
+def body_pipelining(path, backend, schedule):
+    """torch.distributed.pipelining: a stack of 8 linear layers cut into 2 stages a rank
+    (interleaved and ZBV: 2 virtual stages a rank, ZBV's V order), 4 microbatches; the loss and
+    a checksum of every gradient, against the same model's serial step (float64)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining as pl
+
+    rank, n = init(path, backend)
+    per_rank = 1 if schedule == "1f1b" else 2
+    stages_total = n * per_rank
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(8)]
+    serial = torch.nn.Sequential(*[torch.nn.Sequential(l, torch.nn.Tanh()) for l in layers])
+    ref = __import__("copy").deepcopy(serial).double()
+    if schedule == "zbv":  # rank r holds stages r and 2n-1-r
+        mine = [rank, stages_total - 1 - rank]
+    else:  # looped: rank r holds stages r, r + n, ...
+        mine = [rank + k * n for k in range(per_rank)]
+    chunk = len(layers) // stages_total
+    stages = [pl.PipelineStage(serial[s * chunk:(s + 1) * chunk], s, stages_total,
+                               torch.device("cpu")) for s in mine]
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out, target, reduction="sum")
+
+    cls = {"1f1b": pl.Schedule1F1B, "interleaved": pl.ScheduleInterleaved1F1B,
+           "zbv": pl.ScheduleZBVZeroBubble}[schedule]
+    sched = cls(stages[0] if schedule == "1f1b" else stages, n_microbatches=4, loss_fn=loss_fn,
+                scale_grads=False)  # sums over microbatches, as the serial loss does
+    losses = []
+    if rank == 0:
+        sched.step(x, target=y, losses=losses)
+    elif schedule == "zbv":  # the last stage is rank 0's too: the others only pass through
+        sched.step()
+    else:
+        sched.step(target=y, losses=losses) if rank == n - 1 else sched.step()
+    mine_grads = {}
+    for s in mine:
+        for i, layer in enumerate(serial[s * chunk:(s + 1) * chunk]):
+            mine_grads[s * chunk + i] = layer[0].weight.grad.double().sum().item()
+    loss_fn(ref(x.double()), y.double()).backward()
+    worst = max(abs(v - ref[i][0].weight.grad.sum().item()) for i, v in mine_grads.items())
+    total = sum(l.item() for l in losses)
+    return {"worst": worst, "loss": total, "ref": loss_fn(ref(x.double()), y.double()).item()
+            if losses else None, "served": served(backend)}
+
+
 def body_hf_generate(path, backend, model_dir, prompt):
     """Hugging Face transformers' own tensor parallelism (``tp_plan="auto"``) and greedy
     ``generate`` on a small Llama: the tokens."""
@@ -268,3 +318,13 @@ def test_hugging_face_tensor_parallel_generate(tmp_path):
     assert got["gloo"]["tokens"] == want and got["fastpar"]["tokens"] == want, (got, want)
     assert shm(got, "allreduce") >= 12 * 2 * 2  # two per layer per token at least
 
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zbv"])
+def test_torch_pipelining(schedule, tmp_path):
+    got = both(body_pipelining, tmp_path, schedule=schedule)
+    for b in got:
+        assert got[b]["worst"] <= 1e-4, (b, got[b])  # float32 grads against float64
+        if got[b]["ref"] is not None:
+            assert abs(got[b]["loss"] - got[b]["ref"]) <= 1e-4 * abs(got[b]["ref"]), got[b]
+    assert got["fastpar"]["served"].get("send", {}).get("gloo", 0) > 0  # P2P: gloo's
