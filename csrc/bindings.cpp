@@ -134,12 +134,13 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "make_backend",
       [](int64_t rank, int64_t size, c10::intrusive_ptr<c10d::Backend> cpu,
-         std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, int64_t shm, py::object owner,
+         std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, py::object maker,
          double timeout_s) {
-        return fastpar::make_backend(rank, size, std::move(cpu), std::move(cuda), shm,
-                                     owner.is_none() ? nullptr : owner.ptr(), timeout_s);
+        return fastpar::make_backend(rank, size, std::move(cpu), std::move(cuda),
+                                     maker.is_none() ? nullptr : maker.ptr(), timeout_s);
       },
-      py::arg("rank"), py::arg("size"), py::arg("cpu"), py::arg("cuda"), py::arg("shm"),
-      py::arg("owner"), py::arg("timeout_s"));
+      py::arg("rank"), py::arg("size"), py::arg("cpu"), py::arg("cuda"), py::arg("maker"),
+      py::arg("timeout_s"));
   m.def("backend_served", &fastpar::backend_served, py::arg("backend"));
+  m.def("backend_fallback_only", &fastpar::set_fallback_only, py::arg("on"));
 }

@@ -143,14 +143,17 @@ void average(at::Tensor& t, int64_t size) {
   }
 }
 
+// Set by fastpar.comm around the calls it sends to gloo on purpose (a forced engine): they
+// take the fallback whatever the kernels could do.
+thread_local bool fallback_only = false;
+
 class FastparBackend final : public c10d::Backend {
  public:
   FastparBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> cpu,
-                 c10::intrusive_ptr<c10d::Backend> cuda, int64_t shm, PyObject* owner,
-                 double timeout_s)
-      : c10d::Backend(rank, size), cpu_(std::move(cpu)), cuda_(std::move(cuda)), shm_(shm),
-        owner_(owner), timeout_(static_cast<int64_t>(timeout_s * 1000)) {
-    Py_XINCREF(owner_);
+                 c10::intrusive_ptr<c10d::Backend> cuda, PyObject* maker, double timeout_s)
+      : c10d::Backend(rank, size), cpu_(std::move(cpu)), cuda_(std::move(cuda)),
+        maker_(maker), timeout_(static_cast<int64_t>(timeout_s * 1000)) {
+    Py_XINCREF(maker_);
   }
   ~FastparBackend() override { release(); }
 
@@ -221,7 +224,7 @@ class FastparBackend final : public c10d::Backend {
       auto c = ts[0].contiguous();
       {
         std::lock_guard<std::mutex> busy(busy_);
-        shm_broadcast(shm_, c, o.rootRank, signature(c.scalar_type(), c.sizes()));
+        shm_broadcast(comm(), c, o.rootRank, signature(c.scalar_type(), c.sizes()));
       }
       back(ts[0], c);
       return done(ts, OpType::BROADCAST, "broadcast");
@@ -252,7 +255,7 @@ class FastparBackend final : public c10d::Backend {
       auto flat = at::empty({size_ * in.numel()}, in.options());
       {
         std::lock_guard<std::mutex> busy(busy_);
-        shm_all_gather(shm_, in, flat, signature(in.scalar_type(), in.sizes()));
+        shm_all_gather(comm(), in, flat, signature(in.scalar_type(), in.sizes()));
       }
       for (int64_t p = 0; p < size_; ++p) {
         outs[0][p].copy_(flat.narrow(0, p * in.numel(), in.numel()).view(in.sizes()));
@@ -272,7 +275,7 @@ class FastparBackend final : public c10d::Backend {
       auto out_c = out.contiguous();
       {
         std::lock_guard<std::mutex> busy(busy_);
-        shm_all_gather(shm_, in_c, out_c, signature(in.scalar_type(), in.sizes()));
+        shm_all_gather(comm(), in_c, out_c, signature(in.scalar_type(), in.sizes()));
       }
       back(out, out_c);
       return done({out}, OpType::_ALLGATHER_BASE, "_allgather_base");
@@ -347,7 +350,7 @@ class FastparBackend final : public c10d::Backend {
       auto out_c = out.contiguous();
       {
         std::lock_guard<std::mutex> busy(busy_);
-        shm_all_to_all(shm_, in_c, send, recv, signature(in.scalar_type(), in.sizes().slice(1)),
+        shm_all_to_all(comm(), in_c, send, recv, signature(in.scalar_type(), in.sizes().slice(1)),
                        out_c);
       }
       back(out, out_c);
@@ -423,7 +426,38 @@ class FastparBackend final : public c10d::Backend {
   // Never its layout: ranks may pass the same call with different strides, and all must take
   // the same engine (the kernels work on a contiguous copy where a tensor is not).
   bool here(const at::Tensor& t) const {
-    return shm_ != 0 && t.is_cpu() && t.layout() == at::kStrided;
+    return maker_ != nullptr && !fallback_only && t.is_cpu() && t.layout() == at::kStrided;
+  }
+
+  // The group's shm communicator, made at the first call that needs it (busy_ held): the
+  // maker is collective over the group, and every rank reaches its first such call in the
+  // same order, since which calls take the kernels depends only on what the ranks share.
+  int64_t comm() {
+    if (shm_ != 0) return shm_;
+    TORCH_CHECK(maker_ != nullptr, "fastpar backend: the group was shut down");
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* made = PyObject_CallNoArgs(maker_);
+    std::string error;
+    if (made == nullptr) {
+      PyObject *type, *value, *trace;
+      PyErr_Fetch(&type, &value, &trace);
+      PyObject* text = value != nullptr ? PyObject_Str(value) : nullptr;
+      const char* utf8 = text != nullptr ? PyUnicode_AsUTF8(text) : nullptr;
+      error = utf8 != nullptr ? utf8 : "unknown error";
+      Py_XDECREF(text);
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(trace);
+      PyErr_Clear();
+    } else {
+      shm_ = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
+      owner_ = PyTuple_GetItem(made, 1);
+      Py_INCREF(owner_);
+      Py_DECREF(made);
+    }
+    PyGILState_Release(gil);
+    TORCH_CHECK(error.empty(), "fastpar backend: setting up the group's shared memory: ", error);
+    return shm_;
   }
   bool gathers(const at::Tensor& in, const Tensors& outs) const {
     if (!here(in) || static_cast<int64_t>(outs.size()) != size_) {
@@ -460,18 +494,18 @@ class FastparBackend final : public c10d::Backend {
       switch (op.op_) {
         case ReduceOp::MIN:  // min(x) = -max(-x), exactly
           x.neg_();
-          shm_all_reduce(shm_, x, "max");
+          shm_all_reduce(comm(), x, "max");
           x.neg_();
           break;
         case ReduceOp::MAX:
-          shm_all_reduce(shm_, x, "max");
+          shm_all_reduce(comm(), x, "max");
           break;
         case ReduceOp::PREMUL_SUM:
           premultiply(x, op);
-          shm_all_reduce(shm_, x, "sum");
+          shm_all_reduce(comm(), x, "sum");
           break;
         default:
-          shm_all_reduce(shm_, x, "sum");
+          shm_all_reduce(comm(), x, "sum");
           if (op.op_ == ReduceOp::AVG) average(x, size_);
       }
     }
@@ -501,7 +535,7 @@ class FastparBackend final : public c10d::Backend {
     auto out_c = out.contiguous();
     {
       std::lock_guard<std::mutex> busy(busy_);
-      shm_reduce_scatter(shm_, flat, out_c,
+      shm_reduce_scatter(comm(), flat, out_c,
                          op.op_ == ReduceOp::MAX || op.op_ == ReduceOp::MIN ? "max" : "sum");
     }
     if (op.op_ == ReduceOp::MIN) out_c.neg_();
@@ -534,31 +568,37 @@ class FastparBackend final : public c10d::Backend {
   // Stop using the segment and let its Python owner close it (after any call in flight).
   void release() {
     PyObject* owner = nullptr;
+    PyObject* maker = nullptr;
     {
       std::lock_guard<std::mutex> busy(busy_);
       shm_ = 0;
       std::swap(owner, owner_);
+      std::swap(maker, maker_);
     }
-    if (owner == nullptr || !Py_IsInitialized()) return;
+    if ((owner == nullptr && maker == nullptr) || !Py_IsInitialized()) return;
 #if PY_VERSION_HEX >= 0x030D0000
     if (Py_IsFinalizing()) return;
 #else
     if (_Py_IsFinalizing()) return;
 #endif
     PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject* r = PyObject_CallMethod(owner, "close", nullptr);
-    if (r == nullptr) {
-      PyErr_Clear();
-    } else {
-      Py_DECREF(r);
+    if (owner != nullptr) {
+      PyObject* r = PyObject_CallMethod(owner, "close", nullptr);
+      if (r == nullptr) {
+        PyErr_Clear();
+      } else {
+        Py_DECREF(r);
+      }
+      Py_DECREF(owner);
     }
-    Py_DECREF(owner);
+    Py_XDECREF(maker);
     PyGILState_Release(gil);
   }
 
   c10::intrusive_ptr<c10d::Backend> cpu_, cuda_;
-  int64_t shm_;
-  PyObject* owner_;
+  int64_t shm_ = 0;             // the shm communicator's handle, once made
+  PyObject* owner_ = nullptr;   // its Python owner (close() detaches it)
+  PyObject* maker_;             // makes both; None where the group spans hosts
   std::chrono::milliseconds timeout_;
   std::mutex busy_;  // one shm call at a time: ranks must agree on the order
   std::mutex stats_;
@@ -567,13 +607,19 @@ class FastparBackend final : public c10d::Backend {
 
 }  // namespace
 
+bool set_fallback_only(bool on) {
+  bool before = fallback_only;
+  fallback_only = on;
+  return before;
+}
+
 c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
-                                               int64_t shm, PyObject* owner, double timeout_s) {
+                                               PyObject* maker, double timeout_s) {
   TORCH_CHECK(cpu, "fastpar backend: no CPU fallback backend given");
   return c10::make_intrusive<FastparBackend>(static_cast<int>(rank), static_cast<int>(size),
-                                             std::move(cpu), cuda ? *cuda : nullptr, shm, owner,
+                                             std::move(cpu), cuda ? *cuda : nullptr, maker,
                                              timeout_s);
 }
 

@@ -14,14 +14,18 @@
 namespace fastpar {
 
 // rank/size: this rank in the group and the group's size. cpu: the CPU fallback (gloo), cuda:
-// the CUDA one (NCCL; none on a CPU build). shm: the group's shm communicator handle
-// (csrc/shm_ops.h), 0 where the group spans hosts; owner: the Python object that owns its
-// segment, whose close() detaches it (a new reference is taken; released at shutdown);
-// timeout_s: the group's timeout.
+// the CUDA one (NCCL; none on a CPU build). maker: a Python callable, collective over the group,
+// returning (the group's shm communicator handle (csrc/shm_ops.h), the object owning its
+// segment, whose close() detaches it), called at the first call the kernels serve; null where
+// the group spans hosts or has one rank. timeout_s: the group's timeout.
 c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
-                                               int64_t shm, PyObject* owner, double timeout_s);
+                                               PyObject* maker, double timeout_s);
+
+// While set (in this thread), every backend passes every call to its fallback: fastpar.comm's
+// own gloo calls on a fastpar group stay gloo's. Returns the previous setting.
+bool set_fallback_only(bool on);
 
 // What served each operation of a fastpar backend so far: {"allreduce": {"shm": n, ...}, ...};
 // empty for another backend.

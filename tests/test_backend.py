@@ -348,3 +348,31 @@ def test_ranks_passing_different_layouts_take_the_same_engine(tmp_path):
 
 def test_async_work_futures_and_two_groups_from_two_threads(tmp_path):
     run_ranks(2, body_async_and_threads, path=str(tmp_path / "rdv"), timeout=240)
+
+
+def test_init_puts_its_groups_on_the_backend_by_default():
+    """fastpar.init's default group on CPU: the fastpar backend (NCCL for a GPU of its own);
+    its groups' dist.* calls take the kernels (``fastpar.init`` under mpirun below)."""
+    import torch
+
+    from fastpar.runtime.bootstrap import default_backend
+
+    assert default_backend(torch.device("cpu"), False) == "fastpar"
+    assert default_backend(torch.device("cuda", 0), False) == "nccl"
+    assert default_backend(torch.device("cuda", 0), True) == "fastpar"  # a shared GPU: CPU comm
+    got = run_ranks(2, body_init_groups, timeout=120).values()
+    assert all(g == {"backend": "fastpar", "dist_on_shm": 1, "sum": 3.0} for g in got), got
+
+
+def body_init_groups():
+    import torch
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.backend import served
+
+    topo = fastpar.init(tp=2)
+    x = torch.full((16,), float(topo.rank + 1))
+    dist.all_reduce(x, group=topo.tp_group)
+    return {"backend": dist.get_backend(topo.tp_group),
+            "dist_on_shm": served(topo.tp_group)["allreduce"]["shm"], "sum": x[0].item()}

@@ -38,6 +38,7 @@ def test_spanning_job_never_rendezvous_on_loopback(monkeypatch):
     for var in ("FASTPAR_MASTER_ADDR", "FASTPAR_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(rendezvous, "_outgoing_address", lambda peer="": None)  # no route
+    monkeypatch.setattr(rendezvous, "first_interface_address", lambda: None)  # nor any other
     assert rendezvous._routable_address(False) == "127.0.0.1"  # one host: loopback is fine
     with pytest.raises(RuntimeError) as err:
         rendezvous._routable_address(True, "h0: ranks 0-1; h1: ranks 2-3")
@@ -60,6 +61,7 @@ def test_gloo_interface_for_spanning_jobs(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("FASTPAR_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(rendezvous, "_outgoing_address", lambda peer="": "127.0.0.1")
+    monkeypatch.setattr(rendezvous, "first_interface_address", lambda: None)
     assert rendezvous.gloo_interface("10.0.0.1", spans_hosts=True) is None  # only loopback
     assert "GLOO_SOCKET_IFNAME" not in os.environ
     monkeypatch.setenv("FASTPAR_SOCKET_IFNAME", "lo")

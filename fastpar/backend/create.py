@@ -5,8 +5,9 @@ group's ranks, on its store.
 1. A gloo backend on the group's store (under the prefix ``gloo/``) serves what fastpar's kernels
    do not; on a CUDA build an NCCL one (prefix ``nccl/``) serves CUDA tensors.
 2. The ranks exchange their host identities (``runtime.hostid``) through the store. Where all
-   share a host (and the extension is built) the group's shm segment is made and mapped
-   (``comm/engines/segments.py``'s protocol, its two steps over the store).
+   share a host, the group's shm segment is made and mapped at its first call the kernels
+   serve (``comm/engines/segments.py``'s protocol, its two steps over the group's own gloo): a
+   group that never needs it costs no shared memory.
 3. The extension's backend takes both and decides per call (``csrc/c10d_backend.cpp``).
 
 torch.distributed calls the creator once per device the backend serves; on a CUDA build the
@@ -16,12 +17,13 @@ second call (the same group) gets the first call's backend, which dispatches by 
 from __future__ import annotations
 
 import logging
+import pickle
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.engines.segments import StoreExchange
+from fastpar.comm.engines.segments import Exchange, StoreExchange
 from fastpar.comm.engines.shm import ShmCommunicator
 from fastpar.runtime.hostid import host_id
 
@@ -56,15 +58,42 @@ def _make(options):
     exchange = StoreExchange(dist.PrefixStore("fastpar/", store), rank, size,
                              timeout.total_seconds())
     hosts = exchange.all_gather_object(host_id())
-    shm = None
+    maker = None
     if size > 1 and len(set(hosts)) == 1:
-        shm = ShmCommunicator(exchange, ranks, ranks[rank], timeout.total_seconds())
+        def maker():  # at the group's first call the kernels serve (collective over it)
+            # over the group's own gloo: a store's client serves one request at a time, so
+            # groups set up from several threads at once would wait on each other's keys
+            shm = ShmCommunicator(GlooExchange(cpu, size), ranks, ranks[rank],
+                                  timeout.total_seconds())
+            return shm._comm, shm
     elif size > 1:
         log.info("fastpar backend: the group of global ranks %s spans %d hosts: gloo serves "
                  "every call", ranks, len(set(hosts)))
-    return _C.make_backend(
-        rank, size, cpu, cuda, shm._comm if shm is not None else 0, shm,
-        timeout.total_seconds())
+    return _C.make_backend(rank, size, cpu, cuda, maker, timeout.total_seconds())
+
+
+class GlooExchange(Exchange):
+    """The segment protocol's two steps over a group's own gloo ``Backend`` (not a registered
+    group, so its calls directly)."""
+
+    def __init__(self, backend, size: int):
+        self.backend, self.size = backend, size
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self.backend.allgather([out], [t]).wait()
+        return out
+
+    def all_gather_object(self, obj) -> list:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(n) for n in self._gather(torch.tensor([data.numel()]))]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        return [pickle.loads(t[:n].numpy().tobytes())
+                for t, n in zip(self._gather(padded), sizes)]
+
+    def barrier(self) -> None:
+        self._gather(torch.zeros(1))
 
 
 def served(group, device: str) -> dict:

@@ -70,8 +70,12 @@ class CommState:
             hosts = self.topo.hosts
             per_host = tuple(len(m) for m in by_host(ranks, hosts)) if hosts else ()
             splits = self.topo.host_splits or {}
+            # A fastpar backend group's calls that no fastpar engine takes go to its gloo
+            # (torch_dist.Torch runs them there even where its kernels could): "gloo" here.
+            pg_backend = dist.get_backend(group)
+            pg_backend = "gloo" if pg_backend == "fastpar" else pg_backend
             facts = GroupFacts(size=len(ranks), same_host=len(per_host) == 1,
-                               native=_native.available(), pg_backend=dist.get_backend(group),
+                               native=_native.available(), pg_backend=pg_backend,
                                per_host=per_host, hier_ready=group.group_name in splits,
                                mpi=self.topo.mpi_comm is not None)
             entry = (group, ranks, facts)

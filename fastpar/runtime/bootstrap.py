@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fastpar import _native
 from fastpar.grid import Grid, Topology, validate_degrees
 from fastpar.runtime import abort, failures, mpich_shm, rendezvous
 from fastpar.runtime import launcher as _launcher
@@ -76,6 +77,18 @@ def _this_process(info: _launcher.LaunchInfo, timeout: float):
     return None, info.rank, info.world_size, max(info.local_rank, 0), local_world_size
 
 
+def default_backend(device: torch.device, shared_gpu: bool) -> str:
+    """The default group's backend when ``init`` is not told: NCCL for a GPU of its own, else
+    fastpar's torch.distributed backend (so ``dist.*`` calls on the grid's groups and compiled
+    graphs take fastpar's engines), gloo where the extension that holds it did not load."""
+    import torch.distributed as dist
+
+    if device.type == "cuda" and not shared_gpu:
+        return "nccl"
+    plugins = getattr(dist.Backend, "_plugins", {})
+    return "fastpar" if "FASTPAR" in plugins and _native.available() else "gloo"
+
+
 def init(tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, backend: str | None = None,
          timeout: float = 300.0) -> Topology:
     """Join the job started by any launcher and return this rank's ``Topology``.
@@ -114,7 +127,7 @@ def init(tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, backend: str | N
     grid = Grid(world_size, tp, pp, ep, cp)
     device = _choose_device(local_rank, local_world_size)
     shared_gpu = device.type == "cuda" and local_world_size > torch.cuda.device_count()
-    backend = backend or ("nccl" if device.type == "cuda" and not shared_gpu else "gloo")
+    backend = backend or default_backend(device, shared_gpu)
 
     owns_pg = not dist.is_initialized()
     if owns_pg:
@@ -128,7 +141,7 @@ def init(tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, backend: str | N
         _STATE["generation"] += 1
         hosts, machines = rendezvous.join_barrier(store, rank, world_size, timeout, generation)
         gloo_ifname = None
-        if backend == "gloo" and address is not None:
+        if backend in ("gloo", "fastpar") and address is not None:  # fastpar's fallback is gloo
             gloo_ifname = rendezvous.gloo_interface(address, len(set(hosts)) > 1)
         pg_store = dist.PrefixStore(f"fastpar/pg/{generation}", store)
         dist.init_process_group(backend, store=pg_store, rank=rank,
