@@ -409,3 +409,45 @@ def test_forced_engine_that_cannot_serve_is_an_error():
     for message in run_ranks(2, body_forced_engine_that_cannot_serve,
                              env={"FASTPAR_COMM_BACKEND": "nccl"}).values():
         assert "FASTPAR_COMM_BACKEND=nccl cannot serve all_reduce" in str(message), message
+
+
+def body_avg(engine):
+    """op="avg" (and ReduceOp.AVG): the sum over the group divided by its size; all_reduce
+    in place, sync and async, float and integer; reduce_scatter; on a subgroup too."""
+    import torch
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar import comm
+
+    topo = fastpar.init(tp=2)
+    comm.use_backend(engine)
+    n, out = topo.world_size, {}
+    for name, group, members in (("world", None, list(range(n))),
+                                 ("tp", topo.tp_group, topo.ranks("tp"))):
+        k = len(members)
+        x = _input(topo.rank, 37, "float64", "avg").float()
+        want = sum(_input(r, 37, "float64", "avg") for r in members) / k
+        got = comm.all_reduce(x.clone(), group=group, op="avg")
+        _check(f"avg {name}", got, want, "float32")
+        h = comm.all_reduce(x.clone(), group=group, op=dist.ReduceOp.AVG, async_op=True)
+        _check(f"avg async {name}", h.wait(), want, "float32")
+        i = torch.full((5,), 3 * topo.rank + 1, dtype=torch.int64)
+        forced = comm.use_backend(None)  # integers: whatever engine reduces them (not shm)
+        comm.all_reduce(i, group=group, op="avg")
+        comm.use_backend(forced)
+        assert i.tolist() == [sum(3 * r + 1 for r in members) // k] * 5, (name, i)
+        big = _input(topo.rank, 4 * k, "float64", "rs").float()
+        shard = comm.reduce_scatter(big, group=group, op="avg")
+        me = members.index(topo.rank)
+        full = sum(_input(r, 4 * k, "float64", "rs") for r in members) / k
+        _check(f"reduce_scatter avg {name}", shard, full[4 * me:4 * (me + 1)], "float32")
+        out[name] = comm.engine_for("all_reduce", x, group)[0]
+    return out
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+@pytest.mark.parametrize("engine", ["shm", "gloo"])
+def test_all_reduce_and_reduce_scatter_avg(nranks, engine):
+    got = run_ranks(nranks, body_avg, engine=engine).values()
+    assert all(g["tp"] == engine for g in got), got

@@ -24,12 +24,13 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from fastpar.comm import policy, quantized
 from fastpar.comm import quant as quant_codec
 from fastpar.comm import routing
 from fastpar.comm.engines import functional
-from fastpar.comm.routing import check_tensor, choose, op_name
+from fastpar.comm.routing import check_tensor, choose, is_avg, op_name
 from fastpar.comm.state import current
 
 log = logging.getLogger("fastpar.comm")
@@ -86,6 +87,23 @@ def engine_for(name: str, t: torch.Tensor, group=None, op="sum") -> tuple[str, s
     check_tensor(name, t)
     choice = choose(name, t, group, op_name(op))[2]
     return choice.engine, choice.reason
+
+
+def _averaged(got, out: torch.Tensor, group):
+    """``got`` (a result ``out`` or a ``Handle`` of it) divided by the group's size: now, or
+    once the handle is waited for (integers rounded toward zero)."""
+    n = dist.get_world_size(group)
+
+    def divide():
+        if out.is_floating_point() or out.is_complex():
+            out.div_(n)
+        else:
+            out.div_(n, rounding_mode="trunc")
+
+    if isinstance(got, Handle):
+        return Handle(out, got, divide)
+    divide()
+    return out
 
 
 def _traceable(name: str, async_op: bool, quant=None, residual=None) -> None:
@@ -207,6 +225,9 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *,
     if functional.compiling():  # traced by torch.compile: torch's functional collective
         _traceable("all_reduce", async_op, quant, residual)
         return t.copy_(functional.all_reduce(t, group, op_name(op)))
+    if is_avg(op):  # the sum, divided by the group's size
+        return _averaged(all_reduce(t, group, "sum", async_op, quant=quant, residual=residual),
+                         t, group)
     route, spec, _ = _routed("all_reduce", t, group, op, quant, residual)
     op = route.op
     if route.adapter.local:
@@ -324,6 +345,10 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
         _traceable("reduce_scatter", async_op, quant, residual)
         y = functional.reduce_scatter(t, group, dim, op_name(op))
         return y if out is None else out.copy_(y)
+    if is_avg(op):
+        got = reduce_scatter(t, group, dim, "sum", async_op, out=out, quant=quant,
+                             residual=residual)
+        return _averaged(got, got.result if isinstance(got, Handle) else got, group)
     route, spec, t = _routed("reduce_scatter", t, group, op, quant, residual)
     op = route.op
     n = len(route.ranks)

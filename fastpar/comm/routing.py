@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from fastpar.comm import policy
 from fastpar.comm.engines.base import Local
@@ -50,7 +51,10 @@ class Route:
 
 
 def op_name(op) -> str:
-    """``"sum"`` & co. from a string or a ``torch.distributed.ReduceOp``."""
+    """``"sum"`` & co. from a string or a ``torch.distributed.ReduceOp`` ("avg", which the
+    collectives make from "sum", included)."""
+    if is_avg(op):
+        return "avg"
     if isinstance(op, str):
         if op in TORCH_OPS:
             return op
@@ -58,8 +62,18 @@ def op_name(op) -> str:
         for name, red in TORCH_OPS.items():
             if op == red:
                 return name
-    raise ValueError(f"op must be one of {', '.join(map(repr, TORCH_OPS))} or the "
+    raise ValueError(f"op must be one of {', '.join(map(repr, TORCH_OPS))}, 'avg' or the "
                      f"torch.distributed.ReduceOp of the same name, got {op!r}")
+
+
+def is_avg(op) -> bool:
+    """Whether ``op`` is the mean ("avg" or ``ReduceOp.AVG``)."""
+    if isinstance(op, str):
+        return op == "avg"
+    try:
+        return op == dist.ReduceOp.AVG
+    except TypeError:
+        return False
 
 
 def check_tensor(name: str, t) -> None:
