@@ -494,3 +494,71 @@ def test_bench_runs(tmp_path):
     variants = {(r["engine"], r["variant"]) for r in result["records"]}
     assert ("gloo", "torch-ddp") in variants and ("shm", "dp-overlap") in variants, variants
     assert set(result["hidden_fraction"]) == {"shm", "gloo"}
+
+
+def body_ddp_arguments():
+    """DataParallel with DistributedDataParallel's arguments, hooks and checkpoints, beside
+    torch's DDP on the same group: equal losses and gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fastpar
+
+    topo = fastpar.init()
+    g = topo.dp_group
+
+    def model(seed=0):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 4))
+
+    def grads(wrapped, inner):
+        torch.manual_seed(100 + topo.rank)
+        wrapped(torch.randn(6, 8)).square().sum().backward()
+        return torch.cat([p.grad.reshape(-1) for p in inner.parameters()])
+
+    theirs_model, ours_model = model(), model()
+    ddp = DDP(theirs_model, process_group=g, bucket_cap_mb=0.001)
+    ours = fastpar.DataParallel(ours_model, process_group=g, bucket_cap_mb=0.001,
+                                broadcast_buffers=True, gradient_as_bucket_view=True,
+                                static_graph=True)
+    want = grads(ddp, theirs_model)
+    worst = {"plain": (grads(ours, ours_model) - want).abs().max().item()}
+    hooked_model, hooked_ddp_model = model(), model()
+    hooked = fastpar.DataParallel(hooked_model, process_group=g, bucket_cap_mb=0.001)
+    hooked.register_comm_hook(g, default_hooks.allreduce_hook)
+    hooked_ddp = DDP(hooked_ddp_model, process_group=g, bucket_cap_mb=0.001)
+    hooked_ddp.register_comm_hook(g, default_hooks.allreduce_hook)
+    worst["allreduce_hook"] = (grads(hooked, hooked_model) -
+                               grads(hooked_ddp, hooked_ddp_model)).abs().max().item()
+    # a DDP checkpoint (keys with "module.") loads into DataParallel
+    saved = model(5)
+    ddp5 = DDP(saved, process_group=g)
+    fresh = fastpar.DataParallel(model(6), process_group=g)
+    fresh.load_state_dict(ddp5.state_dict())
+    loaded = all(torch.equal(a, b) for a, b in zip(saved.parameters(), fresh.parameters()))
+    # buffers: dp rank 0's at every forward, as DDP's broadcast_buffers
+    with_buf = model()
+    with_buf.register_buffer("stat", torch.zeros(3))
+    dp_buf = fastpar.DataParallel(with_buf, process_group=g, broadcast_buffers=True)
+    with_buf.stat.fill_(float(topo.rank + 7))
+    dp_buf(torch.randn(2, 8))
+    errors = []
+    for kwargs in ({"device_ids": [0]}, {"group": g, "process_group": g},
+                   {"bucket_mb": 4.0, "bucket_cap_mb": 2.0}):
+        try:
+            fastpar.DataParallel(model(), **kwargs)
+        except ValueError as exc:
+            errors.append(str(exc))
+    dist.barrier()
+    return {"worst": worst, "loaded": loaded, "buffer": with_buf.stat.tolist(),
+            "errors": errors}
+
+
+def test_ddp_arguments_comm_hook_and_ddp_checkpoints():
+    for r in run_ranks(2, body_ddp_arguments).values():
+        assert r["worst"]["plain"] <= 1e-6 and r["worst"]["allreduce_hook"] <= 1e-6, r
+        assert r["loaded"] and r["buffer"] == [7.0] * 3, r
+        assert len(r["errors"]) == 3 and "device_ids=[0]" in r["errors"][0], r["errors"]

@@ -106,13 +106,6 @@ def _averaged(got, out: torch.Tensor, group):
     return out
 
 
-def _traceable(name: str, async_op: bool, quant=None, residual=None) -> None:
-    """What torch.compile cannot trace of a raw collective, refused naming it."""
-    if async_op or quant is not None or residual is not None:
-        raise ValueError(f"{name} under torch.compile: async_op, quant and residual are eager "
-                         "only (compiled code runs the functional collective in the graph)")
-
-
 def _check_dim(name: str, t: torch.Tensor, dim: int) -> int:
     """``dim`` made non-negative; ``IndexError`` naming the shape when it is out of range."""
     if not -t.dim() <= dim < t.dim():
@@ -223,7 +216,7 @@ def all_reduce(t: torch.Tensor, group=None, op="sum", async_op: bool = False, *,
     copy in or out; bitwise the copying path's result). ``quant``,
     ``residual``: see the module docstring (quantized calls complete before they return)."""
     if functional.compiling():  # traced by torch.compile: torch's functional collective
-        _traceable("all_reduce", async_op, quant, residual)
+        functional.traceable("all_reduce", async_op, quant, residual)
         return t.copy_(functional.all_reduce(t, group, op_name(op)))
     if is_avg(op):  # the sum, divided by the group's size
         return _averaged(all_reduce(t, group, "sum", async_op, quant=quant, residual=residual),
@@ -261,7 +254,7 @@ def all_gather(t: torch.Tensor, group=None, dim: int = 0, async_op: bool = False
         t = t.reshape(1)  # a view; gathered along dim 0 into (n,)
     dim = _check_dim("all_gather", t, dim)
     if functional.compiling():
-        _traceable("all_gather", async_op, quant)
+        functional.traceable("all_gather", async_op, quant)
         y = functional.all_gather(t, group, dim)
         return y if out is None else out.copy_(y)
     spec = _quant("all_gather", t, None, quant) if quant is not None else None
@@ -342,7 +335,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
                          "0-dim tensor")
     dim = _check_dim("reduce_scatter", t, dim)
     if functional.compiling():
-        _traceable("reduce_scatter", async_op, quant, residual)
+        functional.traceable("reduce_scatter", async_op, quant, residual)
         y = functional.reduce_scatter(t, group, dim, op_name(op))
         return y if out is None else out.copy_(y)
     if is_avg(op):
@@ -388,7 +381,7 @@ def reduce_scatter(t: torch.Tensor, group=None, dim: int = 0, op="sum",
 def broadcast(t: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """In place: ``t`` of global rank ``src`` on every rank of the group. Returns ``t``."""
     if functional.compiling():
-        _traceable("broadcast", async_op)
+        functional.traceable("broadcast", async_op)
         return t.copy_(functional.broadcast(t, src, group))
     route = routing.route("broadcast", t, group)
     ranks = route.ranks

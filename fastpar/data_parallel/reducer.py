@@ -43,6 +43,7 @@ class Reducer:
         self.group, self.dp_size, self.overlap = group, dp_size, overlap
         self.find_unused_parameters, self.reduce_dtype = find_unused_parameters, reduce_dtype
         self._build_buckets(bucket_mb)
+        self.comm_hook = None  # (state, hook): DDP's communication hook, replacing our reduce
         self.sync = True  # whether the current backward reduces (set by each forward)
         self.cycles = 0  # reduction cycles completed (every bucket reduced and averaged)
         self._reset_cycle()
@@ -148,6 +149,9 @@ class Reducer:
             self._next += 1
 
     def _all_reduce(self, b):
+        if self.comm_hook is not None:
+            state, hook = self.comm_hook
+            return HookedHandle(hook(state, HookBucket(b, len(self.buckets))), b)
         if self.quant is None or b.data.dtype not in quant_codec.DTYPES:
             return comm.all_reduce(b.data, group=self.group, async_op=True)
         residual = None
@@ -166,7 +170,7 @@ class Reducer:
         assert self._next == len(self.buckets), (self._next, len(self.buckets))
         for b, handle in self._handles:
             handle.wait()
-            if self.dp_size > 1:
+            if self.dp_size > 1 and self.comm_hook is None:  # a hook averages itself (DDP's)
                 b.data.div_(self.dp_size)  # once, in the bucket's dtype (exact for 2^k ranks)
             if b.copy:
                 for p, view in zip(b.params, b.views):
@@ -289,3 +293,49 @@ def tensors_in(obj):
     elif isinstance(obj, dict):
         for x in obj.values():
             yield from tensors_in(x)
+
+
+class HookBucket:
+    """What DDP's communication hooks read of a bucket (``torch.distributed.GradBucket``'s
+    methods): the flat buffer, its index, whether it is the last, its gradients and
+    parameters."""
+
+    def __init__(self, bucket: Bucket, count: int):
+        self._bucket, self._count = bucket, count
+
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.data
+
+    def set_buffer(self, t: torch.Tensor) -> None:
+        self._bucket.data.copy_(t)
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def is_last(self) -> bool:
+        return self._bucket.index == self._count - 1
+
+    def gradients(self) -> list:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list:
+        return list(self._bucket.params)
+
+
+class HookedHandle:
+    """A hook's future as a bucket's handle: ``wait()`` puts the reduced gradients it yields
+    into the bucket."""
+
+    def __init__(self, future, bucket: Bucket):
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future, or a Work's
+            raise TypeError(f"DataParallel: a communication hook must return a "
+                            f"torch.futures.Future, got {type(future).__name__}")
+        self._future, self._bucket = future, bucket
+
+    def wait(self) -> None:
+        value = self._future.wait()
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        data = self._bucket.data
+        if value.data_ptr() != data.data_ptr():
+            data.copy_(value.reshape(data.shape))

@@ -66,8 +66,15 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, bucket_mb: float = 25.0, overlap: bool = True,
                  group=None, find_unused_parameters: bool = False,
                  reduce_dtype: torch.dtype | None = None, quant=None,
-                 error_feedback: bool = False, expert_group=None):
+                 error_feedback: bool = False, expert_group=None, process_group=None,
+                 bucket_cap_mb: float | None = None, broadcast_buffers: bool = False,
+                 gradient_as_bucket_view: bool = True, static_graph: bool = False,
+                 device_ids=None, output_device=None):
         super().__init__()
+        group, bucket_mb = _ddp_arguments(module, group, process_group, bucket_mb, bucket_cap_mb,
+                                          device_ids, output_device)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.static_graph, self.gradient_as_bucket_view = bool(static_graph), True
         quant = quant_codec.spec(quant)  # a bad name or block raises here, before anything
         if error_feedback and quant is None:
             raise ValueError("DataParallel: error_feedback=True needs quant (e.g. 'int8')")
@@ -151,6 +158,10 @@ class DataParallel(nn.Module):
     # ---- the module ---------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.dp_size > 1:  # as DDP: dp rank 0's buffers
+            with torch.no_grad():
+                for buf in self.module.buffers():
+                    comm.broadcast(buf, src=self._src, group=self.group)
         if not torch.is_grad_enabled():  # no backward will follow: leave the cycle alone
             return self.module(*args, **kwargs)
         for r in self._reducers:
@@ -212,6 +223,20 @@ class DataParallel(nn.Module):
         for r in self._reducers:
             r.finish()
 
+    def register_comm_hook(self, state, hook) -> None:
+        """DDP's communication hook: ``hook(state, bucket)`` returns a ``torch.futures.Future``
+        of the bucket's reduced gradients, averaged (DDP's contract: ``bucket.buffer()``,
+        ``.index()``, ``.is_last()``, ``.gradients()``, ``.parameters()``; e.g. torch's
+        ``default_hooks.allreduce_hook`` or ``fp16_compress_hook`` with the dp group as
+        ``state``). Replaces the reducer's own all-reduce and division for every bucket."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook: a communication hook is already registered "
+                               "(DDP allows one)")
+        for r in self._reducers:
+            r.comm_hook = (state, hook)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes of forwards run inside this block reduce nothing: gradients
@@ -239,6 +264,34 @@ class DataParallel(nn.Module):
                 f"{self.find_unused_parameters}, reduce_dtype={self.reduce_dtype}")
 
 
+def _ddp_arguments(module, group, process_group, bucket_mb, bucket_cap_mb, device_ids,
+                   output_device):
+    """DistributedDataParallel's names for ``group`` and ``bucket_mb``, and its device checks:
+    ``(group, bucket_mb)``; ``ValueError`` naming what conflicts."""
+    if process_group is not None and group is not None:
+        raise ValueError("DataParallel: pass group or process_group (DDP's name), not both")
+    if bucket_cap_mb is not None:
+        if bucket_mb != 25.0:
+            raise ValueError(f"DataParallel: pass bucket_mb ({bucket_mb}) or bucket_cap_mb "
+                             f"({bucket_cap_mb}, DDP's name), not both")
+        bucket_mb = bucket_cap_mb
+    devices = {p.device for p in module.parameters()}
+    if device_ids is not None or output_device is not None:
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise ValueError(f"DataParallel: device_ids={device_ids!r} and output_device="
+                             f"{output_device!r} apply to a module on one CUDA device only (as "
+                             f"DDP's); this one is on {sorted(map(str, devices))}: leave them "
+                             "None")
+        mine = next(iter(devices))
+        for given in ([*device_ids] if device_ids is not None else []) + (
+                [output_device] if output_device is not None else []):
+            device = torch.device("cuda", given) if isinstance(given, int) else \
+                torch.device(given)
+            if device != mine:
+                raise ValueError(f"DataParallel: device {given!r} is not the module's {mine}")
+    return (group if group is not None else process_group), bucket_mb
+
+
 def _strip_prefix(module, state_dict, prefix, local_metadata) -> None:
     """state_dict post-hook: ``<prefix>module.<key>`` -> ``<prefix><key>`` (order kept)."""
     inner = prefix + PREFIX
@@ -254,8 +307,9 @@ def _strip_prefix(module, state_dict, prefix, local_metadata) -> None:
 def _add_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys,
                 unexpected_keys, error_msgs) -> None:
     """load_state_dict pre-hook: the wrapped module's keys ``<prefix><key>`` are loaded into
-    ``<prefix>module.<key>``."""
-    for key in [k for k in state_dict if k.startswith(prefix)]:
+    ``<prefix>module.<key>``; keys that have it already (a DDP checkpoint's) stay."""
+    for key in [k for k in state_dict if k.startswith(prefix)
+                and not k.startswith(prefix + PREFIX)]:
         state_dict[prefix + PREFIX + key[len(prefix):]] = state_dict.pop(key)
     meta = getattr(state_dict, "_metadata", None)
     if meta is not None:

@@ -21,6 +21,13 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def traceable(name: str, async_op: bool, quant=None, residual=None) -> None:
+    """What torch.compile cannot trace of a raw collective, refused naming it."""
+    if async_op or quant is not None or residual is not None:
+        raise ValueError(f"{name} under torch.compile: async_op, quant and residual are eager "
+                         "only (compiled code runs the functional collective in the graph)")
+
+
 def _group(group):
     return dist.group.WORLD if group is None else group
 
