@@ -595,3 +595,25 @@ def test_waiting_for_a_late_peer_costs_no_cpu(world):
         assert wall > 1.0, (what, wall)
         # Asleep but for the first ~10-30 ms of spins and yields and a wake every 10 ms.
         assert cpu < 0.1 * wall, (what, cpu, wall)
+
+
+@pytest.mark.quick
+def test_an_affinity_set_before_init_is_never_narrowed(monkeypatch):
+    """taskset on every rank alike (an affinity short of the machine's CPUs) is the user's
+    choice: kept; the machine's whole set is narrowed to shares as before."""
+    import torch
+
+    from fastpar.runtime import binding
+
+    assert binding.parse_cpus("0-2,5\n") == [0, 1, 2, 5]
+    assert binding.machine_cpus()  # this host says which CPUs it has
+    monkeypatch.setenv("FASTPAR_BIND", "1")
+    monkeypatch.setattr(binding, "affinity", lambda: [0, 1])
+    monkeypatch.setattr(binding, "machine_cpus", lambda: [0, 1, 2, 3])
+    why, undo = binding.bind_cpus(0, 2, torch.device("cpu"), [[0, 1], [0, 1]])
+    assert undo is None and why == "0-1 (set before init, kept: the machine has 0-3)", why
+    monkeypatch.setattr(binding, "_set_all_threads", lambda cpus: None)  # no real change
+    monkeypatch.setattr(binding, "machine_cpus", lambda: [0, 1])
+    why, undo = binding.bind_cpus(1, 2, torch.device("cpu"), [[0, 1], [0, 1]])
+    assert undo is not None and why == "1 (fastpar: local rank 1 of 2)", why
+    undo()

@@ -7,9 +7,10 @@ early). On this project's 2-core machine the scheduler left both ranks of a 2-ra
 core in one job of three to ten. So when every local rank may run on the same CPUs (the
 launcher bound nothing; a container's cpuset counts as the machine), init gives local rank r
 the r-th equal share of them and caps torch's intra-op threads at that share unless
-OMP_NUM_THREADS says otherwise; shutdown undoes both. A launcher's own binding
-(``mpirun --bind-to``, ``taskset``, Slurm) is kept, GPU jobs are left alone, and
-``FASTPAR_BIND=0`` keeps whatever there is.
+OMP_NUM_THREADS says otherwise; shutdown undoes both, and rank 0 says so once, at init. An
+affinity set before init is never narrowed: a launcher's own binding (``mpirun --bind-to``,
+Slurm), or ``taskset`` on every rank alike (an affinity short of the machine's CPUs), is kept;
+GPU jobs are left alone, and ``FASTPAR_BIND=0`` keeps whatever there is.
 """
 
 from __future__ import annotations
@@ -41,6 +42,42 @@ def affinity() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
+def parse_cpus(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``."""
+    out = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    return sorted(out)
+
+
+def machine_cpus() -> list[int] | None:
+    """The CPUs this process's container may use (its cgroup's cpuset, else every online
+    CPU); None where neither says."""
+    candidates = ["/sys/devices/system/cpu/online"]
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.strip().split(":", 2)
+                if controllers == "":  # cgroup v2
+                    candidates[:0] = [f"/sys/fs/cgroup{path}/cpuset.cpus.effective",
+                                      "/sys/fs/cgroup/cpuset.cpus.effective"]
+                elif "cpuset" in controllers.split(","):  # v1
+                    candidates[:0] = [f"/sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus"]
+    except OSError:
+        pass
+    for path in candidates:
+        try:
+            with open(path) as f:
+                cpus = parse_cpus(f.read())
+            if cpus:
+                return cpus
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def _set_all_threads(cpus) -> None:
     """Affinity is per thread (later threads inherit it): set it on every thread."""
     for tid in os.listdir("/proc/self/task"):
@@ -66,6 +103,10 @@ def bind_cpus(local_rank: int, local_world_size: int, device: torch.device,
         return f"{compact(mine)} (one rank on this host)", None
     if any(a != mine for a in local_affinities):
         return f"{compact(mine)} (bound by the launcher)", None
+    machine = machine_cpus()
+    if machine is not None and set(mine) < set(machine):
+        return f"{compact(mine)} (set before init, kept: the machine has {compact(machine)})", \
+            None
     if local_world_size > len(mine):
         return f"{compact(mine)} (shared: {local_world_size} ranks on {len(mine)} CPUs)", None
     cpus = share(mine, local_rank, local_world_size)

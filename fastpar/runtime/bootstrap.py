@@ -17,6 +17,7 @@ Steps, identical under every launcher:
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -173,6 +174,9 @@ def init(tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, backend: str | N
         if gloo_ifname is not None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
         raise
+    if rank == 0 and undo_binding is not None:  # said once: init changed the affinity
+        print(f"fastpar: each local rank runs on cores of its own (rank 0: {cpus}); "
+              "FASTPAR_BIND=0 keeps the affinity as it was", file=sys.stderr, flush=True)
     _STATE["job"] = Job(topology=topo, args=args, owns_pg=owns_pg, undo_binding=undo_binding)
     if gloo_ifname is not None:  # set for this job only: a later init decides again
         _STATE["job"].on_close(lambda: os.environ.pop("GLOO_SOCKET_IFNAME", None))
