@@ -14,7 +14,9 @@
 # kernels compiled and compared bit for bit with fastpar.comm.quant on the CPU
 # (tests/test_quant_kernels.py: blocks 16 to 65536, a million elements); comm.all_to_all_v_device
 # on NCCL with torch's sync debug mode set to error (tests/test_comm_alltoall.py, one rank: no
-# device-to-host sync in the device-counts path); a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
+# device-to-host sync in the device-counts path); the torch.distributed backend "fastpar" with
+# CUDA tensors, alone (its NCCL) and as "cpu:fastpar,cuda:nccl" (tests/test_backend.py, one
+# rank); a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
 # (cuda_ipc beside gloo, the engine it falls back to on a shared GPU; nccl and nccl_mpi say why
 # they cannot run when the ranks share one GPU: NCCL wants one GPU per rank).
 set -uo pipefail

@@ -376,3 +376,35 @@ def body_init_groups():
     dist.all_reduce(x, group=topo.tp_group)
     return {"backend": dist.get_backend(topo.tp_group),
             "dist_on_shm": served(topo.tp_group)["allreduce"]["shm"], "sum": x[0].item()}
+
+
+def body_cuda(path):
+    """One rank on one GPU: CUDA tensors through "fastpar" (its NCCL backend) and through the
+    mixed form "cpu:fastpar,cuda:nccl" (torch's own NCCL); CPU tensors on fastpar in both."""
+    import torch
+    import torch.distributed as dist
+
+    from fastpar.backend import served
+
+    out = {}
+    for i, backend in enumerate(("fastpar", "cpu:fastpar,cuda:nccl")):
+        dist.init_process_group(backend, init_method=f"file://{path}-{i}", rank=0, world_size=1)
+        x = torch.arange(8.0, device="cuda")
+        dist.all_reduce(x)
+        y = torch.empty(8, device="cuda")
+        dist.all_gather_into_tensor(y, x)
+        c = torch.ones(4)
+        dist.all_reduce(c)
+        torch.cuda.synchronize()
+        assert x.tolist() == list(range(8)) and torch.equal(y, x) and c.tolist() == [1.0] * 4
+        out[backend] = {"cuda": served(device="cuda"), "cpu": served(device="cpu")}
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_take_nccl_gpu(tmp_path):
+    got = run_ranks(1, body_cuda, path=str(tmp_path / "rdv"), timeout=120).values()[0]
+    assert got["fastpar"]["cuda"]["allreduce"] == {"nccl": 1}, got
+    assert got["cpu:fastpar,cuda:nccl"]["cuda"] == {}  # torch's NCCL group, not ours
+    assert got["cpu:fastpar,cuda:nccl"]["cpu"]["allreduce"] == {"gloo": 1}  # one rank: gloo

@@ -54,7 +54,11 @@ def _make(options):
     cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size)
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        nccl.global_ranks_in_group = ranks
+        nccl.group_name = f"{options.group_id}/nccl"
+        cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, nccl)
     exchange = StoreExchange(dist.PrefixStore("fastpar/", store), rank, size,
                              timeout.total_seconds())
     hosts = exchange.all_gather_object(host_id())
