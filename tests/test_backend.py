@@ -408,3 +408,46 @@ def test_cuda_tensors_take_nccl_gpu(tmp_path):
     assert got["fastpar"]["cuda"]["allreduce"] == {"nccl": 1}, got
     assert got["cpu:fastpar,cuda:nccl"]["cuda"] == {}  # torch's NCCL group, not ours
     assert got["cpu:fastpar,cuda:nccl"]["cpu"]["allreduce"] == {"gloo": 1}  # one rank: gloo
+
+
+def body_across_hosts():
+    """On hosts of their own (tests/test_cluster_jobs.py): fastpar.init's world spans the
+    hosts (its backend passes every call to gloo), a group of one host's ranks takes the
+    kernels; reductions, moves and point to point against references, on both."""
+    import torch
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.backend import served
+
+    topo = fastpar.init(timeout=120)
+    rank, n = topo.rank, topo.world_size
+    hosts = sorted(set(topo.hosts))
+    mine = [r for r in range(n) if topo.hosts[r] == topo.hosts[rank]]
+    local = None
+    for h in hosts:  # new_group is collective over the world: every host's, in order
+        g = dist.new_group([r for r in range(n) if topo.hosts[r] == h], backend="fastpar")
+        local = g if h == topo.hosts[rank] else local
+    for group, members in ((None, list(range(n))), (local, mine)):
+        xs = [data(r, (4099,), "float32", "x") for r in members]
+        t = xs[members.index(rank)].clone()
+        dist.all_reduce(t, group=group)
+        close("all_reduce", t, reference("SUM", xs, "float32"), "float32")
+        ints = [data(r, (7,), "int64", "i") for r in members]
+        t = ints[members.index(rank)].clone()
+        dist.all_reduce(t, op=dist.ReduceOp.PRODUCT, group=group)
+        close("all_reduce prod", t, reference("PRODUCT", ints, "int64"), "int64")
+        out = torch.empty(len(members) * 4099)
+        dist.all_gather_into_tensor(out, xs[members.index(rank)], group=group)
+        close("all_gather", out, torch.cat(xs), "float32")
+        t = xs[members.index(rank)].clone()
+        dist.broadcast(t, src=members[-1], group=group)
+        close("broadcast", t, xs[-1], "float32")
+    peer = (rank + n // 2) % n  # on the other host
+    got = torch.empty(5)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, data(rank, (5,), "float32", "p"),
+                                                peer),
+                                     dist.P2POp(dist.irecv, got, peer)]):
+        w.wait()
+    close("p2p across hosts", got, data(peer, (5,), "float32", "p"), "float32")
+    return {"world": served(), "local": served(local)}

@@ -8,7 +8,9 @@ Each launch runs several cases in one job (a launch across hosts costs ~10 s her
 - torchrun 2 x 2: the hierarchical collectives with gloo across;
 - mpirun 3 + 1: uneven hosts fall back to a flat engine, saying why, and stay correct;
 - mpirun 2 x 1 on two hosts that share a host name: never shm between them;
-- the main job on 2 x 2 with rank 3 (on h1) killed: the job ends, naming the rank and the host.
+- the main job on 2 x 2 with rank 3 (on h1) killed: the job ends, naming the rank and the host;
+- the torch.distributed backend "fastpar" on 2 x 2: the world (gloo across) and each host's
+  group (the kernels), point to point across the hosts.
 Skipped, saying why, where namespaces cannot be made (tests/test_hierarchical.py runs the same
 paths on one host with FASTPAR_HOST_ID).
 """
@@ -25,6 +27,7 @@ import pytest
 
 from fastpar.testing.cluster import NamespaceCluster, cluster_unavailable
 from tests.multirank import ROOT, launch_env, read_results, run_ranks
+from tests.test_backend import body_across_hosts  # noqa: F401  (a body launched from here)
 from tests.test_hierarchical import HIER, body_hier
 from tests.test_train import BASE, _rank_pids, _wait_lines, assert_parity, body_runs
 
@@ -205,3 +208,10 @@ def test_job_across_hosts_refuses_a_loopback_rendezvous(two_hosts):
     assert line.startswith("fastpar info: error on rank 0: fastpar.init: the job spans"), line
     assert line.endswith("or FASTPAR_MASTER_ADDR=<address of rank 0's host>"), line
     assert "error on rank 1" not in text and "rank 0 failed" not in text, text[-3000:]
+
+
+def test_torch_distributed_backend_across_hosts(two_hosts):
+    values = on_cluster(two_hosts, body_across_hosts)
+    for v in values:  # the world spans the hosts: gloo; a host's own group: the kernels
+        assert "shm" not in v["world"]["allreduce"] and v["world"]["allreduce"]["gloo"] >= 2
+        assert v["local"]["allreduce"]["shm"] >= 1 and v["local"]["_allgather_base"]["shm"]
