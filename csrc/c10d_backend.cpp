@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <utility>
 
@@ -405,6 +406,11 @@ class FastparBackend final : public c10d::Backend {
     cpu_->monitoredBarrier(o, wait_all_ranks);
   }
 
+  // The group's count of calls (torch's desync checks and object collectives read it): every
+  // call, whichever engine runs it, alike on every rank.
+  void setSequenceNumberForGroup() override { sequence_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return sequence_; }
+
   void abort() override {
     release();
     cpu_->abort();
@@ -563,6 +569,7 @@ class FastparBackend final : public c10d::Backend {
   void count(const std::string& op, const std::string& engine) {
     std::lock_guard<std::mutex> lock(stats_);
     served_[op][engine] += 1;
+    ++sequence_;
   }
 
   // Stop using the segment and let its Python owner close it (after any call in flight).
@@ -602,6 +609,7 @@ class FastparBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::mutex busy_;  // one shm call at a time: ranks must agree on the order
   std::mutex stats_;
+  std::atomic<uint64_t> sequence_{0};
   std::map<std::string, std::map<std::string, int64_t>> served_;
 };
 

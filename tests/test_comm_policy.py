@@ -52,8 +52,10 @@ TABLE = [
     ("all_reduce", "cpu", HIER, (4 << 20) - 4, F32, "hier", "mpi across"),
     ("all_reduce", "cpu", HIER, 4 << 20, F32, "hier", "gloo across"),
     ("all_gather", "cpu", HIER_TORCHRUN, 1 << 20, F32, "hier", "gloo across"),
-    ("all_reduce", "cpu", HIER, 4092, F32, "mpi", "below 4 KiB"),
-    ("all_reduce", "cpu", HIER, 4096, F32, "hier", "mpi across"),
+    ("all_reduce", "cpu", HIER, 4092, F32, "mpi", "below 64 KiB"),
+    ("all_reduce", "cpu", HIER, 4096, F32, "mpi", "below 64 KiB"),  # flat MPI wins below
+    ("all_reduce", "cpu", HIER, (64 << 10) - 4, F32, "mpi", "below 64 KiB"),
+    ("all_reduce", "cpu", HIER_TORCHRUN, 4096, F32, "hier", "gloo across"),  # not flat gloo
     ("all_reduce", "cpu", HIER, 2048, BF16, "gloo", "below 4 KiB"),
     ("all_reduce", "cpu", HIER_TORCHRUN, 2048, F32, "gloo", "below 4 KiB"),
     ("broadcast", "cpu", HIER, 1 << 20, F32, "mpi", "broadcast is flat"),

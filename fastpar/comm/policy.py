@@ -46,6 +46,12 @@ KiB, MiB = 1 << 10, 1 << 20
 # 1.5-1.7x at 16 KiB); below, a scalar's three calls and padding are overhead that a fast
 # fabric's flat MPI call would not pay.
 HIER_MIN_BYTES = 4 * KiB
+# Where the flat call is MPI's (an MPI-launched job, a dtype MPI carries) the hierarchical
+# engine pays from here: measured again on the cluster harness (2 hosts x 2 ranks, 1 Gbit/s,
+# bench/collectives.py --backends hier,mpi -n 400, 2026-12-07): hier/mpi 0.59x at 4 KiB, 0.61x
+# at 8 KiB, 0.76x at 16 KiB, 0.69x at 32 KiB, 1.02x at 64 KiB, 1.00x at 128 and 256 KiB.
+# (Against flat gloo, hier wins from 4 KiB: 15x there.)
+HIER_MIN_BYTES_MPI = 64 * KiB
 # From this many bytes the hierarchical engine's cross-host stage runs on torch's engine in the
 # background (pipelined with the host-local stages) instead of MPI's blocking call: 16 MiB
 # all-reduce, 2 x 2 ranks, 1 Gbit/s links: 146 ms pipelined over gloo, 158-186 ms over MPI.
@@ -108,19 +114,27 @@ def _across_hosts(op: str, facts: GroupFacts, nbytes: int, dtype: torch.dtype,
     if op == "all_to_all":
         flat = "mpi" if facts.mpi else facts.pg_backend
     why = _hier_refusal(op, "cpu", facts, dtype, reduce_op)
-    if why is None and nbytes >= HIER_MIN_BYTES:
+    least = hier_min_bytes(facts, dtype)
+    if why is None and nbytes >= least:
         hosts, per = len(facts.per_host), facts.per_host[0]
         return Choice("hier", f"{hosts} hosts x {per} ranks: shm within each host, "
                               f"{cross_engine(facts, dtype, nbytes)} across")
     if why is None:
-        why = f"{nbytes} bytes is below {_size(HIER_MIN_BYTES)} (one flat call is faster)"
+        why = f"{nbytes} bytes is below {_size(least)} (one flat call is faster)"
     return Choice(flat, f"spans hosts, not hier: {why}")
 
 
+def hier_min_bytes(facts: GroupFacts, dtype: torch.dtype) -> int:
+    """The smallest call the hierarchical engine takes: where the flat call would be MPI's,
+    ``HIER_MIN_BYTES_MPI``, else ``HIER_MIN_BYTES``."""
+    return HIER_MIN_BYTES_MPI if facts.mpi and dtype in MPI_DTYPES else HIER_MIN_BYTES
+
+
 def size_class(nbytes: int) -> int:
-    """Which side of the policy's CPU size thresholds ``nbytes`` is on (0, 1, 2): the routes
+    """Which side of the policy's CPU size thresholds ``nbytes`` is on (0 to 3): the routes
     of CPU calls are cached per class, the choice and its reason being alike within one."""
-    return (nbytes >= HIER_MIN_BYTES) + (nbytes >= CROSS_ASYNC_MIN_BYTES)
+    return ((nbytes >= HIER_MIN_BYTES) + (nbytes >= HIER_MIN_BYTES_MPI) +
+            (nbytes >= CROSS_ASYNC_MIN_BYTES))
 
 
 def _size(n: int) -> str:

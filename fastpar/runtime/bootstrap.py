@@ -175,8 +175,9 @@ def init(tp: int = 1, pp: int = 1, *, ep: int = 1, cp: int = 1, backend: str | N
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
         raise
     if rank == 0 and undo_binding is not None:  # said once: init changed the affinity
-        print(f"fastpar: each local rank runs on cores of its own (rank 0: {cpus}); "
-              "FASTPAR_BIND=0 keeps the affinity as it was", file=sys.stderr, flush=True)
+        print(f"fastpar: init bound each of this host's {local_world_size} ranks to cores of "
+              f"its own (rank 0: CPUs {cpus.split(' ')[0]}); FASTPAR_BIND=0 keeps the affinity "
+              "as it was", file=sys.stderr, flush=True)
     _STATE["job"] = Job(topology=topo, args=args, owns_pg=owns_pg, undo_binding=undo_binding)
     if gloo_ifname is not None:  # set for this job only: a later init decides again
         _STATE["job"].on_close(lambda: os.environ.pop("GLOO_SOCKET_IFNAME", None))
