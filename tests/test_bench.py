@@ -274,9 +274,23 @@ def test_recompute_bench_runs(tmp_path):
     assert rows[(0.1, "selective")]["saved_bytes"] < rows[(0.1, "none")]["saved_bytes"]
 
 
-BENCHES = ["bootstrap", "collectives", "context", "data_parallel", "gemm", "memory", "moe",
-           "overlap", "pipeline", "recompute", "tp_layers", "train_throughput", "zero_gather",
-           "zero_trainer"]
+BENCHES = ["bootstrap", "collectives", "context", "data_parallel", "dist_backend", "gemm",
+           "memory", "moe", "overlap", "pipeline", "recompute", "tp_layers", "train_throughput",
+           "zero_gather", "zero_trainer"]
+
+
+def test_dist_backend_bench_runs_every_op_and_a_program(tmp_path):
+    """bench/dist_backend.py, small: every op at 4 KiB through torch.distributed on fastpar and
+    gloo and through fastpar.comm, and a DDP step on each; fastpar far ahead of gloo at 4 KiB."""
+    out = tmp_path / "d.json"
+    run_script(2, "bench/dist_backend.py", "-b", "4K", "-e", "4K", "-n", "20", "--programs",
+               "dtensor", "--steps", "2", "--json", str(out), timeout=300)
+    got = json.loads(out.read_text())
+    assert [r["op"] for r in got["ops"]] == ["all_reduce", "all_gather", "reduce_scatter",
+                                            "broadcast", "all_to_all"], got
+    assert all(r["fastpar_us"] > 0 and r["gloo_us"] > 0 and r["comm_us"] > 0
+               for r in got["ops"])
+    assert [p["program"] for p in got["programs"]] == ["dtensor"]
 
 
 def test_zero_trainer_bench_reads_the_trainers_records(tmp_path):
