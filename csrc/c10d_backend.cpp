@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "shm_alltoall_ops.h"
@@ -151,10 +152,12 @@ thread_local bool fallback_only = false;
 class FastparBackend final : public c10d::Backend {
  public:
   FastparBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> cpu,
-                 c10::intrusive_ptr<c10d::Backend> cuda, PyObject* maker, double timeout_s)
+                 c10::intrusive_ptr<c10d::Backend> cuda, PyObject* maker, double timeout_s,
+                 const Hier& hier)
       : c10d::Backend(rank, size), cpu_(std::move(cpu)), cuda_(std::move(cuda)),
-        maker_(maker), timeout_(static_cast<int64_t>(timeout_s * 1000)) {
+        maker_(maker), timeout_(static_cast<int64_t>(timeout_s * 1000)), hier_(hier) {
     Py_XINCREF(maker_);
+    Py_XINCREF(hier_.maker);
   }
   ~FastparBackend() override { release(); }
 
@@ -172,6 +175,10 @@ class FastparBackend final : public c10d::Backend {
     if (ts.size() == 1 && here(ts[0]) && reduces(ts[0], o.reduceOp)) {
       reduce_in_place(ts[0], o.reduceOp);
       return done(ts, OpType::ALLREDUCE, "allreduce");
+    }
+    if (ts.size() == 1 && hierarchical(ts[0], o.reduceOp)) {
+      hier_all_reduce(ts[0], o.reduceOp);
+      return done(ts, OpType::ALLREDUCE, "allreduce", "hier");
     }
     if (!ts.empty() && ts[0].is_cpu() && ts[0].scalar_type() == at::kShort) {
       for (auto& t : ts) {  // as int32: sums and products wrap as int16's do once narrowed
@@ -435,15 +442,67 @@ class FastparBackend final : public c10d::Backend {
     return maker_ != nullptr && !fallback_only && t.is_cpu() && t.layout() == at::kStrided;
   }
 
+  // Whether a spanning group's all_reduce takes the hierarchical path: host sub-groups of
+  // equal size, the kernels' reductions, from hier_.min_bytes (alike on every rank).
+  bool hierarchical(const at::Tensor& t, const ReduceOp& op) const {
+    return hier_.cross && hier_.maker != nullptr && !fallback_only && t.is_cpu() &&
+           t.layout() == at::kStrided && reduces(t, op) &&
+           static_cast<int64_t>(t.nbytes()) >= hier_.min_bytes;
+  }
+
+  // Reduce-scatter within the host (the kernels), all-reduce of the shard across the hosts
+  // (the ranks of the same local index, on gloo), all-gather within the host (the kernels).
+  void hier_all_reduce(at::Tensor& t, const ReduceOp& op) {
+    at::Tensor c = t.contiguous();
+    at::Tensor flat = (c.is_complex() ? at::view_as_real(c) : c).reshape(-1);
+    const int64_t n = flat.numel(), k = hier_.local_size, per = (n + k - 1) / k;
+    at::Tensor buf = at::zeros({per * k}, flat.options());  // padded to k equal shards
+    buf.narrow(0, 0, n).copy_(flat);
+    const bool by_max = op.op_ == ReduceOp::MAX || op.op_ == ReduceOp::MIN;
+    if (op.op_ == ReduceOp::MIN) buf.neg_();  // min(x) = -max(-x)
+    if (op.op_ == ReduceOp::PREMUL_SUM) premultiply(buf, op);
+    at::Tensor shard = at::empty({per}, flat.options());
+    {
+      std::lock_guard<std::mutex> busy(busy_);
+      shm_reduce_scatter(intra(), buf, shard, by_max ? "max" : "sum");
+    }
+    c10d::AllreduceOptions across;
+    across.reduceOp = ReduceOp(by_max ? ReduceOp::MAX : ReduceOp::SUM);
+    Tensors part{shard};
+    hier_.cross->allreduce(part, across)->wait();
+    {
+      std::lock_guard<std::mutex> busy(busy_);
+      shm_all_gather(intra(), shard, buf, signature(shard.scalar_type(), shard.sizes()));
+    }
+    if (op.op_ == ReduceOp::MIN) buf.neg_();
+    flat.copy_(buf.narrow(0, 0, n));
+    if (op.op_ == ReduceOp::AVG) average(flat, size_);
+    back(t, c);
+  }
+
+  // The host sub-group's shm communicator, made at its first hierarchical call (busy_ held).
+  int64_t intra() {
+    if (intra_ == 0) std::tie(intra_, intra_owner_) = call_maker(hier_.maker);
+    return intra_;
+  }
+
   // The group's shm communicator, made at the first call that needs it (busy_ held): the
   // maker is collective over the group, and every rank reaches its first such call in the
   // same order, since which calls take the kernels depends only on what the ranks share.
   int64_t comm() {
-    if (shm_ != 0) return shm_;
-    TORCH_CHECK(maker_ != nullptr, "fastpar backend: the group was shut down");
+    if (shm_ == 0) std::tie(shm_, owner_) = call_maker(maker_);
+    return shm_;
+  }
+
+  // Call a Python maker (collective over its group): (the shm handle, a new reference to its
+  // owner); its exception as a c10::Error.
+  static std::tuple<int64_t, PyObject*> call_maker(PyObject* maker) {
+    TORCH_CHECK(maker != nullptr, "fastpar backend: the group was shut down");
     PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject* made = PyObject_CallNoArgs(maker_);
+    PyObject* made = PyObject_CallNoArgs(maker);
     std::string error;
+    int64_t handle = 0;
+    PyObject* owner = nullptr;
     if (made == nullptr) {
       PyObject *type, *value, *trace;
       PyErr_Fetch(&type, &value, &trace);
@@ -456,14 +515,14 @@ class FastparBackend final : public c10d::Backend {
       Py_XDECREF(trace);
       PyErr_Clear();
     } else {
-      shm_ = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
-      owner_ = PyTuple_GetItem(made, 1);
-      Py_INCREF(owner_);
+      handle = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
+      owner = PyTuple_GetItem(made, 1);
+      Py_INCREF(owner);
       Py_DECREF(made);
     }
     PyGILState_Release(gil);
-    TORCH_CHECK(error.empty(), "fastpar backend: setting up the group's shared memory: ", error);
-    return shm_;
+    TORCH_CHECK(error.empty(), "fastpar backend: setting up shared memory: ", error);
+    return {handle, owner};
   }
   bool gathers(const at::Tensor& in, const Tensors& outs) const {
     if (!here(in) || static_cast<int64_t>(outs.size()) != size_) {
@@ -561,8 +620,8 @@ class FastparBackend final : public c10d::Backend {
     return fb;
   }
 
-  WorkPtr done(Tensors ts, OpType type, const char* shm_op) {
-    if (shm_op != nullptr) count(shm_op, "shm");
+  WorkPtr done(Tensors ts, OpType type, const char* shm_op, const char* engine = "shm") {
+    if (shm_op != nullptr) count(shm_op, engine);
     return c10::make_intrusive<DoneWork>(std::move(ts), type, rank_);
   }
 
@@ -576,29 +635,46 @@ class FastparBackend final : public c10d::Backend {
   void release() {
     PyObject* owner = nullptr;
     PyObject* maker = nullptr;
+    PyObject* intra_owner = nullptr;
+    PyObject* intra_maker = nullptr;
     {
       std::lock_guard<std::mutex> busy(busy_);
-      shm_ = 0;
+      shm_ = intra_ = 0;
       std::swap(owner, owner_);
       std::swap(maker, maker_);
+      std::swap(intra_owner, intra_owner_);
+      std::swap(intra_maker, hier_.maker);
     }
-    if ((owner == nullptr && maker == nullptr) || !Py_IsInitialized()) return;
-#if PY_VERSION_HEX >= 0x030D0000
-    if (Py_IsFinalizing()) return;
-#else
-    if (_Py_IsFinalizing()) return;
-#endif
+    close_owner(intra_owner);
+    close_owner(owner);
+    if ((maker == nullptr && intra_maker == nullptr) || !Py_IsInitialized() || finalizing()) {
+      return;
+    }
     PyGILState_STATE gil = PyGILState_Ensure();
-    if (owner != nullptr) {
-      PyObject* r = PyObject_CallMethod(owner, "close", nullptr);
-      if (r == nullptr) {
-        PyErr_Clear();
-      } else {
-        Py_DECREF(r);
-      }
-      Py_DECREF(owner);
-    }
     Py_XDECREF(maker);
+    Py_XDECREF(intra_maker);
+    PyGILState_Release(gil);
+  }
+
+  static bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+  }
+
+  // An owner's close() (detaching its shm communicator) and its reference dropped.
+  static void close_owner(PyObject* owner) {
+    if (owner == nullptr || !Py_IsInitialized() || finalizing()) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* r = PyObject_CallMethod(owner, "close", nullptr);
+    if (r == nullptr) {
+      PyErr_Clear();
+    } else {
+      Py_DECREF(r);
+    }
+    Py_DECREF(owner);
     PyGILState_Release(gil);
   }
 
@@ -606,6 +682,9 @@ class FastparBackend final : public c10d::Backend {
   int64_t shm_ = 0;             // the shm communicator's handle, once made
   PyObject* owner_ = nullptr;   // its Python owner (close() detaches it)
   PyObject* maker_;             // makes both; None where the group spans hosts
+  Hier hier_;                   // a spanning group's host sub-groups (empty: none)
+  int64_t intra_ = 0;           // the host sub-group's shm communicator, once made
+  PyObject* intra_owner_ = nullptr;
   std::chrono::milliseconds timeout_;
   std::mutex busy_;  // one shm call at a time: ranks must agree on the order
   std::mutex stats_;
@@ -624,11 +703,12 @@ bool set_fallback_only(bool on) {
 c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
-                                               PyObject* maker, double timeout_s) {
+                                               PyObject* maker, double timeout_s,
+                                               const Hier& hier) {
   TORCH_CHECK(cpu, "fastpar backend: no CPU fallback backend given");
   return c10::make_intrusive<FastparBackend>(static_cast<int>(rank), static_cast<int>(size),
                                              std::move(cpu), cuda ? *cuda : nullptr, maker,
-                                             timeout_s);
+                                             timeout_s, hier);
 }
 
 std::map<std::string, std::map<std::string, int64_t>> backend_served(

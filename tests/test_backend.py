@@ -410,16 +410,22 @@ def test_cuda_tensors_take_nccl_gpu(tmp_path):
     assert got["cpu:fastpar,cuda:nccl"]["cpu"]["allreduce"] == {"gloo": 1}  # one rank: gloo
 
 
-def body_across_hosts():
-    """On hosts of their own (tests/test_cluster_jobs.py): fastpar.init's world spans the
-    hosts (its backend passes every call to gloo), a group of one host's ranks takes the
-    kernels; reductions, moves and point to point against references, on both."""
+def body_across_hosts(hosts=None):
+    """On hosts of their own (tests/test_cluster_jobs.py; or ``hosts``, one identity per rank,
+    FASTPAR_HOST_ID on one machine): fastpar.init's world spans the hosts (its float
+    all-reduces from 4 KiB go through each host's kernels and across on gloo, the rest to
+    gloo), a group of one host's ranks takes the kernels; reductions, moves and point to point
+    against references, on both."""
     import torch
     import torch.distributed as dist
 
     import fastpar
     from fastpar.backend import served
 
+    if hosts is not None:
+        from fastpar.runtime.launcher import detect
+
+        os.environ["FASTPAR_HOST_ID"] = hosts[detect(os.environ).rank]
     topo = fastpar.init(timeout=120)
     rank, n = topo.rank, topo.world_size
     hosts = sorted(set(topo.hosts))
@@ -429,10 +435,16 @@ def body_across_hosts():
         g = dist.new_group([r for r in range(n) if topo.hosts[r] == h], backend="fastpar")
         local = g if h == topo.hosts[rank] else local
     for group, members in ((None, list(range(n))), (local, mine)):
+        for dtype in ("float32", "bfloat16"):
+            for op in ("SUM", "AVG", "MIN", "MAX", "PREMUL_SUM"):
+                for shape in ((4099,), (3, 5)):  # 3 x 5 x 4 bytes: below the hierarchy's 4 KiB
+                    xs = [data(r, shape, dtype, "x" + op) for r in members]
+                    t = xs[members.index(rank)].clone()
+                    red = (dist._make_nccl_premul_sum(2.5) if op == "PREMUL_SUM"
+                           else getattr(dist.ReduceOp, op))
+                    dist.all_reduce(t, op=red, group=group)
+                    close(f"all_reduce {op}", t, reference(op, xs, dtype), dtype)
         xs = [data(r, (4099,), "float32", "x") for r in members]
-        t = xs[members.index(rank)].clone()
-        dist.all_reduce(t, group=group)
-        close("all_reduce", t, reference("SUM", xs, "float32"), "float32")
         ints = [data(r, (7,), "int64", "i") for r in members]
         t = ints[members.index(rank)].clone()
         dist.all_reduce(t, op=dist.ReduceOp.PRODUCT, group=group)
@@ -451,3 +463,13 @@ def body_across_hosts():
         w.wait()
     close("p2p across hosts", got, data(peer, (5,), "float32", "p"), "float32")
     return {"world": served(), "local": served(local)}
+
+
+def test_hierarchical_all_reduce_on_one_machine():
+    """Two host identities of two ranks each on this machine (FASTPAR_HOST_ID): the world's
+    float all-reduces go through the hierarchy, every result against its reference."""
+    got = run_ranks(4, body_across_hosts, hosts=["a", "a", "b", "b"], timeout=240).values()
+    for v in got:
+        assert v["world"]["allreduce"]["hier"] == 2 * 5, v  # 4099 elements: 2 dtypes x 5 ops
+        assert v["world"]["allreduce"]["gloo"] >= 10 and "shm" not in v["world"]["allreduce"]
+        assert v["local"]["allreduce"]["shm"] >= 20, v

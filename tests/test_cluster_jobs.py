@@ -212,6 +212,8 @@ def test_job_across_hosts_refuses_a_loopback_rendezvous(two_hosts):
 
 def test_torch_distributed_backend_across_hosts(two_hosts):
     values = on_cluster(two_hosts, body_across_hosts)
-    for v in values:  # the world spans the hosts: gloo; a host's own group: the kernels
-        assert "shm" not in v["world"]["allreduce"] and v["world"]["allreduce"]["gloo"] >= 2
-        assert v["local"]["allreduce"]["shm"] >= 1 and v["local"]["_allgather_base"]["shm"]
+    for v in values:  # the world spans the hosts: the hierarchy from 4 KiB, else gloo; a
+        # host's own group: the kernels
+        assert v["world"]["allreduce"]["hier"] == 10 and v["world"]["allreduce"]["gloo"] >= 10
+        assert "shm" not in v["world"]["allreduce"], v
+        assert v["local"]["allreduce"]["shm"] >= 20 and v["local"]["_allgather_base"]["shm"]

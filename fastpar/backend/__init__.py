@@ -21,8 +21,9 @@ import torch.distributed as dist
 NAME = "fastpar"
 
 # What serves each operation of a group whose ranks share a host, CPU tensors (the rule of
-# csrc/c10d_backend.cpp; a group across hosts, or of one rank, passes every call to gloo; CUDA
-# tensors go to NCCL). ``fastpar info`` prints it; docs/backend.md explains it.
+# csrc/c10d_backend.cpp; a group across hosts all-reduces floats from 4 KiB through each host's
+# kernels and across on gloo where its hosts hold as many ranks each, and passes the rest to
+# gloo; CUDA tensors go to NCCL). ``fastpar info`` prints it; docs/backend.md explains it.
 OPERATIONS = (
     ("all_reduce", "shm: float32/64, bf16, fp16 (complex as real): SUM, AVG, MIN, MAX, PREMUL_SUM",
      "gloo: integers, bool, PRODUCT, bitwise (int16 as int32; AVG/PREMUL_SUM made from SUM)"),

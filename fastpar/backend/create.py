@@ -8,7 +8,10 @@ group's ranks, on its store.
    share a host, the group's shm segment is made and mapped at its first call the kernels
    serve (``comm/engines/segments.py``'s protocol, its two steps over the group's own gloo): a
    group that never needs it costs no shared memory.
-3. The extension's backend takes both and decides per call (``csrc/c10d_backend.cpp``).
+3. A group that spans hosts with as many ranks on each gets its host sub-groups too
+   (``_host_split``): its all-reduces from ``policy.HIER_MIN_BYTES`` go through each host's
+   kernels and across the hosts on gloo, the hierarchical engine's three stages.
+4. The extension's backend takes them all and decides per call (``csrc/c10d_backend.cpp``).
 
 torch.distributed calls the creator once per device the backend serves; on a CUDA build the
 second call (the same group) gets the first call's backend, which dispatches by tensor device.
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from fastpar import _native
 from fastpar.comm.engines.segments import Exchange, StoreExchange
 from fastpar.comm.engines.shm import ShmCommunicator
+from fastpar.comm.policy import HIER_MIN_BYTES
 from fastpar.runtime.hostid import host_id
 
 log = logging.getLogger("fastpar.backend")
@@ -62,18 +66,48 @@ def _make(options):
     exchange = StoreExchange(dist.PrefixStore("fastpar/", store), rank, size,
                              timeout.total_seconds())
     hosts = exchange.all_gather_object(host_id())
-    maker = None
+    seconds = timeout.total_seconds()
+    maker, hier = None, {}
     if size > 1 and len(set(hosts)) == 1:
         def maker():  # at the group's first call the kernels serve (collective over it)
             # over the group's own gloo: a store's client serves one request at a time, so
             # groups set up from several threads at once would wait on each other's keys
-            shm = ShmCommunicator(GlooExchange(cpu, size), ranks, ranks[rank],
-                                  timeout.total_seconds())
+            shm = ShmCommunicator(GlooExchange(cpu, size), ranks, ranks[rank], seconds)
             return shm._comm, shm
     elif size > 1:
-        log.info("fastpar backend: the group of global ranks %s spans %d hosts: gloo serves "
-                 "every call", ranks, len(set(hosts)))
-    return _C.make_backend(rank, size, cpu, cuda, maker, timeout.total_seconds())
+        hier = _host_split(store, rank, ranks, hosts, timeout)
+        log.info("fastpar backend: the group of global ranks %s spans %d hosts: %s", ranks,
+                 len(set(hosts)), "all_reduce from %d bytes through each host's kernels, the "
+                 "rest on gloo" % HIER_MIN_BYTES if hier else "gloo serves every call "
+                 "(unequal ranks per host, or one per host)")
+    return _C.make_backend(rank, size, cpu, cuda, maker, seconds, **hier)
+
+
+def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout) -> dict:
+    """A spanning group's host sub-groups, where every host has the same number (>= 2) of its
+    ranks: a gloo backend across the hosts among the ranks of this one's local index, and the
+    maker of this host's shm communicator (over a gloo of the host's ranks): the hierarchical
+    all-reduce's pieces (``csrc/c10d_backend.cpp``). Collective over the group (each rank makes
+    its host's and its index's gloo, on prefixes of the group's store); ``{}`` where the hosts
+    differ in size."""
+    order = list(dict.fromkeys(hosts))
+    members = {h: [r for r, x in enumerate(hosts) if x == h] for h in order}
+    local = members[hosts[rank]]
+    if len(local) < 2 or any(len(m) != len(local) for m in members.values()):
+        return {}
+    host, index = order.index(hosts[rank]), local.index(rank)
+    intra = dist.ProcessGroupGloo(dist.PrefixStore(f"intra{host}/", store), index, len(local),
+                                  timeout)
+    cross = dist.ProcessGroupGloo(dist.PrefixStore(f"cross{index}/", store), host, len(order),
+                                  timeout)
+
+    def intra_maker():
+        shm = ShmCommunicator(GlooExchange(intra, len(local)), [ranks[r] for r in local],
+                              ranks[rank], timeout.total_seconds())
+        return shm._comm, shm
+
+    return {"cross": cross, "intra_maker": intra_maker, "local_size": len(local),
+            "hier_min_bytes": HIER_MIN_BYTES}
 
 
 class GlooExchange(Exchange):
