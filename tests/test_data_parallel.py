@@ -562,3 +562,43 @@ def test_ddp_arguments_comm_hook_and_ddp_checkpoints():
         assert r["worst"]["plain"] <= 1e-6 and r["worst"]["allreduce_hook"] <= 1e-6, r
         assert r["loaded"] and r["buffer"] == [7.0] * 3, r
         assert len(r["errors"]) == 3 and "device_ids=[0]" in r["errors"][0], r["errors"]
+
+
+def body_join():
+    """Uneven inputs under join(): rank r has 2 + 2r batches. DataParallel and torch's DDP (on
+    the same group, the same model and data) end with the same parameters on every rank."""
+    import torch
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fastpar
+
+    topo = fastpar.init()
+
+    def train(wrapped, inner, context):
+        opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+        with context:
+            for step in range(2 + 2 * topo.rank):
+                g = torch.Generator().manual_seed(100 * topo.rank + step)
+                wrapped(torch.randn(4, 8, generator=g)).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in inner.parameters()])
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    a, b = model(), model()
+    ours = fastpar.DataParallel(a, process_group=topo.dp_group, bucket_cap_mb=0.0002)
+    theirs = DDP(b, process_group=topo.dp_group, bucket_cap_mb=0.0002)
+    got = train(ours, a, ours.join())
+    want = train(theirs, b, Join([theirs]))
+    return {"worst": (got - want).abs().max().item(), "sum": got.sum().item()}
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_join_uneven_inputs_like_ddp(nranks):
+    got = run_ranks(nranks, body_join).values()
+    assert all(g["worst"] <= 1e-6 for g in got), got
+    assert len({round(g["sum"], 5) for g in got}) == 1, got  # every rank the same model

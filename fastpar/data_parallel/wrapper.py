@@ -31,6 +31,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from fastpar import comm
 from fastpar.comm import quant as quant_codec
@@ -43,7 +44,7 @@ log = logging.getLogger("fastpar.data_parallel")
 PREFIX = "module."  # where nn.Module registers the wrapped module; hidden from state dicts
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Joinable):
     """Average the gradients of ``module`` over a data-parallel group.
 
     ``bucket_mb``: bucket cap in MiB (the first bucket is at most 1 MiB). ``overlap``: reduce each
@@ -70,7 +71,8 @@ class DataParallel(nn.Module):
                  bucket_cap_mb: float | None = None, broadcast_buffers: bool = False,
                  gradient_as_bucket_view: bool = True, static_graph: bool = False,
                  device_ids=None, output_device=None):
-        super().__init__()
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
         group, bucket_mb = _ddp_arguments(module, group, process_group, bucket_mb, bucket_cap_mb,
                                           device_ids, output_device)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -158,6 +160,8 @@ class DataParallel(nn.Module):
     # ---- the module ---------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and not self._no_sync:
+            Join.notify_join_context(self)  # inside join(): this rank still has inputs
         if self.broadcast_buffers and self.dp_size > 1:  # as DDP: dp rank 0's buffers
             with torch.no_grad():
                 for buf in self.module.buffers():
@@ -223,6 +227,29 @@ class DataParallel(nn.Module):
         for r in self._reducers:
             r.finish()
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """DDP's ``join()``: a context for uneven inputs. A rank that runs out of batches
+        shadows the others' reductions (its buckets count as zeros, and the sum is still divided
+        by the whole dp size, as DDP's ``divide_by_initial_world_size=True``); at the end the
+        last rank to join gives every rank its parameters and buffers."""
+        if not divide_by_initial_world_size:
+            raise ValueError("DataParallel.join: divide_by_initial_world_size=False is not "
+                             "supported (the buckets are divided by the whole dp size)")
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _JoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.buckets[0].data.device if self.reducer.buckets else \
+            torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.group
+
     def register_comm_hook(self, state, hook) -> None:
         """DDP's communication hook: ``hook(state, bucket)`` returns a ``torch.futures.Future``
         of the bucket's reduced gradients, averaged (DDP's contract: ``bucket.buffer()``,
@@ -262,6 +289,35 @@ class DataParallel(nn.Module):
         return (f"dp={self.dp_size}, buckets={len(self.buckets)} [{sizes}{more}] MiB, "
                 f"overlap={self.overlap} ({why}), find_unused_parameters="
                 f"{self.find_unused_parameters}, reduce_dtype={self.reduce_dtype}")
+
+
+class _JoinHook(JoinHook):
+    """What a rank out of inputs runs for each step the others still take: the buffers'
+    broadcast and every bucket's all-reduce, with zeros; at the end, the last joiner's model."""
+
+    def __init__(self, dp: DataParallel):
+        self.dp = dp
+
+    @torch.no_grad()
+    def main_hook(self) -> None:
+        dp = self.dp
+        if dp.broadcast_buffers and dp.dp_size > 1:
+            for buf in dp.module.buffers():
+                comm.broadcast(buf, src=dp._src, group=dp.group)
+        for r in dp._reducers:
+            for b in r.buckets:
+                comm.all_reduce(torch.zeros_like(b.data), group=r.group)
+
+    @torch.no_grad()
+    def post_hook(self, is_last_joiner: bool) -> None:
+        dp = self.dp
+        if dp.dp_size == 1:
+            return
+        ranks = dist.get_process_group_ranks(dp.group)
+        last = comm.all_gather(torch.tensor([float(is_last_joiner)]), group=dp.group)
+        src = ranks[int(last.nonzero()[0])]  # the first of the last joiners
+        for t in [*dp.module.parameters(), *dp.module.buffers()]:
+            comm.broadcast(t.data, src=src, group=dp.group)
 
 
 def _ddp_arguments(module, group, process_group, bucket_mb, bucket_cap_mb, device_ids,
