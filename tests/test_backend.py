@@ -473,3 +473,29 @@ def test_hierarchical_all_reduce_on_one_machine():
         assert v["world"]["allreduce"]["hier"] == 2 * 5, v  # 4099 elements: 2 dtypes x 5 ops
         assert v["world"]["allreduce"]["gloo"] >= 10 and "shm" not in v["world"]["allreduce"]
         assert v["local"]["allreduce"]["shm"] >= 20, v
+
+
+def body_init_method(path, method):
+    """One all_reduce on a group made by ``method`` (tcp://, env:// under torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    from fastpar.backend import served
+
+    rank, n = init(path, method=method)
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t)
+    return {"sum": t[0].item(), "shm": served()["allreduce"].get("shm", 0),
+            "backend": dist.get_backend()}
+
+
+@pytest.mark.parametrize("method,launcher", [("tcp", "mpirun"), ("env", "torchrun")])
+def test_init_methods(method, launcher):
+    import socket
+
+    with socket.socket() as s:  # a free port for tcp://127.0.0.1:<port>
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got = run_ranks(2, body_init_method, launcher=launcher, path=str(port), method=method,
+                    timeout=120).values()
+    assert got == [{"sum": 3.0, "shm": 1, "backend": "fastpar"}] * 2, got
