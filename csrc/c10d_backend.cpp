@@ -169,6 +169,7 @@ class FastparBackend final : public c10d::Backend {
     timeout_ = timeout;
     cpu_->setTimeout(timeout);
     if (cuda_) cuda_->setTimeout(timeout);
+    if (hier_.cross) hier_.cross->setTimeout(timeout);
   }
 
   WorkPtr allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
@@ -350,7 +351,8 @@ class FastparBackend final : public c10d::Backend {
   WorkPtr alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                         std::vector<int64_t>& in_splits,
                         const c10d::AllToAllOptions& o) override {
-    if (here(in) && here(out) && in.dim() >= 1 && in.scalar_type() == out.scalar_type() &&
+    if (here(in) && here(out) && in.dim() >= 1 && out.dim() == in.dim() &&
+        out.sizes().slice(1) == in.sizes().slice(1) && in.scalar_type() == out.scalar_type() &&
         splits_fit(in, in_splits) &&
         splits_fit(out, out_splits)) {
       auto send = rows(in, in_splits), recv = rows(out, out_splits);
@@ -422,11 +424,13 @@ class FastparBackend final : public c10d::Backend {
     release();
     cpu_->abort();
     if (cuda_) cuda_->abort();
+    if (hier_.cross) hier_.cross->abort();
   }
   void shutdown() override {
     release();
     cpu_->shutdown();
     if (cuda_) cuda_->shutdown();
+    if (hier_.cross) hier_.cross->shutdown();
   }
 
   std::map<std::string, std::map<std::string, int64_t>> served() {
@@ -482,7 +486,7 @@ class FastparBackend final : public c10d::Backend {
 
   // The host sub-group's shm communicator, made at its first hierarchical call (busy_ held).
   int64_t intra() {
-    if (intra_ == 0) std::tie(intra_, intra_owner_) = call_maker(hier_.maker);
+    if (intra_ == 0) std::tie(intra_, intra_owner_) = call_maker(hier_.maker, failed_);
     return intra_;
   }
 
@@ -490,13 +494,16 @@ class FastparBackend final : public c10d::Backend {
   // maker is collective over the group, and every rank reaches its first such call in the
   // same order, since which calls take the kernels depends only on what the ranks share.
   int64_t comm() {
-    if (shm_ == 0) std::tie(shm_, owner_) = call_maker(maker_);
+    if (shm_ == 0) std::tie(shm_, owner_) = call_maker(maker_, failed_);
     return shm_;
   }
 
   // Call a Python maker (collective over its group): (the shm handle, a new reference to its
-  // owner); its exception as a c10::Error.
-  static std::tuple<int64_t, PyObject*> call_maker(PyObject* maker) {
+  // owner); its exception as a c10::Error. A set-up that failed once fails every later call
+  // alike, without a second attempt the other ranks might not join.
+  static std::tuple<int64_t, PyObject*> call_maker(PyObject* maker, std::string& failed) {
+    TORCH_CHECK(failed.empty(), "fastpar backend: setting up shared memory failed earlier: ",
+                failed);
     TORCH_CHECK(maker != nullptr, "fastpar backend: the group was shut down");
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject* made = PyObject_CallNoArgs(maker);
@@ -515,12 +522,21 @@ class FastparBackend final : public c10d::Backend {
       Py_XDECREF(trace);
       PyErr_Clear();
     } else {
-      handle = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
-      owner = PyTuple_GetItem(made, 1);
-      Py_INCREF(owner);
+      if (PyTuple_Check(made) && PyTuple_Size(made) == 2) {
+        handle = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
+        owner = PyTuple_GetItem(made, 1);
+      }
+      if (owner == nullptr || handle <= 0 || PyErr_Occurred()) {
+        PyErr_Clear();
+        error = "the maker did not return (handle, owner)";
+        owner = nullptr;
+      } else {
+        Py_INCREF(owner);
+      }
       Py_DECREF(made);
     }
     PyGILState_Release(gil);
+    if (!error.empty()) failed = error;
     TORCH_CHECK(error.empty(), "fastpar backend: setting up shared memory: ", error);
     return {handle, owner};
   }
@@ -685,6 +701,7 @@ class FastparBackend final : public c10d::Backend {
   Hier hier_;                   // a spanning group's host sub-groups (empty: none)
   int64_t intra_ = 0;           // the host sub-group's shm communicator, once made
   PyObject* intra_owner_ = nullptr;
+  std::string failed_;          // why a shm set-up failed (empty: none did)
   std::chrono::milliseconds timeout_;
   std::mutex busy_;  // one shm call at a time: ranks must agree on the order
   std::mutex stats_;

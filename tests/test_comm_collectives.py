@@ -338,8 +338,8 @@ def body_edges():
                  lambda: comm.reduce_scatter(torch.ones(2, 4), dim=2),
                  lambda: comm.reduce_scatter(torch.tensor(1.0)),
                  lambda: comm.reduce_scatter(torch.ones(3, 2)),
-                 lambda: comm.all_reduce(torch.ones(2), op="avg"),
-                 lambda: comm.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG),
+                 lambda: comm.all_reduce(torch.ones(2), op="mean"),
+                 lambda: comm.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
                  lambda: comm.all_reduce([1.0, 2.0])):
         try:
             call()
@@ -385,9 +385,11 @@ def test_edges_follow_one_rule_at_any_world_size(world):
     assert "0-dim" in errors[3]
     assert errors[4] == (None if world == 1 else "ValueError: reduce_scatter: dim 0 of size 3 is "
                          "not divisible by the group size 2")
-    assert errors[5].startswith("ValueError: op must be one of 'sum', 'max', 'min', 'prod' or the "
-                                "torch.distributed.ReduceOp of the same name, got 'avg'")
-    assert errors[6].startswith("ValueError: op must be one of") and "AVG" in errors[6], errors[6]
+    # "avg" is taken (the sum divided: test_all_reduce_and_reduce_scatter_avg); other names not
+    assert errors[5].startswith("ValueError: op must be one of 'sum', 'max', 'min', 'prod', "
+                                "'avg' or the torch.distributed.ReduceOp of the same name, got "
+                                "'mean'"), errors[5]
+    assert errors[6].startswith("ValueError: op must be one of") and "BAND" in errors[6], errors[6]
     assert errors[7] == "TypeError: all_reduce: expected a torch.Tensor, got list"
 
 

@@ -13,8 +13,8 @@ group's ranks, on its store.
    kernels and across the hosts on gloo, the hierarchical engine's three stages.
 4. The extension's backend takes them all and decides per call (``csrc/c10d_backend.cpp``).
 
-torch.distributed calls the creator once per device the backend serves; on a CUDA build the
-second call (the same group) gets the first call's backend, which dispatches by tensor device.
+torch.distributed calls the creator once per device the backend serves (on a CUDA build: cpu
+and cuda, each a backend of its own that dispatches by tensor device; one serves each device).
 """
 
 from __future__ import annotations
@@ -33,19 +33,10 @@ from fastpar.runtime.hostid import host_id
 
 log = logging.getLogger("fastpar.backend")
 
-_last: tuple | None = None  # (group id, backend) of the latest group: its second device's call
-
-
 def create(options, backend_options=None):
-    """torch.distributed's creator (extended API): ``options`` carries the group's store, rank,
-    size, timeout, id and global ranks."""
-    global _last
-    if _last is not None and _last[0] == options.group_id:
-        backend, _last = _last[1], None
-        return backend
-    backend = _make(options)
-    _last = (options.group_id, backend) if torch.cuda.is_available() else None
-    return backend
+    """torch.distributed's creator (extended API): ``options`` carries the group's store
+    (prefixed per device by torch), rank, size, timeout, id and global ranks."""
+    return _make(options)
 
 
 def _make(options):
