@@ -361,7 +361,8 @@ def test_init_puts_its_groups_on_the_backend_by_default():
     assert default_backend(torch.device("cuda", 0), False) == "nccl"
     assert default_backend(torch.device("cuda", 0), True) == "fastpar"  # a shared GPU: CPU comm
     got = run_ranks(2, body_init_groups, timeout=120).values()
-    assert all(g == {"backend": "fastpar", "dist_on_shm": 1, "sum": 3.0} for g in got), got
+    assert all(g == {"backend": "fastpar", "dist_on_shm": 1, "forced_on_gloo": 1, "sum": 3.0}
+               for g in got), got
 
 
 def body_init_groups():
@@ -371,11 +372,18 @@ def body_init_groups():
     import fastpar
     from fastpar.backend import served
 
+    from fastpar import comm
+
     topo = fastpar.init(tp=2)
     x = torch.full((16,), float(topo.rank + 1))
     dist.all_reduce(x, group=topo.tp_group)
-    return {"backend": dist.get_backend(topo.tp_group),
-            "dist_on_shm": served(topo.tp_group)["allreduce"]["shm"], "sum": x[0].item()}
+    # fastpar.comm's own gloo engine on a fastpar group is gloo's, not the kernels behind it
+    comm.use_backend("gloo")
+    comm.all_reduce(torch.ones(16), group=topo.tp_group)
+    comm.use_backend(None)
+    got = served(topo.tp_group)["allreduce"]
+    return {"backend": dist.get_backend(topo.tp_group), "dist_on_shm": got["shm"],
+            "forced_on_gloo": got.get("gloo", 0), "sum": x[0].item()}
 
 
 def body_cuda(path):
