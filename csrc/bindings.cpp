@@ -136,7 +136,8 @@ PYBIND11_MODULE(_C, m) {
       [](int64_t rank, int64_t size, c10::intrusive_ptr<c10d::Backend> cpu,
          std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, py::object maker,
          double timeout_s, std::optional<c10::intrusive_ptr<c10d::Backend>> cross,
-         py::object intra_maker, int64_t local_size, int64_t hier_min_bytes) {
+         py::object intra_maker, int64_t local_size, int64_t hier_min_bytes,
+         py::object ipc_maker) {
         fastpar::Hier hier;
         if (cross && !intra_maker.is_none()) {
           hier.cross = *cross;
@@ -145,11 +146,13 @@ PYBIND11_MODULE(_C, m) {
           hier.min_bytes = hier_min_bytes;
         }
         return fastpar::make_backend(rank, size, std::move(cpu), std::move(cuda),
-                                     maker.is_none() ? nullptr : maker.ptr(), timeout_s, hier);
+                                     maker.is_none() ? nullptr : maker.ptr(), timeout_s, hier,
+                                     ipc_maker.is_none() ? nullptr : ipc_maker.ptr());
       },
       py::arg("rank"), py::arg("size"), py::arg("cpu"), py::arg("cuda"), py::arg("maker"),
       py::arg("timeout_s"), py::arg("cross") = py::none(), py::arg("intra_maker") = py::none(),
-      py::arg("local_size") = 0, py::arg("hier_min_bytes") = 0);
+      py::arg("local_size") = 0, py::arg("hier_min_bytes") = 0,
+      py::arg("ipc_maker") = py::none());
   m.def("backend_served", &fastpar::backend_served, py::arg("backend"));
   m.def("backend_fallback_only", &fastpar::set_fallback_only, py::arg("on"));
 }

@@ -14,6 +14,8 @@
 #include <tuple>
 #include <utility>
 
+#include "c10d_ipc.h"
+#include "py_call.h"
 #include "shm_alltoall_ops.h"
 #include "shm_ops.h"
 
@@ -153,9 +155,10 @@ class FastparBackend final : public c10d::Backend {
  public:
   FastparBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> cpu,
                  c10::intrusive_ptr<c10d::Backend> cuda, PyObject* maker, double timeout_s,
-                 const Hier& hier)
+                 const Hier& hier, PyObject* ipc_maker)
       : c10d::Backend(rank, size), cpu_(std::move(cpu)), cuda_(std::move(cuda)),
-        maker_(maker), timeout_(static_cast<int64_t>(timeout_s * 1000)), hier_(hier) {
+        maker_(maker), hier_(hier), ipc_(ipc_maker, size),
+        timeout_(static_cast<int64_t>(timeout_s * 1000)) {
     Py_XINCREF(maker_);
     Py_XINCREF(hier_.maker);
   }
@@ -173,6 +176,10 @@ class FastparBackend final : public c10d::Backend {
   }
 
   WorkPtr allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
+    if (ts.size() == 1 && !fallback_only && ipc_.serves(ts[0], o.reduceOp)) {
+      ipc_.all_reduce(ts[0], o.reduceOp);
+      return done(ts, OpType::ALLREDUCE, "allreduce", "cuda_ipc");
+    }
     if (ts.size() == 1 && here(ts[0]) && reduces(ts[0], o.reduceOp)) {
       reduce_in_place(ts[0], o.reduceOp);
       return done(ts, OpType::ALLREDUCE, "allreduce");
@@ -421,12 +428,14 @@ class FastparBackend final : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return sequence_; }
 
   void abort() override {
+    ipc_.close(false);
     release();
     cpu_->abort();
     if (cuda_) cuda_->abort();
     if (hier_.cross) hier_.cross->abort();
   }
   void shutdown() override {
+    ipc_.close(true);  // collective, over cpu_: destroy_process_group shuts groups down in order
     release();
     cpu_->shutdown();
     if (cuda_) cuda_->shutdown();
@@ -505,41 +514,34 @@ class FastparBackend final : public c10d::Backend {
     TORCH_CHECK(failed.empty(), "fastpar backend: setting up shared memory failed earlier: ",
                 failed);
     TORCH_CHECK(maker != nullptr, "fastpar backend: the group was shut down");
-    PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject* made = PyObject_CallNoArgs(maker);
     std::string error;
     int64_t handle = 0;
     PyObject* owner = nullptr;
-    if (made == nullptr) {
-      PyObject *type, *value, *trace;
-      PyErr_Fetch(&type, &value, &trace);
-      PyObject* text = value != nullptr ? PyObject_Str(value) : nullptr;
-      const char* utf8 = text != nullptr ? PyUnicode_AsUTF8(text) : nullptr;
-      error = utf8 != nullptr ? utf8 : "unknown error";
-      Py_XDECREF(text);
-      Py_XDECREF(type);
-      Py_XDECREF(value);
-      Py_XDECREF(trace);
-      PyErr_Clear();
-    } else {
-      if (PyTuple_Check(made) && PyTuple_Size(made) == 2) {
-        handle = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
-        owner = PyTuple_GetItem(made, 1);
-      }
-      if (owner == nullptr || handle <= 0 || PyErr_Occurred()) {
-        PyErr_Clear();
-        error = "the maker did not return (handle, owner)";
-        owner = nullptr;
+    {
+      Gil gil;
+      PyObject* made = PyObject_CallNoArgs(maker);
+      if (made == nullptr) {
+        error = take_python_error();
       } else {
-        Py_INCREF(owner);
+        if (PyTuple_Check(made) && PyTuple_Size(made) == 2) {
+          handle = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
+          owner = PyTuple_GetItem(made, 1);
+        }
+        if (owner == nullptr || handle <= 0 || PyErr_Occurred()) {
+          PyErr_Clear();
+          error = "the maker did not return (handle, owner)";
+          owner = nullptr;
+        } else {
+          Py_INCREF(owner);
+        }
+        Py_DECREF(made);
       }
-      Py_DECREF(made);
     }
-    PyGILState_Release(gil);
     if (!error.empty()) failed = error;
     TORCH_CHECK(error.empty(), "fastpar backend: setting up shared memory: ", error);
     return {handle, owner};
   }
+
   bool gathers(const at::Tensor& in, const Tensors& outs) const {
     if (!here(in) || static_cast<int64_t>(outs.size()) != size_) {
       return false;
@@ -661,37 +663,10 @@ class FastparBackend final : public c10d::Backend {
       std::swap(intra_owner, intra_owner_);
       std::swap(intra_maker, hier_.maker);
     }
-    close_owner(intra_owner);
-    close_owner(owner);
-    if ((maker == nullptr && intra_maker == nullptr) || !Py_IsInitialized() || finalizing()) {
-      return;
-    }
-    PyGILState_STATE gil = PyGILState_Ensure();
-    Py_XDECREF(maker);
-    Py_XDECREF(intra_maker);
-    PyGILState_Release(gil);
-  }
-
-  static bool finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing();
-#else
-    return _Py_IsFinalizing();
-#endif
-  }
-
-  // An owner's close() (detaching its shm communicator) and its reference dropped.
-  static void close_owner(PyObject* owner) {
-    if (owner == nullptr || !Py_IsInitialized() || finalizing()) return;
-    PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject* r = PyObject_CallMethod(owner, "close", nullptr);
-    if (r == nullptr) {
-      PyErr_Clear();
-    } else {
-      Py_DECREF(r);
-    }
-    Py_DECREF(owner);
-    PyGILState_Release(gil);
+    call_and_release(intra_owner, "close");  // detaches the shm communicators
+    call_and_release(owner, "close");
+    release_python(maker);
+    release_python(intra_maker);
   }
 
   c10::intrusive_ptr<c10d::Backend> cpu_, cuda_;
@@ -702,6 +677,7 @@ class FastparBackend final : public c10d::Backend {
   int64_t intra_ = 0;           // the host sub-group's shm communicator, once made
   PyObject* intra_owner_ = nullptr;
   std::string failed_;          // why a shm set-up failed (empty: none did)
+  IpcAllReduce ipc_;            // CUDA tensors' all-reduce within a host (CUDA builds)
   std::chrono::milliseconds timeout_;
   std::mutex busy_;  // one shm call at a time: ranks must agree on the order
   std::mutex stats_;
@@ -721,11 +697,11 @@ c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
                                                PyObject* maker, double timeout_s,
-                                               const Hier& hier) {
+                                               const Hier& hier, PyObject* ipc_maker) {
   TORCH_CHECK(cpu, "fastpar backend: no CPU fallback backend given");
   return c10::make_intrusive<FastparBackend>(static_cast<int>(rank), static_cast<int>(size),
                                              std::move(cpu), cuda ? *cuda : nullptr, maker,
-                                             timeout_s, hier);
+                                             timeout_s, hier, ipc_maker);
 }
 
 std::map<std::string, std::map<std::string, int64_t>> backend_served(

@@ -17,7 +17,8 @@ namespace fastpar {
 // the CUDA one (NCCL; none on a CPU build). maker: a Python callable, collective over the group,
 // returning (the group's shm communicator handle (csrc/shm_ops.h), the object owning its
 // segment, whose close() detaches it), called at the first call the kernels serve; null where
-// the group spans hosts or has one rank. timeout_s: the group's timeout.
+// the group spans hosts or has one rank. timeout_s: the group's timeout. ipc_maker: the CUDA IPC
+// all-reduce's (csrc/c10d_ipc.h; null: none).
 // A group that spans hosts with as many ranks on each: its all-reduce goes through the host
 // (the kernels, over the host's shm communicator that `maker` makes, as above, collective over
 // the host's ranks) and across the hosts (`cross`: the ranks of this one's local index, gloo).
@@ -32,7 +33,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
                                                PyObject* maker, double timeout_s,
-                                               const Hier& hier);
+                                               const Hier& hier, PyObject* ipc_maker);
 
 // While set (in this thread), every backend passes every call to its fallback: fastpar.comm's
 // own gloo calls on a fastpar group stay gloo's. Returns the previous setting.

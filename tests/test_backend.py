@@ -418,6 +418,48 @@ def test_cuda_tensors_take_nccl_gpu(tmp_path):
     assert got["cpu:fastpar,cuda:nccl"]["cpu"]["allreduce"] == {"gloo": 1}  # one rank: gloo
 
 
+def body_cuda_ipc(path):
+    """Two ranks on one GPU: CUDA all-reduces within the size limit take fastpar's CUDA IPC
+    kernels behind ``dist.all_reduce`` (NCCL, which wants a GPU per rank, is never called):
+    every dtype the kernels reduce, SUM and AVG, an odd-address view and a strided one (each
+    through a copy), against the float64 sum."""
+    import torch
+    import torch.distributed as dist
+
+    from fastpar.backend import served
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("fastpar", init_method=f"file://{path}")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for dtype in ("float32", "bfloat16", "float16"):
+        for op in ("SUM", "AVG"):
+            for numel in (8, 4096, 1 << 20):  # 16 bytes and up: the kernels' 16-byte loads
+                xs = [data(r, (numel,), dtype, "ipc" + op) for r in range(n)]
+                t = xs[rank].cuda()
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                want = reference("SUM", xs, dtype) / (n if op == "AVG" else 1)
+                close(f"cuda_ipc {op} {numel}", t.cpu(), want, dtype)
+    xs = [data(r, (1 + 4096,), "float32", "view") for r in range(n)]
+    base = xs[rank].cuda()
+    dist.all_reduce(base[1:])  # 4 bytes past the allocation: not 16-byte aligned
+    close("odd address", base[1:].cpu(), reference("SUM", [x[1:] for x in xs], "float32"),
+          "float32")
+    xs = [data(r, (64, 8), "float32", "strided") for r in range(n)]
+    t = xs[rank].cuda().t()  # (8, 64), strides (1, 8)
+    dist.all_reduce(t)
+    close("strided", t.cpu(), reference("SUM", [x.t() for x in xs], "float32"), "float32")
+    torch.cuda.synchronize()
+    got = served(device="cuda")
+    dist.destroy_process_group()  # the collective release of the IPC region
+    return got
+
+
+@pytest.mark.gpu
+def test_cuda_all_reduce_takes_cuda_ipc_gpu(tmp_path):
+    for got in run_ranks(2, body_cuda_ipc, path=str(tmp_path / "rdv"), timeout=180).values():
+        assert got == {"allreduce": {"cuda_ipc": 3 * 2 * 3 + 2}}, got
+
+
 def body_across_hosts(hosts=None):
     """On hosts of their own (tests/test_cluster_jobs.py; or ``hosts``, one identity per rank,
     FASTPAR_HOST_ID on one machine): fastpar.init's world spans the hosts (its float

@@ -9,8 +9,10 @@
 2. The torch glue ipc_allreduce.cu compiles against the installed torch's headers. A CPU wheel
    lacks only the generated c10/cuda/impl/cuda_cmake_macros.h; the test writes it as torch's
    CUDA build does. Skips when nvcc is missing or other headers are, naming them.
+3. The torch.distributed backend's CUDA IPC branch (csrc/c10d_ipc.cpp, FASTPAR_WITH_CUDA set)
+   compiles with the C++ compiler against torch's and Python's headers, without a warning.
 
-Both compiles start when pytest's collection ends (tests.background) and run beside the
+The compiles start when pytest's collection ends (tests.background) and run beside the
 multi-rank tests before these; the tests wait for them.
 """
 
@@ -88,24 +90,44 @@ def _glue_command(nvcc: str, tmp_path) -> list | str:
             "-o", os.path.join(tmp_path, "ipc_allreduce.o")]
 
 
+def _backend_command(tmp_path) -> list | str:
+    """The torch.distributed backend's CUDA branch (csrc/c10d_ipc.cpp as a CUDA build compiles
+    it, FASTPAR_WITH_CUDA set), by the C++ compiler: it calls the glue's API, which a CPU build
+    leaves out."""
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+
+    cxx = shutil.which("c++")
+    if cxx is None:
+        return "no C++ compiler (c++) on the PATH"
+    csrc = os.path.dirname(CSRC_CUDA)
+    includes = [arg for d in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"],
+                              csrc] for arg in ("-I", d)]
+    return [cxx, "-c", "-O0", "-std=c++20", "-Wall", "-Werror", "-DFASTPAR_WITH_CUDA=1",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes,
+            os.path.join(csrc, "c10d_ipc.cpp"), "-o", os.path.join(tmp_path, "c10d_ipc.o")]
+
+
 def BACKGROUND_JOBS(workdir: str) -> dict:
-    """Both compiles, started when collection ends (tests.background): {name: argv or why not}."""
+    """The compiles, started when collection ends (tests.background): {name: argv or why not}."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        return {"kernels": NO_NVCC, "glue": NO_NVCC}
+        return {"kernels": NO_NVCC, "glue": NO_NVCC, "backend": _backend_command(workdir)}
     src = os.path.join(CSRC_CUDA, "ipc_kernels.cu")  # every kernel instantiated, no torch
     gencodes = [flag for flags in ARCHS.values() for flag in flags]
     return {"kernels": [nvcc, "-c", "-O3", "-std=c++17", *gencodes, *TORCH_NVCC_MACROS,
                         "-Werror", "all-warnings", "-I", CSRC_CUDA, src,
                         "-o", os.path.join(workdir, "kernels.o")],
-            "glue": _glue_command(nvcc, workdir)}
+            "glue": _glue_command(nvcc, workdir), "backend": _backend_command(workdir)}
 
 
-def _check(name: str, what: str) -> None:
+def _check(name: str, what: str, compiler: str = "nvcc") -> None:
     done = background.result(sys.modules[__name__], name, timeout=300)
     if isinstance(done, str):
         pytest.skip(done)
-    assert done.returncode == 0, f"nvcc ({what}) failed: {done.describe()}"
+    assert done.returncode == 0, f"{compiler} ({what}) failed: {done.describe()}"
 
 
 def test_kernels_compile():
@@ -114,3 +136,7 @@ def test_kernels_compile():
 
 def test_glue_compiles():
     _check("glue", "glue")
+
+
+def test_backend_cuda_branch_compiles():
+    _check("backend", "c10d_ipc.cpp with FASTPAR_WITH_CUDA", "c++")

@@ -7,6 +7,8 @@
   can fail any step on one rank: every rank must fall back together, name the rank that failed,
   release everything it took, never free its region before every peer unmapped it, and unmap on
   the device it mapped on.
+- The torch.distributed backend's maker (``fastpar/backend/cuda.py``): the same protocol over
+  the backend's own gloo, its collective close and its one-rank drop.
 - CUDA symmetric tensors (``symmetric._cuda_symmetric``) through the same exchange
   (``ipc_exchange.PeerMaps``) and the same fake driver, on CPU memory: every peer's address, the
   two-barrier teardown, and every rank a plain tensor when one rank cannot export or open.
@@ -251,6 +253,8 @@ def body_setup_protocol():
     run("timed-out-at-close", timed_out="fastpar cuda_ipc all_reduce on global ranks [...] "
         "timed out (injected)")
 
+    out["backend"] = backend_maker(rank, world, group)
+
     # Setting the communicator up inside a CUDA graph capture is refused before it begins.
     real = torch.cuda.is_available, torch.cuda.is_current_stream_capturing
     torch.cuda.is_available = torch.cuda.is_current_stream_capturing = lambda: True
@@ -262,6 +266,39 @@ def body_setup_protocol():
     finally:
         torch.cuda.is_available, torch.cuda.is_current_stream_capturing = real
     fastpar.shutdown()
+    return out
+
+
+def backend_maker(rank, world, group):
+    """The torch.distributed backend's maker (``fastpar/backend/cuda.py``): the same protocol
+    over the backend's own gloo (a c10d Backend that is no registered group), as the extension
+    calls it: ``maker(device index)``, then ``owner.close()`` (the group's shutdown) or
+    ``owner.drop()`` (an abort)."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from fastpar.backend.cuda import REFUSED, ipc_maker
+
+    store = dist.PrefixStore("backend-ipc/", dist.distributed_c10d._get_default_store())
+    gloo = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=60))
+    ranks = list(range(world))
+    out = {}
+    for name, fault, end in (("healthy", {}, "close"), ("aborted", {}, "drop"),
+                             ("fail-open", {"fail": "open"}, None)):
+        driver = FakeDriver(rank, group, **(fault if rank == 1 else {}))
+        made = ipc_maker(gloo, ranks, rank, 12.5, driver, "cpu")(0)
+        if made is not REFUSED:
+            getattr(made[3], end)()
+        out[name] = {"made": None if made is REFUSED else list(made[:3]),
+                     "calls": _names(driver.log),
+                     "opened_on": sorted({a[1] for _, c, a in driver.log if c == "open"})}
+    os.environ["FASTPAR_CUDA_IPC"] = "0"
+    driver = FakeDriver(rank, group)
+    out["off"] = {"refused": ipc_maker(gloo, ranks, rank, 12.5, driver, "cpu")(0) is REFUSED,
+                  "calls": _names(driver.log)}
+    del os.environ["FASTPAR_CUDA_IPC"]
     return out
 
 
@@ -344,6 +381,28 @@ def test_a_timed_out_communicator_is_not_freed_and_says_why(protocol):
             assert "timed out (injected)" in r["closed"]
         else:
             assert r["closed"] is None
+
+
+def test_backend_maker_sets_up_and_releases_over_the_backends_own_gloo(protocol):
+    for rank, out in enumerate(protocol):
+        b = out["backend"]
+        # (context, max_bytes: sm90 at 3 ranks, algo auto), on the device the call names
+        assert b["healthy"]["made"] == [99, 32 * MiB, 0], b["healthy"]
+        assert b["healthy"]["opened_on"] == ["cpu:0"]
+        calls = b["healthy"]["calls"]
+        assert calls[calls.index("synchronize"):] == ["synchronize", "dispose", "close",
+                                                      "close", "free"], calls
+        # an abort: this rank alone releases what uses the region and unmaps the peers', and
+        # keeps its own region (a peer may still map it)
+        calls = b["aborted"]["calls"]
+        assert calls[calls.index("synchronize"):] == ["synchronize", "dispose", "close",
+                                                      "close"], calls
+        # a failure on rank 1: every rank refuses alike (NCCL serves) and gives back all
+        assert b["fail-open"]["made"] is None
+        calls = b["fail-open"]["calls"]
+        assert calls.count("alloc") == calls.count("free") == 1, calls
+        assert calls.count("open") == calls.count("close"), calls
+        assert b["off"] == {"refused": True, "calls": []}
 
 
 def test_setup_inside_a_graph_capture_is_refused(protocol):

@@ -38,6 +38,9 @@ OPERATIONS = (
     ("all_to_all (lists), allgather_coalesced, gather, scatter", "-", "gloo"),
     ("send, recv, recv any source, batch_isend_irecv", "-", "gloo"),
     ("barrier, monitored_barrier", "-", "gloo (waits for the group's calls in flight)"),
+    ("all_reduce of CUDA tensors", "cuda_ipc (a CUDA build, a group on one host): float32, "
+     "fp16, bf16; SUM, AVG; multiples of 16 bytes up to policy.ipc_limit", "NCCL"),
+    ("every other call on CUDA tensors", "-", "NCCL"),
 )
 
 

@@ -11,7 +11,10 @@ group's ranks, on its store.
 3. A group that spans hosts with as many ranks on each gets its host sub-groups too
    (``_host_split``): its all-reduces from ``policy.HIER_MIN_BYTES`` go through each host's
    kernels and across the hosts on gloo, the hierarchical engine's three stages.
-4. The extension's backend takes them all and decides per call (``csrc/c10d_backend.cpp``).
+4. On a CUDA build, a group on one host gets the CUDA IPC all-reduce's maker too
+   (``cuda.py``): its CUDA all-reduces within the size limit take fastpar's kernels, the rest
+   NCCL.
+5. The extension's backend takes them all and decides per call (``csrc/c10d_backend.cpp``).
 
 torch.distributed calls the creator once per device the backend serves (on a CUDA build: cpu
 and cuda, each a backend of its own that dispatches by tensor device; one serves each device).
@@ -20,13 +23,13 @@ and cuda, each a backend of its own that dispatches by tensor device; one serves
 from __future__ import annotations
 
 import logging
-import pickle
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
-from fastpar.comm.engines.segments import Exchange, StoreExchange
+from fastpar.backend.cuda import ipc_maker
+from fastpar.comm.engines.segments import BackendExchange, StoreExchange
 from fastpar.comm.engines.shm import ShmCommunicator
 from fastpar.comm.policy import HIER_MIN_BYTES
 from fastpar.runtime.hostid import host_id
@@ -58,20 +61,23 @@ def _make(options):
                              timeout.total_seconds())
     hosts = exchange.all_gather_object(host_id())
     seconds = timeout.total_seconds()
-    maker, hier = None, {}
+    maker, hier, ipc = None, {}, None
     if size > 1 and len(set(hosts)) == 1:
         def maker():  # at the group's first call the kernels serve (collective over it)
             # over the group's own gloo: a store's client serves one request at a time, so
             # groups set up from several threads at once would wait on each other's keys
-            shm = ShmCommunicator(GlooExchange(cpu, size), ranks, ranks[rank], seconds)
+            shm = ShmCommunicator(BackendExchange(cpu, size), ranks, ranks[rank], seconds)
             return shm._comm, shm
+
+        if cuda is not None and _native.status()["cuda"]:
+            ipc = ipc_maker(cpu, ranks, rank, seconds)
     elif size > 1:
         hier = _host_split(store, rank, ranks, hosts, timeout)
         log.info("fastpar backend: the group of global ranks %s spans %d hosts: %s", ranks,
                  len(set(hosts)), "all_reduce from %d bytes through each host's kernels, the "
                  "rest on gloo" % HIER_MIN_BYTES if hier else "gloo serves every call "
                  "(unequal ranks per host, or one per host)")
-    return _C.make_backend(rank, size, cpu, cuda, maker, seconds, **hier)
+    return _C.make_backend(rank, size, cpu, cuda, maker, seconds, ipc_maker=ipc, **hier)
 
 
 def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout) -> dict:
@@ -93,36 +99,12 @@ def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout) -> dic
                                   timeout)
 
     def intra_maker():
-        shm = ShmCommunicator(GlooExchange(intra, len(local)), [ranks[r] for r in local],
+        shm = ShmCommunicator(BackendExchange(intra, len(local)), [ranks[r] for r in local],
                               ranks[rank], timeout.total_seconds())
         return shm._comm, shm
 
     return {"cross": cross, "intra_maker": intra_maker, "local_size": len(local),
             "hier_min_bytes": HIER_MIN_BYTES}
-
-
-class GlooExchange(Exchange):
-    """The segment protocol's two steps over a group's own gloo ``Backend`` (not a registered
-    group, so its calls directly)."""
-
-    def __init__(self, backend, size: int):
-        self.backend, self.size = backend, size
-
-    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        self.backend.allgather([out], [t]).wait()
-        return out
-
-    def all_gather_object(self, obj) -> list:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = [int(n) for n in self._gather(torch.tensor([data.numel()]))]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)
-        padded[:data.numel()] = data
-        return [pickle.loads(t[:n].numpy().tobytes())
-                for t, n in zip(self._gather(padded), sizes)]
-
-    def barrier(self) -> None:
-        self._gather(torch.zeros(1))
 
 
 def served(group, device: str) -> dict:

@@ -214,6 +214,20 @@ class CudaIpcCommunicator:
         if err:
             raise RuntimeError(err)
 
+    @property
+    def context(self) -> int:
+        """The native context (``csrc/cuda/ipc_allreduce.h``); 0 once closed."""
+        return self._ctx or 0
+
+    def drop(self) -> None:
+        """This rank alone (an abort; a torch.distributed group freed without its shutdown):
+        no launch uses the region any more and the peers' are unmapped; this rank's own region
+        stays allocated until the process ends, since a peer may still map it."""
+        if self._ptr is None and self._ctx is None:
+            return
+        self._peers.release(healthy=False, dispose=self._dispose, free=self._free_region())
+        self._ptr = None
+
     def _release(self) -> None:
         """After a failed setup (every rank alike): dispose, unmap the peers, a barrier, free."""
         self._peers.release(dispose=self._dispose, free=self._free_region())

@@ -18,6 +18,9 @@ opened handle on the device it was opened on; a second barrier (every importer h
 rank's buffer); free. If a rank is unhealthy or the group does not answer, nobody frees: a peer
 may still map the buffer.
 
+``group`` is a torch.distributed group or a ``segments.Exchange`` (the torch.distributed backend's
+own gloo: ``fastpar/backend/cuda.py``).
+
 Every native call goes through ``Driver``, so CPU-only tests drive the whole protocol over real
 processes with a fake one (tests/test_cuda_ipc_setup.py).
 """
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar import _native
+from fastpar.comm.engines.segments import Exchange
 
 log = logging.getLogger("fastpar.comm")
 
@@ -127,8 +131,11 @@ def agreed_step(group, ranks, what: str, fn):
         mine = (None, str(exc))
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then the group falls back
         mine = (None, f"{type(exc).__name__}: {exc}")
-    everyone = [None] * len(ranks)
-    dist.all_gather_object(everyone, mine, group=group)
+    if isinstance(group, Exchange):
+        everyone = group.all_gather_object(mine)
+    else:
+        everyone = [None] * len(ranks)
+        dist.all_gather_object(everyone, mine, group=group)
     failed = [f"global rank {r}: {why}" for r, (_, why) in zip(ranks, everyone) if why]
     reason = f"{what} failed ({'; '.join(failed)})" if failed else None
     return [value for value, _ in everyone], reason
@@ -136,6 +143,8 @@ def agreed_step(group, ranks, what: str, fn):
 
 def all_agree(ok: bool, group, device) -> bool:
     """Whether ``ok`` on every rank (a collective: ``all_agree(True, ...)`` is a barrier)."""
+    if isinstance(group, Exchange):
+        return all(group.all_gather_object(bool(ok)))
     flag = torch.tensor([0.0 if ok else 1.0],
                         device=device if dist.get_backend(group) == "nccl" else "cpu")
     dist.all_reduce(flag, group=group)

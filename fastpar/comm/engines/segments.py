@@ -16,8 +16,9 @@ For each segment this rank is a member of:
    memory goes with the last mapping, whoever dies later), and the reaper goes.
 
 ``group`` is a torch.distributed group, or an ``Exchange`` of the same two steps over something
-else: ``StoreExchange`` runs them over a c10d store, for the torch.distributed backend, whose
-group cannot yet run collectives while it is being made (``fastpar/backend/``).
+else: ``StoreExchange`` runs them over a c10d store, ``BackendExchange`` over a c10d backend
+that is no registered group: the torch.distributed backend's (``fastpar/backend/``), whose group
+cannot run collectives while it is being made, nor from inside one of its own calls.
 
 On any failure, on any rank (a peer that died or never came, /dev/shm full, an interrupt),
 this rank closes what it mapped and unlinks every name of its segments it knows (the owner
@@ -35,6 +36,7 @@ import pickle
 import secrets
 import subprocess
 
+import torch
 import torch.distributed as dist
 
 
@@ -71,6 +73,30 @@ class StoreExchange(Exchange):
 
     def barrier(self) -> None:
         self.all_gather_object(None)
+
+
+class BackendExchange(Exchange):
+    """The same steps over a c10d ``Backend`` of ``size`` ranks that is not a registered group
+    (the fastpar backend's own gloo, made beside it): its calls directly."""
+
+    def __init__(self, backend, size: int):
+        self.backend, self.size = backend, size
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self.backend.allgather([out], [t]).wait()
+        return out
+
+    def all_gather_object(self, obj) -> list:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(n) for n in self._gather(torch.tensor([data.numel()]))]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        return [pickle.loads(t[:n].numpy().tobytes())
+                for t, n in zip(self._gather(padded), sizes)]
+
+    def barrier(self) -> None:
+        self._gather(torch.zeros(1))
 
 
 def _posixshmem():
