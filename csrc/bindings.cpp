@@ -137,13 +137,14 @@ PYBIND11_MODULE(_C, m) {
          std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, py::object maker,
          double timeout_s, std::optional<c10::intrusive_ptr<c10d::Backend>> cross,
          py::object intra_maker, int64_t local_size, int64_t hier_min_bytes,
-         py::object ipc_maker) {
+         py::object ipc_maker, std::vector<int64_t> hier_place) {
         fastpar::Hier hier;
         if (cross && !intra_maker.is_none()) {
           hier.cross = *cross;
           hier.maker = intra_maker.ptr();
           hier.local_size = local_size;
           hier.min_bytes = hier_min_bytes;
+          hier.place = std::move(hier_place);
         }
         return fastpar::make_backend(rank, size, std::move(cpu), std::move(cuda),
                                      maker.is_none() ? nullptr : maker.ptr(), timeout_s, hier,
@@ -152,7 +153,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("rank"), py::arg("size"), py::arg("cpu"), py::arg("cuda"), py::arg("maker"),
       py::arg("timeout_s"), py::arg("cross") = py::none(), py::arg("intra_maker") = py::none(),
       py::arg("local_size") = 0, py::arg("hier_min_bytes") = 0,
-      py::arg("ipc_maker") = py::none());
+      py::arg("ipc_maker") = py::none(), py::arg("hier_place") = std::vector<int64_t>{});
   m.def("backend_served", &fastpar::backend_served, py::arg("backend"));
   m.def("backend_fallback_only", &fastpar::set_fallback_only, py::arg("on"));
 }

@@ -14,7 +14,9 @@
 #include <tuple>
 #include <utility>
 
+#include "c10d_hier.h"
 #include "c10d_ipc.h"
+#include "c10d_ops.h"
 #include "py_call.h"
 #include "shm_alltoall_ops.h"
 #include "shm_ops.h"
@@ -26,6 +28,11 @@ using c10d::OpType;
 using c10d::ReduceOp;
 using Tensors = std::vector<at::Tensor>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using backend_ops::average;
+using backend_ops::copy_back;
+using backend_ops::premultiply;
+using backend_ops::reduces;
+using backend_ops::signature;
 
 // A call that finished before it returned (the shm kernels complete on the calling thread):
 // its future already holds the result tensors, which DDP's communication hooks read.
@@ -49,35 +56,6 @@ class DoneWork final : public c10d::Work {
   Tensors result_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
-
-// fastpar/comm/engines/dtypes.py's numbering (0: another dtype), for the kernels' signatures.
-int64_t dtype_code(at::ScalarType s) {
-  switch (s) {
-    case at::kFloat: return 1;
-    case at::kDouble: return 2;
-    case at::kHalf: return 3;
-    case at::kBFloat16: return 4;
-    case at::kChar: return 5;
-    case at::kByte: return 6;
-    case at::kShort: return 7;
-    case at::kInt: return 8;
-    case at::kLong: return 9;
-    case at::kBool: return 10;
-    case at::kComplexFloat: return 11;
-    case at::kComplexDouble: return 12;
-    default: return 0;
-  }
-}
-
-// What a byte-moving call carries, compared across ranks by the kernel (as shm.signature does):
-// bits 56-63 the dtype, 48-55 the number of dims, 0-47 a hash of the shape.
-int64_t signature(at::ScalarType s, at::IntArrayRef sizes) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the sizes
-  for (auto d : sizes) h = (h ^ static_cast<uint64_t>(d)) * 1099511628211ull;
-  uint64_t dims = std::min<uint64_t>(sizes.size(), 255);
-  return static_cast<int64_t>((static_cast<uint64_t>(dtype_code(s)) << 56) | (dims << 48) |
-                              (h & ((1ull << 48) - 1)));
-}
 
 // gloo carries no 16-bit integers, no unsigned ones wider than a byte and (in some operations)
 // no complex numbers: the fallback moves them as a float or signed type of their size, complex
@@ -108,45 +86,6 @@ std::vector<Tensors> as_bits(const std::vector<Tensors>& tss) {
   return out;
 }
 
-bool float_kind(at::ScalarType s) {
-  return s == at::kFloat || s == at::kDouble || s == at::kBFloat16 || s == at::kHalf;
-}
-
-// The kernels reduce floats by sum and max; MIN, AVG and PREMUL_SUM are made from them here.
-// Complex tensors are their real view (sums only).
-bool reduces(const at::Tensor& t, const ReduceOp& op) {
-  switch (op.op_) {
-    case ReduceOp::SUM:
-    case ReduceOp::AVG:
-      return float_kind(t.is_complex() ? c10::toRealValueType(t.scalar_type()) : t.scalar_type());
-    case ReduceOp::PREMUL_SUM:
-    case ReduceOp::MAX:
-    case ReduceOp::MIN:
-      return float_kind(t.scalar_type());
-    default:
-      return false;
-  }
-}
-
-void premultiply(at::Tensor& t, const ReduceOp& op) {
-  auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
-  TORCH_CHECK(s != nullptr, "fastpar backend: PREMUL_SUM without its factor");
-  if (s->tensor_factor.defined()) {
-    t.mul_(s->tensor_factor.to(t.device()));
-  } else {
-    t.mul_(s->double_factor);
-  }
-}
-
-void average(at::Tensor& t, int64_t size) {
-  TORCH_CHECK(t.scalar_type() != at::kBool, "fastpar backend: ReduceOp.AVG of a bool tensor");
-  if (t.is_floating_point() || t.is_complex()) {
-    t.div_(size);
-  } else {
-    t.div_(size, "trunc");  // integers: the sum divided, rounded toward zero
-  }
-}
-
 // Set by fastpar.comm around the calls it sends to gloo on purpose (a forced engine): they
 // take the fallback whatever the kernels could do.
 thread_local bool fallback_only = false;
@@ -157,10 +96,9 @@ class FastparBackend final : public c10d::Backend {
                  c10::intrusive_ptr<c10d::Backend> cuda, PyObject* maker, double timeout_s,
                  const Hier& hier, PyObject* ipc_maker)
       : c10d::Backend(rank, size), cpu_(std::move(cpu)), cuda_(std::move(cuda)),
-        maker_(maker), hier_(hier), ipc_(ipc_maker, size),
+        maker_(maker), hier_(hier, size), ipc_(ipc_maker, size),
         timeout_(static_cast<int64_t>(timeout_s * 1000)) {
     Py_XINCREF(maker_);
-    Py_XINCREF(hier_.maker);
   }
   ~FastparBackend() override { release(); }
 
@@ -172,7 +110,7 @@ class FastparBackend final : public c10d::Backend {
     timeout_ = timeout;
     cpu_->setTimeout(timeout);
     if (cuda_) cuda_->setTimeout(timeout);
-    if (hier_.cross) hier_.cross->setTimeout(timeout);
+    hier_.setTimeout(timeout);
   }
 
   WorkPtr allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
@@ -184,8 +122,8 @@ class FastparBackend final : public c10d::Backend {
       reduce_in_place(ts[0], o.reduceOp);
       return done(ts, OpType::ALLREDUCE, "allreduce");
     }
-    if (ts.size() == 1 && hierarchical(ts[0], o.reduceOp)) {
-      hier_all_reduce(ts[0], o.reduceOp);
+    if (ts.size() == 1 && !fallback_only && hier_.all_reduces(ts[0], o.reduceOp)) {
+      hier_.all_reduce(ts[0], o.reduceOp);
       return done(ts, OpType::ALLREDUCE, "allreduce", "hier");
     }
     if (!ts.empty() && ts[0].is_cpu() && ts[0].scalar_type() == at::kShort) {
@@ -242,7 +180,7 @@ class FastparBackend final : public c10d::Backend {
         std::lock_guard<std::mutex> busy(busy_);
         shm_broadcast(comm(), c, o.rootRank, signature(c.scalar_type(), c.sizes()));
       }
-      back(ts[0], c);
+      copy_back(ts[0], c);
       return done(ts, OpType::BROADCAST, "broadcast");
     }
     auto bits = as_bits(ts);
@@ -256,10 +194,14 @@ class FastparBackend final : public c10d::Backend {
     if (ours || made) {
       // every rank reduces; only the root's tensor takes the result, as gloo leaves the others
       Tensors x{rank_ == o.rootRank ? ts[0] : ts[0].clone()};
-      c10d::AllreduceOptions all;
+      if (ours) {
+        reduce_in_place(x[0], o.reduceOp);
+        return done(ts, OpType::REDUCE, "reduce");
+      }
+      c10d::AllreduceOptions all;  // gloo's sum made into AVG or PREMUL_SUM, or int16 widened
       all.reduceOp = o.reduceOp;
       allreduce(x, all)->wait();
-      return done(ts, OpType::REDUCE, ours ? "reduce" : nullptr);
+      return done(ts, OpType::REDUCE, nullptr);
     }
     return pass("reduce", ts).reduce(ts, o);
   }
@@ -285,6 +227,10 @@ class FastparBackend final : public c10d::Backend {
 
   WorkPtr _allgather_base(at::Tensor& out, at::Tensor& in,
                           const c10d::AllgatherOptions& o) override {
+    if (!fallback_only && hier_.all_gathers(in, out)) {
+      hier_.all_gather(in, out);
+      return done({out}, OpType::_ALLGATHER_BASE, "_allgather_base", "hier");
+    }
     if (here(in) && here(out) && in.scalar_type() == out.scalar_type() &&
         out.numel() == size_ * in.numel()) {
       auto in_c = in.contiguous();
@@ -293,7 +239,7 @@ class FastparBackend final : public c10d::Backend {
         std::lock_guard<std::mutex> busy(busy_);
         shm_all_gather(comm(), in_c, out_c, signature(in.scalar_type(), in.sizes()));
       }
-      back(out, out_c);
+      copy_back(out, out_c);
       return done({out}, OpType::_ALLGATHER_BASE, "_allgather_base");
     }
     Tensors one{in};
@@ -330,6 +276,10 @@ class FastparBackend final : public c10d::Backend {
     }
     TORCH_CHECK(in.numel() == size_ * out.numel(), "fastpar backend: reduce_scatter input of ",
                 in.numel(), " elements for an output of ", out.numel(), " on ", size_, " ranks");
+    if (!fallback_only && hier_.reduce_scatters(in, out, o.reduceOp)) {
+      hier_.reduce_scatter(in, out, o.reduceOp);
+      return done({out}, OpType::_REDUCE_SCATTER_BASE, "reduce_scatter", "hier");
+    }
     auto flat = in.reshape(-1);
     bool shared = flat.data_ptr() == in.data_ptr() && out.numel() > 0 &&
                   static_cast<const char*>(out.data_ptr()) <
@@ -370,7 +320,7 @@ class FastparBackend final : public c10d::Backend {
         shm_all_to_all(comm(), in_c, send, recv, signature(in.scalar_type(), in.sizes().slice(1)),
                        out_c);
       }
-      back(out, out_c);
+      copy_back(out, out_c);
       return done({out}, OpType::ALLTOALL_BASE, "alltoall_base");
     }
     Tensors one{in};
@@ -430,16 +380,16 @@ class FastparBackend final : public c10d::Backend {
   void abort() override {
     ipc_.close(false);
     release();
+    hier_.abort();
     cpu_->abort();
     if (cuda_) cuda_->abort();
-    if (hier_.cross) hier_.cross->abort();
   }
   void shutdown() override {
     ipc_.close(true);  // collective, over cpu_: destroy_process_group shuts groups down in order
     release();
+    hier_.shutdown();
     cpu_->shutdown();
     if (cuda_) cuda_->shutdown();
-    if (hier_.cross) hier_.cross->shutdown();
   }
 
   std::map<std::string, std::map<std::string, int64_t>> served() {
@@ -455,91 +405,12 @@ class FastparBackend final : public c10d::Backend {
     return maker_ != nullptr && !fallback_only && t.is_cpu() && t.layout() == at::kStrided;
   }
 
-  // Whether a spanning group's all_reduce takes the hierarchical path: host sub-groups of
-  // equal size, the kernels' reductions, from hier_.min_bytes (alike on every rank).
-  bool hierarchical(const at::Tensor& t, const ReduceOp& op) const {
-    return hier_.cross && hier_.maker != nullptr && !fallback_only && t.is_cpu() &&
-           t.layout() == at::kStrided && reduces(t, op) &&
-           static_cast<int64_t>(t.nbytes()) >= hier_.min_bytes;
-  }
-
-  // Reduce-scatter within the host (the kernels), all-reduce of the shard across the hosts
-  // (the ranks of the same local index, on gloo), all-gather within the host (the kernels).
-  void hier_all_reduce(at::Tensor& t, const ReduceOp& op) {
-    at::Tensor c = t.contiguous();
-    at::Tensor flat = (c.is_complex() ? at::view_as_real(c) : c).reshape(-1);
-    const int64_t n = flat.numel(), k = hier_.local_size, per = (n + k - 1) / k;
-    at::Tensor buf = at::zeros({per * k}, flat.options());  // padded to k equal shards
-    buf.narrow(0, 0, n).copy_(flat);
-    const bool by_max = op.op_ == ReduceOp::MAX || op.op_ == ReduceOp::MIN;
-    if (op.op_ == ReduceOp::MIN) buf.neg_();  // min(x) = -max(-x)
-    if (op.op_ == ReduceOp::PREMUL_SUM) premultiply(buf, op);
-    at::Tensor shard = at::empty({per}, flat.options());
-    {
-      std::lock_guard<std::mutex> busy(busy_);
-      shm_reduce_scatter(intra(), buf, shard, by_max ? "max" : "sum");
-    }
-    c10d::AllreduceOptions across;
-    across.reduceOp = ReduceOp(by_max ? ReduceOp::MAX : ReduceOp::SUM);
-    Tensors part{shard};
-    hier_.cross->allreduce(part, across)->wait();
-    {
-      std::lock_guard<std::mutex> busy(busy_);
-      shm_all_gather(intra(), shard, buf, signature(shard.scalar_type(), shard.sizes()));
-    }
-    if (op.op_ == ReduceOp::MIN) buf.neg_();
-    flat.copy_(buf.narrow(0, 0, n));
-    if (op.op_ == ReduceOp::AVG) average(flat, size_);
-    back(t, c);
-  }
-
-  // The host sub-group's shm communicator, made at its first hierarchical call (busy_ held).
-  int64_t intra() {
-    if (intra_ == 0) std::tie(intra_, intra_owner_) = call_maker(hier_.maker, failed_);
-    return intra_;
-  }
-
   // The group's shm communicator, made at the first call that needs it (busy_ held): the
   // maker is collective over the group, and every rank reaches its first such call in the
   // same order, since which calls take the kernels depends only on what the ranks share.
   int64_t comm() {
-    if (shm_ == 0) std::tie(shm_, owner_) = call_maker(maker_, failed_);
+    if (shm_ == 0) std::tie(shm_, owner_) = backend_ops::call_shm_maker(maker_, failed_);
     return shm_;
-  }
-
-  // Call a Python maker (collective over its group): (the shm handle, a new reference to its
-  // owner); its exception as a c10::Error. A set-up that failed once fails every later call
-  // alike, without a second attempt the other ranks might not join.
-  static std::tuple<int64_t, PyObject*> call_maker(PyObject* maker, std::string& failed) {
-    TORCH_CHECK(failed.empty(), "fastpar backend: setting up shared memory failed earlier: ",
-                failed);
-    TORCH_CHECK(maker != nullptr, "fastpar backend: the group was shut down");
-    std::string error;
-    int64_t handle = 0;
-    PyObject* owner = nullptr;
-    {
-      Gil gil;
-      PyObject* made = PyObject_CallNoArgs(maker);
-      if (made == nullptr) {
-        error = take_python_error();
-      } else {
-        if (PyTuple_Check(made) && PyTuple_Size(made) == 2) {
-          handle = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
-          owner = PyTuple_GetItem(made, 1);
-        }
-        if (owner == nullptr || handle <= 0 || PyErr_Occurred()) {
-          PyErr_Clear();
-          error = "the maker did not return (handle, owner)";
-          owner = nullptr;
-        } else {
-          Py_INCREF(owner);
-        }
-        Py_DECREF(made);
-      }
-    }
-    if (!error.empty()) failed = error;
-    TORCH_CHECK(error.empty(), "fastpar backend: setting up shared memory: ", error);
-    return {handle, owner};
   }
 
   bool gathers(const at::Tensor& in, const Tensors& outs) const {
@@ -592,12 +463,7 @@ class FastparBackend final : public c10d::Backend {
           if (op.op_ == ReduceOp::AVG) average(x, size_);
       }
     }
-    back(t, c);
-  }
-
-  // A result computed in c, a contiguous copy of t where t is not, lands in t.
-  static void back(at::Tensor& t, const at::Tensor& c) {
-    if (!c.is_same(t)) t.copy_(c);
+    copy_back(t, c);
   }
 
   // out = this rank's block of op(flat) over the group; flat is contiguous and, for the ops
@@ -623,7 +489,7 @@ class FastparBackend final : public c10d::Backend {
     }
     if (op.op_ == ReduceOp::MIN) out_c.neg_();
     if (op.op_ == ReduceOp::AVG) average(out_c, size_);
-    back(out, out_c);
+    copy_back(out, out_c);
     return done({out}, type, "reduce_scatter");
   }
 
@@ -653,29 +519,21 @@ class FastparBackend final : public c10d::Backend {
   void release() {
     PyObject* owner = nullptr;
     PyObject* maker = nullptr;
-    PyObject* intra_owner = nullptr;
-    PyObject* intra_maker = nullptr;
     {
       std::lock_guard<std::mutex> busy(busy_);
-      shm_ = intra_ = 0;
+      shm_ = 0;
       std::swap(owner, owner_);
       std::swap(maker, maker_);
-      std::swap(intra_owner, intra_owner_);
-      std::swap(intra_maker, hier_.maker);
     }
-    call_and_release(intra_owner, "close");  // detaches the shm communicators
-    call_and_release(owner, "close");
+    call_and_release(owner, "close");  // detaches the shm communicator
     release_python(maker);
-    release_python(intra_maker);
   }
 
   c10::intrusive_ptr<c10d::Backend> cpu_, cuda_;
   int64_t shm_ = 0;             // the shm communicator's handle, once made
   PyObject* owner_ = nullptr;   // its Python owner (close() detaches it)
   PyObject* maker_;             // makes both; None where the group spans hosts
-  Hier hier_;                   // a spanning group's host sub-groups (empty: none)
-  int64_t intra_ = 0;           // the host sub-group's shm communicator, once made
-  PyObject* intra_owner_ = nullptr;
+  HierPath hier_;               // a spanning group's hierarchy (off: none)
   std::string failed_;          // why a shm set-up failed (empty: none did)
   IpcAllReduce ipc_;            // CUDA tensors' all-reduce within a host (CUDA builds)
   std::chrono::milliseconds timeout_;

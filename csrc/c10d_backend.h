@@ -6,6 +6,8 @@
 #include <Python.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "c10d_hier.h"
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -17,18 +19,9 @@ namespace fastpar {
 // the CUDA one (NCCL; none on a CPU build). maker: a Python callable, collective over the group,
 // returning (the group's shm communicator handle (csrc/shm_ops.h), the object owning its
 // segment, whose close() detaches it), called at the first call the kernels serve; null where
-// the group spans hosts or has one rank. timeout_s: the group's timeout. ipc_maker: the CUDA IPC
-// all-reduce's (csrc/c10d_ipc.h; null: none).
-// A group that spans hosts with as many ranks on each: its all-reduce goes through the host
-// (the kernels, over the host's shm communicator that `maker` makes, as above, collective over
-// the host's ranks) and across the hosts (`cross`: the ranks of this one's local index, gloo).
-struct Hier {
-  c10::intrusive_ptr<c10d::Backend> cross;
-  PyObject* maker = nullptr;
-  int64_t local_size = 0;  // ranks per host
-  int64_t min_bytes = 0;   // smaller calls take the fallback whole
-};
-
+// the group spans hosts or has one rank. timeout_s: the group's timeout. hier: a spanning
+// group's hierarchy (csrc/c10d_hier.h; empty: none). ipc_maker: the CUDA IPC all-reduce's
+// (csrc/c10d_ipc.h; null: none).
 c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,

@@ -463,8 +463,8 @@ def test_cuda_all_reduce_takes_cuda_ipc_gpu(tmp_path):
 def body_across_hosts(hosts=None):
     """On hosts of their own (tests/test_cluster_jobs.py; or ``hosts``, one identity per rank,
     FASTPAR_HOST_ID on one machine): fastpar.init's world spans the hosts (its float
-    all-reduces from 4 KiB go through each host's kernels and across on gloo, the rest to
-    gloo), a group of one host's ranks takes the kernels; reductions, moves and point to point
+    all-reduces, all-gathers and reduce-scatters from 4 KiB go through each host's kernels and
+    across on gloo, the rest to gloo), a group of one host's ranks takes the kernels; reductions, moves and point to point
     against references, on both."""
     import torch
     import torch.distributed as dist
@@ -502,10 +502,31 @@ def body_across_hosts(hosts=None):
         out = torch.empty(len(members) * 4099)
         dist.all_gather_into_tensor(out, xs[members.index(rank)], group=group)
         close("all_gather", out, torch.cat(xs), "float32")
+        i = members.index(rank)
+        block = out.zero_()[i * 4099:(i + 1) * 4099]  # in place: the input is a block of out
+        block.copy_(xs[i])
+        dist.all_gather_into_tensor(out, block, group=group)
+        close("all_gather in place", out, torch.cat(xs), "float32")
+        for dtype in ("complex64", "int16", "bool"):  # moved as bytes (bool: below 4 KiB)
+            ys = [data(r, (700,), dtype, "g") for r in members]
+            out = torch.empty(len(members) * 700, dtype=getattr(torch, dtype))
+            dist.all_gather_into_tensor(out, ys[i], group=group)
+            close(f"all_gather {dtype}", out, torch.cat(ys), dtype)
+        for dtype in ("float32", "bfloat16"):
+            for op in ("SUM", "AVG", "MIN", "MAX", "PREMUL_SUM"):
+                ys = [data(r, (len(members) * 1031,), dtype, "rs" + op) for r in members]
+                inp, out = ys[i].clone(), torch.empty(1031, dtype=getattr(torch, dtype))
+                red = (dist._make_nccl_premul_sum(2.5) if op == "PREMUL_SUM"
+                       else getattr(dist.ReduceOp, op))
+                dist.reduce_scatter_tensor(out, inp, op=red, group=group)
+                want = reference(op, ys, dtype)[i * 1031:(i + 1) * 1031]
+                close(f"reduce_scatter {op}", out, want, dtype)
+                assert torch.equal(inp, ys[i]), f"reduce_scatter {op} changed its input"
         t = xs[members.index(rank)].clone()
         dist.broadcast(t, src=members[-1], group=group)
         close("broadcast", t, xs[-1], "float32")
-    peer = (rank + n // 2) % n  # on the other host
+    other = [r for r in range(n) if topo.hosts[r] != topo.hosts[rank]]
+    peer = other[mine.index(rank)]  # the same local index on the other host
     got = torch.empty(5)
     for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, data(rank, (5,), "float32", "p"),
                                                 peer),
@@ -516,17 +537,25 @@ def body_across_hosts(hosts=None):
 
 
 def test_hierarchical_all_reduce_on_one_machine():
-    """Two host identities of two ranks each on this machine (FASTPAR_HOST_ID): the world's
-    float all-reduces go through the hierarchy, every result against its reference."""
-    got = run_ranks(4, body_across_hosts, hosts=["a", "a", "b", "b"], timeout=240).values()
+    """Two host identities of two ranks each on this machine (FASTPAR_HOST_ID), interleaved
+    (global ranks 0 and 2 on one, 1 and 3 on the other, so group order is not host order): the
+    world's float all-reduces, all_gather_into_tensor and reduce_scatter_tensor from 4 KiB go
+    through the hierarchy, every result against its reference."""
+    got = run_ranks(4, body_across_hosts, hosts=["a", "b", "a", "b"], timeout=240).values()
     for v in got:
-        assert v["world"]["allreduce"]["hier"] == 2 * 5, v  # 4099 elements: 2 dtypes x 5 ops
-        assert v["world"]["allreduce"]["gloo"] >= 10 and "shm" not in v["world"]["allreduce"]
+        world = v["world"]
+        assert world["allreduce"]["hier"] == 2 * 5, v  # 4099 elements: 2 dtypes x 5 ops
+        assert world["allreduce"]["gloo"] >= 10 and "shm" not in world["allreduce"]
+        # float32 (2, one in place), complex64, int16; bool's 2.8 KB: gloo
+        assert world["_allgather_base"] == {"hier": 4, "gloo": 1}, world
+        assert world["reduce_scatter"] == {"hier": 2 * 5}, world
         assert v["local"]["allreduce"]["shm"] >= 20, v
+        assert v["local"]["reduce_scatter"] == {"shm": 10}, v
 
 
 def body_init_method(path, method):
-    """One all_reduce on a group made by ``method`` (tcp://, env:// under torchrun)."""
+    """One all_reduce and one reduce on a group made by ``method`` (tcp://, env:// under
+    torchrun)."""
     import torch
     import torch.distributed as dist
 
@@ -535,8 +564,9 @@ def body_init_method(path, method):
     rank, n = init(path, method=method)
     t = torch.full((8,), float(rank + 1))
     dist.all_reduce(t)
+    dist.reduce(t.clone(), dst=0)  # counted once, as a reduce
     return {"sum": t[0].item(), "shm": served()["allreduce"].get("shm", 0),
-            "backend": dist.get_backend()}
+            "reduce": served()["reduce"], "backend": dist.get_backend()}
 
 
 @pytest.mark.parametrize("method,launcher", [("tcp", "mpirun"), ("env", "torchrun")])
@@ -548,4 +578,4 @@ def test_init_methods(method, launcher):
         port = s.getsockname()[1]
     got = run_ranks(2, body_init_method, launcher=launcher, path=str(port), method=method,
                     timeout=120).values()
-    assert got == [{"sum": 3.0, "shm": 1, "backend": "fastpar"}] * 2, got
+    assert got == [{"sum": 3.0, "shm": 1, "reduce": {"shm": 1}, "backend": "fastpar"}] * 2, got

@@ -216,4 +216,6 @@ def test_torch_distributed_backend_across_hosts(two_hosts):
         # host's own group: the kernels
         assert v["world"]["allreduce"]["hier"] == 10 and v["world"]["allreduce"]["gloo"] >= 10
         assert "shm" not in v["world"]["allreduce"], v
+        assert v["world"]["reduce_scatter"] == {"hier": 10}, v
+        assert v["world"]["_allgather_base"] == {"hier": 4, "gloo": 1}, v
         assert v["local"]["allreduce"]["shm"] >= 20 and v["local"]["_allgather_base"]["shm"]

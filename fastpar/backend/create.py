@@ -9,8 +9,9 @@ group's ranks, on its store.
    serve (``comm/engines/segments.py``'s protocol, its two steps over the group's own gloo): a
    group that never needs it costs no shared memory.
 3. A group that spans hosts with as many ranks on each gets its host sub-groups too
-   (``_host_split``): its all-reduces from ``policy.HIER_MIN_BYTES`` go through each host's
-   kernels and across the hosts on gloo, the hierarchical engine's three stages.
+   (``_host_split``): its all-reduces, all_gather_into_tensor and reduce_scatter_tensor from
+   ``policy.HIER_MIN_BYTES`` go through each host's kernels and across the hosts on gloo, the
+   hierarchical engine's stages.
 4. On a CUDA build, a group on one host gets the CUDA IPC all-reduce's maker too
    (``cuda.py``): its CUDA all-reduces within the size limit take fastpar's kernels, the rest
    NCCL.
@@ -73,10 +74,11 @@ def _make(options):
             ipc = ipc_maker(cpu, ranks, rank, seconds)
     elif size > 1:
         hier = _host_split(store, rank, ranks, hosts, timeout)
+        how = ("all_reduce, all_gather_into_tensor and reduce_scatter_tensor from %d bytes "
+               "through each host's kernels, the rest on gloo" % HIER_MIN_BYTES if hier else
+               "gloo serves every call (unequal ranks per host, or one per host)")
         log.info("fastpar backend: the group of global ranks %s spans %d hosts: %s", ranks,
-                 len(set(hosts)), "all_reduce from %d bytes through each host's kernels, the "
-                 "rest on gloo" % HIER_MIN_BYTES if hier else "gloo serves every call "
-                 "(unequal ranks per host, or one per host)")
+                 len(set(hosts)), how)
     return _C.make_backend(rank, size, cpu, cuda, maker, seconds, ipc_maker=ipc, **hier)
 
 
@@ -84,7 +86,7 @@ def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout) -> dic
     """A spanning group's host sub-groups, where every host has the same number (>= 2) of its
     ranks: a gloo backend across the hosts among the ranks of this one's local index, and the
     maker of this host's shm communicator (over a gloo of the host's ranks): the hierarchical
-    all-reduce's pieces (``csrc/c10d_backend.cpp``). Collective over the group (each rank makes
+    all-reduce's, all-gather's and reduce-scatter's pieces (``csrc/c10d_hier.cpp``). Collective over the group (each rank makes
     its host's and its index's gloo, on prefixes of the group's store); ``{}`` where the hosts
     differ in size."""
     order = list(dict.fromkeys(hosts))
@@ -103,8 +105,10 @@ def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout) -> dic
                               ranks[rank], timeout.total_seconds())
         return shm._comm, shm
 
+    # where each group rank's block lands among the hosts' gathered blocks: [local index][host]
+    place = [members[h].index(r) * len(order) + order.index(h) for r, h in enumerate(hosts)]
     return {"cross": cross, "intra_maker": intra_maker, "local_size": len(local),
-            "hier_min_bytes": HIER_MIN_BYTES}
+            "hier_min_bytes": HIER_MIN_BYTES, "hier_place": place}
 
 
 def served(group, device: str) -> dict:
