@@ -137,7 +137,8 @@ PYBIND11_MODULE(_C, m) {
          std::optional<c10::intrusive_ptr<c10d::Backend>> cuda, py::object maker,
          double timeout_s, std::optional<c10::intrusive_ptr<c10d::Backend>> cross,
          py::object intra_maker, int64_t local_size, int64_t hier_min_bytes,
-         py::object ipc_maker, std::vector<int64_t> hier_place) {
+         py::object ipc_maker, std::vector<int64_t> hier_place, py::object mpi_calls,
+         py::object cross_mpi, int64_t mpi_min_bytes, int64_t cross_mpi_max_bytes) {
         fastpar::Hier hier;
         if (cross && !intra_maker.is_none()) {
           hier.cross = *cross;
@@ -145,15 +146,21 @@ PYBIND11_MODULE(_C, m) {
           hier.local_size = local_size;
           hier.min_bytes = hier_min_bytes;
           hier.place = std::move(hier_place);
+          hier.cross_mpi = cross_mpi.is_none() ? nullptr : cross_mpi.ptr();
+          hier.mpi_min_bytes = mpi_min_bytes;
+          hier.cross_mpi_max_bytes = cross_mpi_max_bytes;
         }
         return fastpar::make_backend(rank, size, std::move(cpu), std::move(cuda),
                                      maker.is_none() ? nullptr : maker.ptr(), timeout_s, hier,
-                                     ipc_maker.is_none() ? nullptr : ipc_maker.ptr());
+                                     ipc_maker.is_none() ? nullptr : ipc_maker.ptr(),
+                                     mpi_calls.is_none() ? nullptr : mpi_calls.ptr());
       },
       py::arg("rank"), py::arg("size"), py::arg("cpu"), py::arg("cuda"), py::arg("maker"),
       py::arg("timeout_s"), py::arg("cross") = py::none(), py::arg("intra_maker") = py::none(),
       py::arg("local_size") = 0, py::arg("hier_min_bytes") = 0,
-      py::arg("ipc_maker") = py::none(), py::arg("hier_place") = std::vector<int64_t>{});
+      py::arg("ipc_maker") = py::none(), py::arg("hier_place") = std::vector<int64_t>{},
+      py::arg("mpi_calls") = py::none(), py::arg("cross_mpi") = py::none(),
+      py::arg("mpi_min_bytes") = 0, py::arg("cross_mpi_max_bytes") = 0);
   m.def("backend_served", &fastpar::backend_served, py::arg("backend"));
   m.def("backend_fallback_only", &fastpar::set_fallback_only, py::arg("on"));
 }

@@ -16,6 +16,7 @@
 
 #include "c10d_hier.h"
 #include "c10d_ipc.h"
+#include "c10d_mpi.h"
 #include "c10d_ops.h"
 #include "py_call.h"
 #include "shm_alltoall_ops.h"
@@ -94,9 +95,10 @@ class FastparBackend final : public c10d::Backend {
  public:
   FastparBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> cpu,
                  c10::intrusive_ptr<c10d::Backend> cuda, PyObject* maker, double timeout_s,
-                 const Hier& hier, PyObject* ipc_maker)
+                 const Hier& hier, PyObject* ipc_maker, PyObject* mpi_calls)
       : c10d::Backend(rank, size), cpu_(std::move(cpu)), cuda_(std::move(cuda)),
         maker_(maker), hier_(hier, size), ipc_(ipc_maker, size),
+        mpi_(mpi_calls),
         timeout_(static_cast<int64_t>(timeout_s * 1000)) {
     Py_XINCREF(maker_);
   }
@@ -125,6 +127,10 @@ class FastparBackend final : public c10d::Backend {
     if (ts.size() == 1 && !fallback_only && hier_.all_reduces(ts[0], o.reduceOp)) {
       hier_.all_reduce(ts[0], o.reduceOp);
       return done(ts, OpType::ALLREDUCE, "allreduce", "hier");
+    }
+    if (ts.size() == 1 && !fallback_only && mpi_.all_reduces(ts[0], o.reduceOp)) {
+      mpi_.all_reduce(ts[0], o.reduceOp, size_);
+      return done(ts, OpType::ALLREDUCE, "allreduce", "mpi");
     }
     if (!ts.empty() && ts[0].is_cpu() && ts[0].scalar_type() == at::kShort) {
       for (auto& t : ts) {  // as int32: sums and products wrap as int16's do once narrowed
@@ -174,6 +180,10 @@ class FastparBackend final : public c10d::Backend {
   }
 
   WorkPtr broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
+    if (ts.size() == 1 && !fallback_only && mpi_.moves(ts[0])) {
+      mpi_.broadcast(ts[0], o.rootRank);
+      return done(ts, OpType::BROADCAST, "broadcast", "mpi");
+    }
     if (ts.size() == 1 && here(ts[0])) {
       auto c = ts[0].contiguous();
       {
@@ -230,6 +240,11 @@ class FastparBackend final : public c10d::Backend {
     if (!fallback_only && hier_.all_gathers(in, out)) {
       hier_.all_gather(in, out);
       return done({out}, OpType::_ALLGATHER_BASE, "_allgather_base", "hier");
+    }
+    if (!fallback_only && mpi_.moves(in) && mpi_.moves(out) &&
+        in.scalar_type() == out.scalar_type() && out.numel() == size_ * in.numel()) {
+      mpi_.all_gather(in, out);
+      return done({out}, OpType::_ALLGATHER_BASE, "_allgather_base", "mpi");
     }
     if (here(in) && here(out) && in.scalar_type() == out.scalar_type() &&
         out.numel() == size_ * in.numel()) {
@@ -323,6 +338,13 @@ class FastparBackend final : public c10d::Backend {
       copy_back(out, out_c);
       return done({out}, OpType::ALLTOALL_BASE, "alltoall_base");
     }
+    if (!fallback_only && mpi_.moves(in) && mpi_.moves(out) && in.dim() >= 1 &&
+        out.dim() == in.dim() && out.sizes().slice(1) == in.sizes().slice(1) &&
+        in.scalar_type() == out.scalar_type() && splits_fit(in, in_splits) &&
+        splits_fit(out, out_splits)) {
+      mpi_.all_to_all(in, out, rows(in, in_splits), rows(out, out_splits));
+      return done({out}, OpType::ALLTOALL_BASE, "alltoall_base", "mpi");
+    }
     Tensors one{in};
     auto out_bits = as_bits(out), in_bits = as_bits(in);
     return pass("alltoall_base", one).alltoall_base(out_bits, in_bits, out_splits, in_splits, o);
@@ -379,6 +401,7 @@ class FastparBackend final : public c10d::Backend {
 
   void abort() override {
     ipc_.close(false);
+    mpi_.close(false);
     release();
     hier_.abort();
     cpu_->abort();
@@ -386,6 +409,7 @@ class FastparBackend final : public c10d::Backend {
   }
   void shutdown() override {
     ipc_.close(true);  // collective, over cpu_: destroy_process_group shuts groups down in order
+    mpi_.close(true);
     release();
     hier_.shutdown();
     cpu_->shutdown();
@@ -536,6 +560,7 @@ class FastparBackend final : public c10d::Backend {
   HierPath hier_;               // a spanning group's hierarchy (off: none)
   std::string failed_;          // why a shm set-up failed (empty: none did)
   IpcAllReduce ipc_;            // CUDA tensors' all-reduce within a host (CUDA builds)
+  MpiPath mpi_;                 // a spanning group's flat calls, in an MPI-launched job
   std::chrono::milliseconds timeout_;
   std::mutex busy_;  // one shm call at a time: ranks must agree on the order
   std::mutex stats_;
@@ -555,11 +580,12 @@ c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
                                                PyObject* maker, double timeout_s,
-                                               const Hier& hier, PyObject* ipc_maker) {
+                                               const Hier& hier, PyObject* ipc_maker,
+                                               PyObject* mpi_calls) {
   TORCH_CHECK(cpu, "fastpar backend: no CPU fallback backend given");
   return c10::make_intrusive<FastparBackend>(static_cast<int>(rank), static_cast<int>(size),
                                              std::move(cpu), cuda ? *cuda : nullptr, maker,
-                                             timeout_s, hier, ipc_maker);
+                                             timeout_s, hier, ipc_maker, mpi_calls);
 }
 
 std::map<std::string, std::map<std::string, int64_t>> backend_served(

@@ -21,12 +21,14 @@ namespace fastpar {
 // segment, whose close() detaches it), called at the first call the kernels serve; null where
 // the group spans hosts or has one rank. timeout_s: the group's timeout. hier: a spanning
 // group's hierarchy (csrc/c10d_hier.h; empty: none). ipc_maker: the CUDA IPC all-reduce's
-// (csrc/c10d_ipc.h; null: none).
+// (csrc/c10d_ipc.h; null: none). mpi_calls: a spanning group's MPI calls, for the flat calls
+// the hierarchy does not take (csrc/c10d_mpi.h; null: none).
 c10::intrusive_ptr<c10d::Backend> make_backend(int64_t rank, int64_t size,
                                                c10::intrusive_ptr<c10d::Backend> cpu,
                                                std::optional<c10::intrusive_ptr<c10d::Backend>> cuda,
                                                PyObject* maker, double timeout_s,
-                                               const Hier& hier, PyObject* ipc_maker);
+                                               const Hier& hier, PyObject* ipc_maker,
+                                               PyObject* mpi_calls);
 
 // While set (in this thread), every backend passes every call to its fallback: fastpar.comm's
 // own gloo calls on a fastpar group stay gloo's. Returns the previous setting.

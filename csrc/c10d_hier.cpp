@@ -30,7 +30,10 @@ bool on_cpu(const at::Tensor& t) { return t.is_cpu() && t.layout() == at::kStrid
 
 }  // namespace
 
-HierPath::HierPath(const Hier& hier, int64_t size) : hier_(hier), size_(size), hosts_(1) {
+HierPath::HierPath(const Hier& hier, int64_t size)
+    : hier_(hier), size_(size), hosts_(1), cross_mpi_(hier.cross && hier.maker ? hier.cross_mpi
+                                                                               : nullptr) {
+  hier_.cross_mpi = nullptr;  // held by cross_mpi_
   if (!on()) {
     hier_ = Hier{};
     return;
@@ -49,22 +52,30 @@ HierPath::HierPath(const Hier& hier, int64_t size) : hier_(hier), size_(size), h
 
 HierPath::~HierPath() { release(); }
 
+int64_t HierPath::least(at::ScalarType s) const {
+  return cross_mpi_.on() && MpiPath::carries(s) ? hier_.mpi_min_bytes : hier_.min_bytes;
+}
+
+bool HierPath::mpi_across(at::ScalarType s, int64_t nbytes) const {
+  return cross_mpi_.on() && MpiPath::carries(s) && nbytes < hier_.cross_mpi_max_bytes;
+}
+
 bool HierPath::all_reduces(const at::Tensor& t, const ReduceOp& op) const {
   return on() && on_cpu(t) && reduces(t, op) &&
-         static_cast<int64_t>(t.nbytes()) >= hier_.min_bytes;
+         static_cast<int64_t>(t.nbytes()) >= least(t.scalar_type());
 }
 
 bool HierPath::all_gathers(const at::Tensor& in, const at::Tensor& out) const {
   return on() && on_cpu(in) && on_cpu(out) && in.scalar_type() == out.scalar_type() &&
          out.numel() == size_ * in.numel() &&
-         static_cast<int64_t>(out.nbytes()) >= hier_.min_bytes;
+         static_cast<int64_t>(out.nbytes()) >= least(at::kByte);  // moved as bytes
 }
 
 bool HierPath::reduce_scatters(const at::Tensor& in, const at::Tensor& out,
                                const ReduceOp& op) const {
   return on() && on_cpu(in) && on_cpu(out) && in.scalar_type() == out.scalar_type() &&
          !in.is_complex() && reduces(in, op) && in.numel() == size_ * out.numel() &&
-         static_cast<int64_t>(in.nbytes()) >= hier_.min_bytes;
+         static_cast<int64_t>(in.nbytes()) >= least(in.scalar_type());
 }
 
 // Reduce-scatter within the host (the kernels), all-reduce of the shard across the hosts
@@ -85,8 +96,12 @@ void HierPath::all_reduce(at::Tensor& t, const ReduceOp& op) {
   }
   c10d::AllreduceOptions across;
   across.reduceOp = ReduceOp(by_max ? ReduceOp::MAX : ReduceOp::SUM);
-  std::vector<at::Tensor> part{shard};
-  hier_.cross->allreduce(part, across)->wait();
+  if (mpi_across(shard.scalar_type(), shard.nbytes())) {
+    cross_mpi_.all_reduce(shard, across.reduceOp, hosts_);
+  } else {
+    std::vector<at::Tensor> part{shard};
+    hier_.cross->allreduce(part, across)->wait();
+  }
   {
     std::lock_guard<std::mutex> busy(busy_);
     shm_all_gather(intra(), shard, buf, signature(shard.scalar_type(), shard.sizes()));
@@ -103,7 +118,11 @@ void HierPath::all_gather(const at::Tensor& in, at::Tensor& out) {
   at::Tensor src = bytes_of(in.contiguous());
   const int64_t nb = src.numel(), k = hier_.local_size;
   at::Tensor across = at::empty({hosts_ * nb}, src.options());  // [h]: (host h, my index)'s
-  hier_.cross->_allgather_base(across, src)->wait();
+  if (mpi_across(at::kByte, across.nbytes())) {
+    cross_mpi_.all_gather(src, across);
+  } else {
+    hier_.cross->_allgather_base(across, src)->wait();
+  }
   at::Tensor gathered = at::empty({k * hosts_ * nb}, src.options());  // [j][h]
   {
     std::lock_guard<std::mutex> busy(busy_);
@@ -131,7 +150,11 @@ void HierPath::reduce_scatter(const at::Tensor& in, at::Tensor& out, const Reduc
   across.reduceOp = ReduceOp(by_max ? ReduceOp::MAX : ReduceOp::SUM);
   at::Tensor out_c = out.contiguous();
   at::Tensor flat = out_c.view(-1);
-  hier_.cross->_reduce_scatter_base(flat, pieces, across)->wait();
+  if (mpi_across(pieces.scalar_type(), pieces.nbytes())) {
+    cross_mpi_.reduce_scatter(pieces, flat, by_max);
+  } else {
+    hier_.cross->_reduce_scatter_base(flat, pieces, across)->wait();
+  }
   if (op.op_ == ReduceOp::MIN) out_c.neg_();
   if (op.op_ == ReduceOp::AVG) average(out_c, size_);
   copy_back(out, out_c);
@@ -147,11 +170,13 @@ void HierPath::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void HierPath::abort() {
+  cross_mpi_.close(false);
   release();
   if (hier_.cross) hier_.cross->abort();
 }
 
 void HierPath::shutdown() {
+  cross_mpi_.close(true);
   release();
   if (hier_.cross) hier_.cross->shutdown();
 }

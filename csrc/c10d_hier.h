@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "c10d_mpi.h"
+
 namespace fastpar {
 
 // A spanning group's host sub-groups: `cross`, the gloo among the ranks of this rank's local
@@ -21,12 +23,18 @@ namespace fastpar {
 // (collective over the host's ranks; as the group's own maker in c10d_backend.h); `place[g]`:
 // where group rank g's block lands when the hosts' blocks are gathered, local index j of host h
 // at j * hosts + h. Empty (no cross): the group has no hierarchy.
+// In a job launched by MPI, `cross_mpi` (an MpiCalls of the same ranks as `cross`) carries the
+// cross-host stage of the dtypes MPI reduces below `cross_mpi_max_bytes`, and calls of those
+// dtypes take the hierarchy from `mpi_min_bytes` (below, MPI's flat call is faster).
 struct Hier {
   c10::intrusive_ptr<c10d::Backend> cross;
   PyObject* maker = nullptr;
   int64_t local_size = 0;  // ranks per host
-  int64_t min_bytes = 0;   // smaller calls take the fallback whole
+  int64_t min_bytes = 0;   // smaller calls take a flat call whole
   std::vector<int64_t> place;
+  PyObject* cross_mpi = nullptr;
+  int64_t mpi_min_bytes = 0;
+  int64_t cross_mpi_max_bytes = 0;
 };
 
 class HierPath {
@@ -55,6 +63,8 @@ class HierPath {
 
  private:
   bool on() const { return hier_.cross && hier_.maker != nullptr; }
+  int64_t least(at::ScalarType s) const;  // the smallest call of dtype s the hierarchy takes
+  bool mpi_across(at::ScalarType s, int64_t nbytes) const;  // the cross stage on MPI?
   int64_t intra();  // the host's shm communicator, made at the first call (busy_ held)
 
   Hier hier_;
@@ -62,6 +72,7 @@ class HierPath {
   at::Tensor place_, order_;  // place_[g] as above; order_[place_[g]] = g
   int64_t intra_ = 0;
   PyObject* intra_owner_ = nullptr;
+  MpiPath cross_mpi_;   // the cross stage's MPI calls (off: gloo carries it)
   std::string failed_;  // why the host's shm set-up failed (empty: none did)
   std::mutex busy_;     // one shm call at a time: ranks must agree on the order
 };

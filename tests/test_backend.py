@@ -487,7 +487,9 @@ def body_across_hosts(hosts=None):
     for group, members in ((None, list(range(n))), (local, mine)):
         for dtype in ("float32", "bfloat16"):
             for op in ("SUM", "AVG", "MIN", "MAX", "PREMUL_SUM"):
-                for shape in ((4099,), (3, 5)):  # 3 x 5 x 4 bytes: below the hierarchy's 4 KiB
+                # float32: 16 KiB, 64.1 KiB, 60 bytes (the hierarchy from 4 KiB; under MPI,
+                # MPI below 64 KiB and the hierarchy from there)
+                for shape in ((4099,), (16411,), (3, 5)):
                     xs = [data(r, shape, dtype, "x" + op) for r in members]
                     t = xs[members.index(rank)].clone()
                     red = (dist._make_nccl_premul_sum(2.5) if op == "PREMUL_SUM"
@@ -512,19 +514,27 @@ def body_across_hosts(hosts=None):
             out = torch.empty(len(members) * 700, dtype=getattr(torch, dtype))
             dist.all_gather_into_tensor(out, ys[i], group=group)
             close(f"all_gather {dtype}", out, torch.cat(ys), dtype)
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("float32", "bfloat16"):  # from 64 KiB (bf16, 4 ranks): the hierarchy
             for op in ("SUM", "AVG", "MIN", "MAX", "PREMUL_SUM"):
-                ys = [data(r, (len(members) * 1031,), dtype, "rs" + op) for r in members]
-                inp, out = ys[i].clone(), torch.empty(1031, dtype=getattr(torch, dtype))
+                ys = [data(r, (len(members) * 8209,), dtype, "rs" + op) for r in members]
+                inp, out = ys[i].clone(), torch.empty(8209, dtype=getattr(torch, dtype))
                 red = (dist._make_nccl_premul_sum(2.5) if op == "PREMUL_SUM"
                        else getattr(dist.ReduceOp, op))
                 dist.reduce_scatter_tensor(out, inp, op=red, group=group)
-                want = reference(op, ys, dtype)[i * 1031:(i + 1) * 1031]
+                want = reference(op, ys, dtype)[i * 8209:(i + 1) * 8209]
                 close(f"reduce_scatter {op}", out, want, dtype)
                 assert torch.equal(inp, ys[i]), f"reduce_scatter {op} changed its input"
         t = xs[members.index(rank)].clone()
         dist.broadcast(t, src=members[-1], group=group)
         close("broadcast", t, xs[-1], "float32")
+        # uneven all-to-all: rank index a sends a + b + 1 rows of 3 to rank index b
+        m = len(members)
+        rows = [[data(members[a], (a + b + 1, 3), "float32", f"a2a{b}") for b in range(m)]
+                for a in range(m)]
+        out = torch.empty(sum(a + i + 1 for a in range(m)), 3)
+        dist.all_to_all_single(out, torch.cat(rows[i]), [i + b + 1 for b in range(m)],
+                               [a + i + 1 for a in range(m)], group=group)
+        close("all_to_all_single", out, torch.cat([rows[a][i] for a in range(m)]), "float32")
     other = [r for r in range(n) if topo.hosts[r] != topo.hosts[rank]]
     peer = other[mine.index(rank)]  # the same local index on the other host
     got = torch.empty(5)
@@ -536,21 +546,40 @@ def body_across_hosts(hosts=None):
     return {"world": served(), "local": served(local)}
 
 
-def test_hierarchical_all_reduce_on_one_machine():
+def check_across_hosts(v: dict, mpi: bool) -> None:
+    """What served body_across_hosts' calls on a world of 2 hosts x 2 ranks. Without MPI: the
+    hierarchy from 4 KiB, gloo below. Under mpirun, as fastpar.comm's policy: the hierarchy
+    from 64 KiB for the dtypes MPI reduces (from 4 KiB for the others), MPI's flat calls for
+    those below it and for every move, gloo for the rest."""
+    world = v["world"]
+    assert "shm" not in world["allreduce"], v
+    if mpi:  # MPI: float32 16 KiB and 60 B x 5 ops, int64 PRODUCT; the hierarchy: float32
+        # from 64 KiB, bf16 from 4 KiB (MPI cannot reduce it); gloo: bf16's 30 bytes
+        assert world["allreduce"]["mpi"] == 11 and world["allreduce"]["hier"] == 15, world
+        assert world["allreduce"]["gloo"] >= 5, world
+        assert world["alltoall_base"] == {"mpi": 1}, world
+        # float32's 64.1 KB of output (2): the hierarchy; complex64, int16, bool: MPI
+        assert world["_allgather_base"] == {"hier": 2, "mpi": 3}, world
+        assert world["broadcast"] == {"mpi": 1}, world
+    else:  # 16 and 64.1 KiB x 2 dtypes x 5 ops; float32 (2, one in place), complex64, int16
+        assert world["allreduce"]["hier"] == 20 and world["allreduce"]["gloo"] >= 10, world
+        assert "mpi" not in world["allreduce"], world
+        assert world["alltoall_base"] == {"gloo": 1}, world
+        assert world["_allgather_base"] == {"hier": 4, "gloo": 1}, world  # bool 2.8 KB: gloo
+    assert world["reduce_scatter"] == {"hier": 10}, world
+    assert v["local"]["allreduce"]["shm"] >= 30 and v["local"]["reduce_scatter"] == {"shm": 10}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_hierarchy_on_one_machine(launcher):
     """Two host identities of two ranks each on this machine (FASTPAR_HOST_ID), interleaved
     (global ranks 0 and 2 on one, 1 and 3 on the other, so group order is not host order): the
-    world's float all-reduces, all_gather_into_tensor and reduce_scatter_tensor from 4 KiB go
-    through the hierarchy, every result against its reference."""
-    got = run_ranks(4, body_across_hosts, hosts=["a", "b", "a", "b"], timeout=240).values()
+    world's float all-reduces, all_gather_into_tensor and reduce_scatter_tensor go through the
+    hierarchy, under mpirun the small calls through MPI; every result against its reference."""
+    got = run_ranks(4, body_across_hosts, launcher=launcher, hosts=["a", "b", "a", "b"],
+                    timeout=240).values()
     for v in got:
-        world = v["world"]
-        assert world["allreduce"]["hier"] == 2 * 5, v  # 4099 elements: 2 dtypes x 5 ops
-        assert world["allreduce"]["gloo"] >= 10 and "shm" not in world["allreduce"]
-        # float32 (2, one in place), complex64, int16; bool's 2.8 KB: gloo
-        assert world["_allgather_base"] == {"hier": 4, "gloo": 1}, world
-        assert world["reduce_scatter"] == {"hier": 2 * 5}, world
-        assert v["local"]["allreduce"]["shm"] >= 20, v
-        assert v["local"]["reduce_scatter"] == {"shm": 10}, v
+        check_across_hosts(v, mpi=launcher == "mpirun")
 
 
 def body_init_method(path, method):

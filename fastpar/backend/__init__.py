@@ -38,6 +38,11 @@ OPERATIONS = (
     ("all_to_all (lists), allgather_coalesced, gather, scatter", "-", "gloo"),
     ("send, recv, recv any source, batch_isend_irecv", "-", "gloo"),
     ("barrier, monitored_barrier", "-", "gloo (waits for the group's calls in flight)"),
+    ("a group across hosts (as many ranks on each)", "hier: all_reduce, "
+     "all_gather_into_tensor, reduce_scatter_tensor from 4 KiB (MPI-launched: from 64 KiB for "
+     "MPI's dtypes, across on MPI); MPI-launched: mpi for the flat calls it carries (all_reduce "
+     "of float32/64, int8/32/64, uint8; all_gather_into_tensor, broadcast, all_to_all_single)",
+     "gloo"),
     ("all_reduce of CUDA tensors", "cuda_ipc (a CUDA build, a group on one host): float32, "
      "fp16, bf16; SUM, AVG; multiples of 16 bytes up to policy.ipc_limit", "NCCL"),
     ("every other call on CUDA tensors", "-", "NCCL"),

@@ -11,7 +11,10 @@ group's ranks, on its store.
 3. A group that spans hosts with as many ranks on each gets its host sub-groups too
    (``_host_split``): its all-reduces, all_gather_into_tensor and reduce_scatter_tensor from
    ``policy.HIER_MIN_BYTES`` go through each host's kernels and across the hosts on gloo, the
-   hierarchical engine's stages.
+   hierarchical engine's stages. In a job launched by MPI, MPI's own collectives (``mpi.py``)
+   take what fastpar.comm's policy gives them: the flat calls of the dtypes MPI carries (the
+   hierarchy starts at ``policy.HIER_MIN_BYTES_MPI`` for those), every broadcast and
+   all-to-all, and the hierarchy's cross-host stage.
 4. On a CUDA build, a group on one host gets the CUDA IPC all-reduce's maker too
    (``cuda.py``): its CUDA all-reduces within the size limit take fastpar's kernels, the rest
    NCCL.
@@ -24,15 +27,17 @@ and cuda, each a backend of its own that dispatches by tensor device; one serves
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 from fastpar import _native
+from fastpar.backend import mpi
 from fastpar.backend.cuda import ipc_maker
 from fastpar.comm.engines.segments import BackendExchange, StoreExchange
 from fastpar.comm.engines.shm import ShmCommunicator
-from fastpar.comm.policy import HIER_MIN_BYTES
+from fastpar.comm.policy import CROSS_ASYNC_MIN_BYTES, HIER_MIN_BYTES, HIER_MIN_BYTES_MPI
 from fastpar.runtime.hostid import host_id
 
 log = logging.getLogger("fastpar.backend")
@@ -73,22 +78,25 @@ def _make(options):
         if cuda is not None and _native.status()["cuda"]:
             ipc = ipc_maker(cpu, ranks, rank, seconds)
     elif size > 1:
-        hier = _host_split(store, rank, ranks, hosts, timeout)
-        how = ("all_reduce, all_gather_into_tensor and reduce_scatter_tensor from %d bytes "
-               "through each host's kernels, the rest on gloo" % HIER_MIN_BYTES if hier else
-               "gloo serves every call (unequal ranks per host, or one per host)")
+        # In a job launched by MPI, MPI's own calls where fastpar.comm's policy takes them.
+        members = mpi.world_ranks(exchange) if mpi.available(os.environ) else None
+        hier = _host_split(store, rank, ranks, hosts, timeout, members, options.group_id)
+        if members is not None:
+            hier["mpi_calls"] = mpi.MpiCalls(members, f"{options.group_id}/flat")
         log.info("fastpar backend: the group of global ranks %s spans %d hosts: %s", ranks,
-                 len(set(hosts)), how)
+                 len(set(hosts)), _spanning(hier))
     return _C.make_backend(rank, size, cpu, cuda, maker, seconds, ipc_maker=ipc, **hier)
 
 
-def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout) -> dict:
+def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout,
+                mpi_ranks: list[int] | None, group_id) -> dict:
     """A spanning group's host sub-groups, where every host has the same number (>= 2) of its
-    ranks: a gloo backend across the hosts among the ranks of this one's local index, and the
-    maker of this host's shm communicator (over a gloo of the host's ranks): the hierarchical
-    all-reduce's, all-gather's and reduce-scatter's pieces (``csrc/c10d_hier.cpp``). Collective over the group (each rank makes
-    its host's and its index's gloo, on prefixes of the group's store); ``{}`` where the hosts
-    differ in size."""
+    ranks: a gloo backend across the hosts among the ranks of this one's local index (and, in
+    a job launched by MPI, ``mpi_ranks`` being every member's MPI world rank, their MPI calls),
+    and the maker of this host's shm communicator (over a gloo of the host's ranks): the
+    hierarchical all-reduce's, all-gather's and reduce-scatter's pieces
+    (``csrc/c10d_hier.cpp``). Collective over the group (each rank makes its host's and its
+    index's gloo, on prefixes of the group's store); ``{}`` where the hosts differ in size."""
     order = list(dict.fromkeys(hosts))
     members = {h: [r for r, x in enumerate(hosts) if x == h] for h in order}
     local = members[hosts[rank]]
@@ -107,8 +115,24 @@ def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout) -> dic
 
     # where each group rank's block lands among the hosts' gathered blocks: [local index][host]
     place = [members[h].index(r) * len(order) + order.index(h) for r, h in enumerate(hosts)]
-    return {"cross": cross, "intra_maker": intra_maker, "local_size": len(local),
-            "hier_min_bytes": HIER_MIN_BYTES, "hier_place": place}
+    split = {"cross": cross, "intra_maker": intra_maker, "local_size": len(local),
+             "hier_min_bytes": HIER_MIN_BYTES, "hier_place": place}
+    if mpi_ranks is not None:
+        across = [mpi_ranks[members[h][index]] for h in order]
+        split.update(cross_mpi=mpi.MpiCalls(across, f"{group_id}/cross{index}"),
+                     mpi_min_bytes=HIER_MIN_BYTES_MPI, cross_mpi_max_bytes=CROSS_ASYNC_MIN_BYTES)
+    return split
+
+
+def _spanning(made: dict) -> str:
+    """What serves a spanning group's calls, for the log."""
+    how = ["all_reduce, all_gather_into_tensor and reduce_scatter_tensor through each host's "
+           "kernels from %d bytes (%d of MPI's dtypes)" % (
+               HIER_MIN_BYTES, made.get("mpi_min_bytes", HIER_MIN_BYTES))
+           if "cross" in made else "no hierarchy (unequal ranks per host, or one per host)"]
+    if "mpi_calls" in made:
+        how.append("the flat calls MPI carries on MPI (mpirun)")
+    return ", ".join(how) + ", the rest on gloo"
 
 
 def served(group, device: str) -> dict:
