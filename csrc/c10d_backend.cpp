@@ -35,21 +35,34 @@ using backend_ops::premultiply;
 using backend_ops::reduces;
 using backend_ops::signature;
 
-// A call that finished before it returned (the shm kernels complete on the calling thread):
-// its future already holds the result tensors, which DDP's communication hooks read.
+// A call that finished before it returned (the shm kernels complete on the calling thread;
+// the CUDA IPC kernels are enqueued on the caller's current stream): its future already holds
+// the result tensors, which DDP's communication hooks read. For CUDA tensors the future
+// records an event on the current stream, and wait() (or the future's) makes the waiting
+// stream wait for it, as NCCL's Work does.
+std::vector<c10::Device> devices(const Tensors& ts) {
+  for (const auto& t : ts) {
+    if (t.is_cuda()) return {t.device()};
+  }
+  return {};
+}
+
 class DoneWork final : public c10d::Work {
  public:
   DoneWork(Tensors result, OpType type, int rank)
       : c10d::Work(rank, type),
         result_(std::move(result)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {
+            c10::ListType::create(c10::TensorType::get()), devices(result_))) {
     future_->markCompleted(c10::IValue(result_));
     finish();
   }
   bool isCompleted() override { return true; }
   bool isSuccess() const override { return true; }
-  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    future_->wait();  // CUDA: the current stream waits for the event; CPU: nothing to wait for
+    return true;
+  }
   std::vector<at::Tensor> result() override { return result_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
@@ -399,13 +412,13 @@ class FastparBackend final : public c10d::Backend {
   void setSequenceNumberForGroup() override { sequence_ = 0; }
   uint64_t getSequenceNumberForGroup() override { return sequence_; }
 
-  void abort() override {
+  void abort() override {  // the fallbacks first: a call hung in one of them returns
+    cpu_->abort();
+    if (cuda_) cuda_->abort();
+    hier_.abort();
     ipc_.close(false);
     mpi_.close(false);
     release();
-    hier_.abort();
-    cpu_->abort();
-    if (cuda_) cuda_->abort();
   }
   void shutdown() override {
     ipc_.close(true);  // collective, over cpu_: destroy_process_group shuts groups down in order

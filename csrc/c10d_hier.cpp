@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "c10d_ops.h"
@@ -43,6 +44,12 @@ HierPath::HierPath(const Hier& hier, int64_t size)
               "fastpar backend: a hierarchy of ", hier_.local_size, " ranks per host, ",
               hier_.place.size(), " places, for a group of ", size_);
   hosts_ = size_ / hier_.local_size;
+  std::vector<int64_t> sorted = hier_.place;
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t g = 0; g < size_; ++g) {
+    TORCH_CHECK(sorted[g] == g, "fastpar backend: the hierarchy's places are not a permutation "
+                "of the group's ", size_, " ranks");
+  }
   place_ = at::tensor(hier_.place, at::kLong);
   order_ = at::empty_like(place_);
   order_.index_put_({place_}, at::arange(size_, at::kLong));
@@ -170,9 +177,9 @@ void HierPath::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void HierPath::abort() {
+  if (hier_.cross) hier_.cross->abort();
   cross_mpi_.close(false);
   release();
-  if (hier_.cross) hier_.cross->abort();
 }
 
 void HierPath::shutdown() {

@@ -33,8 +33,19 @@ bool IpcAllReduce::serves(const at::Tensor& t, const c10d::ReduceOp& op) {
   TORCH_CHECK(failed_.empty(), "fastpar backend: setting up the CUDA IPC all-reduce failed "
               "earlier: ", failed_);
   if (!tried_) {
-    tried_ = true;  // once, whatever happens: a second try the other ranks would not join
     Gil gil;
+    // Not inside a CUDA graph capture: the set-up allocates, synchronises and talks to the
+    // peers. NCCL serves the captured call; the set-up waits for an eager one (every rank
+    // captures alike, so all wait alike).
+    PyObject* cuda = PyImport_ImportModule("torch.cuda");
+    PyObject* capturing =
+        cuda == nullptr ? nullptr : PyObject_CallMethod(cuda, "is_current_stream_capturing", nullptr);
+    const bool captured = capturing != nullptr && PyObject_IsTrue(capturing) == 1;
+    Py_XDECREF(capturing);
+    Py_XDECREF(cuda);
+    PyErr_Clear();
+    if (captured) return false;
+    tried_ = true;  // once, whatever happens: a second try the other ranks would not join
     PyObject* made = PyObject_CallFunction(maker_, "L", static_cast<long long>(t.get_device()));
     if (made == nullptr) {
       failed_ = take_python_error();
@@ -42,8 +53,8 @@ bool IpcAllReduce::serves(const at::Tensor& t, const c10d::ReduceOp& op) {
       failed_ = "the maker did not return (context, max_bytes, algo, owner)";
     } else {
       ctx_ = PyLong_AsLongLong(PyTuple_GetItem(made, 0));
-      max_bytes_ = PyLong_AsLongLong(PyTuple_GetItem(made, 1));
-      algo_ = PyLong_AsLongLong(PyTuple_GetItem(made, 2));
+      if (!PyErr_Occurred()) max_bytes_ = PyLong_AsLongLong(PyTuple_GetItem(made, 1));
+      if (!PyErr_Occurred()) algo_ = PyLong_AsLongLong(PyTuple_GetItem(made, 2));
       if (PyErr_Occurred()) {
         failed_ = take_python_error();
         ctx_ = 0;
@@ -64,7 +75,7 @@ void IpcAllReduce::all_reduce(at::Tensor& t, const c10d::ReduceOp& op) {
   // The kernels read 16 bytes at a time from a contiguous tensor: a view at an odd address or
   // with strides goes through a copy (a rank-local choice: every rank runs the same kernel).
   const bool direct = t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  at::Tensor x = direct ? t : t.contiguous().clone();
+  at::Tensor x = direct ? t : t.clone(at::MemoryFormat::Contiguous);
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(ctx_ != 0, "fastpar backend: the group's CUDA IPC all-reduce was closed");
@@ -81,7 +92,13 @@ void IpcAllReduce::close(bool collective) {
   PyObject* owner = nullptr;
   PyObject* maker = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    // Alone (an abort): never wait for a set-up in flight, which may wait for a dead peer.
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (collective) {
+      lock.lock();
+    } else if (!lock.try_lock()) {
+      return;
+    }
     std::swap(owner, owner_);
     std::swap(maker, maker_);
     ctx_ = 0;

@@ -186,7 +186,14 @@ void MpiPath::all_to_all(const at::Tensor& in, at::Tensor& out,
 void MpiPath::close(bool collective) {
   PyObject* calls = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    // Alone (an abort): never wait for a call in flight, which may wait for a dead peer; its
+    // calls are then left to the process's end.
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (collective) {
+      lock.lock();
+    } else if (!lock.try_lock()) {
+      return;
+    }
     std::swap(calls, calls_);
   }
   if (collective) {

@@ -79,7 +79,7 @@ def _make(options):
             ipc = ipc_maker(cpu, ranks, rank, seconds)
     elif size > 1:
         # In a job launched by MPI, MPI's own calls where fastpar.comm's policy takes them.
-        members = mpi.world_ranks(exchange) if mpi.available(os.environ) else None
+        members = mpi.usable(exchange, os.environ)
         hier = _host_split(store, rank, ranks, hosts, timeout, members, options.group_id)
         if members is not None:
             hier["mpi_calls"] = mpi.MpiCalls(members, f"{options.group_id}/flat")
@@ -113,15 +113,22 @@ def _host_split(store, rank: int, ranks: list[int], hosts: list, timeout,
                               ranks[rank], timeout.total_seconds())
         return shm._comm, shm
 
-    # where each group rank's block lands among the hosts' gathered blocks: [local index][host]
-    place = [members[h].index(r) * len(order) + order.index(h) for r, h in enumerate(hosts)]
     split = {"cross": cross, "intra_maker": intra_maker, "local_size": len(local),
-             "hier_min_bytes": HIER_MIN_BYTES, "hier_place": place}
+             "hier_min_bytes": HIER_MIN_BYTES, "hier_place": placement(hosts)}
     if mpi_ranks is not None:
         across = [mpi_ranks[members[h][index]] for h in order]
         split.update(cross_mpi=mpi.MpiCalls(across, f"{group_id}/cross{index}"),
                      mpi_min_bytes=HIER_MIN_BYTES_MPI, cross_mpi_max_bytes=CROSS_ASYNC_MIN_BYTES)
     return split
+
+
+def placement(hosts: list) -> list[int]:
+    """Where each group rank's block lands among the blocks the hierarchy gathers, ordered
+    [local index][host] (hosts in order of first appearance): ``j * hosts + h`` for the rank
+    of local index ``j`` on host ``h``. ``hosts``: each group rank's host."""
+    order = list(dict.fromkeys(hosts))
+    members = {h: [r for r, x in enumerate(hosts) if x == h] for h in order}
+    return [members[h].index(r) * len(order) + order.index(h) for r, h in enumerate(hosts)]
 
 
 def _spanning(made: dict) -> str:

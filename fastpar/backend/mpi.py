@@ -18,22 +18,26 @@ from fastpar.comm.views import byte_view, numpy_view
 from fastpar.runtime.launcher import detect
 
 
-def available(env) -> bool:
-    """Whether the job was launched by MPI and mpi4py is there (alike on every rank)."""
-    if not detect(env).uses_mpi:
-        return False
+def usable(exchange, env) -> list[int] | None:
+    """Every member's MPI world rank, in group order, where all of them can use MPI: the job
+    was launched by MPI (``detect``; a launcher it cannot tell counts as no), mpi4py is there,
+    and MPI gives threads their own calls (``MPI_THREAD_MULTIPLE``: a group's calls and other
+    groups' may run at once). None on every member otherwise: the answer is agreed over
+    ``exchange`` (the group's store), so no member takes MPI where another would not."""
+    mine = None
     try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        if detect(env).uses_mpi:
+            from mpi4py import MPI
 
-
-def world_ranks(exchange) -> list[int]:
-    """Every member's MPI world rank, in group order (collective over ``exchange``'s group)."""
-    from mpi4py import MPI
-
-    return exchange.all_gather_object(MPI.COMM_WORLD.Get_rank())
+            if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                mine = (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+    except (ValueError, ImportError):  # launchers that disagree; no mpi4py
+        mine = None
+    everyone = exchange.all_gather_object(mine)
+    if any(m is None for m in everyone) or len({size for _, size in everyone}) != 1:
+        return None
+    ranks = [rank for rank, _ in everyone]
+    return ranks if len(set(ranks)) == len(ranks) else None
 
 
 class MpiCalls:
