@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 RECOMPUTE = ("none", "selective", "full")  # GPTConfig.recompute, --recompute
+MLPS = ("swiglu", "gelu", "gelu_tanh")  # GPTConfig.mlp (gelu_tanh: GPT-2's "gelu_new")
+ROPE_SCALINGS = ("linear", "llama3")  # GPTConfig.rope_scaling["rope_type"], besides None
 
 
 @dataclasses.dataclass
@@ -38,7 +40,7 @@ class GPTConfig:
     heads: int = 4
     kv_heads: int | None = None
     ffn_hidden: int | None = None
-    mlp: str = "swiglu"  # "swiglu" | "gelu"
+    mlp: str = "swiglu"  # "swiglu" | "gelu" | "gelu_tanh"
     norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     positions: str = "rope"  # "rope" | "learned"
     tie_embeddings: bool = False
@@ -56,10 +58,27 @@ class GPTConfig:
     moe_aux_coef: float = 1e-2
     moe_z_coef: float = 1e-3
     context_parallel: str | None = None  # None | "ring" | "ulysses"
+    # What Hugging Face architectures add (fastpar.models.hf maps their configs here):
+    head_dim: int | None = None  # None: hidden / heads (Qwen3 sets its own)
+    qkv_bias: bool = False  # biases on q, k, v even without ``bias`` (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
+    norm_eps: float | None = None  # None: the norm's default (RMSNorm 1e-6, LayerNorm 1e-5)
+    rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
+    max_positions: int | None = None  # learned positions' rows (None: seq_len)
 
     @property
     def num_kv_heads(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim``, else ``hidden / heads``."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the learned position table: ``max_positions``, else ``seq_len``."""
+        return self.max_positions if self.max_positions is not None else self.seq_len
 
     def is_moe(self, block: int) -> bool:
         """Whether block ``block`` (1 .. layers) is a Mixture-of-Experts block."""
@@ -73,7 +92,7 @@ class GPTConfig:
     def ffn_size(self) -> int:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        if self.mlp == "gelu":
+        if self.mlp != "swiglu":
             return 4 * self.hidden
         return -(-self.hidden // 3) * 8  # ceil(8/3 * hidden / 8) * 8
 
@@ -87,7 +106,7 @@ class GPTConfig:
             if (value is not None or name not in ("kv_heads", "ffn_hidden")) and (
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 bad.append(f"{name} must be a positive integer, got {value!r}")
-        for name, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
+        for name, allowed in (("mlp", MLPS), ("norm", ("rmsnorm", "layernorm")),
                               ("positions", ("rope", "learned")),
                               ("recompute", RECOMPUTE)):
             if getattr(self, name) not in allowed:
@@ -102,6 +121,20 @@ class GPTConfig:
                     value < (0 if name == "moe_experts" else 1):
                 least = "non-negative" if name == "moe_experts" else "positive"
                 bad.append(f"{name} must be a {least} integer, got {value!r}")
+        for name in ("head_dim", "max_positions"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                bad.append(f"{name} must be a positive integer or None, got {value!r}")
+        if self.norm_eps is not None and not self.norm_eps > 0:
+            bad.append(f"norm_eps must be > 0 or None, got {self.norm_eps!r}")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in \
+                ROPE_SCALINGS:
+            bad.append(f"rope_scaling's rope_type must be one of {ROPE_SCALINGS}, got "
+                       f"{self.rope_scaling.get('rope_type')!r}")
+        if self.max_positions is not None and self.max_positions < self.seq_len:
+            bad.append(f"seq_len {self.seq_len} is longer than max_positions "
+                       f"{self.max_positions}")
         if self.context_parallel not in (None, "ring", "ulysses"):
             bad.append(f"context_parallel must be None, 'ring' or 'ulysses', got "
                        f"{self.context_parallel!r}")
@@ -114,11 +147,12 @@ class GPTConfig:
         if bad:
             raise ValueError("GPTConfig: " + "; ".join(bad))
         kv, ffn = self.num_kv_heads, self.ffn_size
-        if self.hidden % self.heads:
+        if self.head_dim is None and self.hidden % self.heads:
             bad.append(f"hidden {self.hidden} is not divisible by heads {self.heads}")
-        elif self.positions == "rope" and (self.hidden // self.heads) % 2:
-            bad.append(f"rope needs an even head dim, got hidden {self.hidden} / heads "
-                       f"{self.heads} = {self.hidden // self.heads}")
+        elif self.positions == "rope" and self.head_size % 2:
+            got = (f"head_dim {self.head_dim}" if self.head_dim is not None else
+                   f"hidden {self.hidden} / heads {self.heads} = {self.head_size}")
+            bad.append(f"rope needs an even head dim, got {got}")
         if self.heads % kv:
             bad.append(f"heads {self.heads} is not divisible by kv_heads {kv}")
         for name, value in (("heads", self.heads), ("kv_heads", kv), ("vocab_size",
@@ -147,6 +181,9 @@ class GPTConfig:
                 bad.append("Mixture-of-Experts blocks do not take sequence_parallel at tp > 1 "
                            "yet (each tp rank would route other tokens through replicated "
                            "experts)")
+            if self.mlp == "gelu_tanh":
+                bad.append("Mixture-of-Experts blocks take mlp 'gelu' or 'swiglu', not "
+                           "'gelu_tanh'")
         elif ep > 1:
             bad.append(f"ep {ep} needs Mixture-of-Experts blocks (moe_experts > 0)")
         if bad:
@@ -159,15 +196,17 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Parameters of the serial model, the tied output weight (a copy) counted once."""
-        h, v, kv_dim, ffn, b = self.hidden, self.vocab_size, \
-            self.num_kv_heads * (self.hidden // self.heads), self.ffn_size, int(self.bias)
+        h, v, ffn, b = self.hidden, self.vocab_size, self.ffn_size, int(self.bias)
+        q_dim, kv_dim = self.heads * self.head_size, self.num_kv_heads * self.head_size
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)
-        attn = 2 * h * h + 2 * h * kv_dim + b * (2 * h + 2 * kv_dim)
-        mlp = (2 * h * ffn + b * (ffn + h)) if self.mlp == "gelu" else \
-            (3 * h * ffn + b * (2 * ffn + h))
+        qkv_b = int(self.bias or self.qkv_bias)
+        attn = 2 * h * q_dim + 2 * h * kv_dim + qkv_b * (q_dim + 2 * kv_dim) + b * h + \
+            (2 * self.head_size if self.qk_norm else 0)
+        mlp = (3 * h * ffn + b * (2 * ffn + h)) if self.mlp == "swiglu" else \
+            (2 * h * ffn + b * (ffn + h))
         # a MoE block: a bias-free router and moe_experts bias-free MLPs
-        moe = h * self.moe_experts + self.moe_experts * (2 if self.mlp == "gelu" else 3) * h * ffn
-        embedding = v * h + (self.seq_len * h if self.positions == "learned" else 0)
+        moe = h * self.moe_experts + self.moe_experts * (3 if self.mlp == "swiglu" else 2) * h * ffn
+        embedding = v * h + (self.position_rows * h if self.positions == "learned" else 0)
         head = norm + (0 if self.tie_embeddings else v * h)
         moes = len(self.moe_blocks)
         return embedding + self.layers * (2 * norm + attn) + (self.layers - moes) * mlp + \

@@ -100,11 +100,12 @@ def _materialise(module: nn.Module, cfg: GPTConfig, seed: int, index: int) -> nn
 
 
 def _norm(cfg: GPTConfig, group):
+    eps = {} if cfg.norm_eps is None else {"eps": cfg.norm_eps}
     if cfg.norm == "layernorm":
         return LayerNorm(cfg.hidden, bias=cfg.bias, sequence_parallel=cfg.sequence_parallel,
-                         group=group, device="meta")
+                         group=group, device="meta", **eps)
     return RMSNorm(cfg.hidden, sequence_parallel=cfg.sequence_parallel, group=group,
-                   device="meta")
+                   device="meta", **eps)
 
 
 class GPTEmbedding(nn.Module):
@@ -123,7 +124,7 @@ class GPTEmbedding(nn.Module):
         self.sequence_parallel, self.dropout = cfg.sequence_parallel, cfg.dropout
         self.tok = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, sequence_parallel=
                                           cfg.sequence_parallel, group=group, device="meta")
-        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden, device="meta") \
+        self.pos = nn.Embedding(cfg.position_rows, cfg.hidden, device="meta") \
             if cfg.positions == "learned" else None
 
     @property
@@ -134,9 +135,9 @@ class GPTEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok(tokens)  # (B, T, H); SP: (B, T/tp, H)
         if self.pos is not None:
-            if tokens.shape[1] * self.cp > self.cfg.seq_len:
+            if tokens.shape[1] * self.cp > self.cfg.position_rows:
                 raise ValueError(f"sequence of {tokens.shape[1] * self.cp} tokens is longer "
-                                 f"than the {self.cfg.seq_len} learned positions (seq_len)")
+                                 f"than the {self.cfg.position_rows} learned positions")
             t = h.shape[1]
             if self.cp > 1:  # (T/cp,) this rank's tokens' positions in the sequence
                 pos = context_positions(t * self.cp, self.cp_group, h.device)
@@ -177,7 +178,10 @@ class GPTBlock(nn.Module):
                                           rope_base=rope,
                                           recompute_core=cfg.recompute == "selective",
                                           context_parallel=cfg.context_parallel,
-                                          cp_group=cp_group)
+                                          cp_group=cp_group, head_dim=cfg.head_dim,
+                                          qkv_bias=cfg.bias or cfg.qkv_bias,
+                                          qk_norm_eps=(cfg.norm_eps or 1e-6) if cfg.qk_norm
+                                          else None, rope_scaling=cfg.rope_scaling)
         self.norm2 = _norm(cfg, group)
         self.index, self.moe = index, cfg.is_moe(index)
         if self.moe:

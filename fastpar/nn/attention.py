@@ -37,6 +37,7 @@ from the per-tp-rank stream). The output is the slice again, (B, T/cp, H).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -46,16 +47,45 @@ from fastpar.nn import context
 from fastpar.nn import random as tp_random
 from fastpar.nn.attention_core import dropout_attention
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, pieces_argument
+from fastpar.nn.norm import RMSNorm
 from fastpar.nn.recomputation import recompute
 from fastpar.nn.sharding import generator, resolve_group
 from fastpar.runtime import group_size
 
 
-def rotary_tables(seq_len: int, head_dim: int, base: float, dtype, device):
-    """``(cos, sin)``, each ``(T, hd/2)``: ``cos(p theta_i)``, ``sin(p theta_i)`` for positions
-    ``p < seq_len``. The angles are formed in float64 and rounded once to ``dtype``."""
+def rope_frequencies(head_dim: int, base: float, scaling: dict | None = None,
+                     device=None) -> torch.Tensor:
+    """``theta_i`` (hd/2,) in float64. ``scaling`` (Hugging Face's ``rope_scaling``): None;
+    ``{"rope_type": "linear", "factor": f}`` (every angle divided by f); or Llama 3's
+    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}``: wavelengths longer than the original context over
+    ``low_freq_factor`` divided by ``factor``, shorter than it over ``high_freq_factor`` kept,
+    the band between interpolated."""
     half = head_dim // 2
-    inv_freq = base ** (-2.0 * torch.arange(half, dtype=torch.float64, device=device) / head_dim)
+    inv = base ** (-2.0 * torch.arange(half, dtype=torch.float64, device=device) / head_dim)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > context / low, inv / factor, inv)
+    smooth = (context / wavelen - low) / (high - low)
+    between = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, dtype, device,
+                  scaling: dict | None = None):
+    """``(cos, sin)``, each ``(T, hd/2)``: ``cos(p theta_i)``, ``sin(p theta_i)`` for positions
+    ``p < seq_len`` (``theta``: ``rope_frequencies``). The angles are formed in float64 and
+    rounded once to ``dtype``."""
+    inv_freq = rope_frequencies(head_dim, base, scaling, device)
     angle = torch.arange(seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq
     return angle.cos().to(dtype), angle.sin().to(dtype)  # (T, hd/2) each
 
@@ -76,7 +106,13 @@ class ParallelSelfAttention(nn.Module):
     here); the head dim must be even. ``recompute_core``: recompute the attention core in
     backward (see the module docstring). ``context_parallel`` (None, "ring", "ulysses") and
     ``cp_group``: attention over a sequence split across the cp group (see the module
-    docstring); a cp group of one rank is the serial core."""
+    docstring); a cp group of one rank is the serial core.
+
+    What Hugging Face architectures add: ``head_dim`` (None: hidden / heads; q and o are
+    ``num_heads * head_dim`` wide), ``qkv_bias`` (None: ``bias``; True with ``bias=False``: only
+    q, k, v have biases, as Qwen2), ``qk_norm_eps`` (RMSNorm over each head of q and k before
+    rope, as Qwen3; its weights are shared by the heads, which tp splits, so their gradients
+    are summed over the tp group), ``rope_scaling`` (``rope_frequencies``)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  bias: bool = True, *, causal: bool = True, attn_dropout: float = 0.0,
@@ -84,7 +120,8 @@ class ParallelSelfAttention(nn.Module):
                  overlap=None, overlap_pieces=None, group=None, device=None, dtype=None,
                  seed=None, rope_base: float | None = None, chunks=None,
                  recompute_core: bool = False, context_parallel: str | None = None,
-                 cp_group=None):
+                 cp_group=None, head_dim: int | None = None, qkv_bias: bool | None = None,
+                 qk_norm_eps: float | None = None, rope_scaling: dict | None = None):
         super().__init__()
         if context_parallel not in (None, "ring", "ulysses"):
             raise ValueError(f"context_parallel must be None, 'ring' or 'ulysses', got "
@@ -102,7 +139,7 @@ class ParallelSelfAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.group = resolve_group(group)
         tp = group_size(self.group)
-        if hidden_size % num_heads:
+        if head_dim is None and hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads "
                              f"{num_heads}")
         if num_heads % num_kv_heads:
@@ -114,12 +151,11 @@ class ParallelSelfAttention(nn.Module):
         if sequence_parallel and sequence_dim != 1:
             raise ValueError(f"ParallelSelfAttention is batch-first: sequence_dim must be 1, got "
                              f"{sequence_dim}")
-        self.head_dim = hidden_size // num_heads
+        self.head_dim = hidden_size // num_heads if head_dim is None else head_dim
         if rope_base is not None and (rope_base <= 0 or self.head_dim % 2):
             raise ValueError(f"rotary embedding needs rope_base > 0 and an even head dim; got "
-                             f"rope_base {rope_base}, head dim {self.head_dim} (hidden_size "
-                             f"{hidden_size} / num_heads {num_heads})")
-        self.rope_base = rope_base
+                             f"rope_base {rope_base}, head dim {self.head_dim}")
+        self.rope_base, self.rope_scaling = rope_base, rope_scaling
         self._rope_cache: tuple | None = None  # (key, cos, sin) of the last forward's tables
         self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads // tp
         self.causal, self.attn_dropout, self.dropout = causal, attn_dropout, dropout
@@ -128,11 +164,17 @@ class ParallelSelfAttention(nn.Module):
         common = dict(sequence_parallel=sequence_parallel, sequence_dim=1, overlap=overlap,
                       overlap_pieces=overlap_pieces, group=self.group, device=device, dtype=dtype,
                       seed=gen)
-        kv_size = num_kv_heads * self.head_dim
-        self.q_proj = ColumnParallelLinear(hidden_size, hidden_size, bias, **common)
-        self.k_proj = ColumnParallelLinear(hidden_size, kv_size, bias, **common)
-        self.v_proj = ColumnParallelLinear(hidden_size, kv_size, bias, **common)
-        self.o_proj = RowParallelLinear(hidden_size, hidden_size, bias, **common)
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = ColumnParallelLinear(hidden_size, q_size, qkv_bias, **common)
+        self.k_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
+        self.v_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
+        self.o_proj = RowParallelLinear(q_size, hidden_size, bias, **common)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:  # the grads of the shared weights summed over tp's heads
+            norm = dict(sequence_parallel=tp > 1, group=self.group, device=device, dtype=dtype)
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps, **norm)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps, **norm)
 
     def _rotary(self, seq_len: int, dtype, device):
         """``rotary_tables`` for this length, dtype and device, kept from the last call (they
@@ -141,7 +183,7 @@ class ParallelSelfAttention(nn.Module):
         if self._rope_cache is None or self._rope_cache[0] != key:
             with torch.inference_mode(False):  # kept tensors must be usable by a later backward
                 self._rope_cache = (key, *rotary_tables(seq_len, self.head_dim, self.rope_base,
-                                                        dtype, device))
+                                                        dtype, device, self.rope_scaling))
         return self._rope_cache[1], self._rope_cache[2]
 
     def _core(self, q, k, v) -> torch.Tensor:
@@ -177,8 +219,11 @@ class ParallelSelfAttention(nn.Module):
         # one entry communication for q, k and v (overlapped with their GEMMs by policy)
         q, k, v = ColumnParallelLinear.shared_forward(x, [self.q_proj, self.k_proj, self.v_proj])
         B, T, _ = q.shape  # (B, T, nh/tp * hd): the full sequence (cp: this rank's T/cp)
-        q = q.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, self.local_heads, self.head_dim)
+        k = k.view(B, T, self.local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
         # q (B, nh/tp, T, hd); k, v (B, nkv/tp, T, hd)
         if self.rope_base is not None:  # positions 0..T-1 of the full (gathered) sequence

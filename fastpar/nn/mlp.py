@@ -2,6 +2,7 @@
 row-parallel down.
 
     gelu:    y = fc2(gelu(fc1(x)))                               fc1: column, fc2: row
+             (gelu_tanh: gelu's tanh approximation, GPT-2's "gelu_new")
     swiglu:  y = down_proj(silu(gate_proj(x)) * up_proj(x))      gate/up: column, down: row
 
 The ffn dim is split over the TP group; the input crosses into the region once (one copy_to_tp or
@@ -23,7 +24,8 @@ from fastpar.nn.sharding import generator, resolve_group
 
 
 class ParallelMLP(nn.Module):
-    """``activation``: "gelu" (erf form, as ``F.gelu``) or "swiglu". ``seed`` as for the linear
+    """``activation``: "gelu" (erf form, as ``F.gelu``), "gelu_tanh" (``F.gelu(approximate=
+    "tanh")``) or "swiglu". ``seed`` as for the linear
     layers; the sublayers draw in the serial order (fc1, fc2 / gate, up, down). ``dropout`` is
     applied to the output; under sequence parallelism each rank's tokens get their own stream."""
 
@@ -33,8 +35,9 @@ class ParallelMLP(nn.Module):
                  device=None, dtype=None, seed=None, chunks=None):
         super().__init__()
         overlap_pieces = pieces_argument(overlap_pieces, chunks, "ParallelMLP")
-        if activation not in ("gelu", "swiglu"):
-            raise ValueError(f"activation must be 'gelu' or 'swiglu', got {activation!r}")
+        if activation not in ("gelu", "gelu_tanh", "swiglu"):
+            raise ValueError(f"activation must be 'gelu', 'gelu_tanh' or 'swiglu', got "
+                             f"{activation!r}")
         self.activation, self.dropout = activation, dropout
         self.group = resolve_group(group)
         self.sequence_parallel = sequence_parallel
@@ -46,7 +49,7 @@ class ParallelMLP(nn.Module):
         def column():
             return ColumnParallelLinear(hidden_size, ffn_hidden_size, bias, **common)
 
-        if activation == "gelu":
+        if activation != "swiglu":
             self.fc1 = column()
             self.fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias, **common)
         else:
@@ -54,8 +57,9 @@ class ParallelMLP(nn.Module):
             self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, bias, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "gelu":
-            h = F.gelu(self.fc1(x))  # (..., ffn / tp)
+        if self.activation != "swiglu":
+            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
+            h = F.gelu(self.fc1(x), approximate=approximate)  # (..., ffn / tp)
             y = self.fc2(h)
         else:
             # one entry communication for both column layers (overlapped by policy)

@@ -105,7 +105,7 @@ def layer_work(cfg: GPTConfig, cluster: Cluster, *, index: int, tp: int, cp: int
     """One microbatch of ``rows`` sequences through layer ``index`` (0 embedding, 1..L blocks,
     L + 1 head) on one rank."""
     T, h = cfg.seq_len, cfg.hidden
-    hd = h // cfg.heads
+    hd = cfg.head_size
     n = rows * T // cp
     nh, q, kv, f = cfg.heads // tp, cfg.heads // tp * hd, cfg.num_kv_heads // tp * hd, \
         cfg.ffn_size // tp

@@ -117,23 +117,25 @@ def layer_tensors(cfg: GPTConfig, tp: int, index: int, ep: int = 1) -> list[int]
     L + 1 the head) on one tp rank (a MoE block: its router and stacked local experts, whole on
     every tp rank, moe_experts / ep of them)."""
     h, v, ffn, b = cfg.hidden, cfg.vocab_size, cfg.ffn_size, cfg.bias
-    kv = cfg.num_kv_heads * (h // cfg.heads)
+    q, kv = cfg.heads * cfg.head_size, cfg.num_kv_heads * cfg.head_size
     norm = [h, h] if cfg.norm == "layernorm" and b else [h]
     if index == 0:
-        return [v // tp * h] + ([cfg.seq_len * h] if cfg.positions == "learned" else [])
+        return [v // tp * h] + ([cfg.position_rows * h] if cfg.positions == "learned" else [])
     if index == cfg.layers + 1:
         return norm + [v // tp * h]
 
-    def column(out):  # weight (out/tp, h) and bias (out/tp)
-        return [out // tp * h] + ([out // tp] if b else [])
+    def column(out, bias=b):  # weight (out/tp, h) and bias (out/tp)
+        return [out // tp * h] + ([out // tp] if bias else [])
 
     def row(inp):  # weight (h, in/tp) and a replicated bias (h)
         return [h * (inp // tp)] + ([h] if b else [])
-    attn = column(h) + column(kv) + column(kv) + row(h)
-    mlp = column(ffn) + row(ffn) if cfg.mlp == "gelu" else column(ffn) * 2 + row(ffn)
+    qkv_b = b or cfg.qkv_bias
+    attn = column(q, qkv_b) + column(kv, qkv_b) + column(kv, qkv_b) + row(q) + \
+        ([cfg.head_size] * 2 if cfg.qk_norm else [])
+    mlp = column(ffn) * 2 + row(ffn) if cfg.mlp == "swiglu" else column(ffn) + row(ffn)
     if cfg.is_moe(index):
         local = cfg.moe_experts // ep
-        mlp = [cfg.moe_experts * h] + [local * h * ffn] * (2 if cfg.mlp == "gelu" else 3)
+        mlp = [cfg.moe_experts * h] + [local * h * ffn] * (3 if cfg.mlp == "swiglu" else 2)
     return norm + attn + norm + mlp
 
 
@@ -142,7 +144,7 @@ def layer_activations(cfg: GPTConfig, tp: int, index: int, rows: int, esize: int
     """Bytes autograd saves for one microbatch of ``rows`` sequences in layer ``index`` (tp
     rank's share); ``first``: the layer's input is the stage input, counted there. Each term
     is what one op saves (docs/design.md has the table)."""
-    n, h, hd = rows * cfg.seq_len, cfg.hidden, cfg.hidden // cfg.heads
+    n, h, hd = rows * cfg.seq_len, cfg.hidden, cfg.head_size
     q, kv, ffn = cfg.heads // tp * hd, cfg.num_kv_heads // tp * hd, cfg.ffn_size // tp
     m = n // (tp if cfg.sequence_parallel else 1)  # tokens outside the tp regions
     x = 0 if first else m * h * esize  # the layer's input, where it is saved itself

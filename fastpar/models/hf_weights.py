@@ -1,0 +1,195 @@
+"""Hugging Face weights in and out of fastpar's GPT layers (``fastpar.models.gpt``), tensor by
+tensor: each rank reads only the tensors of the layers it builds, and only their full form (its
+shard cut here), and export yields one full tensor at a time.
+
+    reader = SafetensorsReader("llama-dir")          # model.safetensors or its shards' index
+    load_layer(module, index, cfg, info, reader)      # layer `index` of gpt_layers(cfg)
+    for name, tensor in hf_tensors(index, full, cfg, info): ...   # its Hugging Face tensors
+
+Names: a GPT layer ``index`` (0 the embedding, 1..L the blocks, L + 1 the head) has the
+parameters of ``gpt.py``; ``sources`` gives, for each, the Hugging Face tensor it comes from
+and how: as it is (Llama, Mistral, Qwen2, Qwen3), transposed (GPT-2's Conv1D weights, stored
+(in, out)), or a third of GPT-2's fused ``c_attn`` (q, k, v side by side along its outputs).
+A tied head reads the embedding's tensor and export writes none for it. Buffers that are not
+parameters (GPT-2's old ``attn.bias`` masks) are not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from fastpar.models.config import GPTConfig
+from fastpar.models.gpt import gpt_layers
+from fastpar.models.hf import HfInfo
+from fastpar.nn.sharding import ShardedModule, copy_into
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a GPT parameter's full tensor lies in a Hugging Face checkpoint: tensor ``name``,
+    transposed (``conv1d``: GPT-2 stores its linear weights (in, out)), and of a fused
+    projection only outputs ``part`` = (start, stop)."""
+
+    name: str
+    conv1d: bool = False
+    part: tuple[int, int] | None = None
+
+
+def sources(cfg: GPTConfig, info: HfInfo, index: int) -> dict[str, Source]:
+    """Each parameter of GPT layer ``index`` (its name in the layer) -> its ``Source``."""
+    gpt2 = info.model_type == "gpt2"
+    top = "transformer." if gpt2 else "model."
+    embedding = top + ("wte.weight" if gpt2 else "embed_tokens.weight")
+    if index == 0:
+        out = {"tok.weight": Source(embedding)}
+        if gpt2:
+            out["pos.weight"] = Source("transformer.wpe.weight")
+        return out
+    if index == cfg.layers + 1:
+        norm = "transformer.ln_f" if gpt2 else "model.norm"
+        out = {"norm.weight": Source(norm + ".weight"),
+               "out.weight": Source(embedding if cfg.tie_embeddings else "lm_head.weight")}
+        if gpt2:
+            out["norm.bias"] = Source(norm + ".bias")
+        return out
+    return _gpt2_block(cfg, index - 1) if gpt2 else _llama_block(cfg, index - 1)
+
+
+def _llama_block(cfg: GPTConfig, j: int) -> dict[str, Source]:
+    p = f"model.layers.{j}."
+    out = {"norm1.weight": Source(p + "input_layernorm.weight"),
+           "norm2.weight": Source(p + "post_attention_layernorm.weight")}
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        out[f"attn.{proj}.weight"] = Source(f"{p}self_attn.{proj}.weight")
+    if cfg.qkv_bias:
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            out[f"attn.{proj}.bias"] = Source(f"{p}self_attn.{proj}.bias")
+    if cfg.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            out[f"attn.{norm}.weight"] = Source(f"{p}self_attn.{norm}.weight")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        out[f"mlp.{proj}.weight"] = Source(f"{p}mlp.{proj}.weight")
+    return out
+
+
+def _gpt2_block(cfg: GPTConfig, j: int) -> dict[str, Source]:
+    p, h = f"transformer.h.{j}.", cfg.hidden
+    out = {}
+    for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
+        for kind in ("weight", "bias"):
+            out[f"{ours}.{kind}"] = Source(f"{p}{theirs}.{kind}")
+    for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+        part = (i * h, (i + 1) * h)
+        out[f"attn.{proj}.weight"] = Source(p + "attn.c_attn.weight", True, part)
+        out[f"attn.{proj}.bias"] = Source(p + "attn.c_attn.bias", False, part)
+    for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"),
+                         ("mlp.fc2", "mlp.c_proj")):
+        out[f"{ours}.weight"] = Source(f"{p}{theirs}.weight", True)
+        out[f"{ours}.bias"] = Source(f"{p}{theirs}.bias")
+    return out
+
+
+def read(reader, src: Source) -> torch.Tensor:
+    """The full GPT tensor of ``src`` (float32 copies are the caller's business)."""
+    t = reader.get(src.name)
+    if src.part is not None:  # outputs are the last dim of a Conv1D weight, the only of a bias
+        t = t[..., src.part[0]:src.part[1]]
+    return t.t() if src.conv1d else t
+
+
+def load_layer(module: torch.nn.Module, index: int, cfg: GPTConfig, info: HfInfo,
+               reader) -> torch.nn.Module:
+    """Give layer ``index`` (built by ``gpt_layers(cfg)``, any tp) the checkpoint's values:
+    each parameter its shard of the full tensor, in the parameter's dtype. Raises naming any
+    parameter without a source or any source of the wrong shape. A layer on meta stays."""
+    table = sources(cfg, info, index)
+    seen = set()
+    for prefix, owner in module.named_modules():
+        for name, p in owner.named_parameters(recurse=False):
+            full_name = f"{prefix}.{name}" if prefix else name
+            if p.is_meta:
+                return module
+            if full_name not in table:
+                raise ValueError(f"layer {index}: parameter {full_name} has no Hugging Face "
+                                 f"source for {info.model_type}")
+            full = read(reader, table[full_name])
+            sharded = isinstance(owner, ShardedModule)
+            want = tuple(owner.full_shape(name)) if sharded else tuple(p.shape)
+            if tuple(full.shape) != want:
+                raise ValueError(f"layer {index}: {table[full_name].name} has shape "
+                                 f"{tuple(full.shape)}, {full_name} needs {want}")
+            copy_into(p, owner.shard_full(name, full) if sharded else full)
+            seen.add(full_name)
+    missing = set(table) - seen
+    if missing:
+        raise ValueError(f"layer {index}: the model has no {', '.join(sorted(missing))}")
+    return module
+
+
+def hf_tensors(index: int, full: dict[str, torch.Tensor], cfg: GPTConfig,
+               info: HfInfo) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of GPT layer ``index`` from its full parameters ``full`` (name
+    in the layer -> tensor): fused and transposed back; a tied head gives none."""
+    table = sources(cfg, info, index)
+    out: dict[str, list] = {}
+    for name, src in table.items():
+        if index == cfg.layers + 1 and name == "out.weight" and cfg.tie_embeddings:
+            continue
+        t = full[name].t() if src.conv1d else full[name]
+        out.setdefault(src.name, []).append((src.part, t))
+    tensors = []
+    for hf_name, pieces in out.items():
+        if pieces[0][0] is None:
+            tensors.append((hf_name, pieces[0][1].contiguous()))
+        else:  # a fused projection: its parts side by side along the outputs
+            pieces.sort(key=lambda piece: piece[0][0])
+            tensors.append((hf_name, torch.cat([t for _, t in pieces], dim=-1).contiguous()))
+    return tensors
+
+
+class SafetensorsReader:
+    """Tensors of a Hugging Face directory by name, from ``model.safetensors`` or the shards that
+    ``model.safetensors.index.json`` names; each file opened once, each tensor read alone."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.where = dict(json.load(f)["weight_map"])
+        elif os.path.exists(single):
+            with self._open(single, "pt") as f:
+                self.where = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ValueError(f"{path}: no model.safetensors nor model.safetensors.index.json "
+                             "(fastpar reads Hugging Face weights as safetensors)")
+        self._files: dict[str, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ValueError(f"{self.path}: the checkpoint has no tensor {name}")
+        file = self.where[name]
+        if file not in self._files:
+            self._files[file] = self._open(os.path.join(self.path, file), "pt")
+        return self._files[file].get_tensor(name)
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the checkpoint's first tensor (its weights' dtype)."""
+        return self.get(next(iter(self.where))).dtype
+
+
+def hf_layers(cfg: GPTConfig, info: HfInfo, reader, **kwargs) -> list:
+    """``gpt_layers(cfg, **kwargs)``'s factories, each layer given the checkpoint's values as it
+    is built: a pipeline stage reads only its own layers' tensors."""
+    def loaded(factory, index):
+        return lambda: load_layer(factory(), index, cfg, info, reader)
+
+    return [loaded(f, i) for i, f in enumerate(gpt_layers(cfg, **kwargs))]
