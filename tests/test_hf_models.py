@@ -1,7 +1,7 @@
 """Hugging Face architectures in fastpar's GPT (``fastpar.models.hf``, ``hf_weights``): small
 models of each made locally with transformers (``from_config``, every weight perturbed so that
 norms and biases matter, ``save_pretrained`` as safetensors), loaded into fastpar's layers at
-tp 1, 2 and 2 of 4 ranks, against the Hugging Face model's own forward.
+tp 1 and tp 2 of 4 ranks, against the Hugging Face model's own forward.
 
 - In float64 both models compute the same function: logits within 1e-10 of their scale for
   GPT-2; with rope within 1e-6 (Hugging Face forms its rope angles in float32 whatever the
@@ -110,7 +110,7 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-@pytest.mark.parametrize("tp, nranks", [(1, 1), (2, 2), (2, 4)])
+@pytest.mark.parametrize("tp, nranks", [(1, 1), (2, 4)])  # tp 2 of 4: a group not the world
 def test_logits_equal_hugging_faces_forward(saved, tp, nranks):
     kind, path = saved
     for rank, got in enumerate(run_ranks(nranks, body_parity, path=path, tp=tp,

@@ -4,6 +4,7 @@
     python -m fastpar.checkpoint inspect runs/a/step_00000100 --verify --json
     python -m fastpar.checkpoint export runs/a model.safetensors # the serial model, one file
     python -m fastpar.checkpoint export runs/a all.safetensors --optimizer
+    python -m fastpar.checkpoint export --hf out-dir runs/a      # a Hugging Face directory
 
 ``export`` writes the serial layout under the model's own names (the GPT's, for the trainer's
 checkpoints), float32 weights of record (a bf16 run's masters), one tensor assembled at a time
@@ -157,6 +158,20 @@ def export(args) -> int:
     return 0
 
 
+def export_to_hf(args) -> int:
+    from fastpar.checkpoint.hf_export import export_hf
+
+    def progress(done, total):
+        if done == total or done % 50 == 0:
+            print(f"export: {done}/{total} tensors", file=sys.stderr, flush=True)
+
+    out = export_hf(args.path, args.hf, args.shard_mb << 20, progress)
+    print(f"exported step {out['step']} of {args.path} to {args.hf}: {out['tensors']} "
+          f"tensors in {', '.join(out['files'])}, {out['bytes'] / MiB:.2f} MiB (peak "
+          f"{out['peak_bytes'] / MiB:.2f} MiB assembled at once)")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastpar.checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,12 +181,23 @@ def main(argv=None) -> int:
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.add_argument("--verify", action="store_true", help="check every piece's sha256")
     i.add_argument("--json", action="store_true", help="the index and what was found, as JSON")
-    e = sub.add_parser("export", help="one serial-layout safetensors file")
+    e = sub.add_parser("export", help="one serial-layout safetensors file, or (--hf DIR) a "
+                       "Hugging Face directory")
     e.add_argument("path", help="a checkpoint directory (its latest) or one step_* in it")
-    e.add_argument("out", help="the .safetensors file to write (must not exist)")
+    e.add_argument("out", nargs="?", help="the .safetensors file to write (must not exist)")
     e.add_argument("--optimizer", action="store_true", help="also the optimizer state")
+    e.add_argument("--hf", metavar="DIR", default=None,
+                   help="a Hugging Face model's checkpoint (fastpar.train --hf-model or "
+                        "--hf-config): write DIR for from_pretrained (config.json, "
+                        "safetensors, the source's tokenizer files)")
+    e.add_argument("--shard-mb", type=int, default=2048,
+                   help="--hf: safetensors files of at most this many MiB")
     args = p.parse_args(argv)
+    if args.command == "export" and (args.hf is None) == (args.out is None):
+        p.error("export: give OUT (one safetensors file) or --hf DIR, one of them")
     try:
+        if args.command == "export" and args.hf is not None:
+            return export_to_hf(args)
         return inspect(args) if args.command == "inspect" else export(args)
     except (OSError, ValueError) as exc:
         print(f"python -m fastpar.checkpoint {args.command}: error: {exc}", file=sys.stderr)

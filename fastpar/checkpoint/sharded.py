@@ -141,15 +141,19 @@ class ShardedCheckpointer:
 
     # ---- save -------------------------------------------------------------------------------
 
-    def save(self, root: str, step: int, model, opt, *, meta: dict, keep: int | None = KEEP,
-             async_save: bool = False, hold: bool = False) -> str | None:
+    def save(self, root: str, step: int, model, opt=None, *, meta: dict,
+             keep: int | None = KEEP, async_save: bool = False, hold: bool = False,
+             optimizer_state: bool = True) -> str | None:
         """Write checkpoint ``root/step_{step:08d}`` (collective). Returns its path, or None
         when ``async_save`` (``wait()`` returns it once committed). An async save copies the
         pieces into a staging buffer first, unless ``hold``: then the writer reads them where
         they lie and the caller must not change the model's weights or the optimizer until
         ``wait_for_reads()`` returns (``fastpar.train`` waits before its next optimizer step,
         so the write overlaps that step's forward and backward, with no copy and no extra
-        memory); a held piece changed meanwhile fails the save."""
+        memory); a held piece changed meanwhile fails the save. ``opt`` None: the model's
+        weights alone (its parameters); ``optimizer_state=False``: the optimizer's weights of
+        record (ZeRO's or bf16's float32 masters) without its state (an export's
+        checkpoint)."""
         self.wait()
         root = os.fspath(root)
         if int(step) < 0 or (keep is not None and int(keep) < 1):
@@ -163,8 +167,9 @@ class ShardedCheckpointer:
                 store.check_new(root, step)
                 json.dumps(meta)
             pieces = model_pieces(model, opt)
-            opt_pieces, scalars = optimizer_pieces(model, opt)
-            pieces += opt_pieces
+            if opt is not None and optimizer_state:
+                opt_pieces, scalars = optimizer_pieces(model, opt)
+                pieces += opt_pieces
             held = writers.describe(pieces)
             digest = hashlib.sha256(repr(held).encode()).hexdigest()
         except (OSError, ValueError, TypeError, RuntimeError) as exc:

@@ -272,6 +272,8 @@ def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0, ep_group=None,
 
     def head():
         module = _materialise(GPTHead(cfg, group), cfg, seed, last)
+        if cfg.tie_embeddings:  # the embedding's copy: the global gradient norm counts it once
+            module.out.weight.tied_copy = True
         if cfg.tie_embeddings and not module.out.weight.is_meta:
             # The embedding's first draw of layer 0, sharded the same way (V/tp rows).
             full = _normal((cfg.vocab_size, cfg.hidden), cfg.init_std, layer_generator(seed, 0))

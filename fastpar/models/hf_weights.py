@@ -130,25 +130,33 @@ def load_layer(module: torch.nn.Module, index: int, cfg: GPTConfig, info: HfInfo
     return module
 
 
+def hf_plan(cfg: GPTConfig, info: HfInfo, index: int) -> list[tuple[str, list]]:
+    """The Hugging Face tensors of GPT layer ``index``, each with the ``(parameter name,
+    Source)`` pairs it is made of (``assemble`` makes it); a tied head has none."""
+    grouped: dict[str, list] = {}
+    for name, src in sources(cfg, info, index).items():
+        if index == cfg.layers + 1 and name == "out.weight" and cfg.tie_embeddings:
+            continue
+        grouped.setdefault(src.name, []).append((name, src))
+    return list(grouped.items())
+
+
+def assemble(parts: list[tuple[Source, torch.Tensor]]) -> torch.Tensor:
+    """A Hugging Face tensor from its GPT parts (``(Source, full tensor)``, as ``hf_plan``
+    lists them): transposed back, and a fused projection's parts side by side."""
+    pieces = [(src.part, t.t() if src.conv1d else t) for src, t in parts]
+    if pieces[0][0] is None:
+        return pieces[0][1].contiguous()
+    pieces.sort(key=lambda piece: piece[0][0])
+    return torch.cat([t for _, t in pieces], dim=-1).contiguous()
+
+
 def hf_tensors(index: int, full: dict[str, torch.Tensor], cfg: GPTConfig,
                info: HfInfo) -> list[tuple[str, torch.Tensor]]:
     """The Hugging Face tensors of GPT layer ``index`` from its full parameters ``full`` (name
-    in the layer -> tensor): fused and transposed back; a tied head gives none."""
-    table = sources(cfg, info, index)
-    out: dict[str, list] = {}
-    for name, src in table.items():
-        if index == cfg.layers + 1 and name == "out.weight" and cfg.tie_embeddings:
-            continue
-        t = full[name].t() if src.conv1d else full[name]
-        out.setdefault(src.name, []).append((src.part, t))
-    tensors = []
-    for hf_name, pieces in out.items():
-        if pieces[0][0] is None:
-            tensors.append((hf_name, pieces[0][1].contiguous()))
-        else:  # a fused projection: its parts side by side along the outputs
-            pieces.sort(key=lambda piece: piece[0][0])
-            tensors.append((hf_name, torch.cat([t for _, t in pieces], dim=-1).contiguous()))
-    return tensors
+    in the layer -> tensor)."""
+    return [(hf_name, assemble([(src, full[name]) for name, src in parts]))
+            for hf_name, parts in hf_plan(cfg, info, index)]
 
 
 class SafetensorsReader:

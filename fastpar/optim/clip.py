@@ -20,9 +20,10 @@ over the ep group first::
 Tied weights: a Parameter that appears more than once in one module (used by two layers) counts
 once, as ``model.parameters()`` yields it once. A GPT's tied embedding and output weight are two
 Parameters, one holding a copy of the other (``fastpar.models``: the pipeline may put them on
-different stages), and ``fastpar.models.GPT`` holds the same two at pp 1. Both count, so the
-tied gradient enters the norm twice, at every layout, as ``torch.nn.utils.clip_grad_norm_``
-counts it on the serial ``GPT``; ``sum_tied_grads`` gives both copies that gradient first.
+different stages), both given the tied weight's gradient by ``sum_tied_grads``. The copy is
+marked (``param.tied_copy``) and does not count: the tied weight enters the norm once, at every
+layout, as in a model where it is one Parameter (Hugging Face's, torch's ``clip_grad_norm_``
+on it).
 
 ``DistributedOptimizer.clip_grad_norm_`` (ZeRO) counts the same elements (``counted``), sums over
 its dp group as well (there each rank holds a slice of the gradients), and ends in the same
@@ -53,11 +54,12 @@ def sharded_params(model: torch.nn.Module) -> set[int]:
 
 def counted(model: torch.nn.Module) -> Callable[[torch.Tensor], bool]:
     """Whether this rank counts a parameter in the serial model's norm: a tp shard of a
-    ``fastpar.nn`` layer always, a parameter whole on every tp rank only on tp rank 0."""
+    ``fastpar.nn`` layer always, a parameter whole on every tp rank only on tp rank 0; a tied
+    weight's marked copy (``tied_copy``) never."""
     if topology().tp_rank == 0:
-        return lambda p: True
+        return lambda p: not getattr(p, "tied_copy", False)
     sharded = sharded_params(model)
-    return lambda p: id(p) in sharded
+    return lambda p: id(p) in sharded and not getattr(p, "tied_copy", False)
 
 
 def check_max_norm(max_norm: float) -> None:

@@ -352,8 +352,7 @@ class DistributedOptimizer(CheckpointMixin, InnerOptimizerView, torch.optim.Opti
         mp group (tp x pp) and counts what ``fastpar.optim.clip_grad_norm_`` counts (w = 1 for
         the shards of ``fastpar.nn`` layers; for parameters replicated over tp, w = 1 on tp rank
         0 only), so each serial element counts once. Tied weights count as there: a GPT's tied
-        embedding and its head's copy are two parameters, both counted, as on the serial
-        ``GPT`` (see ``fastpar.optim.clip``).
+        embedding once, its head's copy not (see ``fastpar.optim.clip``).
         """
         check_max_norm(max_norm)
         if not self._reduced:

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 
-DEFAULT_STEPS = {"tiny": 200, "small": 150}
+DEFAULT_STEPS = {"tiny": 200, "small": 150, None: 100}  # None: a Hugging Face model
 
 
 def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
@@ -42,7 +42,18 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
     a("--microbatches", type=int, default=None, help="per step (default: 2 x pp, at least 1)")
     a("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
-    a("--preset", default="small", choices=["tiny", "small"])
+    a("--preset", default=None, choices=["tiny", "small"],
+      help="fastpar's own GPT (default small; not with --hf-model / --hf-config)")
+    a("--hf-model", default=None, metavar="DIR",
+      help="train a Hugging Face causal LM directory (config.json, safetensors weights): "
+           "Llama, Mistral, Qwen2, Qwen3, GPT-2")
+    a("--hf-config", default=None, metavar="FILE",
+      help="a Hugging Face config.json: that architecture from random weights")
+    a("--save-hf", default=None, metavar="DIR",
+      help="at the end, write a Hugging Face directory (config.json, safetensors, the "
+           "tokenizer files) that from_pretrained loads")
+    a("--save-hf-shard-mb", type=int, default=2048,
+      help="--save-hf: safetensors files of at most this many MiB (more: an index)")
     a("--steps", type=int, default=None, help="total steps (default: tiny 200, small 150)")
     a("--global-batch", type=int, default=16, help="sequences per step over all dp ranks")
     a("--seq-len", type=int, default=None)
@@ -150,8 +161,11 @@ def check_args(p, args) -> None:
                     "val_every"]
     for name in at_least_one:
         value = getattr(args, name)
+        if name == "steps" and value == 0 and args.save_hf:
+            continue  # --steps 0 --save-hf: a conversion (Hugging Face -> layout -> back)
         p.check(value is None or value >= 1,
-                f"--{name.replace('_', '-')} must be at least 1, got {value}")
+                f"--{name.replace('_', '-')} must be at least 1, got {value}"
+                + (" (0 with --save-hf: a conversion)" if name == "steps" else ""))
     for name in ("warmup", "save_every"):
         value = getattr(args, name)
         p.check(value is None or value >= 0,
@@ -206,8 +220,27 @@ def check_args(p, args) -> None:
             f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
     p.check(args.timeout > 0, f"--timeout must be > 0 seconds (inf: no limit), got "
                               f"{args.timeout}")
+    hf = args.hf_model or args.hf_config
+    p.check(not (args.hf_model and args.hf_config),
+            "--hf-model and --hf-config: give one model (--hf-model has its config.json)")
+    if hf:
+        shaped = [flag for flag, value in (
+            ("--preset", args.preset), ("--layers", args.layers), ("--hidden", args.hidden),
+            ("--heads", args.heads), ("--kv-heads", args.kv_heads),
+            ("--tie-embeddings", args.tie_embeddings), ("--moe-experts", args.moe_experts))
+            if value]
+        source = "--hf-model" if args.hf_model else "--hf-config"
+        p.check(not shaped, f"{', '.join(shaped)} with {source}: the model's shape is its "
+                            "config.json's")
+    p.check(args.save_hf is None or hf, "--save-hf writes a Hugging Face model: train one "
+                                        "(--hf-model DIR or --hf-config FILE)")
+    p.check(args.save_hf_shard_mb >= 1, f"--save-hf-shard-mb must be >= 1, got "
+                                        f"{args.save_hf_shard_mb}")
+    if not hf:
+        args.preset = args.preset or "small"
     for flag, path in (("--data", args.data), ("--resume", args.resume),
-                       ("--cluster", args.cluster)):
+                       ("--cluster", args.cluster), ("--hf-model", args.hf_model),
+                       ("--hf-config", args.hf_config)):
         p.check(path is None or os.path.exists(path),
                 f"{flag} {path}: no such file or directory")
     from fastpar.pipeline.schedules import compile_schedule
@@ -241,19 +274,37 @@ def check_args(p, args) -> None:
             p.error(str(exc))
 
 
+def hf_source(args):
+    """``(GPTConfig, HfInfo)`` of ``--hf-model`` / ``--hf-config`` with the run's layout
+    choices, or None for fastpar's own GPT."""
+    path = args.hf_model or args.hf_config
+    if not path:
+        return None
+    from fastpar.models.hf import hf_config, read_hf_config
+
+    return hf_config(read_hf_config(path), seq_len=args.seq_len, **_layout_fields(args))
+
+
+def _layout_fields(args) -> dict:
+    """The GPTConfig fields the flags choose for any model: how it runs, not its shape."""
+    return {"sequence_parallel": bool(args.sequence_parallel),
+            "overlap": {"auto": None, "on": True, "off": False}[args.overlap],
+            "recompute": args.recompute,
+            "context_parallel": args.cp_type if args.cp > 1 else None}
+
+
 def model_config(args):
     from fastpar.models import PRESETS
 
+    made = hf_source(args)
+    if made is not None:
+        return made[0]
     overrides = {k: v for k, v in (("seq_len", args.seq_len), ("layers", args.layers),
                                    ("hidden", args.hidden), ("heads", args.heads),
                                    ("kv_heads", args.kv_heads)) if v is not None}
     if args.tie_embeddings:
         overrides["tie_embeddings"] = True
-    if args.sequence_parallel:
-        overrides["sequence_parallel"] = True
-    overrides["overlap"] = {"auto": None, "on": True, "off": False}[args.overlap]
-    overrides["recompute"] = args.recompute
-    overrides["context_parallel"] = args.cp_type if args.cp > 1 else None
+    overrides.update(_layout_fields(args))
     overrides.update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
                      moe_every=args.moe_every, moe_capacity=args.moe_capacity,
                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef)

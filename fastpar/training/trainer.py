@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -20,16 +21,19 @@ import torch
 
 import fastpar
 from fastpar import comm
+from fastpar.checkpoint.hf_export import export_hf
 from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
 from fastpar.models import GPTBlock, gpt_layers, gpt_loss
+from fastpar.models.hf_weights import SafetensorsReader, hf_layers
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn import random as tp_random
 from fastpar.nn.context import choose_type, context_positions
 from fastpar.pipeline import Pipeline
 from fastpar.plan.cluster import gpu_peak_flops
 from fastpar.runtime import hostid
-from fastpar.training.args import DEFAULT_STEPS, check_layout, lr_lambda, model_config
+from fastpar.training.args import (DEFAULT_STEPS, check_layout, hf_source, lr_lambda,
+                                   model_config)
 from fastpar.training.auto_layout import choose_layout
 from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
 from fastpar.training.memory import report, trainer_meter
@@ -66,9 +70,14 @@ class Trainer:
                                         timeout=args.timeout)
         if args.cp_type == "auto":
             args.cp_type = self.choose_cp_type(args, topo)
-        self.cfg = cfg = model_config(args) if cfg is None else cfg
+        made = hf_source(args) if cfg is None else None  # --hf-model / --hf-config
+        self.hf_info = made[1] if made else None
+        self.cfg = cfg = made[0] if made else model_config(args) if cfg is None else cfg
         self.microbatches = check_layout(args, topo, cfg)
         self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]
+        if cfg.vocab_size < 256:  # the byte-level corpus: token ids are bytes
+            raise ValueError(f"the model's vocabulary of {cfg.vocab_size} tokens is smaller "
+                             "than the byte-level corpus' 256")
         corpus = load_corpus(args.data, cfg.seq_len) if args.data else builtin_corpus()
         self.corpus_info = corpus.describe()
         self.sampler = Sampler(corpus.train, cfg.seq_len, args.global_batch, args.seed)
@@ -79,7 +88,9 @@ class Trainer:
                                             args.global_batch)]
         self.rows = rows
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        self.pipe = Pipeline(gpt_layers(cfg, seed=args.seed), loss_fn=gpt_loss,
+        layers = hf_layers(cfg, self.hf_info, SafetensorsReader(args.hf_model),
+                           seed=args.seed) if args.hf_model else gpt_layers(cfg, seed=args.seed)
+        self.pipe = Pipeline(layers, loss_fn=gpt_loss,
                              schedule=args.schedule, microbatches=self.microbatches,
                              virtual_stages=args.virtual_stages)  # float32, as initialised
         self.moe_blocks = [m for m in self.pipe.modules() if isinstance(m, GPTBlock) and m.moe]
@@ -104,12 +115,17 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(args, self.steps))
         self.memory = trainer_meter(cfg, args, topo, self.setup, self.microbatches, self.rows)
         self.ckpt = None  # sharded checkpoints: their own gloo group (collective to create)
-        if args.save or args.resume:
+        if args.save or args.resume or args.save_hf:
             self.ckpt = ShardedCheckpointer()
         # save and resume, of the state they save (not of the trainer)
+        identity = run_identity(cfg, args, self.steps, topo)
+        if self.hf_info is not None:  # what an export to Hugging Face needs (hf_export)
+            identity["hf"] = {"config": self.hf_info.config, "dtype": self.hf_info.dtype,
+                              "files": os.path.abspath(args.hf_model) if args.hf_model
+                              else None}
         self.checkpoints = Checkpoints(
-            self.ckpt, self.pipe, self.setup, self.sched,
-            run_identity(cfg, args, self.steps, topo), self.steps, directory=args.save,
+            self.ckpt, self.pipe, self.setup, self.sched, identity, self.steps,
+            directory=args.save,
             sync=args.sync_save, hold=topo.device.type == "cpu", lead=topo.rank == 0)
         self.memory_rows: list[dict] = []  # every rank's memory record, after run()
         self.start = 0
@@ -261,6 +277,9 @@ class Trainer:
             bar.close()
         if args.save:
             self.checkpoints.finish()  # the last save committed, or its error raised
+        if args.save_hf:
+            self.save_hf()
+        if self.ckpt is not None:
             self.ckpt.close()  # and its staging buffer (async saves from a GPU) freed
         self.memory_rows = report(self.memory, metrics, lead)  # collective
         metrics.close()
@@ -269,6 +288,32 @@ class Trainer:
             path = plot_losses(past, args.plot)
             print(f"[fastpar.train] loss plot: {os.path.abspath(path)}", flush=True)
         return self.records
+
+    def save_hf(self) -> None:
+        """``--save-hf DIR``: the weights of record saved as a model-only sharded checkpoint
+        beside DIR (collective), then written by rank 0 as a Hugging Face directory, one
+        tensor at a time (``checkpoint.hf_export``); every rank raises if it failed."""
+        args, lead = self.args, self.topo.rank == 0
+        tmp = f"{os.path.abspath(args.save_hf).rstrip(os.sep)}.fastpar-weights"
+        t0 = time.perf_counter()
+        self.ckpt.save(tmp, self.steps, self.pipe, self.setup.opt,
+                       meta=self.checkpoints.meta(), keep=1, optimizer_state=False)
+        problem = None
+        if lead:
+            try:
+                out = export_hf(tmp, args.save_hf, args.save_hf_shard_mb << 20)
+                print(f"[fastpar.train] saved a Hugging Face model to {args.save_hf}: "
+                      f"{len(out['files'])} files, {out['bytes'] / 2**20:.2f} MiB, one tensor "
+                      f"at a time (peak {out['peak_bytes'] / 2**20:.2f} MiB) in "
+                      f"{time.perf_counter() - t0:.2f} s", flush=True)
+            except (OSError, ValueError) as exc:
+                problem = f"--save-hf {args.save_hf}: {exc}"
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        said = [problem]
+        torch.distributed.broadcast_object_list(said, src=0)
+        if said[0]:
+            raise ValueError(said[0])
 
     def banner(self) -> None:
         t, cfg = self.topo, self.cfg
@@ -280,7 +325,10 @@ class Trainer:
               f"{self.args.lr:g}"
               + ("; bfloat16 compute, float32 master weights, gradients reduced in float32"
                  if self.args.dtype == "bfloat16" else ""), flush=True)
-        print(f"[fastpar.train] model: {self.args.preset} preset, {cfg.num_params() / 1e6:.2f} M "
+        what = (f"Hugging Face {self.hf_info.model_type} "
+                f"({self.args.hf_model or self.args.hf_config})" if self.hf_info else
+                f"{self.args.preset} preset")
+        print(f"[fastpar.train] model: {what}, {cfg.num_params() / 1e6:.2f} M "
               f"params ({cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/"
               f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}, recompute {cfg.recompute}); steps "
               f"{self.start} -> {self.steps}, global batch {self.args.global_batch}", flush=True)
