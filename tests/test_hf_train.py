@@ -4,8 +4,10 @@ the byte-level corpus (their vocabularies hold its 256 ids).
 
 - The round trip: ``--steps 0 --save-hf OUT`` at tp 2 x pp 2 writes every tensor of the source
   bit for bit, a config.json and the tokenizer files; ``from_pretrained(OUT)`` loads it.
-- Layouts train alike: tp 2, pp 2, dp 2 with ZeRO-1 and tp 2 x pp 2 follow the one-process run
-  within the GPT layouts' parity bound (test_train's 1e-3 per step).
+- Layouts train alike: tp 2, pp 2, dp 2 with ZeRO-1 and ZeRO-3, cp 2 and tp 2 x pp 2 follow the
+  one-process run within the GPT layouts' parity bound (test_train's 1e-3 per step).
+- ``python -m fastpar.checkpoint export --hf`` of a run's sharded checkpoint, in files of at most
+  a given size (an index), from a source saved in shards itself, loads in ``from_pretrained``.
 - The outside reference: the one-process run follows Hugging Face's own model trained by plain
   PyTorch (its forward and loss, AdamW with the trainer's settings, the same batches and
   schedule) within the same bound; after training, ``--save-hf``'s model gives that run's
@@ -143,7 +145,9 @@ def test_layouts_follow_one_process_and_hugging_faces_own_training(model_dir, tm
                     timeout=300).values()[0]
     two = run_ranks(2, body_train, runs=[("tp2", hf + ["--tp", "2"]),
                                          ("pp2", hf + ["--pp", "2"]),
-                                         ("dp2.zero1", hf + ["--zero", "1"])],
+                                         ("dp2.zero1", hf + ["--zero", "1"]),
+                                         ("dp2.zero3", hf + ["--zero", "3"]),
+                                         ("cp2", hf + ["--cp", "2"])],
                     timeout=600).values()[0]
     four = run_ranks(4, body_train, runs=[("tp2pp2", hf + ["--tp", "2", "--pp", "2"])],
                      timeout=600).values()[0]
@@ -177,3 +181,34 @@ def test_flags_that_shape_the_model_are_refused_with_hf(tmp_path):
                         (["--save-hf", path], "--save-hf writes a Hugging Face model")):
         with pytest.raises(SystemExit):
             parse_args(argv)
+
+
+def test_sharded_source_and_export_cli(tmp_path):
+    """A source saved in shards (an index) trains at tp 2 (and --hf-config from random weights);
+    checkpoint exports through the CLI in files of at most 50 KiB, and from_pretrained loads
+    the export with the source's tensors (no step taken: bit for bit)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    src = str(tmp_path / "src")
+    make("llama", src)
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(src + "-sharded",
+                                                              max_shard_size="200KB")
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    got = run_ranks(2, body_train, runs=[
+        ("from-shards", ["--hf-model", src + "-sharded", "--tp", "2", "--steps", "1",
+                         "--save", ckpt, "--lr", "1e-30"]),
+        ("random", ["--hf-config", src + "/config.json", "--steps", "2"])],
+        timeout=300).values()[0]
+    assert isinstance(got["from-shards"], list) and isinstance(got["random"], list), got
+    run = subprocess.run([sys.executable, "-m", "fastpar.checkpoint", "export", "--hf", out,
+                          ckpt, "--shard-mb", "0.05"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert os.path.exists(f"{out}/model.safetensors.index.json"), os.listdir(out)
+    ours = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    assert set(ours) == set(theirs)
+    for name, t in theirs.items():  # lr 1e-30: a step below every weight's last bit
+        assert torch.equal(ours[name], t), name

@@ -165,7 +165,9 @@ def export_to_hf(args) -> int:
         if done == total or done % 50 == 0:
             print(f"export: {done}/{total} tensors", file=sys.stderr, flush=True)
 
-    out = export_hf(args.path, args.hf, args.shard_mb << 20, progress)
+    if not args.shard_mb > 0:
+        raise ValueError(f"--shard-mb must be > 0, got {args.shard_mb}")
+    out = export_hf(args.path, args.hf, int(args.shard_mb * MiB), progress)
     print(f"exported step {out['step']} of {args.path} to {args.hf}: {out['tensors']} "
           f"tensors in {', '.join(out['files'])}, {out['bytes'] / MiB:.2f} MiB (peak "
           f"{out['peak_bytes'] / MiB:.2f} MiB assembled at once)")
@@ -190,8 +192,9 @@ def main(argv=None) -> int:
                    help="a Hugging Face model's checkpoint (fastpar.train --hf-model or "
                         "--hf-config): write DIR for from_pretrained (config.json, "
                         "safetensors, the source's tokenizer files)")
-    e.add_argument("--shard-mb", type=int, default=2048,
-                   help="--hf: safetensors files of at most this many MiB")
+    e.add_argument("--shard-mb", type=float, default=2048,
+                   help="--hf: safetensors files of at most this many MiB (a larger tensor "
+                        "alone)")
     args = p.parse_args(argv)
     if args.command == "export" and (args.hf is None) == (args.out is None):
         p.error("export: give OUT (one safetensors file) or --hf DIR, one of them")
