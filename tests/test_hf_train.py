@@ -212,3 +212,72 @@ def test_sharded_source_and_export_cli(tmp_path):
     assert set(ours) == set(theirs)
     for name, t in theirs.items():  # lr 1e-30: a step below every weight's last bit
         assert torch.equal(ours[name], t), name
+
+
+def make_tokenized(path: str, data: str) -> int:
+    """A GPT-2 whose tokenizer (a small BPE trained here with the ``tokenizers`` library on
+    local text, ``<|endoftext|>`` its end of text) is in ``path``, and ``data``: two text
+    files and a JSON lines file. Returns the end-of-text id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.makedirs(data)
+    text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read()  # ~100 KB
+    with open(os.path.join(data, "a.txt"), "w") as f:
+        f.write(text[:20000])
+    with open(os.path.join(data, "b.txt"), "w") as f:
+        f.write(text[20000:30000])
+    with open(os.path.join(data, "c.jsonl"), "w") as f:
+        for line in text[30000:].splitlines():
+            f.write(json.dumps({"text": line, "id": 1}) + "\n")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300,
+                                                        special_tokens=["<|endoftext|>"]))
+    eos = tok.token_to_id("<|endoftext|>")
+    os.makedirs(path)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    fields = dict(CONFIGS["gpt2"])
+    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=tok.get_vocab_size(),
+                                  eos_token_id=eos, bos_token_id=eos, **fields)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return eos
+
+
+def body_tokenized(path, data):
+    import fastpar
+    from fastpar.training.args import parse_args
+    from fastpar.training.trainer import Trainer
+
+    out = []
+    for argv in (["--tp", "2"], ["--tp", "2"], ["--data-field", "id"]):
+        try:
+            trainer = Trainer(parse_args(COMMON + ["--hf-model", path, "--data", data] + argv))
+            out.append([trainer.corpus_info, [r["loss"] for r in trainer.run()]])
+        except ValueError as exc:
+            out.append(f"ValueError: {exc}")
+        finally:
+            fastpar.shutdown()
+    return out
+
+
+def test_data_is_tokenized_by_the_models_tokenizer_once(tmp_path):
+    from tokenizers import Tokenizer
+
+    from fastpar.training.tokens import tokenized_corpus
+
+    path, data = str(tmp_path / "model"), str(tmp_path / "data")
+    eos = make_tokenized(path, data)
+    first, again, bad = run_ranks(2, body_tokenized, path=path, data=data,
+                                  timeout=300).values()[0]
+    assert "3 files" in first[0] and "tokenized, cached at" in first[0], first
+    assert "cached)" in again[0] and again[1] == first[1], again  # the same tokens, read back
+    assert all(loss == loss for loss in first[1]), first  # a finite loss
+    assert isinstance(bad, str) and "c.jsonl:1: no text field 'id'" in bad, bad
+    # the stream: each document's ids, then the end of text, in file order
+    tok = Tokenizer.from_file(f"{path}/tokenizer.json")
+    docs = [open(f"{data}/a.txt").read(), open(f"{data}/b.txt").read()]
+    docs += [json.loads(line)["text"] for line in open(f"{data}/c.jsonl") if line.strip()]
+    want = [i for d in docs for i in tok.encode(d, add_special_tokens=False).ids + [eos]]
+    corpus = tokenized_corpus(data, path, SEQ, tok.get_vocab_size())
+    assert torch.cat([corpus.train, corpus.val]).tolist() == want

@@ -75,7 +75,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     a("--weight-decay", type=float, default=0.1)
     a("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     a("--seed", type=int, default=0)
-    a("--data", default=None, help="a text file or directory (default: the Python stdlib)")
+    a("--data", default=None,
+      help="a text file or directory (default: the Python stdlib, as bytes); with --hf-model "
+           "or --hf-config tokenized by the model's tokenizer.json (*.jsonl: JSON lines)")
+    a("--data-field", default="text", help="the text field of --data's JSON lines")
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
     a("--zero", type=int, nargs="?", const=1, default=0, choices=[1, 2, 3],
       help="ZeRO stage (alone: 1): 1 shards the optimizer state over dp (x cp), 2 also the "

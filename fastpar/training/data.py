@@ -113,7 +113,7 @@ def describe(cap=BUILTIN_CAP):
     return builtin_corpus(cap).describe()
 
 
-def _regular_files(path):
+def regular_files(path):
     """Every regular file under `path`, recursively, sorted; hidden names (".git") skipped."""
     found = []
     for here, dirs, names in os.walk(path):
@@ -132,7 +132,7 @@ def load_corpus(path, seq_len=None):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"corpus path {path!r} does not exist")
-    files = _regular_files(path) if os.path.isdir(path) else [path]
+    files = regular_files(path) if os.path.isdir(path) else [path]
     parts = []
     for name in files:
         try:

@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import math
 import os
-import shutil
 import sys
 import time
 
@@ -21,7 +20,6 @@ import torch
 
 import fastpar
 from fastpar import comm
-from fastpar.checkpoint.hf_export import export_hf
 from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
 from fastpar.models import GPTBlock, gpt_layers, gpt_loss
@@ -35,11 +33,12 @@ from fastpar.runtime import hostid
 from fastpar.training.args import (DEFAULT_STEPS, check_layout, hf_source, lr_lambda,
                                    model_config)
 from fastpar.training.auto_layout import choose_layout
-from fastpar.training.data import Sampler, builtin_corpus, load_corpus, val_batches
+from fastpar.training.data import Sampler, val_batches
 from fastpar.training.memory import report, trainer_meter
 from fastpar.training.metrics import MetricsWriter, format_line, plot_losses, read_records
 from fastpar.training.optimizer import build_setup
 from fastpar.training.save_resume import Checkpoints, run_identity
+from fastpar.training.hf_run import load_data, save_hf
 
 
 class Trainer:
@@ -75,10 +74,7 @@ class Trainer:
         self.cfg = cfg = made[0] if made else model_config(args) if cfg is None else cfg
         self.microbatches = check_layout(args, topo, cfg)
         self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]
-        if cfg.vocab_size < 256:  # the byte-level corpus: token ids are bytes
-            raise ValueError(f"the model's vocabulary of {cfg.vocab_size} tokens is smaller "
-                             "than the byte-level corpus' 256")
-        corpus = load_corpus(args.data, cfg.seq_len) if args.data else builtin_corpus()
+        corpus = load_data(args, cfg, topo, self.hf_info)
         self.corpus_info = corpus.describe()
         self.sampler = Sampler(corpus.train, cfg.seq_len, args.global_batch, args.seed)
         rows = args.global_batch // topo.dp_size
@@ -278,7 +274,7 @@ class Trainer:
         if args.save:
             self.checkpoints.finish()  # the last save committed, or its error raised
         if args.save_hf:
-            self.save_hf()
+            save_hf(self)
         if self.ckpt is not None:
             self.ckpt.close()  # and its staging buffer (async saves from a GPU) freed
         self.memory_rows = report(self.memory, metrics, lead)  # collective
@@ -288,32 +284,6 @@ class Trainer:
             path = plot_losses(past, args.plot)
             print(f"[fastpar.train] loss plot: {os.path.abspath(path)}", flush=True)
         return self.records
-
-    def save_hf(self) -> None:
-        """``--save-hf DIR``: the weights of record saved as a model-only sharded checkpoint
-        beside DIR (collective), then written by rank 0 as a Hugging Face directory, one
-        tensor at a time (``checkpoint.hf_export``); every rank raises if it failed."""
-        args, lead = self.args, self.topo.rank == 0
-        tmp = f"{os.path.abspath(args.save_hf).rstrip(os.sep)}.fastpar-weights"
-        t0 = time.perf_counter()
-        self.ckpt.save(tmp, self.steps, self.pipe, self.setup.opt,
-                       meta=self.checkpoints.meta(), keep=1, optimizer_state=False)
-        problem = None
-        if lead:
-            try:
-                out = export_hf(tmp, args.save_hf, args.save_hf_shard_mb << 20)
-                print(f"[fastpar.train] saved a Hugging Face model to {args.save_hf}: "
-                      f"{len(out['files'])} files, {out['bytes'] / 2**20:.2f} MiB, one tensor "
-                      f"at a time (peak {out['peak_bytes'] / 2**20:.2f} MiB) in "
-                      f"{time.perf_counter() - t0:.2f} s", flush=True)
-            except (OSError, ValueError) as exc:
-                problem = f"--save-hf {args.save_hf}: {exc}"
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        said = [problem]
-        torch.distributed.broadcast_object_list(said, src=0)
-        if said[0]:
-            raise ValueError(said[0])
 
     def banner(self) -> None:
         t, cfg = self.topo, self.cfg

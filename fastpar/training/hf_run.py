@@ -1,0 +1,72 @@
+"""What a run of the main job does for a Hugging Face model (``--hf-model``, ``--hf-config``),
+beside fastpar's own GPT: its data, tokenized by the model's tokenizer (``load_data``), and its
+export at the end (``save_hf``). The model itself is built by ``models.hf_weights.hf_layers``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+
+from fastpar.checkpoint.hf_export import export_hf
+from fastpar.training.data import builtin_corpus, load_corpus
+from fastpar.training.tokens import tokenized_corpus
+
+
+def load_data(args, cfg, topo, hf_info):
+    """The corpus: ``--data`` tokenized by a Hugging Face model's tokenizer (rank 0 first: it
+    builds the token cache the others then read; its error raised on every rank), else bytes
+    (``--data`` or the stdlib), which the model's vocabulary must hold."""
+    if not (args.data and hf_info is not None):
+        if cfg.vocab_size < 256:  # the byte-level corpus: token ids are bytes
+            raise ValueError(f"the model's vocabulary of {cfg.vocab_size} tokens is smaller "
+                             "than the byte-level corpus' 256; give --data (tokenized by the "
+                             "model's tokenizer)")
+        return load_corpus(args.data, cfg.seq_len) if args.data else builtin_corpus()
+    model_dir = args.hf_model or os.path.dirname(os.path.abspath(args.hf_config))
+    lead = topo.rank == 0
+
+    def made():
+        return tokenized_corpus(args.data, model_dir, cfg.seq_len, cfg.vocab_size,
+                                args.data_field, lead=lead, progress=not args.no_progress)
+    corpus, problem = None, None
+    if lead:
+        try:
+            corpus = made()
+        except ValueError as exc:
+            problem = str(exc)
+    said = [problem]
+    torch.distributed.broadcast_object_list(said, src=0)
+    if said[0]:
+        raise ValueError(said[0])
+    return corpus if lead else made()
+
+
+def save_hf(trainer) -> None:
+    """``--save-hf DIR``: the weights of record saved as a model-only sharded checkpoint beside
+    DIR (collective), then written by rank 0 as a Hugging Face directory, one tensor at a time
+    (``checkpoint.hf_export``); every rank raises if it failed."""
+    args, lead = trainer.args, trainer.topo.rank == 0
+    tmp = f"{os.path.abspath(args.save_hf).rstrip(os.sep)}.fastpar-weights"
+    t0 = time.perf_counter()
+    trainer.ckpt.save(tmp, trainer.steps, trainer.pipe, trainer.setup.opt,
+                      meta=trainer.checkpoints.meta(), keep=1, optimizer_state=False)
+    problem = None
+    if lead:
+        try:
+            out = export_hf(tmp, args.save_hf, args.save_hf_shard_mb << 20)
+            print(f"[fastpar.train] saved a Hugging Face model to {args.save_hf}: "
+                  f"{len(out['files'])} files, {out['bytes'] / 2**20:.2f} MiB, one tensor at "
+                  f"a time (peak {out['peak_bytes'] / 2**20:.2f} MiB) in "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+        except (OSError, ValueError) as exc:
+            problem = f"--save-hf {args.save_hf}: {exc}"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    said = [problem]
+    torch.distributed.broadcast_object_list(said, src=0)
+    if said[0]:
+        raise ValueError(said[0])
