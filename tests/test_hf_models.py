@@ -148,3 +148,22 @@ def test_both_rope_layouts_read_alike():
     assert hf_config(old, seq_len=SEQ)[0] == hf_config(new, seq_len=SEQ)[0]
     cfg = hf_config(old, seq_len=SEQ)[0]
     assert cfg.rope_base == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+
+
+@pytest.mark.quick
+def test_the_planner_reads_a_config_as_the_trainer_does(tmp_path):
+    """``fastpar plan --hf-config``: a listed architecture as the trainer reads it (Qwen3's own
+    head_dim and q/k norms count in its parameters), any other from its sizes alone."""
+    import json
+
+    from fastpar.plan.model import build
+
+    qwen3 = {**CONFIGS["qwen3"], "vocab_size": VOCAB}
+    (tmp_path / "qwen3.json").write_text(json.dumps(qwen3))
+    cfg = build(None, str(tmp_path / "qwen3.json"), {"seq_len": SEQ})
+    assert cfg.head_dim == 24 and cfg.qk_norm and cfg == hf_config(qwen3, seq_len=SEQ)[0]
+    other = {"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "vocab_size": VOCAB}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    cfg = build(None, str(tmp_path / "other.json"), {})
+    assert (cfg.hidden, cfg.layers, cfg.heads) == (64, 2, 4)

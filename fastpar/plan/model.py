@@ -1,7 +1,11 @@
 """The model a plan is for: a preset, the GPT's flags, or a Hugging Face ``config.json``, as a
 ``GPTConfig`` (the trainer's own; its ``flops_per_token()`` is what MFU counts).
 
-    cfg = hf_config("llama3-8b/config.json")
+    cfg = build(None, "llama3-8b/config.json", {})
+
+A ``config.json`` of an architecture the trainer trains (``fastpar.models.hf``) is read as the
+trainer reads it (``--hf-model``: head_dim, q/k norms, biases, learned positions, exactly); any
+other is planned from its sizes alone (``hf_sizes``), which is what a plan needs of it.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastpar.models.config import PRESETS, GPTConfig
+from fastpar.models.hf import ARCHITECTURES, hf_config
 from fastpar.plan.cluster import read_json
 
 # config.json keys read, and the GPTConfig field each sets
@@ -19,8 +24,8 @@ HF_KEYS = {"hidden_size": "hidden", "num_hidden_layers": "layers",
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-def hf_config(path: str) -> GPTConfig:
-    """A ``GPTConfig`` from a Hugging Face ``config.json``: the sizes above; SwiGLU for
+def hf_sizes(path: str) -> GPTConfig:
+    """A ``GPTConfig`` from any Hugging Face ``config.json``: the sizes above; SwiGLU for
     ``hidden_act`` silu/swish (else GELU), RMSNorm when ``rms_norm_eps`` is given (else
     LayerNorm), rope unless ``position_embedding_type`` says absolute, ``tie_word_embeddings``.
     ValueError naming the file and the key that is missing or wrong."""
@@ -49,6 +54,16 @@ def hf_config(path: str) -> GPTConfig:
     return dataclasses.replace(GPTConfig(), **fields)
 
 
+def _from_hf(path: str) -> GPTConfig:
+    d = read_json(path, "--hf-config")
+    if isinstance(d, dict) and d.get("model_type") in ARCHITECTURES:
+        try:
+            return hf_config(d)[0]
+        except ValueError as exc:
+            raise ValueError(f"--hf-config {path}: {exc}") from None
+    return hf_sizes(path)
+
+
 def build(preset: str | None, hf_path: str | None, overrides: dict) -> GPTConfig:
     """The plan's model: ``hf_path``'s config, else ``preset`` (default "small"), with
     ``overrides`` (GPTConfig fields; None values ignored) applied."""
@@ -56,7 +71,7 @@ def build(preset: str | None, hf_path: str | None, overrides: dict) -> GPTConfig
         raise ValueError(f"--preset {preset} and --hf-config {hf_path}: give one model")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
-    cfg = hf_config(hf_path) if hf_path else PRESETS[preset or "small"]
+    cfg = _from_hf(hf_path) if hf_path else PRESETS[preset or "small"]
     changes = {k: v for k, v in overrides.items() if v is not None}
     if "heads" in changes and "kv_heads" not in changes:
         changes["kv_heads"] = None  # a new head count: MHA unless told (the trainer's rule)
