@@ -16,7 +16,8 @@
 # on NCCL with torch's sync debug mode set to error (tests/test_comm_alltoall.py, one rank: no
 # device-to-host sync in the device-counts path); the torch.distributed backend "fastpar" with
 # CUDA tensors, alone (its NCCL) and as "cpu:fastpar,cuda:nccl" (tests/test_backend.py, one
-# rank), and its CUDA IPC all-reduce behind dist.all_reduce (two ranks on the one GPU); a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
+# rank), and its CUDA IPC all-reduce behind dist.all_reduce (two ranks on the one GPU); a
+# Hugging Face Llama at tp 2 on the GPU against Hugging Face's own forward (tests/test_hf_models.py); a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
 # (cuda_ipc beside gloo, the engine it falls back to on a shared GPU; nccl and nccl_mpi say why
 # they cannot run when the ranks share one GPU: NCCL wants one GPU per rank).
 set -uo pipefail

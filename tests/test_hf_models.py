@@ -55,7 +55,7 @@ def make_model(kind: str, path: str, dtype=torch.float32) -> None:
     model.to(dtype).save_pretrained(path)
 
 
-def body_parity(path: str, tp: int):
+def body_parity(path: str, tp: int, device: str = "cpu"):
     """fastpar's GPT with the checkpoint's weights at ``tp``, against Hugging Face's forward on
     this rank: the largest errors of fastpar's full logits in float64 and float32 and of Hugging
     Face's own float32, all against Hugging Face's float64; at tp 1, the names of the
@@ -69,9 +69,11 @@ def body_parity(path: str, tp: int):
 
     topo = fastpar.init(tp=tp)
     cfg, info = hf_config(read_hf_config(path), seq_len=SEQ)
-    layers = [f() for f in hf_layers(cfg, info, SafetensorsReader(path))]
+    with torch.device(topo.device if device == "cuda" else "cpu"):
+        layers = [f() for f in hf_layers(cfg, info, SafetensorsReader(path))]
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     ref64, ref32 = hf_logits(path, tokens, torch.float64), hf_logits(path, tokens, torch.float32)
+    tokens = tokens.to(layers[0].tok.weight.device)
     out = {"hf32": (ref32.double() - ref64).abs().max().item(),
            "scale": ref64.abs().max().item()}
     for dtype in (torch.float64, torch.float32):
@@ -81,11 +83,11 @@ def body_parity(path: str, tp: int):
                 h = layer.to(dtype)(h)
         shards = [torch.empty_like(h) for _ in range(topo.tp_size)]
         dist.all_gather(shards, h.contiguous(), group=topo.tp_group)
-        out[str(dtype)] = (torch.cat(shards, dim=-1).double() - ref64).abs().max().item()
+        out[str(dtype)] = (torch.cat(shards, dim=-1).double().cpu() - ref64).abs().max().item()
     if tp == 1:
         exported = {name: t for i, layer in enumerate(layers) for name, t in
-                    hf_tensors(i, {k: v.float() for k, v in layer.named_parameters()}, cfg,
-                               info)}
+                    hf_tensors(i, {k: v.float().cpu() for k, v in layer.named_parameters()},
+                               cfg, info)}
         original = {k: v for k, v in load_file(f"{path}/model.safetensors").items()
                     if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # GPT-2 masks
         tied = {"lm_head.weight"}  # a tied head is the embedding: written once
@@ -122,6 +124,19 @@ def test_logits_equal_hugging_faces_forward(saved, tp, nranks):
         assert got["torch.float32"] <= 8 * got["hf32"] + 1e-7, (kind, rank, got)
         if tp == 1:  # the round trip: every tensor back, bit for bit
             assert got["names"] == [] and got["differ"] == [], (kind, got)
+
+
+@pytest.mark.gpu
+def test_logits_on_cuda_at_tp2_gpu(tmp_path):
+    """tests/gpu_check.sh: a Llama at tp 2 on the GPU (two ranks sharing it), against Hugging
+    Face's own forward: float32 within 8x its own float32 error (TF32 off: torch's default for
+    matmuls)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run tests/gpu_check.sh on a GPU machine)")
+    make_model("llama", str(tmp_path))
+    for got in run_ranks(2, body_parity, launcher="torchrun", env={"FASTPAR_SHARED_GPU": "1"},
+                         path=str(tmp_path), tp=2, device="cuda", timeout=300).values():
+        assert got["torch.float32"] <= 8 * got["hf32"] + 1e-6, got
 
 
 @pytest.mark.quick
