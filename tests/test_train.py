@@ -681,7 +681,7 @@ def test_bad_flags_are_one_line_and_exit_2_from_one_rank():
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     lines = [line for line in proc.stderr.splitlines() if "fastpar.train" in line]
     assert lines == ["python -m fastpar.train: error: --steps must be at least 1, got -3 "
-                     "(see --help)"], proc.stderr
+                     "(0 with --save-hf: a conversion) (see --help)"], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout and "[fastpar.train]" not in proc.stdout
 
 
