@@ -20,13 +20,21 @@ Each module keeps its name, its existing weights (sharded) and their ``requires_
 replaced. The changes are kept in ``model.fastpar_changes`` and logged as a table on the
 group's first rank by ``logging.getLogger("fastpar.parallelize")``: at INFO level with
 ``verbose=True``, at DEBUG otherwise (``logging.basicConfig(level=logging.INFO)`` shows it).
+
+Three silent wrong results are refused or said: the ranks must hold the same weights (a hash of
+each parameter, gathered over the group; else ValueError naming them); the share of the
+parameters the plan leaves replicated is logged at INFO on the group's first rank, as a warning
+when it is most of them; ``model.save_pretrained`` (Hugging Face) takes only the full state dict
+(``fastpar.full_state_dict(model)``, collective), as the shards alone are no checkpoint.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import logging
 
+import torch
 from torch import nn
 
 from fastpar.nn.embedding import VocabParallelEmbedding, unsupported_options
@@ -227,9 +235,13 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Fa
         raise ValueError(f"plan must be 'auto' or a non-empty dict of pattern -> style, got "
                          f"{plan!r}")
     work, heads, errors = _resolve(model, plan, tp)
+    if not errors and tp > 1:
+        errors = _differing_weights(model, group)
     if errors:
         raise ValueError(f"fastpar.parallelize({type(model).__name__}, tp={tp}, {source} plan): "
                          + "; ".join(errors))
+    if group_rank(group) == 0:
+        _say_replicated(model, work, tp)
     changes = []
     modules = dict(model.named_modules())
     for name, module, kind in work:
@@ -244,12 +256,58 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Fa
             changes.append({"module": parent_name, "style": "heads", "attr": attr,
                             "from": value, "to": value // tp})
     model.fastpar_changes = changes
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = _gathered_first(model.save_pretrained)
     level = logging.INFO if verbose else logging.DEBUG
     if group_rank(group) == 0 and log.isEnabledFor(level):
         log.log(level, "%s", changes_table(changes, f"{len(work)} layers of "
                                           f"{type(model).__name__} sharded over tp={tp} "
                                           f"({source} plan)"))
     return model
+
+
+def _differing_weights(model: nn.Module, group) -> list[str]:
+    """The parameters whose bytes differ across the tp group (a hash of each, gathered): the
+    ranks must start from the same weights, or a replicated weight silently differs per rank
+    (an untied head drawn at random on each) and a sharded one is cut from different tensors."""
+    mine = {}
+    for name, p in model.named_parameters():
+        data = p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        mine[name] = hashlib.blake2b(memoryview(data), digest_size=8).hexdigest()
+    everyone = [None] * group_size(group)
+    torch.distributed.all_gather_object(everyone, mine, group=group)
+    differ = [n for n in mine if any(other.get(n) != mine[n] for other in everyone)]
+    if not differ:
+        return []
+    shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    return [f"the ranks hold different weights for {shown}: load or initialise the model "
+            "alike on every rank (the same seed, or from_pretrained of the same checkpoint) "
+            "before parallelizing"]
+
+
+def _say_replicated(model: nn.Module, work, tp: int) -> None:
+    """The share of the parameters the plan leaves whole on every rank (before any module is
+    replaced: serial sizes): INFO, and a warning when it is most of them."""
+    total = sum(p.numel() for p in model.parameters())
+    sharded = sum(p.numel() for _, module, _ in work for p in module.parameters())
+    share = (total - sharded) / total if total else 0.0
+    say = log.warning if share > 0.5 else log.info
+    say("fastpar.parallelize: %.0f%% of %s's %d parameters stay whole on every rank "
+        "(replicated over tp=%d)%s", 100 * share, type(model).__name__, total, tp,
+        "; most of the model is not sharded: check the plan" if share > 0.5 else "")
+
+
+def _gathered_first(save):
+    """``model.save_pretrained`` of a parallelized model: only with the full state dict."""
+    def save_pretrained(directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ValueError(
+                "save_pretrained of a tensor-parallel model would write this rank's shards, "
+                "which from_pretrained refuses: gather first, on every rank of the group, "
+                "state_dict = fastpar.full_state_dict(model), then on one rank "
+                "model.save_pretrained(directory, state_dict=state_dict)")
+        return save(directory, *args, state_dict=state_dict, **kwargs)
+    return save_pretrained
 
 
 def changes_table(changes: list[dict], title: str) -> str:

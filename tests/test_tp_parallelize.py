@@ -130,15 +130,19 @@ def body_hf(tp, seed):
         # The table goes to logger "fastpar.parallelize" on tp rank 0 only (INFO when verbose,
         # DEBUG otherwise), never to stdout.
         assert out.getvalue() == "", f"parallelize printed: {out.getvalue()!r}"
-        assert len(records) == (topo.tp_rank == 0), [r.getMessage() for r in records]
+        # and before it, at INFO, the share of the parameters left whole on every rank
+        assert len(records) == 2 * (topo.tp_rank == 0), [r.getMessage() for r in records]
         if records:
-            assert records[0].levelno == (logging.INFO if verbose else logging.DEBUG)
-            text = records[0].getMessage()
+            share = records[0].getMessage()
+            assert records[0].levelno == logging.INFO and "parameters stay whole on every " \
+                "rank" in share and "of LlamaForCausalLM's" in share, share
+            assert records[1].levelno == (logging.INFO if verbose else logging.DEBUG)
+            text = records[1].getMessage()
             title = (f"fastpar.parallelize: {len(changed)} layers of LlamaForCausalLM sharded "
                      f"over tp={tp} ({plan_name} plan)")
             assert text.startswith(title), text
             assert all(f"  {name}: " in text for name in changed), text
-        report[f"{plan_name}.logged"] = len(records)
+        report[f"{plan_name}.logged"] = len(records) // 2
 
         assert changed["model.embed_tokens"] == "embedding", changed
         assert changed["lm_head"] == "column_gather", changed
@@ -362,3 +366,66 @@ def test_parallelize_inferred_plan(world, tp):
     values = run_ranks(world, body_inferred, tp=tp, seed=4000 + 10 * world + tp,
                        timeout=300).values()
     assert len({v["checks"] for v in values}) == 1
+
+
+def body_silent_wrongs(path):
+    """The three silent wrong results parallelize refuses or says (tp 2): weights that differ
+    across the ranks, a plan that leaves most of the model whole (GPT-2's inferred plan:
+    its Conv1D blocks are not nn.Linear), and save_pretrained of the shards alone; the full
+    state dict saved by save_pretrained loads in from_pretrained with the serial logits."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import fastpar
+
+    topo = fastpar.init(tp=2, timeout=60)
+    out = {}
+    torch.manual_seed(5)
+    base = tiny_llama()
+    other = copy.deepcopy(base)
+    if topo.tp_rank == 1:
+        with torch.no_grad():
+            other.model.norm.weight.add_(1e-3)
+    try:
+        fastpar.parallelize(other)
+        out["differ"] = None
+    except ValueError as exc:
+        out["differ"] = str(exc)
+    torch.manual_seed(6)
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=32,
+        tie_word_embeddings=False))
+    with quiet_and_logged() as (records, _):
+        fastpar.parallelize(gpt2)
+    out["gpt2"] = [(r.levelname, r.getMessage()) for r in records if "stay whole" in
+                   r.getMessage()]
+    ids = torch.randint(128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = base(input_ids=ids).logits
+    model = fastpar.parallelize(copy.deepcopy(base))
+    try:
+        model.save_pretrained(path)
+        out["shards"] = None
+    except ValueError as exc:
+        out["shards"] = str(exc)
+    state = fastpar.full_state_dict(model)  # collective
+    if topo.rank == 0:
+        model.save_pretrained(path, state_dict=state)
+    torch.distributed.barrier()
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(path)(input_ids=ids).logits
+    out["saved"] = (got - want).abs().max().item()
+    return out
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_parallelize_refuses_or_says_the_silent_wrong_results(tmp_path):
+    for rank, v in enumerate(run_ranks(2, body_silent_wrongs, path=str(tmp_path),
+                                       timeout=300).values()):
+        assert "the ranks hold different weights for model.norm.weight" in v["differ"], v
+        if rank == 0:  # the group's first rank says it, as a warning: most is replicated
+            assert len(v["gpt2"]) == 1 and v["gpt2"][0][0] == "WARNING", v
+            assert "most of the model is not sharded" in v["gpt2"][0][1], v
+        assert "gather first" in v["shards"] and "fastpar.full_state_dict" in v["shards"], v
+        assert v["saved"] == 0.0, v  # the same weights: the same logits, bit for bit
