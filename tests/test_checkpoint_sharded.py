@@ -475,3 +475,32 @@ def test_damaged_or_foreign_checkpoints_and_failed_writes_raise_on_every_rank(wo
                     "foreign checkpoints were checked)")
     assert values[0]["left"] == ["latest", "step_00000001"], values[0]["left"]  # no .tmp-
     assert len(values[0]["said"]) == 11
+
+
+def body_library_save(root):
+    """A model saved through the library: no optimizer, no meta of the caller's."""
+    import torch
+
+    import fastpar
+    from fastpar.checkpoint.sharded import ShardedCheckpointer
+
+    fastpar.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ckpt = ShardedCheckpointer()
+    ckpt.save(root, 3, model, meta={})
+    ckpt.close()
+    fastpar.shutdown()
+    return True
+
+
+def test_a_model_saved_without_optimizer_says_its_layout_and_dtype(tmp_path):
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "lib")
+    assert run_ranks(2, body_library_save, root=root).values() == [True, True]
+    text = subprocess.run([sys.executable, "-m", "fastpar.checkpoint", "inspect", root],
+                          capture_output=True, text=True, check=True).stdout
+    assert "under tp 1, pp 1, dp 2, cp 1, dtype float32" in text, text
+    assert "model: 2 tensors" in text and "optimizer: 0 tensors" in text, text

@@ -53,6 +53,7 @@ from fastpar.checkpoint import files, loading, store, writers
 from fastpar.checkpoint.boxes import numel, range_boxes, shift
 from fastpar.checkpoint.holdings import model_pieces, optimizer_pieces
 from fastpar.checkpoint.loading import FORMAT
+from fastpar.runtime import is_initialized, topology
 
 KEEP = store.KEEP
 ALIGN = 64  # bytes: each staged piece starts aligned for any dtype
@@ -64,6 +65,18 @@ class CheckpointError(RuntimeError):
 
 def _said(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+
+
+def _described(pieces, world: int) -> dict:
+    """What ``inspect`` says of any checkpoint: the layout that wrote it (fastpar's topology,
+    else the world size) and the weights' dtype(s)."""
+    if is_initialized():
+        t = topology()
+        layout = {"tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_size, "cp": t.cp_size}
+    else:
+        layout = {"world": world}
+    dtypes = sorted({str(p.data.dtype).replace("torch.", "") for p in pieces})
+    return {"layout": layout, "dtype": ", ".join(dtypes) or "?"}
 
 
 class ShardedCheckpointer:
@@ -167,6 +180,7 @@ class ShardedCheckpointer:
                 store.check_new(root, step)
                 json.dumps(meta)
             pieces = model_pieces(model, opt)
+            meta = {**_described(pieces, self.world), **meta}  # the caller's words first
             if opt is not None and optimizer_state:
                 opt_pieces, scalars = optimizer_pieces(model, opt)
                 pieces += opt_pieces
