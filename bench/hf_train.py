@@ -12,7 +12,7 @@ The model (made once from a config with transformers, saved as safetensors under
 untied: about 56 M parameters. Each row: the median step time after the first step (the slowest
 rank's), tokens/s of the global batch, the largest peak resident memory of any rank over the
 row's run (VmHWM, reset before it), ``vs plain``: tokens/s over the one-process plain loop's
-(or DDP's at dp 2). ``load s``: the Trainer's construction (init, reading this rank's layers);
+(or DDP's at dp 2); without a pipeline one microbatch, the plain loop's work. ``load s``: the Trainer's construction (init, reading this rank's layers);
 ``export s``: ``--steps 0 --save-hf`` (a model-only sharded save, then the streamed export).
 """
 
@@ -29,8 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-LAYOUTS = {"serial": [], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"],
-           "dp2z1": ["--zero", "1"], "tp2pp2": ["--tp", "2", "--pp", "2"]}
+# One microbatch where there is no pipeline: the plain loop's work (the trainer's default is
+# 2 x pp microbatches, at least 1... 2 at pp 1); a pipeline of 2 stages takes 4.
+LAYOUTS = {"serial": ["--microbatches", "1"], "tp2": ["--tp", "2", "--microbatches", "1"],
+           "pp2": ["--pp", "2"], "dp2z1": ["--zero", "1", "--microbatches", "1"],
+           "tp2pp2": ["--tp", "2", "--pp", "2"]}
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
               max_position_embeddings=1024, tie_word_embeddings=False)
@@ -122,8 +125,8 @@ def export_seconds(args, path) -> float:
     from fastpar.training.args import parse_args
     from fastpar.training.trainer import Trainer
 
-    out = tempfile.mkdtemp(prefix="fastpar-export-")
-    shutil.rmtree(out)
+    out = f"{args.model_dir.rstrip(os.sep)}-export"  # one path: every rank's the same
+    shutil.rmtree(out, ignore_errors=True)  # before any rank's Trainer: init is collective
     argv = common(args, path) + ["--steps", "0", "--save-hf", out]
     trainer = Trainer(parse_args(argv))
     t0 = time.perf_counter()
