@@ -256,8 +256,8 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Fa
             changes.append({"module": parent_name, "style": "heads", "attr": attr,
                             "from": value, "to": value // tp})
     model.fastpar_changes = changes
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained = _gathered_first(model.save_pretrained)
+    if hasattr(model, "save_pretrained") and tp > 1:
+        model.save_pretrained = _gathered_first(model.save_pretrained, changes)
     level = logging.INFO if verbose else logging.DEBUG
     if group_rank(group) == 0 and log.isEnabledFor(level):
         log.log(level, "%s", changes_table(changes, f"{len(work)} layers of "
@@ -297,10 +297,15 @@ def _say_replicated(model: nn.Module, work, tp: int) -> None:
         "; most of the model is not sharded: check the plan" if share > 0.5 else "")
 
 
-def _gathered_first(save):
-    """``model.save_pretrained`` of a parallelized model: only with the full state dict."""
+def _gathered_first(save, changes: list[dict]):
+    """``model.save_pretrained`` of a parallelized model: only with the full state dict (every
+    replaced layer's weight at its serial shape; ``model.state_dict()`` holds the shards)."""
+    serial = {c["module"] + ".weight": tuple(c["from"]) for c in changes if "layer" in c}
+
     def save_pretrained(directory, *args, state_dict=None, **kwargs):
-        if state_dict is None:
+        if state_dict is None or any(
+                name in state_dict and tuple(state_dict[name].shape) != shape
+                for name, shape in serial.items()):
             raise ValueError(
                 "save_pretrained of a tensor-parallel model would write this rank's shards, "
                 "which from_pretrained refuses: gather first, on every rank of the group, "

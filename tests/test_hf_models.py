@@ -12,6 +12,8 @@ tp 1 and tp 2 of 4 ranks, against the Hugging Face model's own forward.
 - Refusals name the architecture or the field.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -45,7 +47,7 @@ def make_model(kind: str, path: str, dtype=torch.float32) -> None:
     """A small ``kind`` model with every weight perturbed, saved at ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(CONFIGS[kind])
+    fields = copy.deepcopy(CONFIGS[kind])  # transformers completes nested dicts in place
     config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=VOCAB, **fields)
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config)
@@ -182,3 +184,37 @@ def test_the_planner_reads_a_config_as_the_trainer_does(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     cfg = build(None, str(tmp_path / "other.json"), {})
     assert (cfg.hidden, cfg.layers, cfg.heads) == (64, 2, 4)
+
+
+@pytest.mark.quick
+def test_a_minimal_config_means_what_it_means_to_transformers(tmp_path):
+    """Fields left out take transformers' own defaults (Qwen3's head_dim 128, Mistral's 8 kv
+    heads, Qwen3's 32), and a plan at a shorter --seq-len takes a model whose window is that long."""
+    import json
+
+    from fastpar.plan.model import build
+
+    qwen3 = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 2, "num_attention_heads": 32, "vocab_size": VOCAB}
+    assert hf_config(qwen3, seq_len=SEQ)[0].head_dim == 128
+    mistral = {"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512,
+               "num_hidden_layers": 2, "num_attention_heads": 16, "vocab_size": VOCAB,
+               "max_position_embeddings": 32768, "sliding_window": 4096}
+    assert hf_config(mistral, seq_len=SEQ)[0].num_kv_heads == 8
+    (tmp_path / "m.json").write_text(json.dumps(mistral))
+    assert build(None, str(tmp_path / "m.json"), {"seq_len": 4096}).seq_len == 4096
+    with pytest.raises(ValueError, match="sliding_window 4096 is shorter than seq_len 32768"):
+        build(None, str(tmp_path / "m.json"), {})
+
+
+def test_a_checkpoint_without_the_base_prefix_loads(tmp_path):
+    """GPT-2's checkpoints on the hub name the base model's tensors without "transformer.":
+    they load as the prefixed ones (against Hugging Face's forward of the same file)."""
+    from safetensors.torch import load_file, save_file
+
+    make_model("gpt2", str(tmp_path))
+    tensors = load_file(f"{tmp_path}/model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()},
+              f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    got = run_ranks(1, body_parity, path=str(tmp_path), tp=1, timeout=240).values()[0]
+    assert got["torch.float64"] <= 1e-10 * got["scale"], got

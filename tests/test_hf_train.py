@@ -14,6 +14,9 @@ the byte-level corpus (their vocabularies hold its 256 ids).
   logits through ``from_pretrained``.
 """
 
+import contextlib
+import copy
+import io
 import json
 import os
 
@@ -27,13 +30,14 @@ VOCAB, SEQ = 320, 32
 COMMON = ["--steps", "6", "--seq-len", str(SEQ), "--global-batch", "8", "--log-every", "6",
           "--no-progress", "--plot", "", "--timeout", "60", "--val-batches", "1"]
 PARITY = 1e-3  # relative, per step: tests/test_train.py's bound for the GPT's layouts
+PLAIN = 1e-5  # relative, per step: one process against plain PyTorch (see its test)
 TOKENS = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(5))
 
 
 def make(kind: str, path: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(CONFIGS[kind])
+    fields = copy.deepcopy(CONFIGS[kind])  # transformers completes nested dicts in place
     config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=VOCAB, **fields)
     torch.manual_seed(11)
     model = AutoModelForCausalLM.from_config(config)
@@ -128,13 +132,15 @@ def test_round_trip_at_tp2_pp2_is_bit_for_bit(model_dir, tmp_path):
     source, written = load_file(f"{path}/model.safetensors"), load_file(f"{out}/model.safetensors")
     source = {k: v for k, v in source.items() if not k.endswith((".attn.bias",
                                                                   ".attn.masked_bias"))}
-    assert set(written) == set(source) - {"lm_head.weight"} or set(written) == set(source)
+    tied = kind == "gpt2"  # the head is the embedding: neither side writes it
+    assert set(written) == set(source) - ({"lm_head.weight"} if tied else set()), kind
     for name, t in written.items():
         assert torch.equal(t, source[name]), name
     assert os.path.exists(f"{out}/tokenizer_config.json")
     with open(f"{out}/config.json") as f:
         assert json.load(f)["model_type"] == kind
-    AutoModelForCausalLM.from_pretrained(out)  # loads without a missing or unexpected key
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 def test_layouts_follow_one_process_and_hugging_faces_own_training(model_dir, tmp_path):
@@ -154,10 +160,13 @@ def test_layouts_follow_one_process_and_hugging_faces_own_training(model_dir, tm
     serial = [loss for _, loss in one["serial"]]
     for name, got in (*two.items(), *four.items()):
         assert_parity(f"{kind} {name}", got, serial)
+    plain = plain_pytorch_losses(path)
     print(f"{kind}: worst relative loss difference per step:", {
         name: round(worst(got, serial), 9) for name, got in (*two.items(), *four.items())},
-        "serial vs plain PyTorch", round(worst(one["serial"], plain_pytorch_losses(path)), 9))
-    assert_parity(f"{kind} serial vs plain PyTorch", one["serial"], plain_pytorch_losses(path))
+        "serial vs plain PyTorch", round(worst(one["serial"], plain), 9))
+    # float32 roundoff over 6 AdamW steps: measured <= 2e-7; a tied weight counted twice in
+    # the clipped norm (GPT-2) drifted 4e-4
+    assert worst(one["serial"], plain) < PLAIN, (kind, worst(one["serial"], plain))
     # the trained model written by --save-hf gives the trainer's logits through from_pretrained
     from transformers import AutoModelForCausalLM
 
@@ -178,9 +187,12 @@ def test_flags_that_shape_the_model_are_refused_with_hf(tmp_path):
         json.dump({"model_type": "llama"}, f)
     for argv, words in ((["--hf-model", path, "--layers", "4"], "--layers with --hf-model"),
                         (["--hf-model", path, "--hf-config", path], "give one model"),
-                        (["--save-hf", path], "--save-hf writes a Hugging Face model")):
-        with pytest.raises(SystemExit):
+                        (["--save-hf", path], "--save-hf writes a Hugging Face model"),
+                        (["--hf-model", path, "--save-hf", path], "is not an empty directory")):
+        err = io.StringIO()
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
             parse_args(argv)
+        assert words in err.getvalue(), (argv, err.getvalue())
 
 
 def test_sharded_source_and_export_cli(tmp_path):
@@ -237,7 +249,7 @@ def make_tokenized(path: str, data: str) -> int:
     eos = tok.token_to_id("<|endoftext|>")
     os.makedirs(path)
     tok.save(os.path.join(path, "tokenizer.json"))
-    fields = dict(CONFIGS["gpt2"])
+    fields = copy.deepcopy(CONFIGS["gpt2"])
     config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=tok.get_vocab_size(),
                                   eos_token_id=eos, bos_token_id=eos, **fields)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -268,9 +280,10 @@ def test_data_is_tokenized_by_the_models_tokenizer_once(tmp_path):
 
     path, data = str(tmp_path / "model"), str(tmp_path / "data")
     eos = make_tokenized(path, data)
-    first, again, bad = run_ranks(2, body_tokenized, path=path, data=data,
-                                  timeout=300).values()[0]
+    ranks = run_ranks(2, body_tokenized, path=path, data=data, timeout=300).values()
+    first, again, bad = ranks[0]
     assert "3 files" in first[0] and "tokenized, cached at" in first[0], first
+    assert "cached)" in ranks[1][0][0], ranks[1]  # rank 1 read rank 0's tokens
     assert "cached)" in again[0] and again[1] == first[1], again  # the same tokens, read back
     assert all(loss == loss for loss in first[1]), first  # a finite loss
     assert isinstance(bad, str) and "c.jsonl:1: no text field 'id'" in bad, bad

@@ -88,6 +88,7 @@ def inspect(args) -> int:
                           "problems": problems}, indent=1))
         return 1 if problems else 0
     meta = index["meta"] if isinstance(index["meta"], dict) else {}
+    meta = {**index.get("written_by", {}), **meta}  # the saver's words first
     lay = meta.get("layout", {})
     lay = lay if isinstance(lay, dict) else {"layout": lay}
     print(f"checkpoint {directory} ({index['format']})")

@@ -68,8 +68,9 @@ def _said(exc: BaseException) -> str:
 
 
 def _described(pieces, world: int) -> dict:
-    """What ``inspect`` says of any checkpoint: the layout that wrote it (fastpar's topology,
-    else the world size) and the weights' dtype(s)."""
+    """What ``inspect`` says of any checkpoint whose meta does not (the index's
+    ``written_by``): the layout that wrote it (fastpar's topology, else the world size) and the
+    weights' dtype(s) (rank 0's)."""
     if is_initialized():
         t = topology()
         layout = {"tp": t.tp_size, "pp": t.pp_size, "dp": t.dp_size, "cp": t.cp_size}
@@ -109,6 +110,7 @@ class ShardedCheckpointer:
         self._read.set()
         self._error: BaseException | None = None
         self._assigned = None  # (every rank's digest of its pieces, this rank's ranges)
+        self._described: dict = {}  # what the last save says of itself (_described)
         self._staging: torch.Tensor | None = None
         self._copied = None  # a GPU staging copy's event, until the writer has waited on it
         self._staged = None  # the same event, until the trainer's stream has waited on it
@@ -180,7 +182,7 @@ class ShardedCheckpointer:
                 store.check_new(root, step)
                 json.dumps(meta)
             pieces = model_pieces(model, opt)
-            meta = {**_described(pieces, self.world), **meta}  # the caller's words first
+            self._described = _described(pieces, self.world)  # index["written_by"]
             if opt is not None and optimizer_state:
                 opt_pieces, scalars = optimizer_pieces(model, opt)
                 pieces += opt_pieces
@@ -296,6 +298,7 @@ class ShardedCheckpointer:
                         raise OSError(f"{missing}: is {root} on a file system every rank "
                                       "shares?")
                     index = writers.index(FORMAT, step, self.world, meta, scalars, records)
+                    index["written_by"] = self._described
                     store.write_file(os.path.join(tmp, "index.json"),
                                      json.dumps(index, separators=(",", ":")).encode())
                     path = store.publish(root, tmp, step, keep)

@@ -191,8 +191,10 @@ class GPTConfig:
 
     def flops_per_token(self) -> float:
         """Forward and backward FLOPs per token that MFU counts: ``6 N + 12 L H T`` (the
-        trainer's MFU and the planner's; recomputation is not useful work, so not counted)."""
-        return 6 * self.num_params() + 12 * self.layers * self.hidden * self.seq_len
+        trainer's MFU and the planner's; recomputation is not useful work, so not counted). H:
+        the attention's width, heads x head size (the hidden size unless ``head_dim`` says)."""
+        return 6 * self.num_params() + 12 * self.layers * self.heads * self.head_size * \
+            self.seq_len
 
     def num_params(self) -> int:
         """Parameters of the serial model, the tied output weight (a copy) counted once."""

@@ -241,6 +241,12 @@ class GPTHead(nn.Module):
         """The output weight (V/tp rows, the embedding's) when ``tie_embeddings``, else None."""
         return self.out.weight if self.cfg.tie_embeddings else None
 
+    @property
+    def tied_copies(self) -> list[nn.Parameter]:
+        """The parameters here that copy another's (the tied output weight): the global
+        gradient norm counts the tied weight once (``fastpar.optim.clip``)."""
+        return [self.out.weight] if self.cfg.tie_embeddings else []
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(h))
 
@@ -272,8 +278,6 @@ def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0, ep_group=None,
 
     def head():
         module = _materialise(GPTHead(cfg, group), cfg, seed, last)
-        if cfg.tie_embeddings:  # the embedding's copy: the global gradient norm counts it once
-            module.out.weight.tied_copy = True
         if cfg.tie_embeddings and not module.out.weight.is_meta:
             # The embedding's first draw of layer 0, sharded the same way (V/tp rows).
             full = _normal((cfg.vocab_size, cfg.hidden), cfg.init_std, layer_generator(seed, 0))

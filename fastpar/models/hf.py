@@ -10,14 +10,16 @@ GELU's tanh form, learned positions, biases, tied embeddings). Another ``model_t
 naming it and the list; a field of a listed one that fastpar's GPT cannot honour (a sliding
 window shorter than the sequence, a rope scaling other than linear or llama3, biases where the
 architecture's fastpar form has none, a dropout that is not fastpar's one dropout) is refused
-naming the field, never ignored. Both config layouts are read: transformers 5's
-``rope_parameters`` and the older ``rope_theta`` / ``rope_scaling``.
+naming the field, never ignored. A config is first completed with transformers' own defaults
+(``resolved``), so a minimal one means what it means to ``from_pretrained``; both layouts are
+read: transformers 5's ``rope_parameters`` and the older ``rope_theta`` / ``rope_scaling``.
 
 The weights' names and layouts: ``hf_weights.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -25,6 +27,7 @@ import os
 from fastpar.models.config import GPTConfig
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")  # the weights' dtypes export writes
 ARCHITECTURES = (*LLAMA_LIKE, "gpt2")
 
 
@@ -63,6 +66,7 @@ def hf_config(d: dict, seq_len: int | None = None, **overrides) -> tuple[GPTConf
     if kind not in ARCHITECTURES:
         raise ValueError(f"Hugging Face model_type {kind!r} is not supported; fastpar trains "
                          f"{', '.join(ARCHITECTURES)}")
+    d = resolved(d)
     fields = _gpt2(d) if kind == "gpt2" else _llama_like(kind, d)
     context = fields.pop("context")
     seq_len = context if seq_len is None else seq_len
@@ -77,9 +81,26 @@ def hf_config(d: dict, seq_len: int | None = None, **overrides) -> tuple[GPTConf
                          "fastpar attends over the whole causal context (train with --seq-len "
                          f"{window} or less)")
     dtype = str(d.get("dtype") or d.get("torch_dtype") or "float32").replace("torch.", "")
+    if dtype not in DTYPES:
+        raise ValueError(f"{kind}: dtype {dtype!r} is not one fastpar writes back "
+                         f"({', '.join(DTYPES)})")
     cfg = GPTConfig(seq_len=seq_len, **{**fields, **overrides})
     cfg.validate()
     return cfg, HfInfo(kind, dict(d), dtype)
+
+
+def resolved(d: dict) -> dict:
+    """``d`` with transformers' own defaults for what it leaves out (``AutoConfig.for_model``:
+    Qwen3's head_dim of 128, Mistral's 8 kv heads, ...), so that fastpar builds the model
+    ``from_pretrained`` builds of the same file, and export writes what both read."""
+    from transformers import AutoConfig
+
+    # a deep copy: transformers completes nested dicts (rope_scaling) in place
+    fields = copy.deepcopy({k: v for k, v in d.items() if k != "model_type"})
+    try:
+        return AutoConfig.for_model(d["model_type"], **fields).to_dict()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{d['model_type']}: transformers refuses this config: {exc}") from None
 
 
 def _need(d: dict, *names: str) -> list:
@@ -122,11 +143,13 @@ def _llama_like(kind: str, d: dict) -> dict:
     hidden, ffn, layers, heads, vocab, context = _need(
         d, "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "vocab_size", "max_position_embeddings")
-    _refuse_if(d, "hidden_act", d.get("hidden_act", "silu") != "silu",
+    _refuse_if(d, "hidden_act", d.get("hidden_act", "silu") not in ("silu", "swish"),
                "the gated MLP is SiLU's (swiglu)")
     _refuse_if(d, "mlp_bias", bool(d.get("mlp_bias")), "the MLP has no biases here")
     _refuse_if(d, "attention_bias", bool(d.get("attention_bias")) and kind != "qwen2",
                "only Qwen2's q, k, v biases are supported")
+    _refuse_if(d, "partial_rotary_factor", d.get("partial_rotary_factor", 1.0) != 1.0,
+               "rope turns every dimension of a head here")
     _refuse_if(d, "attention_dropout", bool(d.get("attention_dropout")),
                "fastpar's dropout applies to the embeddings, attention and both residual "
                "branches alike (--dropout)")

@@ -182,16 +182,17 @@ class SafetensorsReader:
         self._files: dict[str, object] = {}
 
     def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name``; a checkpoint of the base model alone (GPT-2's on the hub: ``wte.weight``
+        for ``transformer.wte.weight``) is read under the name without its prefix."""
         if name not in self.where:
-            raise ValueError(f"{self.path}: the checkpoint has no tensor {name}")
+            bare = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else None
+            if bare is None or bare not in self.where:
+                raise ValueError(f"{self.path}: the checkpoint has no tensor {name}")
+            name = bare
         file = self.where[name]
         if file not in self._files:
             self._files[file] = self._open(os.path.join(self.path, file), "pt")
         return self._files[file].get_tensor(name)
-
-    def dtype(self) -> torch.dtype:
-        """The dtype of the checkpoint's first tensor (its weights' dtype)."""
-        return self.get(next(iter(self.where))).dtype
 
 
 def hf_layers(cfg: GPTConfig, info: HfInfo, reader, **kwargs) -> list:

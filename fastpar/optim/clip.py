@@ -21,9 +21,9 @@ Tied weights: a Parameter that appears more than once in one module (used by two
 once, as ``model.parameters()`` yields it once. A GPT's tied embedding and output weight are two
 Parameters, one holding a copy of the other (``fastpar.models``: the pipeline may put them on
 different stages), both given the tied weight's gradient by ``sum_tied_grads``. The copy is
-marked (``param.tied_copy``) and does not count: the tied weight enters the norm once, at every
-layout, as in a model where it is one Parameter (Hugging Face's, torch's ``clip_grad_norm_``
-on it).
+named by the module holding it (``tied_copies``: ``fastpar.models.GPTHead``'s output weight
+when tied) and does not count: the tied weight enters the norm once, at every layout, as in a
+model where it is one Parameter (Hugging Face's, torch's ``clip_grad_norm_`` on it).
 
 ``DistributedOptimizer.clip_grad_norm_`` (ZeRO) counts the same elements (``counted``), sums over
 its dp group as well (there each rank holds a slice of the gradients), and ends in the same
@@ -55,11 +55,12 @@ def sharded_params(model: torch.nn.Module) -> set[int]:
 def counted(model: torch.nn.Module) -> Callable[[torch.Tensor], bool]:
     """Whether this rank counts a parameter in the serial model's norm: a tp shard of a
     ``fastpar.nn`` layer always, a parameter whole on every tp rank only on tp rank 0; a tied
-    weight's marked copy (``tied_copy``) never."""
+    weight's copy (a module's ``tied_copies``) never."""
+    copies = {id(p) for m in model.modules() for p in getattr(m, "tied_copies", ())}
     if topology().tp_rank == 0:
-        return lambda p: not getattr(p, "tied_copy", False)
+        return lambda p: id(p) not in copies
     sharded = sharded_params(model)
-    return lambda p: id(p) in sharded and not getattr(p, "tied_copy", False)
+    return lambda p: id(p) in sharded and id(p) not in copies
 
 
 def check_max_norm(max_norm: float) -> None:

@@ -54,11 +54,11 @@ def hf_sizes(path: str) -> GPTConfig:
     return dataclasses.replace(GPTConfig(), **fields)
 
 
-def _from_hf(path: str) -> GPTConfig:
+def _from_hf(path: str, seq_len: int | None) -> GPTConfig:
     d = read_json(path, "--hf-config")
     if isinstance(d, dict) and d.get("model_type") in ARCHITECTURES:
         try:
-            return hf_config(d)[0]
+            return hf_config(d, seq_len=seq_len)[0]
         except ValueError as exc:
             raise ValueError(f"--hf-config {path}: {exc}") from None
     return hf_sizes(path)
@@ -71,7 +71,7 @@ def build(preset: str | None, hf_path: str | None, overrides: dict) -> GPTConfig
         raise ValueError(f"--preset {preset} and --hf-config {hf_path}: give one model")
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
-    cfg = _from_hf(hf_path) if hf_path else PRESETS[preset or "small"]
+    cfg = _from_hf(hf_path, overrides.get("seq_len")) if hf_path else PRESETS[preset or "small"]
     changes = {k: v for k, v in overrides.items() if v is not None}
     if "heads" in changes and "kv_heads" not in changes:
         changes["kv_heads"] = None  # a new head count: MHA unless told (the trainer's rule)

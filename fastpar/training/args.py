@@ -237,6 +237,9 @@ def check_args(p, args) -> None:
                             "config.json's")
     p.check(args.save_hf is None or hf, "--save-hf writes a Hugging Face model: train one "
                                         "(--hf-model DIR or --hf-config FILE)")
+    p.check(args.save_hf is None or not os.path.exists(args.save_hf) or (
+        os.path.isdir(args.save_hf) and not os.listdir(args.save_hf)),
+        f"--save-hf {args.save_hf} exists and is not an empty directory; not overwritten")
     p.check(args.save_hf_shard_mb >= 1, f"--save-hf-shard-mb must be >= 1, got "
                                         f"{args.save_hf_shard_mb}")
     if not hf:

@@ -33,16 +33,26 @@ def load_data(args, cfg, topo, hf_info):
         return tokenized_corpus(args.data, model_dir, cfg.seq_len, cfg.vocab_size,
                                 args.data_field, lead=lead, progress=not args.no_progress)
     corpus, problem = None, None
+    wait = _long_wait()  # collective: before rank 0 starts the long work
     if lead:
         try:
             corpus = made()
-        except ValueError as exc:
-            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits on
+            problem = f"--data {args.data}: {type(exc).__name__}: {exc}"
     said = [problem]
-    torch.distributed.broadcast_object_list(said, src=0)
+    torch.distributed.broadcast_object_list(said, src=0, group=wait)
+    torch.distributed.destroy_process_group(wait)
     if said[0]:
         raise ValueError(said[0])
     return corpus if lead else made()
+
+
+def _long_wait():
+    """A gloo group of the world whose timeout is a day: the other ranks wait there while rank
+    0 tokenizes a corpus or writes a model, work that may take longer than --timeout."""
+    import datetime
+
+    return torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
 
 
 def save_hf(trainer) -> None:
@@ -52,21 +62,26 @@ def save_hf(trainer) -> None:
     args, lead = trainer.args, trainer.topo.rank == 0
     tmp = f"{os.path.abspath(args.save_hf).rstrip(os.sep)}.fastpar-weights"
     t0 = time.perf_counter()
+    if lead:  # a killed run's leftovers (the save's first exchange waits for this)
+        shutil.rmtree(tmp, ignore_errors=True)
     trainer.ckpt.save(tmp, trainer.steps, trainer.pipe, trainer.setup.opt,
                       meta=trainer.checkpoints.meta(), keep=1, optimizer_state=False)
     problem = None
+    wait = _long_wait()
     if lead:
         try:
             out = export_hf(tmp, args.save_hf, args.save_hf_shard_mb << 20)
+            shutil.rmtree(tmp, ignore_errors=True)
             print(f"[fastpar.train] saved a Hugging Face model to {args.save_hf}: "
                   f"{len(out['files'])} files, {out['bytes'] / 2**20:.2f} MiB, one tensor at "
                   f"a time (peak {out['peak_bytes'] / 2**20:.2f} MiB) in "
                   f"{time.perf_counter() - t0:.2f} s", flush=True)
-        except (OSError, ValueError) as exc:
-            problem = f"--save-hf {args.save_hf}: {exc}"
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it; the weights stay
+            problem = (f"--save-hf {args.save_hf}: {type(exc).__name__}: {exc}; the trained "
+                       f"weights are kept in {tmp} (python -m fastpar.checkpoint export --hf "
+                       f"DIR {tmp})")
     said = [problem]
-    torch.distributed.broadcast_object_list(said, src=0)
+    torch.distributed.broadcast_object_list(said, src=0, group=wait)
+    torch.distributed.destroy_process_group(wait)
     if said[0]:
         raise ValueError(said[0])

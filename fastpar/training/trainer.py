@@ -117,8 +117,8 @@ class Trainer:
         identity = run_identity(cfg, args, self.steps, topo)
         if self.hf_info is not None:  # what an export to Hugging Face needs (hf_export)
             identity["hf"] = {"config": self.hf_info.config, "dtype": self.hf_info.dtype,
-                              "files": os.path.abspath(args.hf_model) if args.hf_model
-                              else None}
+                              "files": os.path.abspath(args.hf_model or
+                                                       os.path.dirname(args.hf_config))}
         self.checkpoints = Checkpoints(
             self.ckpt, self.pipe, self.setup, self.sched, identity, self.steps,
             directory=args.save,
