@@ -20,9 +20,9 @@ import json
 import os
 import sys
 
-import torch
 
 from fastpar.checkpoint import files, loading, store
+from fastpar.checkpoint.hf_export import export_hf
 from fastpar.checkpoint.boxes import numel
 
 MiB = 2**20
@@ -120,8 +120,6 @@ def inspect(args) -> int:
 
 
 def export(args) -> int:
-    from fastpar.checkpoint.holdings import Piece
-
     directory, index, _ = describe(args.path)
     problems = damage(directory, index)
     if problems:
@@ -136,15 +134,9 @@ def export(args) -> int:
     reader = files.Reader(directory)  # each file opened once for every tensor
     for section in sections:
         for name, e in index["tensors"][section].items():
-            dtype, shape = files.dtype_of(e["dtype"]), tuple(e["shape"])
-
-            def make(section=section, name=name, dtype=dtype, shape=shape):
-                whole = torch.empty(numel(shape), dtype=dtype)
-                piece = Piece(section, name, shape, ((0,) * len(shape), shape), 0,
-                              numel(shape), whole)
-                loading.fill(directory, index, [piece], reader)
-                return whole
-            items.append((name, dtype, shape, make))
+            def make(section=section, name=name):
+                return loading.whole(directory, index, section, name, reader)
+            items.append((name, files.dtype_of(e["dtype"]), tuple(e["shape"]), make))
     tmp = f"{args.out}.tmp-{os.getpid()}"
     try:
         out = files.write(tmp, items, {"format": "fastpar-serial-export",
@@ -160,8 +152,6 @@ def export(args) -> int:
 
 
 def export_to_hf(args) -> int:
-    from fastpar.checkpoint.hf_export import export_hf
-
     def progress(done, total):
         if done == total or done % 50 == 0:
             print(f"export: {done}/{total} tensors", file=sys.stderr, flush=True)

@@ -23,7 +23,6 @@ import torch
 
 from fastpar.checkpoint import files, loading, store
 from fastpar.checkpoint.boxes import numel
-from fastpar.checkpoint.holdings import Piece
 from fastpar.models.config import GPTConfig
 from fastpar.models.hf import HfInfo
 from fastpar.models.hf_weights import assemble, hf_plan
@@ -68,12 +67,7 @@ def export_hf(path: str, out: str, shard_bytes: int = 2 << 30, progress=None) ->
     def full(name: str) -> torch.Tensor:
         if name not in saved:
             raise ValueError(f"checkpoint {directory} has no {name}")
-        e = saved[name]
-        shape = tuple(e["shape"])
-        whole = torch.empty(numel(shape), dtype=files.dtype_of(e["dtype"]))
-        loading.fill(directory, index, [Piece("model", name, shape, ((0,) * len(shape), shape),
-                                              0, numel(shape), whole)], reader)
-        return whole.view(shape)
+        return loading.whole(directory, index, "model", name, reader).view(saved[name]["shape"])
 
     def maker(layer: int, parts: list):
         def make():

@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+
 from fastpar.checkpoint import files, store
 from fastpar.checkpoint.boxes import intersect, numel, range_boxes, shift, slices
+from fastpar.checkpoint.holdings import Piece
 
 FORMAT = "fastpar-sharded-v1"
 
@@ -142,6 +145,17 @@ def compare(expected: dict, index: dict, limit: int = 8) -> list[str]:
         more = f", ... and {len(wrong) - limit} more" if len(wrong) > limit else ""
         out.append(f"{len(wrong)} shape or dtype mismatches: {', '.join(wrong[:limit])}{more}")
     return out
+
+
+def whole(directory: str, index: dict, section: str, name: str, reader=None):
+    """Saved tensor ``name`` of ``section`` ("model", "optimizer") assembled from its pieces,
+    flat, in its saved dtype (an export's one tensor at a time)."""
+    e = index["tensors"][section][name]
+    shape = tuple(e["shape"])
+    data = torch.empty(numel(shape), dtype=files.dtype_of(e["dtype"]))
+    fill(directory, index, [Piece(section, name, shape, ((0,) * len(shape), shape), 0,
+                                  numel(shape), data)], reader)
+    return data
 
 
 def fill(directory: str, index: dict, pieces, reader: files.Reader | None = None) -> None:

@@ -61,7 +61,7 @@ def tokenizer_of(model_dir: str):
     return tok, int(eos), file
 
 
-def documents(path: str, field: str) -> list[tuple[str, int]]:
+def documents(path: str) -> list[tuple[str, int]]:
     """``(file, size)`` of every file of ``path`` that holds documents, in order."""
     files = regular_files(path) if os.path.isdir(path) else [path]
     return [(f, os.path.getsize(f)) for f in files
@@ -94,7 +94,7 @@ def cache_path(path: str, tokenizer_file: str, eos: int, field: str) -> str:
     with open(tokenizer_file, "rb") as f:
         h.update(f.read())
     h.update(f"{eos}\0{field}".encode())
-    for file, size in documents(path, field):
+    for file, size in documents(path):
         h.update(f"\0{os.path.abspath(file)}\0{size}\0{os.stat(file).st_mtime_ns}".encode())
     key = h.hexdigest()[:16]
     if os.path.isdir(path):
@@ -104,7 +104,7 @@ def cache_path(path: str, tokenizer_file: str, eos: int, field: str) -> str:
 
 def tokenize(path: str, tok, eos: int, field: str, progress: bool) -> np.ndarray:
     """Every document of ``path`` tokenized, each followed by ``eos``: one int32 stream."""
-    files = documents(path, field)
+    files = documents(path)
     total = sum(size for _, size in files)
     bar = None
     if progress and total > 8 << 20:
@@ -136,17 +136,14 @@ def _encode(tok, texts: list[str], eos: int) -> list[np.ndarray]:
 
 
 def tokenized_corpus(path: str, model_dir: str, seq_len: int, vocab_size: int,
-                     field: str = "text", lead: bool = True, progress: bool = True,
-                     build: bool = True) -> Corpus:
+                     field: str = "text", lead: bool = True, progress: bool = True) -> Corpus:
     """The tokens of ``path`` as a ``data.Corpus`` (int32 train and validation streams).
-    ``build``: tokenize (and cache) when no cache is there; False: read the cache, which must
-    exist (the trainer's other ranks, after rank 0 built it). ``lead``: say what happened."""
+    Tokenizes (and caches) where no cache is there yet. ``lead``: say what happened.
+    """
     tok, eos, file = tokenizer_of(model_dir)
     cached = cache_path(path, file, eos, field)
     if os.path.exists(cached):
         stream, how = np.load(cached), "cached"
-    elif not build:
-        raise ValueError(f"the token cache {cached} is not there (rank 0 could not write it)")
     else:
         stream, how = tokenize(path, tok, eos, field, progress and lead), "tokenized"
         try:
@@ -168,6 +165,6 @@ def tokenized_corpus(path: str, model_dir: str, seq_len: int, vocab_size: int,
         raise ValueError(f"--data {path}: {tokens.numel():,} tokens split into train "
                          f"{train.numel():,} + val {val.numel():,}; seq_len {seq_len} needs at "
                          f"least {seq_len + 1} in each")
-    docs = len(documents(path, field))
+    docs = len(documents(path))
     return Corpus(train, val, f"{path}: {docs} files, {tokens.numel():,} tokens of {model_dir}'s "
                               f"tokenizer (train {train.numel():,}, val {val.numel():,}; {how})")
