@@ -43,11 +43,12 @@ CONFIGS = {
 }
 
 
-def make_model(kind: str, path: str, dtype=torch.float32) -> None:
-    """A small ``kind`` model with every weight perturbed, saved at ``path``."""
+def make_model(kind: str, path: str, dtype=torch.float32, **overrides) -> None:
+    """A small ``kind`` model with every weight perturbed, saved at ``path`` (``overrides``:
+    config fields in place of CONFIGS')."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = copy.deepcopy(CONFIGS[kind])  # transformers completes nested dicts in place
+    fields = copy.deepcopy({**CONFIGS[kind], **overrides})  # transformers completes nested
     config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=VOCAB, **fields)
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config)
@@ -67,7 +68,8 @@ def body_parity(path: str, tp: int, device: str = "cpu"):
 
     import fastpar
     from fastpar.models.hf import read_hf_config
-    from fastpar.models.hf_weights import SafetensorsReader, hf_layers, hf_tensors
+    from fastpar.hf_files import SafetensorsReader
+    from fastpar.models.hf_weights import hf_layers, hf_tensors
 
     topo = fastpar.init(tp=tp)
     cfg, info = hf_config(read_hf_config(path), seq_len=SEQ)

@@ -55,6 +55,7 @@ from fastpar.nn.context import context_positions
 from fastpar.nn.moe import GroupedExperts
 from fastpar.nn.recomputation import recompute, recomputing
 from fastpar.nn.sharding import copy_into, copy_replicated, resolve_group
+from fastpar.pipeline.tied import sum_copies
 from fastpar.runtime import group_rank, group_size, is_initialized, topology
 
 # GPTConfig and PRESETS live in config.py; they stay importable from here.
@@ -332,22 +333,8 @@ def sum_tied_grads(modules, group=None, grad_of=None) -> None:
     widened, summed here and over the group, and rounded once). ``grad_of(p)``: the tensor to
     sum in place for copy ``p`` instead of ``p.grad`` (ZeRO-2/3: this rank's reduced gradient
     shard, the same elements of every copy, ``DistributedOptimizer.grad_shard``)."""
-    from fastpar.comm.collectives import all_reduce
-
     params = tied_parameters(modules)
     if not params:  # untied (then no rank has any), or a middle stage (in no embedding group)
         return
     grads = [grad_of(p) for p in params] if grad_of is not None else [p.grad for p in params]
-    like = next((g for g in grads if g is not None), params[0])
-    wide = torch.promote_types(like.dtype, torch.float32)
-    total = torch.zeros_like(like, dtype=wide)
-    for g in grads:
-        if g is not None:
-            total += g
-    if group is not None and group_size(group) > 1:
-        all_reduce(total, group)
-    for p, g in zip(params, grads):  # in place: a reducer or optimizer may hold views of them
-        if g is None:
-            p.grad = total.to(p.dtype, copy=True)
-        else:
-            g.copy_(total)
+    sum_copies(params, grads, group)

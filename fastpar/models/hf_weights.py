@@ -2,7 +2,7 @@
 tensor: each rank reads only the tensors of the layers it builds, and only their full form (its
 shard cut here), and export yields one full tensor at a time.
 
-    reader = SafetensorsReader("llama-dir")          # model.safetensors or its shards' index
+    reader = fastpar.hf_files.SafetensorsReader("llama-dir")
     load_layer(module, index, cfg, info, reader)      # layer `index` of gpt_layers(cfg)
     for name, tensor in hf_tensors(index, full, cfg, info): ...   # its Hugging Face tensors
 
@@ -17,8 +17,6 @@ parameters (GPT-2's old ``attn.bias`` masks) are not read.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import torch
 
@@ -157,42 +155,6 @@ def hf_tensors(index: int, full: dict[str, torch.Tensor], cfg: GPTConfig,
     in the layer -> tensor)."""
     return [(hf_name, assemble([(src, full[name]) for name, src in parts]))
             for hf_name, parts in hf_plan(cfg, info, index)]
-
-
-class SafetensorsReader:
-    """Tensors of a Hugging Face directory by name, from ``model.safetensors`` or the shards that
-    ``model.safetensors.index.json`` names; each file opened once, each tensor read alone."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
-            with open(index) as f:
-                self.where = dict(json.load(f)["weight_map"])
-        elif os.path.exists(single):
-            with self._open(single, "pt") as f:
-                self.where = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise ValueError(f"{path}: no model.safetensors nor model.safetensors.index.json "
-                             "(fastpar reads Hugging Face weights as safetensors)")
-        self._files: dict[str, object] = {}
-
-    def get(self, name: str) -> torch.Tensor:
-        """Tensor ``name``; a checkpoint of the base model alone (GPT-2's on the hub: ``wte.weight``
-        for ``transformer.wte.weight``) is read under the name without its prefix."""
-        if name not in self.where:
-            bare = name.split(".", 1)[1] if name.startswith(("transformer.", "model.")) else None
-            if bare is None or bare not in self.where:
-                raise ValueError(f"{self.path}: the checkpoint has no tensor {name}")
-            name = bare
-        file = self.where[name]
-        if file not in self._files:
-            self._files[file] = self._open(os.path.join(self.path, file), "pt")
-        return self._files[file].get_tensor(name)
 
 
 def hf_layers(cfg: GPTConfig, info: HfInfo, reader, **kwargs) -> list:

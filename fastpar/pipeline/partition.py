@@ -12,6 +12,7 @@ built whole on one rank.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -20,14 +21,23 @@ from torch import nn
 
 def named_layers(layers) -> list[tuple[str, object]]:
     """``[(name, module or factory)]`` in order; names are the serial model's state-dict
-    prefixes (an ``nn.Sequential``'s child names, else ``"0"``, ``"1"``, ...)."""
+    prefixes (an ``nn.Sequential``'s child names, a mapping's keys, else ``"0"``, ``"1"``, ...).
+    A mapping's names may be dotted paths (``"model.layers.3"``: a Hugging Face model's parts,
+    built into a chunk by a ``stage`` builder that places them there)."""
     if isinstance(layers, nn.Sequential):
         items = list(layers.named_children())
+    elif isinstance(layers, Mapping):
+        items = list(layers.items())
+        bad = [n for n, _ in items if not isinstance(n, str) or not n or n.startswith(".")
+               or n.endswith(".") or ".." in n]
+        if bad:
+            raise ValueError(f"layer names must be non-empty dotted paths, got {bad!r}")
     elif isinstance(layers, (list, tuple)):
         items = [(str(i), layer) for i, layer in enumerate(layers)]
     else:
-        raise TypeError(f"layers must be an nn.Sequential or a list of modules or zero-argument "
-                        f"module factories, got {type(layers).__name__}")
+        raise TypeError(f"layers must be an nn.Sequential, a list of modules or zero-argument "
+                        f"module factories, or a mapping of names to them, got "
+                        f"{type(layers).__name__}")
     for name, layer in items:
         if not isinstance(layer, nn.Module) and not callable(layer):
             raise TypeError(f"layer {name} is a {type(layer).__name__}, neither an nn.Module "
@@ -118,8 +128,16 @@ def partition(layers, pp: int, v: int, balance=None) -> tuple[list, list[int], l
     return items, bounds, keys
 
 
-def build_chunk(items, start: int, stop: int) -> nn.Sequential:
-    """The layers ``[start, stop)`` as an ``nn.Sequential`` keyed by their serial names."""
-    return nn.Sequential(OrderedDict(
-        (name, layer if isinstance(layer, nn.Module) else _build(name, layer))
-        for name, layer in items[start:stop]))
+def build_chunk(items, start: int, stop: int, stage=None) -> nn.Module:
+    """The layers ``[start, stop)`` as an ``nn.Sequential`` keyed by their serial names, or
+    what ``stage([(name, module), ...])`` makes of them (a chunk whose state-dict keys are the
+    layers' own under their names, e.g. ``fastpar.pipeline.hf``'s Hugging Face stages)."""
+    built = [(name, layer if isinstance(layer, nn.Module) else _build(name, layer))
+             for name, layer in items[start:stop]]
+    if stage is not None:
+        return stage(built)
+    dotted = [name for name, _ in built if "." in name]
+    if dotted:
+        raise ValueError(f"layers {dotted} have dotted names: pass a stage builder that places "
+                         "them (Pipeline(stage=...)), or name them without dots")
+    return nn.Sequential(OrderedDict(built))

@@ -27,6 +27,7 @@ from fastpar.pipeline.board import Board
 from fastpar.pipeline.channels import Channels
 from fastpar.pipeline.executor import Executor
 from fastpar.pipeline.schedules import compile_schedule, gpipe, theoretical_bubble
+from fastpar.pipeline.tied import sum_copies
 from fastpar.runtime import job
 
 
@@ -79,11 +80,17 @@ class Pipeline(nn.Module):
     trace JSON) and beside it as PNG (``FASTPAR_TRACE`` sets it too).
     scatter_gather: send 1/tp of each activation and all-gather on arrival (default: on when
     tp > 1 and no layer uses sequence parallelism). p2p: "auto", "shm" or "torch".
+    stage: ``stage([(name, module), ...]) -> nn.Module`` builds a chunk from its layers (default:
+    an ``nn.Sequential`` of them; ``fastpar.pipeline.hf`` places Hugging Face parts under their
+    dotted names). Its state-dict keys must be the layers' own under their names.
+    tied: groups of state-dict keys naming one weight held as copies (``[("embed.weight",
+    "head.weight")]``), on the first and last stage: checked equal at construction; every step
+    gives each copy the sum of their gradients (``fastpar.pipeline.tied``).
     """
 
     def __init__(self, layers, *, loss_fn, schedule: str = "1f1b", microbatches: int,
                  virtual_stages: int = 1, balance=None, trace=None, scatter_gather=None,
-                 p2p: str = "auto"):
+                 p2p: str = "auto", stage=None, tied=()):
         super().__init__()
         from fastpar.comm.state import current
 
@@ -113,8 +120,10 @@ class Pipeline(nn.Module):
         self.stage_keys = [sum(keys[self.bounds[s]:self.bounds[s + 1]], [])
                            for s in range(self.pp * v)]
         self.chunks = nn.ModuleList(
-            part.build_chunk(items, self.bounds[s], self.bounds[s + 1]).to(topo.device)
+            part.build_chunk(items, self.bounds[s], self.bounds[s + 1], stage).to(topo.device)
             for s in (c * self.pp + self.pp_rank for c in range(v)))
+        self._check_chunk_keys()
+        self.tied = self._tie(tied)
         # One setting for the world (a receiver all-gathers what a sender scattered): on only
         # if every rank wants it and no layer anywhere is sequence parallel.
         want = (not _sequence_parallel(self.chunks)) if scatter_gather is None else \
@@ -134,6 +143,62 @@ class Pipeline(nn.Module):
         self.executor = Executor(list(self.chunks), pp=self.pp, rank=self.pp_rank, v=v,
                                  channels=self.channels, loss_fn=loss_fn, board=self.board)
         self.stats: dict = {}
+
+    def _check_chunk_keys(self) -> None:
+        for c, chunk in enumerate(self.chunks):
+            want = set(self.stage_keys[c * self.pp + self.pp_rank])
+            got = set(chunk.state_dict(keep_vars=True))
+            if got != want:
+                raise ValueError(f"pipeline chunk {c} has state-dict keys that are not its "
+                                 f"layers' own under their names: missing "
+                                 f"{sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}"
+                                 " (a stage builder must place each layer under its name)")
+
+    def _tie(self, tied) -> list[tuple[list[nn.Parameter], object]]:
+        """This rank's copies of each tied weight (distinct Parameters) and the group their
+        gradients are summed over (the embedding group when the copies span the first and last
+        stage on different ranks, else None); copies checked equal here and across that group
+        (collective over the world)."""
+        every = {k for keys in self.layer_keys for k in keys}
+        last = self.pp * self.virtual_stages - 1
+        mine = {}
+        for chunk in self.chunks:
+            mine.update(chunk.state_dict(keep_vars=True))
+        local, spanning, sums = [], [], []
+        for keys in tied:
+            keys = tuple(keys)
+            unknown = [k for k in keys if k not in every]
+            if len(keys) < 2 or unknown:
+                raise ValueError(f"tied={keys!r}: a tie names two or more state-dict keys of "
+                                 f"the layers; unknown: {unknown}")
+            stages = {k: next(s for s, sk in enumerate(self.stage_keys) if k in sk)
+                      for k in keys}
+            if any(s not in (0, last) for s in stages.values()):
+                raise ValueError(f"tied={keys!r}: copies on stages {stages}; a tied weight's "
+                                 f"copies must be on the first or last stage (0 or {last})")
+            spans = self.pp > 1 and {0, last} <= set(stages.values())
+            found = {}
+            for k in keys:
+                if k in mine:
+                    found.setdefault(id(mine[k]), mine[k])
+            copies = list(found.values())
+            if any(not torch.equal(copies[0].detach(), q.detach()) for q in copies[1:]):
+                raise ValueError(f"tied={keys!r}: this rank's copies hold different values")
+            if spans:
+                spanning.append(keys)
+                sums.append(copies[0].detach().double().sum() if copies
+                            else torch.zeros((), dtype=torch.float64))
+            if copies and (len(copies) > 1 or spans):
+                local.append((copies, self._topo.embedding_group if spans else None))
+        if spanning and self._topo.embedding_group is not None:
+            here = torch.stack(sums).to(self._topo.device)
+            both = collectives.all_gather(here, group=self._topo.embedding_group, dim=0)
+            both = both.reshape(-1, len(sums)).cpu()
+            if not torch.equal(both, both[:1].expand_as(both)):
+                raise ValueError(f"tied weights {spanning} differ between the first and last "
+                                 f"stage (sums {both.tolist()}): load the same values into "
+                                 "every copy")
+        return local
 
     # -- running ------------------------------------------------------------------------
     def _stage_data(self, inputs, targets):
@@ -163,6 +228,8 @@ class Pipeline(nn.Module):
             self.actions[self.pp_rank], data, tgt, train=True,
             before_last_backward=before_last_backward)
         _join_grads(self._joins)
+        for params, group in self.tied:
+            sum_copies(params, [p.grad for p in params], group)
         loss = torch.zeros((), dtype=torch.float64, device=self._topo.device)
         if last:
             loss += torch.stack([x.double() for x in losses]).mean()

@@ -23,7 +23,8 @@ from fastpar import comm
 from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.comm.policy import QUANT_SHM_MIN_BYTES
 from fastpar.models import GPTBlock, gpt_layers, gpt_loss
-from fastpar.models.hf_weights import SafetensorsReader, hf_layers
+from fastpar.hf_files import SafetensorsReader
+from fastpar.models.hf_weights import hf_layers
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn import random as tp_random
 from fastpar.nn.context import choose_type, context_positions
