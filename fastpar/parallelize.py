@@ -13,7 +13,11 @@ A plan maps fnmatch patterns on module names to styles. ``nn.Linear`` takes "col
 ("embedding_rowwise", or "rowwise" as Hugging Face writes it). The aliases mean what they mean in
 transformers' ``ALL_PARALLEL_STYLES``. Only modules of exactly these types are replaced (a subclass
 may change forward), and embeddings without max_norm, scale_grad_by_freq or sparse; a plan entry
-that would replace any other module is an error.
+that would replace any other module is an error. GPT-2's Conv1D takes the linear styles, its
+weight kept (in, out); fused projections under "column" (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``
+and ``gate_up_proj``) are cut part by part so each rank holds whole heads (halves), the
+attention's head counts and split sizes divided (``fastpar/nn/fused.py``; plans and the parts:
+``fastpar/tp_plan.py``).
 
 Each module keeps its name, its existing weights (sharded) and their ``requires_grad``, so
 ``full_state_dict`` gives the serial keys back. The plan is validated whole before anything is
@@ -30,6 +34,7 @@ when it is most of them; ``model.save_pretrained`` (Hugging Face) takes only the
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import hashlib
 import logging
@@ -38,65 +43,15 @@ import torch
 from torch import nn
 
 from fastpar.nn.embedding import VocabParallelEmbedding, unsupported_options
+from fastpar.nn.fused import (Conv1DColumnParallelLinear, Conv1DRowParallelLinear,
+                              FusedColumnParallelLinear, FusedConv1DColumnParallelLinear)
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.sharding import resolve_group
 from fastpar.runtime import group_rank, group_size
-
-STYLES = {"column": "column", "colwise": "column",
-          "column_gather": "column_gather", "colwise_gather_output": "column_gather",
-          "colwise_rep": "column_gather",
-          "row": "row", "rowwise": "row",
-          "row_scatter": "row_scatter", "rowwise_rep": "row_scatter",
-          "rowwise_split_input": "row_scatter",
-          "embedding": "embedding", "embedding_rowwise": "embedding"}
-# Declared (Hugging Face) styles that leave a module replicated: nothing to replace.
-REPLICATED_STYLES = {"replicate", "replicated_with_grad_allreduce", "sequence_parallel"}
-# Inferred plan: last component of a module name -> style (Llama/Mistral/Qwen/OPT names, Meta
-# Llama's w1/w2/w3/tok_embeddings, GPT-2's wte). Only names whose row-parallel partner is known
-# too: BERT's query/key/value are not here, as its attention output ("dense") is not.
-INFERRED = {"q_proj": "column", "k_proj": "column", "v_proj": "column",
-            "gate_proj": "column", "up_proj": "column",
-            "fc1": "column", "w1": "column", "w3": "column",
-            "o_proj": "row", "out_proj": "row", "down_proj": "row", "fc2": "row", "w2": "row",
-            "embed_tokens": "embedding", "word_embeddings": "embedding", "wte": "embedding",
-            "tok_embeddings": "embedding", "lm_head": "column_gather"}
-ATTENTION_INPUTS = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj",
-                    "query_key_value", "c_attn", "Wqkv"}
-# Fused projections: one weight stacking q, k and v (or gate and up). Contiguous column shards of
-# it would hand a rank all of q and part of k: refused rather than silently wrong.
-FUSED = {"qkv_proj", "query_key_value", "c_attn", "Wqkv", "gate_up_proj"}
-HEAD_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads", "n_heads", "n_kv_heads")
+from fastpar.tp_plan import (ATTENTION_INPUTS, FUSED, HEAD_ATTRS, REPLICATED_STYLES, STYLES,
+                             declared_plan, features, fused_parts, inferred_plan, is_conv1d)
 
 log = logging.getLogger("fastpar.parallelize")
-
-
-def declared_plan(model: nn.Module) -> dict[str, str]:
-    """Hugging Face's plans: ``_tp_plan`` of any module, ``config.base_model_tp_plan`` of a base
-    model, with keys made relative to ``model``."""
-    plan: dict[str, str] = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        own = getattr(module, "_tp_plan", None)
-        base = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
-        if not isinstance(base, dict) or getattr(module, "base_model", None) is not module:
-            base = None
-        for part in (own, base):
-            for key, style in (part or {}).items() if isinstance(part, dict) else ():
-                plan.setdefault(prefix + key, style)
-    return plan
-
-
-def inferred_plan(model: nn.Module) -> dict[str, str]:
-    """One exact-name entry per nn.Linear / nn.Embedding whose last name component is known."""
-    plan = {}
-    for name, module in model.named_modules():
-        style = INFERRED.get(name.rsplit(".", 1)[-1])
-        if style is None or not isinstance(module, (nn.Linear, nn.Embedding)):
-            continue
-        if (style == "embedding") != isinstance(module, nn.Embedding):
-            continue
-        plan[name] = style
-    return plan
 
 
 def _normalise(style: str, module: nn.Module) -> str | None:
@@ -109,7 +64,8 @@ def _normalise(style: str, module: nn.Module) -> str | None:
 
 def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
     """``[(name, module, kind)]`` to replace (kind: the normalised style), ``{attention module
-    name: {head attr: value}}`` to divide, and every error found."""
+    name: {head attr: value}}`` to divide, ``{fused projection: its parts' sizes}`` and every
+    error found."""
     modules = dict(model.named_modules())
     errors, chosen = [], {}
     for pattern, style in plan.items():
@@ -125,7 +81,7 @@ def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
         for name in matched:
             if name not in chosen:  # the first pattern that names a module decides its style
                 chosen[name] = (pattern, style)
-    work = []
+    work, parts = [], {}
     for name, (pattern, style) in chosen.items():
         module = modules[name]
         kind = _normalise(style, module)
@@ -133,10 +89,11 @@ def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
             continue
         what = f"{name} ({type(module).__name__})"
         base = nn.Embedding if kind == "embedding" else nn.Linear
-        if not isinstance(module, base):
+        conv1d = kind != "embedding" and is_conv1d(module)
+        if not conv1d and not isinstance(module, base):
             errors.append(f"{what}: style {style!r} needs an nn.{base.__name__}")
             continue
-        if type(module) is not base:
+        if not conv1d and type(module) is not base:
             errors.append(f"{what}: a subclass of nn.{base.__name__}, whose forward the parallel "
                           f"layer cannot reproduce; only exact nn.{base.__name__} is replaced")
             continue
@@ -146,23 +103,27 @@ def _resolve(model: nn.Module, plan: dict[str, str], tp: int):
                 errors.append(f"{what}: {', '.join(options)} is not supported by a "
                               f"vocab-parallel embedding")
                 continue
-        elif kind.startswith("column") and name.rsplit(".", 1)[-1] in FUSED:
-            errors.append(f"{what}: a fused projection (q, k and v, or gate and up, stacked in "
-                          f"one weight) cannot be column-sharded in contiguous blocks; split it "
-                          f"into separate layers first (style {style!r})")
+            work.append((name, module, kind))
             continue
-        elif kind.startswith("row") and module.in_features % tp:
-            errors.append(f"{what}: in_features {module.in_features} is not divisible by "
+        in_features, out_features = features(module)
+        if kind == "column" and name.rsplit(".", 1)[-1] in FUSED:
+            parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
+            found = fused_parts(name, module, parent, tp, errors)
+            if found is None:
+                continue
+            parts[name] = found
+        elif kind.startswith("row") and in_features % tp:
+            errors.append(f"{what}: in_features {in_features} is not divisible by "
                           f"tp {tp} (style {style!r})")
             continue
-        elif not kind.startswith("row") and module.out_features % tp:
-            errors.append(f"{what}: out_features {module.out_features} is not divisible by "
+        elif not kind.startswith("row") and out_features % tp:
+            errors.append(f"{what}: out_features {out_features} is not divisible by "
                           f"tp {tp} (style {style!r})")
             continue
         work.append((name, module, kind))
     heads = _head_changes(model, modules, work, tp, errors)
     _check_ties(model, work, errors)
-    return work, heads, errors
+    return work, heads, parts, errors
 
 
 def _head_changes(model, modules, work, tp, errors):
@@ -190,6 +151,8 @@ def _head_changes(model, modules, work, tp, errors):
                         errors.append(message)
                 elif adjust:
                     heads.setdefault(parent_name, {})[attr] = value
+        if child == "c_attn" and isinstance(getattr(parent, "split_size", None), int):
+            heads.setdefault(parent_name, {})["split_size"] = parent.split_size  # GPT-2's
     return heads
 
 
@@ -207,12 +170,18 @@ def _check_ties(model, work, errors):
                           f"of the plan)")
 
 
-def _replacement(module, kind, group):
+def _replacement(module, kind, group, parts=None):
     if kind == "embedding":
         return VocabParallelEmbedding.from_serial(module, group)
+    conv1d = is_conv1d(module)
     if kind in ("row", "row_scatter"):
-        return RowParallelLinear.from_serial(module, group, input_is_parallel=kind == "row")
-    return ColumnParallelLinear.from_serial(module, group, gather_output=kind == "column_gather")
+        cls = Conv1DRowParallelLinear if conv1d else RowParallelLinear
+        return cls.from_serial(module, group, input_is_parallel=kind == "row")
+    if parts is not None:
+        cls = FusedConv1DColumnParallelLinear if conv1d else FusedColumnParallelLinear
+        return cls.from_serial(module, group, parts=parts)
+    cls = Conv1DColumnParallelLinear if conv1d else ColumnParallelLinear
+    return cls.from_serial(module, group, gather_output=kind == "column_gather")
 
 
 def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = False) -> nn.Module:
@@ -234,7 +203,7 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Fa
     elif not isinstance(plan, dict) or not plan:
         raise ValueError(f"plan must be 'auto' or a non-empty dict of pattern -> style, got "
                          f"{plan!r}")
-    work, heads, errors = _resolve(model, plan, tp)
+    work, heads, parts, errors = _resolve(model, plan, tp)
     if not errors and tp > 1:
         errors = _differing_weights(model, group)
     if errors:
@@ -246,8 +215,8 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Fa
     modules = dict(model.named_modules())
     for name, module, kind in work:
         parent_name, _, child = name.rpartition(".")
-        new = _replacement(module, kind, group)
-        modules[parent_name]._modules[child] = new
+        new = _replacement(module, kind, group, parts.get(name))
+        (modules[parent_name] if parent_name else model)._modules[child] = new
         changes.append({"module": name, "style": kind, "from": list(module.weight.shape),
                         "to": list(new.weight.shape), "layer": type(new).__name__})
     for parent_name, attrs in heads.items():
@@ -255,6 +224,16 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Fa
             setattr(modules[parent_name], attr, value // tp)
             changes.append({"module": parent_name, "style": "heads", "attr": attr,
                             "from": value, "to": value // tp})
+    for name in parts:  # Phi-3's attention reads its query width off the config: its own copy
+        parent_name = name.rpartition(".")[0]
+        parent = modules[parent_name] if parent_name else model
+        if name.endswith("qkv_proj") and getattr(parent, "config", None) is not None:
+            parent.config = copy.copy(parent.config)
+            for attr in ("num_attention_heads", "num_key_value_heads"):
+                value = getattr(parent.config, attr)
+                setattr(parent.config, attr, value // tp)
+                changes.append({"module": f"{parent_name}.config", "style": "heads",
+                                "attr": attr, "from": value, "to": value // tp})
     model.fastpar_changes = changes
     if hasattr(model, "save_pretrained") and tp > 1:
         model.save_pretrained = _gathered_first(model.save_pretrained, changes)

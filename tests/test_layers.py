@@ -133,13 +133,18 @@ NEVER = {
     **{layer: FRONT_DOORS for layer in ("fastpar.nn", "fastpar.data_parallel", "fastpar.optim",
                                         "fastpar.training", "fastpar.parallelize",
                                         "fastpar.state_dict")},
+    # leaves beside the layers: a tp plan's tables, a Hugging Face directory's tensors
+    **{leaf: ("fastpar.grid", "fastpar.runtime", "fastpar.comm", "fastpar.nn", "fastpar.pipeline",
+              "fastpar.models", "fastpar.parallelize", *JOBS)
+       for leaf in ("fastpar.tp_plan", "fastpar.hf_files")},
     # beside the library: the tolerance helpers and the cluster harness import nothing of it
     "fastpar.testing": ("fastpar.grid", "fastpar.runtime", "fastpar.comm", "fastpar.kernels",
                         "fastpar.nn", "fastpar.pipeline", "fastpar.data_parallel",
                         "fastpar.optim", "fastpar.models", "fastpar.training",
                         "fastpar.parallelize", "fastpar.state_dict", "fastpar._native",
                         "fastpar.version", "fastpar._C", "fastpar.plan", "fastpar.checkpoint",
-                        "fastpar.backend", *FRONT_DOORS),
+                        "fastpar.backend", "fastpar.tp_plan", "fastpar.hf_files",
+                        *FRONT_DOORS),
 }
 
 

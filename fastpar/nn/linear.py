@@ -86,6 +86,10 @@ def _engine(group, op: str, device: str, nbytes: int, dtype) -> str:
 
 
 class _ParallelLinear(ShardedModule):
+    # "linear": the weight is nn.Linear's (out, in); "conv1d": Hugging Face's Conv1D (GPT-2),
+    # stored (in, out) and computed as its transpose (fastpar/nn/fused.py's layers)
+    layout = "linear"
+
     def __init__(self, in_features, out_features, bias, sharded_dim, *, sequence_parallel,
                  sequence_dim, overlap, overlap_pieces, group, device, dtype, seed):
         super().__init__()
@@ -106,9 +110,10 @@ class _ParallelLinear(ShardedModule):
         shape = [out_features, in_features]
         shape[sharded_dim] //= self.tp
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(shape, **factory))
-        self.shard_dims = {"weight": sharded_dim}
         bias_shape = shape[0]
+        conv1d = self.layout == "conv1d"
+        self.weight = nn.Parameter(torch.empty(shape[::-1] if conv1d else shape, **factory))
+        self.shard_dims = {"weight": 1 - sharded_dim if conv1d else sharded_dim}
         if bias:
             self.bias = nn.Parameter(torch.empty(bias_shape, **factory))
             if sharded_dim == 0:
@@ -117,14 +122,25 @@ class _ParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
         if not self.weight.is_meta:
             weight, b = full_linear(out_features, in_features, bias, generator(seed))
-            copy_into(self.weight, self.shard_full("weight", weight))
+            copy_into(self.weight, self.shard_full("weight", weight.t() if conv1d else weight))
             if bias:
                 copy_into(self.bias, self.shard_full("bias", b))
 
+    @property
+    def linear_weight(self) -> torch.Tensor:
+        """This rank's weight as ``F.linear`` takes it, (out, in): the weight, or a Conv1D
+        layout's transpose (a view: its gradient reaches the weight)."""
+        return self.weight.t() if self.layout == "conv1d" else self.weight
+
     @classmethod
-    def from_serial(cls, linear: nn.Linear, group=None, **kwargs):
-        """A parallel layer holding this rank's shard of ``linear``'s weights."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+    def from_serial(cls, linear: nn.Module, group=None, **kwargs):
+        """A parallel layer holding this rank's shard of ``linear``'s weights (an nn.Linear, or
+        for the Conv1D layout Hugging Face's Conv1D: ``nx`` in, ``nf`` out)."""
+        if cls.layout == "conv1d":
+            features = (linear.nx, linear.nf)
+        else:
+            features = (linear.in_features, linear.out_features)
+        layer = cls(*features, linear.bias is not None,
                     group=group, device="meta", dtype=linear.weight.dtype, **kwargs)
         layer.to_empty(device=linear.weight.device)
         copy_into(layer.weight, layer.shard_full("weight", linear.weight.detach()))
@@ -197,7 +213,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output shard of an input already inside the TP region."""
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.linear_weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.shared_forward(x, [self])[0]
@@ -214,7 +230,7 @@ class ColumnParallelLinear(_ParallelLinear):
         for layer in layers[1:]:
             layer.overlap_decision = decision
         if decision.enabled:
-            params = [layer.weight for layer in layers] + [layer.bias for layer in layers]
+            params = [layer.linear_weight for layer in layers] + [layer.bias for layer in layers]
             return list(ov.ColumnParallelOverlap.apply(
                 x, first.group, first.sequence_parallel, first._seq_dim(x), decision.pieces,
                 len(layers), *params))
@@ -252,7 +268,7 @@ class RowParallelLinear(_ParallelLinear):
             return self._signal_comm
         from fastpar.nn.overlap_signal import signal_path
 
-        comm, said = signal_path(x, self.weight, self.group, self.sequence_parallel)
+        comm, said = signal_path(x, self.linear_weight, self.group, self.sequence_parallel)
         self._signal_key, self._signal_comm = key, comm
         if said != decision.signal:
             self.overlap_decision = dataclasses.replace(decision, signal=said)
@@ -263,19 +279,20 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = "reduce_scatter" if self.sequence_parallel else "all_reduce"
         decision = self._decide(x, op, self.out_features)
+        weight = self.linear_weight
         if self.tp == 1:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         if decision.enabled:
             signal = self._signal(x, decision)
-            y = ov.RowParallelOverlap.apply(x, self.weight, self.group, self.sequence_parallel,
+            y = ov.RowParallelOverlap.apply(x, weight, self.group, self.sequence_parallel,
                                             self._seq_dim(x), decision.pieces, signal)
         elif self.sequence_parallel:
-            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.sequence_dim)
+            y = reduce_scatter_sequence(F.linear(x, weight), self.group, self.sequence_dim)
         else:
             # The matmul output is fresh and saved by nobody, so it is reduced in place.
-            y = reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
+            y = reduce_from_tp(F.linear(x, weight), self.group, inplace=True)
         if self.sequence_parallel:
             # The bias is replicated but meets only this rank's tokens: sum its grad over ranks
             # (in float32 for a bf16 bias).
