@@ -125,11 +125,12 @@ def verify_share(directory: str, index: dict, rank: int, world: int) -> list[str
     return problems
 
 
-def compare(expected: dict, index: dict, limit: int = 8) -> list[str]:
+def compare(expected: dict, index: dict, limit: int = 8,
+            sections=("model", "optimizer")) -> list[str]:
     """``expected``: ``{(section, name): (shape, dtype name)}`` of this layout (every rank's).
-    What differs from the checkpoint, by kind."""
+    What differs from the checkpoint's ``sections``, by kind."""
     saved = {(sec, name): (tuple(e["shape"]), e["dtype"])
-             for sec in ("model", "optimizer") for name, e in index["tensors"][sec].items()}
+             for sec in sections for name, e in index["tensors"][sec].items()}
     out = []
     kinds = (("missing from the checkpoint", sorted(set(expected) - set(saved))),
              ("in the checkpoint but not in this model", sorted(set(saved) - set(expected))))

@@ -357,7 +357,8 @@ class ShardedCheckpointer:
         """Fill ``model``'s weights and ``opt``'s state from a sharded checkpoint saved under
         any layout (collective); returns its index (``step``, ``meta``, ...). Raises
         ValueError on every rank, naming what is wrong, for a damaged checkpoint or one of
-        another model. A model-only checkpoint leaves the optimizer as it is."""
+        another model. A model-only checkpoint leaves the optimizer as it is; ``opt`` None
+        loads the weights alone, whatever else the checkpoint holds."""
         self.wait()
         path = os.fspath(path)
         directory, index = self._agree(f"checkpoint {path} is incomplete or corrupt",
@@ -369,7 +370,7 @@ class ShardedCheckpointer:
         def targets():
             pieces = model_pieces(model, opt)
             kinds = sorted({n.rsplit(":", 1)[1] for n in index["tensors"]["optimizer"]})
-            if kinds:
+            if kinds and opt is not None:  # opt None: the weights alone (generation)
                 pieces += optimizer_pieces(model, opt, kinds=kinds,
                                            scalars=index.get("optimizer_scalars", {}))[0]
             return pieces
@@ -379,7 +380,8 @@ class ShardedCheckpointer:
         for held in self._all(sorted({(p.section, p.name, tuple(p.shape),
                                        files.dtype_name(p.dtype)) for p in pieces})):
             expected.update({(s, n): (shape, d) for s, n, shape, d in held})
-        differ = loading.compare(expected, index)
+        differ = loading.compare(expected, index, sections=("model", "optimizer")
+                                 if opt is not None else ("model",))
         if differ:  # the same on every rank: no exchange needed
             raise ValueError(f"checkpoint {directory} does not fit this model: "
                              + "; ".join(differ))

@@ -133,9 +133,13 @@ class GPTEmbedding(nn.Module):
         """The token embedding (V/tp rows) when ``tie_embeddings``, else None."""
         return self.tok.weight if self.cfg.tie_embeddings else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` (B, T): each token's position, for generation (learned positions take
+        those rows; no SP or CP); None: 0 .. T - 1."""
         h = self.tok(tokens)  # (B, T, H); SP: (B, T/tp, H)
-        if self.pos is not None:
+        if self.pos is not None and positions is not None:
+            h = h + self.pos.weight[positions]
+        elif self.pos is not None:
             if tokens.shape[1] * self.cp > self.cfg.position_rows:
                 raise ValueError(f"sequence of {tokens.shape[1] * self.cp} tokens is longer "
                                  f"than the {self.cfg.position_rows} learned positions")

@@ -170,6 +170,7 @@ class ParallelSelfAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
         self.v_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
         self.o_proj = RowParallelLinear(q_size, hidden_size, bias, **common)
+        self.kv_cache = None  # (KVCache, layer index) while generating: fastpar/nn/kv_cache.py
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:  # the grads of the shared weights summed over tp's heads
             norm = dict(sequence_parallel=tp > 1, group=self.group, device=device, dtype=dtype)
@@ -215,7 +216,8 @@ class ParallelSelfAttention(nn.Module):
                 and self.context_parallel is None and q.device.type == "cpu"
                 and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor):
+        """q (B, nh/tp, T, hd), k, v (B, nkv/tp, T, hd) of ``x``, before rope."""
         # one entry communication for q, k and v (overlapped with their GEMMs by policy)
         q, k, v = ColumnParallelLinear.shared_forward(x, [self.q_proj, self.k_proj, self.v_proj])
         B, T, _ = q.shape  # (B, T, nh/tp * hd): the full sequence (cp: this rank's T/cp)
@@ -223,8 +225,32 @@ class ParallelSelfAttention(nn.Module):
         k = k.view(B, T, self.local_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, T, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v
+
+    def _cached(self, x: torch.Tensor) -> torch.Tensor:
+        """Generation's forward (``kv_cache`` set): the new tokens' keys and values into the
+        cache, attention over every cached slot the mask allows (fastpar/nn/kv_cache.py)."""
+        if self.sequence_parallel or self.context_parallel is not None:
+            raise ValueError("generation with a KV cache runs without sequence or context "
+                             "parallelism (each rank holds whole sequences)")
+        cache, index = self.kv_cache
+        q, k, v = self._heads(x)
+        B, _, T, _ = q.shape
+        if self.rope_base is not None:  # each token at its own position (padding skipped)
+            cos, sin = self._rotary(cache.max_len, q.dtype, q.device)
+            cos, sin = cos[cache.positions][:, None], sin[cache.positions][:, None]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = cache.store(index, k, v)
+        h = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask,
+                                           enable_gqa=self.local_heads != self.local_kv_heads)
+        return self.o_proj(h.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is not None:
+            return self._cached(x)
+        q, k, v = self._heads(x)
+        B, _, T, _ = q.shape
         # q (B, nh/tp, T, hd); k, v (B, nkv/tp, T, hd)
         if self.rope_base is not None:  # positions 0..T-1 of the full (gathered) sequence
             cos, sin = self._rotary(T * self.cp, q.dtype, q.device)

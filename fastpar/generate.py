@@ -1,0 +1,10 @@
+"""Run a model: ``python -m fastpar.generate --hf-model DIR --tp 2 --prompt TEXT`` (the
+command: ``fastpar.generation.cli``; the function is ``fastpar.generate``, from
+``fastpar.generation``)."""
+
+import sys
+
+from fastpar.generation.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The key/value cache of generation: each attention layer's keys and values of every token seen
+so far, preallocated for the batch and the longest sequence, this rank's KV heads only.
+
+    cache = KVCache(attentions, batch=8, max_len=512, dtype=torch.float32, device=dev)
+    cache.begin(positions, valid)      # before each forward: the new tokens' positions (B, T)
+    ...                                #   and which of the B x (start + T) slots hold tokens
+    cache.close()                      # the layers run without a cache again
+
+Layout: per layer ``k``, ``v`` of (B, kv heads / tp, max_len, head dim): tensor parallelism
+splits the heads, so a rank keeps only the keys and values of its own heads and nothing about
+the cache crosses ranks. Slot ``s`` of a row is the row's ``s``-th token, padding included: a
+left-padded batch keeps its pads in the slots before each prompt and masks them out
+(``valid``), so every row writes its new tokens to the same slots at every step.
+
+A forward under a cache (``ParallelSelfAttention`` reads its ``kv_cache``) writes its tokens'
+keys and values at slots ``start .. start + T - 1`` and attends over slots ``0 .. start + T -
+1``: causal among the new tokens, and only to valid slots; rope and learned positions use
+``positions`` (a padded row's count of real tokens before each one), as Hugging Face's
+``generate`` does. A pad's query sees only itself, so no row of the attention is empty.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """One model's cache over ``attentions`` (its ``ParallelSelfAttention`` modules, in order),
+    attached to them until ``close``."""
+
+    def __init__(self, attentions, *, batch: int, max_len: int, dtype, device):
+        self.attentions = list(attentions)
+        self.batch, self.max_len = batch, max_len
+        self.k, self.v = [], []
+        for attn in self.attentions:
+            shape = (batch, attn.local_kv_heads, max_len, attn.head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+        self.start = 0  # slots already filled
+        self.positions = self.mask = None
+        self._valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        for index, attn in enumerate(self.attentions):
+            attn.kv_cache = (self, index)
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's cache memory."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def begin(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """The next forward's tokens: ``positions`` (B, T) and ``valid`` (B, T), whether each is
+        a real token (False: padding). Builds the mask (B, 1, T, start + T) every layer uses."""
+        B, T = positions.shape
+        if B != self.batch:
+            raise ValueError(f"KVCache: a batch of {B} rows in a cache made for {self.batch}")
+        if self.start + T > self.max_len:
+            raise ValueError(f"KVCache: {self.start} + {T} tokens exceed the cache's "
+                             f"{self.max_len} slots")
+        end = self.start + T
+        self._valid[:, self.start:end] = valid.to(torch.bool)
+        slots = torch.arange(end, device=positions.device)
+        mine = torch.arange(self.start, end, device=positions.device)
+        causal = slots[None, :] <= mine[:, None]  # (T, end)
+        mask = causal[None] & self._valid[:, None, :end]  # (B, T, end)
+        mask |= slots[None, None, :] == mine[None, :, None]  # each token sees itself
+        self.positions, self.mask = positions, mask[:, None]
+        self._writing = (self.start, end)
+
+    def store(self, index: int, k: torch.Tensor, v: torch.Tensor):
+        """Layer ``index``'s new keys and values (B, kv heads, T, hd) into their slots; returns
+        every slot's so far."""
+        start, end = self._writing
+        self.k[index][:, :, start:end] = k
+        self.v[index][:, :, start:end] = v
+        return self.k[index][:, :, :end], self.v[index][:, :, :end]
+
+    def advance(self) -> None:
+        """The forward is done: its slots are filled."""
+        self.start = self._writing[1]
+
+    def close(self) -> None:
+        for attn in self.attentions:
+            attn.kv_cache = None
+        self.k, self.v = [], []

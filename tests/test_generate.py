@@ -1,0 +1,202 @@
+"""``fastpar.generate`` (prefill, then decode with a KV cache) against Hugging Face's own
+``generate`` on the same weights, for every architecture the trainer takes.
+
+Greedy decoding in float32 gives exactly Hugging Face's tokens (``sequences`` equal), for a
+batch of one prompt and a left-padded batch of prompts of different lengths, with and without an
+end token (a finished row padded as Hugging Face pads it), at tp 1, 2, 2 of 4 ranks and 4.
+Sampling with a seed gives the same tokens at every tp size. Bad input gets one line naming the
+values.
+"""
+
+import pytest
+import torch
+
+from tests.multirank import run_ranks
+from tests.test_hf_models import CONFIGS, VOCAB, make_model
+
+NEW = 10
+SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.9, seed=5)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding of different lengths
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def body_generate(paths: dict, tp: int):
+    from transformers import AutoModelForCausalLM
+
+    import fastpar
+    from fastpar.hf_files import SafetensorsReader
+    from fastpar.models.hf import hf_config, read_hf_config
+    from fastpar.models.hf_weights import hf_layers
+
+    fastpar.init(tp=tp)
+    ids, mask = _prompts()
+    out = {}
+    for kind, path in paths.items():
+        cfg, info = hf_config(read_hf_config(path))
+        layers = [f() for f in hf_layers(cfg, info, SafetensorsReader(path))]
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        got = {}
+        for name, rows in (("one", slice(0, 1)), ("padded", slice(0, 3))):
+            x, m = ids[rows], mask[rows]
+            ref = hf.generate(x, attention_mask=m, max_new_tokens=NEW, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            mine = fastpar.generate(layers, x, NEW, attention_mask=m)
+            got[name] = torch.equal(mine.sequences, ref)
+            # an end token: the one row 0 made third; rows stop at its first, padded after
+            eos = int(ref[0, x.shape[1] + 2])
+            first = ref[0, x.shape[1]:].tolist().index(eos)
+            ref = hf.generate(x, attention_mask=m, max_new_tokens=NEW, do_sample=False,
+                              eos_token_id=eos, pad_token_id=0)
+            mine = fastpar.generate(layers, x, NEW, attention_mask=m, eos_token_id=eos,
+                                    pad_token_id=0)
+            got[name + "_eos"] = (torch.equal(mine.sequences, ref)
+                                  and mine.new_tokens[0][-1] == eos
+                                  and len(mine.new_tokens[0]) == first + 1)
+        sampled = fastpar.generate(layers, ids, NEW, attention_mask=mask, **SAMPLING)
+        got["sampled"] = sampled.new_tokens
+        got["cache_bytes"] = sampled.kv_cache_bytes
+        out[kind] = got
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    paths = {}
+    for kind in CONFIGS:
+        paths[kind] = str(tmp_path_factory.mktemp(kind))
+        # 4 kv heads: tp 4 divides them
+        make_model(kind, paths[kind], **({"num_key_value_heads": 4} if kind != "gpt2" else {}))
+    return paths
+
+
+def _check(results, sampled_at_tp1=None):
+    for rank, result in enumerate(results):
+        for kind, got in result.items():
+            for case in ("one", "padded", "one_eos", "padded_eos"):
+                assert got[case], (kind, rank, case, "differs from Hugging Face's generate")
+            if sampled_at_tp1 is not None:
+                assert got["sampled"] == sampled_at_tp1[kind], (kind, rank)
+    return {kind: got["sampled"] for kind, got in results[0].items()}
+
+
+def test_greedy_equals_hugging_face_and_sampling_is_the_same_at_every_tp(saved):
+    """tp 1, then tp 2 of 4 ranks (two replicas) and tp 4; per kind the sampled tokens of every
+    layout equal tp 1's; the cache of tp 4 holds a quarter of tp 1's per rank."""
+    one = list(run_ranks(1, body_generate, paths=saved, tp=1, timeout=300).values())
+    sampled = _check(one)
+    four = list(run_ranks(4, body_generate, paths=saved, tp=2, timeout=300).values())
+    _check(four, sampled)
+    quarter = list(run_ranks(4, body_generate, paths=saved, tp=4, timeout=300).values())
+    _check(quarter, sampled)
+    for kind in saved:
+        assert quarter[0][kind]["cache_bytes"] * 4 == one[0][kind]["cache_bytes"], kind
+
+
+@pytest.mark.quick
+def test_bad_input_is_refused_in_one_line(saved):
+    run_ranks(1, body_refusals, path=saved["llama"])
+
+
+def body_refusals(path: str):
+    import fastpar
+    from fastpar.hf_files import SafetensorsReader
+    from fastpar.models.hf import hf_config, read_hf_config
+    from fastpar.models.hf_weights import hf_layers
+
+    fastpar.init()
+    cfg, info = hf_config(read_hf_config(path))
+    layers = [f() for f in hf_layers(cfg, info, SafetensorsReader(path))]
+    ids = torch.zeros(1, 60, dtype=torch.long)
+    with pytest.raises(ValueError, match="a prompt of 60 tokens and 10 new ones exceed the "
+                                         "model's context of 64 positions"):
+        fastpar.generate(layers, ids, 10)
+    right = torch.ones(2, 4, dtype=torch.long)
+    right[0, -1] = 0
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        fastpar.generate(layers, torch.zeros(2, 4, dtype=torch.long), 2, attention_mask=right)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer, got 0"):
+        fastpar.generate(layers, ids[:, :4], 0)
+    with pytest.raises(TypeError, match="takes a fastpar GPT"):
+        fastpar.generate(torch.nn.Linear(2, 2), ids, 1)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        fastpar.generate(layers, ids[:, :4], 1, temperature=1.0, top_p=1.5)
+
+
+def _model_with_tokenizer(path: str) -> None:
+    """A small Llama whose directory has a BPE tokenizer trained on local text (with an
+    end-of-text token), saved as from_pretrained and AutoTokenizer read them."""
+    import copy
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read()[:30000]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=320,
+                                                        special_tokens=["<|endoftext|>"]))
+    eos = tok.token_to_id("<|endoftext|>")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    fields = copy.deepcopy(CONFIGS["llama"])
+    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=tok.get_vocab_size(),
+                                  eos_token_id=eos, bos_token_id=eos, **fields)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+
+
+def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
+    """``mpirun -np 2 python -m fastpar.generate --tp 2`` on a batch of two prompts: rank 0's
+    JSON holds Hugging Face's greedy tokens and their text, the prompts as the tokenizer makes
+    them, the memory; bad flags and a prompt past the context are one line and exit status 2."""
+    import json
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.multirank import launch
+
+    path, out = str(tmp_path / "m"), str(tmp_path / "out.json")
+    _model_with_tokenizer(path)
+    prompts = ["def main(argv", "import os"]
+    argv = [sys.executable, "-m", "fastpar.generate", "--hf-model", path, "--tp", "2",
+            "--batch", "2", "--max-new-tokens", "8", "--json", out]
+    done = launch(argv + [a for p in prompts for a in ("--prompt", p)], nranks=2,
+                  launcher="mpirun", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "M parameters per rank at tp 2, float32" in done.stderr, done.stderr
+    record = json.load(open(out))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side, tokenizer.pad_token = "left", tokenizer.eos_token
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = hf.generate(**batch, max_new_tokens=8, do_sample=False,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    for row, result in enumerate(record["results"]):
+        new = ref[row, batch["input_ids"].shape[1]:].tolist()
+        if tokenizer.eos_token_id in new:
+            new = new[:new.index(tokenizer.eos_token_id) + 1]
+        assert result["prompt"] == prompts[row]
+        assert result["prompt_tokens"] == tokenizer(prompts[row])["input_ids"]
+        assert result["new_tokens"] == new, (row, result, new)
+        assert result["text"] == tokenizer.decode(new, skip_special_tokens=True)
+    assert record["memory"]["weights_bytes"] > 0 and record["memory"]["kv_cache_bytes"] > 0
+    assert record["tokens_per_s"] > 0 and record["decode_ms_per_token"] > 0
+    for extra, words in ((["--prompt", "x", "--pp", "2"], "pipeline-parallel generation"),
+                         (["--prompt", "x " * 80], "exceed the model's context of 64")):
+        bad = launch([sys.executable, "-m", "fastpar.generate", "--hf-model", path,
+                      "--max-new-tokens", "8"] + extra, timeout=120)
+        lines = [x for x in bad.stderr.splitlines() if "fastpar.generate: error" in x]
+        assert bad.returncode == 2 and len(lines) == 1 and words in lines[0], bad.stderr
