@@ -34,7 +34,6 @@ when it is most of them; ``model.save_pretrained`` (Hugging Face) takes only the
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import hashlib
 import logging
@@ -170,6 +169,27 @@ def _check_ties(model, work, errors):
                           f"of the plan)")
 
 
+class ConfigView:
+    """A module's view of the model's live config with some fields replaced (Phi-3's attention
+    reads its query width off the config: its heads are 1/tp here); every other field, and any
+    later change (``set_attn_implementation``), is the config's own."""
+
+    def __init__(self, config, fields: dict):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_fields", dict(fields))
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        fields = object.__getattribute__(self, "_fields")
+        if name in fields:
+            return fields[name]
+        return getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name, value):
+        setattr(object.__getattribute__(self, "_config"), name, value)
+
+
 def _replacement(module, kind, group, parts=None):
     if kind == "embedding":
         return VocabParallelEmbedding.from_serial(module, group)
@@ -228,12 +248,12 @@ def parallelize(model: nn.Module, plan="auto", *, group=None, verbose: bool = Fa
         parent_name = name.rpartition(".")[0]
         parent = modules[parent_name] if parent_name else model
         if name.endswith("qkv_proj") and getattr(parent, "config", None) is not None:
-            parent.config = copy.copy(parent.config)
-            for attr in ("num_attention_heads", "num_key_value_heads"):
-                value = getattr(parent.config, attr)
-                setattr(parent.config, attr, value // tp)
+            divided = {attr: getattr(parent.config, attr) // tp
+                       for attr in ("num_attention_heads", "num_key_value_heads")}
+            for attr, value in divided.items():
                 changes.append({"module": f"{parent_name}.config", "style": "heads",
-                                "attr": attr, "from": value, "to": value // tp})
+                                "attr": attr, "from": value * tp, "to": value})
+            parent.config = ConfigView(parent.config, divided)
     model.fastpar_changes = changes
     if hasattr(model, "save_pretrained") and tp > 1:
         model.save_pretrained = _gathered_first(model.save_pretrained, changes)

@@ -30,6 +30,7 @@ INFERRED = {"q_proj": "column", "k_proj": "column", "v_proj": "column",
             "tok_embeddings": "embedding", "lm_head": "column_gather",
             # GPT-2's Conv1D layers (its c_attn fused: split by heads, fastpar/nn/fused.py)
             "c_attn": "column", "c_fc": "column", "c_proj": "row"}
+CONV1D_NAMES = {"c_attn", "c_fc", "c_proj"}  # inferred only on a Conv1D
 ATTENTION_INPUTS = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj",
                     "query_key_value", "c_attn", "Wqkv"}
 # Fused projections: one weight stacking q, k and v (or gate and up). Contiguous column shards of
@@ -75,6 +76,8 @@ def inferred_plan(model: nn.Module) -> dict[str, str]:
             continue
         if (style == "embedding") != isinstance(module, nn.Embedding):
             continue
+        if name.rsplit(".", 1)[-1] in CONV1D_NAMES and not is_conv1d(module):
+            continue  # GPT-2's names on another model's linears (GPTBigCode): not inferred
         plan[name] = style
     return plan
 
@@ -89,33 +92,48 @@ def features(module: nn.Module) -> tuple[int, int]:
                                                               module.out_features)
 
 
+# The fused projections whose layout fastpar knows, by (name, the module holding it): GPT-2's
+# self-attention c_attn (q, k, v of split_size each, a Conv1D), Phi-3's qkv_proj (q, k, v by
+# its head counts) and gate_up_proj (gate, up: halves). Others of these names are laid out
+# otherwise (GPTBigCode's c_attn per head, CodeGen's qkv_proj in blocks): refused.
+KNOWN_FUSED = {("c_attn", "GPT2Attention"), ("qkv_proj", "Phi3Attention"),
+               ("gate_up_proj", "Phi3MLP")}
+
+
 def fused_parts(name: str, module, parent, tp: int, errors: list) -> tuple | None:
     """The output sizes of a fused projection's parts, cut at head boundaries, or None (an
     error added)."""
     child, out = name.rsplit(".", 1)[-1], features(module)[1]
     what = f"{name} ({type(module).__name__})"
+    if (child, type(parent).__name__) not in KNOWN_FUSED:
+        errors.append(f"{what}: a fused projection (q, k and v, or gate and up, stacked in one "
+                      f"weight) in a {type(parent).__name__}, whose layout fastpar does not "
+                      "know (it splits "
+                      f"{', '.join(sorted(f'{c} of {p}' for c, p in KNOWN_FUSED))}); split it "
+                      "into separate layers first, or take its output whole (style "
+                      "'column_gather')")
+        return None
     config = getattr(parent, "config", None)
     if child == "gate_up_proj":
         parts = (out // 2, out // 2)
-    elif child == "c_attn" and isinstance(getattr(parent, "split_size", None), int):
-        parts = (parent.split_size,) * (out // parent.split_size)
-        heads = getattr(parent, "num_heads", None)
-        if heads is None or heads % tp:
-            errors.append(f"{what}: {heads} heads are not divisible by tp {tp}")
+    elif child == "c_attn":
+        if not is_conv1d(module) or getattr(parent, "is_cross_attention", False):
+            errors.append(f"{what}: only GPT-2's self-attention c_attn (a Conv1D) is split; "
+                          "cross-attention is not supported")
             return None
-    elif child == "qkv_proj" and config is not None and hasattr(parent, "head_dim"):
+        parts = (parent.split_size,) * 3
+        if parent.num_heads % tp:
+            errors.append(f"{what}: {parent.num_heads} heads are not divisible by tp {tp}")
+            return None
+    else:
         q = config.num_attention_heads
-        kv = getattr(parent, "num_key_value_heads", None) or config.num_key_value_heads
+        kv = getattr(parent, "num_key_value_heads", None) or \
+            getattr(config, "num_key_value_heads", q)
         if q % tp or kv % tp:
             errors.append(f"{what}: {q} query and {kv} key/value heads must both divide by "
                           f"tp {tp}")
             return None
         parts = (q * parent.head_dim, kv * parent.head_dim, kv * parent.head_dim)
-    else:
-        errors.append(f"{what}: a fused projection (q, k and v, or gate and up, stacked in one "
-                      "weight) whose parts fastpar cannot read off the model; split it into "
-                      "separate layers first, or take its output whole (style 'column_gather')")
-        return None
     if sum(parts) != out or any(p % tp for p in parts):
         errors.append(f"{what}: parts {parts} of its {out} outputs do not each divide by tp "
                       f"{tp}")

@@ -167,3 +167,66 @@ def test_other_architectures_are_refused_by_name():
                                                            num_attention_heads=2))
     with pytest.raises(ValueError, match="OPTForCausalLM is not supported; supported: Llama"):
         parts(model)
+
+
+def body_tied_under_data_parallel(path: str):
+    """pp 2 x dp 2, a tied GPT-2 under DataParallel (both replicas on one batch, so the
+    average is the one-process gradient): the copies' gradients summed after the reduction;
+    the global norm counts the tied weight once."""
+    import fastpar
+    from fastpar.pipeline import from_hf
+
+    topo = fastpar.init(pp=2)
+    pipe = from_hf(path, microbatches=MICRO)
+    model = fastpar.DataParallel(pipe)
+    tokens, mask, labels = _batch(10, False)
+    ref64, grads64, _ = _reference(path, tokens, mask, labels, torch.float64, False)
+    _, grads32, _ = _reference(path, tokens, mask, labels, torch.float32, False)
+    model.step(tokens, labels)
+    got = {k: p.grad.double() for chunk in pipe.chunks
+           for k, p in chunk.named_parameters(remove_duplicate=False)}
+    norm = fastpar.optim.clip_grad_norm_(pipe, 1e9).item()
+    unique = {id(g): g for g in grads64.values()}  # HF's tied weight: one tensor, two names
+    want = sum(g.square().sum() for g in unique.values()).sqrt().item()
+    return {"grad": max((got[k] - grads64[k]).abs().max().item() for k in got),
+            "grad32": max((grads32[k] - grads64[k]).abs().max().item() for k in got),
+            "scale": max(grads64[k].abs().max().item() for k in got),
+            "norm": abs(norm - want) / want, "stage": topo.pp_rank, "keys": sorted(got)}
+
+
+def test_tied_weights_under_data_parallel_and_clipping(saved):
+    for rank, got in enumerate(run_ranks(4, body_tied_under_data_parallel, path=saved["gpt2"],
+                                         timeout=240).values()):
+        assert got["grad"] <= 8 * got["grad32"] + 1e-7 * got["scale"], (rank, got)
+        assert got["norm"] < 1e-5, (rank, got)  # counted twice it is ~1.4x (tied: 2 of 2)
+        assert ("lm_head.weight" in got["keys"]) == (got["stage"] == 1), got
+
+
+def body_untied_checkpoint_of_a_tied_config(path: str):
+    from transformers import AutoModelForCausalLM
+
+    import fastpar
+    from fastpar.pipeline import from_hf
+
+    fastpar.init()
+    tokens = _batch(3, False)[0]
+    pipe = from_hf(path, microbatches=1)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(tokens).logits
+    return {"err": (pipe(tokens) - ref).abs().max().item(), "tied": pipe.tied != []}
+
+
+@pytest.mark.quick
+def test_a_tied_config_with_its_own_head_loads_untied(tmp_path):
+    """A checkpoint whose config says tied but which stores a head of its own: loaded untied,
+    as transformers loads it (the logits are Hugging Face's)."""
+    from safetensors.torch import load_file, save_file
+
+    make_model("qwen2", str(tmp_path))  # tied
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed + 0.1 * torch.randn_like(embed)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    got = run_ranks(1, body_untied_checkpoint_of_a_tied_config, path=str(tmp_path)).values()
+    for value in got:
+        assert value["err"] < 1e-4 and not value["tied"], value

@@ -205,11 +205,18 @@ class DataParallel(nn.Module, Joinable):
                 r.sync = True
 
         cycles = [r.cycles for r in self._reducers]
+        # a pipeline's tied weights: their copies' gradients summed once, after the reduction
+        # (its float32 buffers are copied back into .grad when a cycle closes)
+        tied = getattr(self.module, "tied", None)
+        if tied:
+            kwargs["sum_tied"] = False
         loss = step(*args, **kwargs,
                     before_last_backward=None if self._no_sync else reduce_from_here)
         if not self._no_sync:
             for r, before in zip(self._reducers, cycles):
                 r.close_cycle(finished=r.cycles > before)
+            if tied:
+                self.module.sum_tied_grads()
         return loss
 
     @property

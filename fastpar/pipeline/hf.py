@@ -57,6 +57,9 @@ def parts(model) -> list[tuple[str, str]]:
         raise ValueError(f"fastpar.pipeline.from_hf: architecture {name} is not supported; "
                          f"supported: {', '.join(ARCHITECTURES)}")
     config = model.config
+    if getattr(config, "add_cross_attention", False):
+        raise ValueError(f"fastpar.pipeline.from_hf: {name} with add_cross_attention (an "
+                         "encoder's states in every layer) is not supported")
     if name == "GPT2LMHeadModel":
         return ([("transformer.wte", "embed"), ("transformer.wpe", "positions")]
                 + [(f"transformer.h.{i}", "layer") for i in range(config.n_layer)]
@@ -72,10 +75,12 @@ def parts(model) -> list[tuple[str, str]]:
 
 
 def _tied(model) -> list[tuple[str, str]]:
-    if not model.config.tie_word_embeddings:
-        return []
+    """``[(embedding weight, head weight)]`` when the head is the embedding: the same
+    Parameter (the meta skeleton of a tied config, or a model loaded tied)."""
     embed = "transformer.wte" if type(model).__name__ == "GPT2LMHeadModel" else \
         f"{model.base_model_prefix}.embed_tokens"
+    if model.get_submodule(embed).weight is not model.get_submodule("lm_head").weight:
+        return []
     return [(f"{embed}.weight", "lm_head.weight")]
 
 
@@ -191,7 +196,9 @@ def from_hf(model, *, microbatches: int, schedule: str = "1f1b", loss_fn=None,
     ``PreTrainedModel`` (cut as it is). loss_fn(logits, labels): default ``causal_lm_loss``.
     dtype: the parts' dtype (float32 by default; ``None`` keeps the checkpoint's, or a model's
     own). Other keywords go to ``Pipeline`` (virtual_stages, balance, trace, p2p, ...).
-    Collective over the world."""
+    Collective over the world. The pipeline comes in eval mode, as ``from_pretrained``'s model
+    does (``pipe.train()`` turns dropout on); a tied config whose checkpoint stores a different
+    ``lm_head.weight`` is loaded untied, as transformers loads it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     reader = None
@@ -207,6 +214,10 @@ def from_hf(model, *, microbatches: int, schedule: str = "1f1b", loss_fn=None,
     order = parts(model)
     roles = dict(order)
     ties = _tied(model)
+    if reader is not None:  # a tied config whose checkpoint holds its own head: loaded untied
+        check = SafetensorsReader(reader.path)  # (as transformers does), not a stage's reads
+        ties = [(first, copy) for first, copy in ties if not check.has(copy)
+                or torch.equal(check.get(first), check.get(copy))]
     tied_from = {copy: first for first, copy in ties}
 
     def stage(built):
@@ -227,4 +238,4 @@ def from_hf(model, *, microbatches: int, schedule: str = "1f1b", loss_fn=None,
                     microbatches=microbatches, stage=stage, tied=ties, **kwargs)
     pipe.hf_config = model.config
     pipe.hf_read = list(reader.read) if reader is not None else []
-    return pipe
+    return pipe.eval()  # as from_pretrained returns a model: pipe.train() turns dropout on

@@ -65,6 +65,21 @@ def _join_grads(joins) -> None:
         torch.autograd.backward(x, torch.cat(grads).to(x.device))
 
 
+def _agree(fn) -> None:
+    """Run ``fn``; if it raises ValueError, KeyError or TypeError on any rank, raise on every
+    rank what each said (collective over the world)."""
+    problem = None
+    try:
+        fn()
+    except (ValueError, KeyError, TypeError) as exc:
+        problem = f"rank {dist.get_rank()}: {exc}"
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, problem)
+    problems = [p for p in said if p]
+    if problems:
+        raise ValueError("Pipeline: " + "; ".join(problems))
+
+
 def _sequence_parallel(chunks) -> bool:
     return any(getattr(m, "sequence_parallel", False) for c in chunks for m in c.modules())
 
@@ -119,11 +134,12 @@ class Pipeline(nn.Module):
         self.layer_keys = keys
         self.stage_keys = [sum(keys[self.bounds[s]:self.bounds[s + 1]], [])
                            for s in range(self.pp * v)]
-        self.chunks = nn.ModuleList(
-            part.build_chunk(items, self.bounds[s], self.bounds[s + 1], stage).to(topo.device)
-            for s in (c * self.pp + self.pp_rank for c in range(v)))
-        self._check_chunk_keys()
-        self.tied = self._tie(tied)
+        # Building this rank's chunks can fail here alone (a missing tensor): every rank hears
+        # of it before the next collective, instead of waiting in it until the timeout.
+        self.chunks = None
+        self.tied, spanning = [], []
+        _agree(lambda: self._build(items, stage, tied, spanning))
+        _agree(lambda: self._check_tied_across(spanning))
         # One setting for the world (a receiver all-gathers what a sender scattered): on only
         # if every rank wants it and no layer anywhere is sequence parallel.
         want = (not _sequence_parallel(self.chunks)) if scatter_gather is None else \
@@ -144,6 +160,14 @@ class Pipeline(nn.Module):
                                  channels=self.channels, loss_fn=loss_fn, board=self.board)
         self.stats: dict = {}
 
+    def _build(self, items, stage, tied, spanning) -> None:
+        v, dev = self.virtual_stages, self._topo.device
+        self.chunks = nn.ModuleList(
+            part.build_chunk(items, self.bounds[s], self.bounds[s + 1], stage).to(dev)
+            for s in (c * self.pp + self.pp_rank for c in range(v)))
+        self._check_chunk_keys()
+        self.tied = self._tie(tied, spanning)
+
     def _check_chunk_keys(self) -> None:
         for c, chunk in enumerate(self.chunks):
             want = set(self.stage_keys[c * self.pp + self.pp_rank])
@@ -154,17 +178,19 @@ class Pipeline(nn.Module):
                                  f"{sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}"
                                  " (a stage builder must place each layer under its name)")
 
-    def _tie(self, tied) -> list[tuple[list[nn.Parameter], object]]:
+    def _tie(self, tied, spanning: list) -> list[tuple[list[nn.Parameter], object]]:
         """This rank's copies of each tied weight (distinct Parameters) and the group their
         gradients are summed over (the embedding group when the copies span the first and last
-        stage on different ranks, else None); copies checked equal here and across that group
-        (collective over the world)."""
+        stage on different ranks, else None), checked equal here; ``spanning`` gets ``(keys,
+        sum of this rank's copy)`` of the ties across stages, for ``_check_tied_across``. A
+        copy after a tie's first is marked as one (the chunk's ``tied_copies``), so the global
+        gradient norm counts the weight once (``fastpar.optim.clip``)."""
         every = {k for keys in self.layer_keys for k in keys}
         last = self.pp * self.virtual_stages - 1
         mine = {}
         for chunk in self.chunks:
             mine.update(chunk.state_dict(keep_vars=True))
-        local, spanning, sums = [], [], []
+        local = []
         for keys in tied:
             keys = tuple(keys)
             unknown = [k for k in keys if k not in every]
@@ -180,25 +206,49 @@ class Pipeline(nn.Module):
             found = {}
             for k in keys:
                 if k in mine:
-                    found.setdefault(id(mine[k]), mine[k])
-            copies = list(found.values())
+                    found.setdefault(id(mine[k]), (k, mine[k]))
+            copies = [p for _, p in found.values()]
             if any(not torch.equal(copies[0].detach(), q.detach()) for q in copies[1:]):
                 raise ValueError(f"tied={keys!r}: this rank's copies hold different values")
             if spans:
-                spanning.append(keys)
-                sums.append(copies[0].detach().double().sum() if copies
-                            else torch.zeros((), dtype=torch.float64))
+                spanning.append((keys, copies[0].detach().double().sum().item() if copies
+                                 else 0.0))
             if copies and (len(copies) > 1 or spans):
                 local.append((copies, self._topo.embedding_group if spans else None))
-        if spanning and self._topo.embedding_group is not None:
-            here = torch.stack(sums).to(self._topo.device)
-            both = collectives.all_gather(here, group=self._topo.embedding_group, dim=0)
-            both = both.reshape(-1, len(sums)).cpu()
-            if not torch.equal(both, both[:1].expand_as(both)):
-                raise ValueError(f"tied weights {spanning} differ between the first and last "
-                                 f"stage (sums {both.tolist()}): load the same values into "
-                                 "every copy")
+            for k, p in found.values():
+                if k != keys[0]:  # a copy: the first key's holder counts the weight
+                    chunk = next(c for c in self.chunks if k in c.state_dict(keep_vars=True))
+                    chunk.tied_copies = [*getattr(chunk, "tied_copies", []), p]
         return local
+
+    def _check_tied_across(self, spanning) -> None:
+        """The copies on the first and last stage hold the same values (the embedding group's
+        ranks compare checksums; the others have nothing to check)."""
+        if not spanning or self._topo.embedding_group is None:
+            return
+        here = torch.tensor([s for _, s in spanning], dtype=torch.float64, device=self._topo.device)
+        both = collectives.all_gather(here, group=self._topo.embedding_group, dim=0)
+        both = both.reshape(-1, len(spanning)).cpu()
+        if not torch.equal(both, both[:1].expand_as(both)):
+            raise ValueError(f"tied weights {[k for k, _ in spanning]} differ between the first "
+                             f"and last stage (sums {both.tolist()}): load the same values into "
+                             "every copy")
+
+    def sum_tied_grads(self, grad_of=None) -> None:
+        """Give each tied weight's copies the sum of their gradients, here and across the first
+        and last stage: after backward (and the dp reduction), before clipping and the optimizer
+        step. ``step`` calls it (``sum_tied=True``) and ``DataParallel.step`` after its
+        reduction; with gradient accumulation over several steps call it once, at the end.
+        ``grad_of(p)``: the tensor to sum for copy ``p`` instead of ``p.grad`` (a ZeRO-2/3
+        optimizer's ``grad_shard``, its copies isolated in buckets of their own)."""
+        for params, group in self.tied:
+            grads = [grad_of(p) if grad_of is not None else p.grad for p in params]
+            if all(g is None for g in grads):
+                raise ValueError("the tied weights' gradients are gone (a ZeRO-2/3 optimizer "
+                                 "took them): build it with isolate=<the copies>, then call "
+                                 "pipe.sum_tied_grads(grad_of=opt.grad_shard) after "
+                                 "opt.reduce(), with Pipeline.step(sum_tied=False)")
+            sum_copies(params, grads, group)
 
     # -- running ------------------------------------------------------------------------
     def _stage_data(self, inputs, targets):
@@ -213,13 +263,16 @@ class Pipeline(nn.Module):
         tgt = _split(targets, m, "targets", dev) if last and targets is not None else None
         return data, tgt, last
 
-    def step(self, inputs, targets, *, before_last_backward=None) -> float:
+    def step(self, inputs, targets, *, before_last_backward=None,
+             sum_tied: bool | None = None) -> float:
         """Forward and backward of the whole batch (``microbatches`` equal slices along dim 0)
         by the schedule; gradients accumulate into ``.parameters()``. Returns the batch's mean
         loss (the mean of the microbatch losses), the same value on every rank of the pipeline.
         ``inputs`` is needed on the first stage and ``targets`` on the last (others may pass
         ``None``). ``before_last_backward``: called just before this rank's last full backward
-        (``Executor.run``; ``DataParallel.step`` passes it to reduce during that backward)."""
+        (``Executor.run``; ``DataParallel.step`` passes it to reduce during that backward).
+        ``sum_tied``: end with ``sum_tied_grads`` (default: when no ``before_last_backward`` is
+        given; ``DataParallel.step`` passes False and sums after its reduction)."""
         data, tgt, last = self._stage_data(inputs, targets)
         if last and tgt is None:
             raise ValueError("targets is None on the last pipeline stage, which needs them")
@@ -228,8 +281,8 @@ class Pipeline(nn.Module):
             self.actions[self.pp_rank], data, tgt, train=True,
             before_last_backward=before_last_backward)
         _join_grads(self._joins)
-        for params, group in self.tied:
-            sum_copies(params, [p.grad for p in params], group)
+        if sum_tied if sum_tied is not None else before_last_backward is None:
+            self.sum_tied_grads()
         loss = torch.zeros((), dtype=torch.float64, device=self._topo.device)
         if last:
             loss += torch.stack([x.double() for x in losses]).mean()
