@@ -33,6 +33,23 @@ def _batch(seed: int, padded: bool):
     return tokens, mask, labels
 
 
+def _cached_reference(path: str, seed: int, padded: bool, dtype):
+    """``_reference`` of ``_batch(seed, padded)``, made once per model in the test's process
+    (``saved``) and read back by every rank."""
+    return torch.load(f"{path}/reference.pt")[(seed, padded, str(dtype))]
+
+
+def _references(path: str) -> None:
+    refs = {}
+    for seed in (10, 11):  # dp rank 0's and 1's batches
+        for padded in (False, True):
+            tokens, mask, labels = _batch(seed, padded)
+            for dtype in (torch.float64, torch.float32):
+                refs[(seed, padded, str(dtype))] = _reference(path, tokens, mask, labels, dtype,
+                                                              padded)
+    torch.save(refs, f"{path}/reference.pt")
+
+
 def _reference(path: str, tokens, mask, labels, dtype, padded: bool):
     """Hugging Face's loss (the mean of the microbatches' losses), gradients and logits."""
     from transformers import AutoModelForCausalLM
@@ -80,8 +97,9 @@ def body_from_hf(path: str, pp: int, schedule: str = "1f1b", virtual_stages: int
     out["stages"] = len(mine)
     for padded in (False, True):
         tokens, mask, labels = _batch(10 + topo.dp_rank, padded)
-        ref64, grads64, logits64 = _reference(path, tokens, mask, labels, torch.float64, padded)
-        ref32, grads32, logits32 = _reference(path, tokens, mask, labels, torch.float32, padded)
+        seed = 10 + topo.dp_rank
+        ref64, grads64, logits64 = _cached_reference(path, seed, padded, torch.float64)
+        ref32, grads32, logits32 = _cached_reference(path, seed, padded, torch.float32)
         for chunk in pipe.chunks:
             chunk.zero_grad(set_to_none=True)
         loss = pipe.step((tokens, mask) if padded else tokens, labels)
@@ -126,6 +144,7 @@ def saved(tmp_path_factory):
     for kind in CONFIGS:
         path = str(tmp_path_factory.mktemp(kind))
         make_model(kind, path, **({"sliding_window": 8} if kind == "mistral" else {}))
+        _references(path)
         paths[kind] = path
     return paths
 
@@ -180,8 +199,8 @@ def body_tied_under_data_parallel(path: str):
     pipe = from_hf(path, microbatches=MICRO)
     model = fastpar.DataParallel(pipe)
     tokens, mask, labels = _batch(10, False)
-    ref64, grads64, _ = _reference(path, tokens, mask, labels, torch.float64, False)
-    _, grads32, _ = _reference(path, tokens, mask, labels, torch.float32, False)
+    ref64, grads64, _ = _cached_reference(path, 10, False, torch.float64)
+    _, grads32, _ = _cached_reference(path, 10, False, torch.float32)
     model.step(tokens, labels)
     got = {k: p.grad.double() for chunk in pipe.chunks
            for k, p in chunk.named_parameters(remove_duplicate=False)}
