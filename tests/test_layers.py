@@ -132,7 +132,7 @@ NEVER = {
     "fastpar.checkpoint": ("fastpar.plan", *JOBS),
     **{layer: FRONT_DOORS for layer in ("fastpar.nn", "fastpar.data_parallel", "fastpar.optim",
                                         "fastpar.training", "fastpar.parallelize",
-                                        "fastpar.state_dict")},
+                                        "fastpar.state_dict", "fastpar.generation")},
     # leaves beside the layers: a tp plan's tables, a Hugging Face directory's tensors
     **{leaf: ("fastpar.grid", "fastpar.runtime", "fastpar.comm", "fastpar.nn", "fastpar.pipeline",
               "fastpar.models", "fastpar.parallelize", *JOBS)
