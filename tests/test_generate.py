@@ -20,10 +20,11 @@ SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.9, seed=5)
 
 def _prompts():
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (3, 9), generator=g)
+    ids = torch.randint(0, VOCAB, (4, 9), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding of different lengths
     mask[2, :1] = 0
+    mask[3, :6] = 0
     return ids, mask
 
 
@@ -35,7 +36,7 @@ def references(path: str) -> dict:
     ids, mask = _prompts()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = {}
-    for name, rows in (("one", slice(0, 1)), ("padded", slice(0, 3))):
+    for name, rows in (("one", slice(0, 1)), ("padded", slice(0, 4))):
         x, m = ids[rows], mask[rows]
         ref = hf.generate(x, attention_mask=m, max_new_tokens=NEW, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
@@ -47,21 +48,23 @@ def references(path: str) -> dict:
     return out
 
 
-def body_generate(paths: dict, refs: dict, tp: int):
+def body_generate(paths: dict, refs: dict, tp: int, pp: int = 1):
     import fastpar
+    from fastpar.generation import Stages
     from fastpar.hf_files import SafetensorsReader
     from fastpar.models.hf import hf_config, read_hf_config
     from fastpar.models.hf_weights import hf_layers
 
-    fastpar.init(tp=tp)
+    fastpar.init(tp=tp, pp=pp)
     ids, mask = _prompts()
     out = {}
     for kind, path in paths.items():
         cfg, info = hf_config(read_hf_config(path))
-        layers = [f() for f in hf_layers(cfg, info, SafetensorsReader(path))]
+        factories = hf_layers(cfg, info, SafetensorsReader(path))
+        layers = Stages(factories, cfg) if pp > 1 else [f() for f in factories]
         got = {}
         for case, (eos, ref) in refs[kind].items():
-            rows = slice(0, 1) if case.startswith("one") else slice(0, 3)
+            rows = slice(0, 1) if case.startswith("one") else slice(0, 4)
             mine = fastpar.generate(layers, ids[rows], NEW, attention_mask=mask[rows],
                                     eos_token_id=eos, pad_token_id=0)
             new = ref[0][ids.shape[1]:]
@@ -71,6 +74,10 @@ def body_generate(paths: dict, refs: dict, tp: int):
         sampled = fastpar.generate(layers, ids, NEW, attention_mask=mask, **SAMPLING)
         got["sampled"] = sampled.new_tokens
         got["cache_bytes"] = sampled.kv_cache_bytes
+        if pp > 1:
+            got["one_microbatch"] = fastpar.generate(layers, ids, NEW, attention_mask=mask,
+                                                     microbatches=1, **SAMPLING).new_tokens
+            layers.close()
         out[kind] = got
     return out
 
@@ -95,14 +102,20 @@ def _check(results, sampled_at_tp1=None):
     return {kind: got["sampled"] for kind, got in results[0].items()}
 
 
-def test_greedy_equals_hugging_face_and_sampling_is_the_same_at_every_tp(saved):
-    """tp 1, then tp 2 of 4 ranks (two replicas) and tp 4 (Llama and GPT-2); per kind the
-    sampled tokens of every layout equal tp 1's; the cache of tp 4 holds a quarter of tp 1's
-    per rank."""
+@pytest.fixture(scope="module")
+def at_tp1(saved):
+    """Hugging Face's references, and tp 1's run: its sampled tokens are every layout's."""
     refs = {kind: references(path) for kind, path in saved.items()}
     one = list(run_ranks(1, body_generate, paths=saved, refs=refs, tp=1,
                          timeout=300).values())
-    sampled = _check(one)
+    return refs, one, _check(one)
+
+
+def test_greedy_equals_hugging_face_and_sampling_is_the_same_at_every_tp(saved, at_tp1):
+    """tp 1, tp 2 of 4 ranks (two replicas) and tp 4 (Llama and GPT-2); per kind the sampled
+    tokens of every layout equal tp 1's; the cache of tp 4 holds a quarter of tp 1's per
+    rank."""
+    refs, one, sampled = at_tp1
     four = list(run_ranks(4, body_generate, paths=saved, refs=refs, tp=2,
                           timeout=300).values())
     _check(four, sampled)
@@ -112,6 +125,20 @@ def test_greedy_equals_hugging_face_and_sampling_is_the_same_at_every_tp(saved):
     _check(quarter, sampled)
     for kind in some:
         assert quarter[0][kind]["cache_bytes"] * 4 == one[0][kind]["cache_bytes"], kind
+
+
+def test_pipeline_parallel_generation_equals_hugging_face(saved, at_tp1):
+    """pp 2 (every architecture; the padded batch as two microbatches in flight, and as one)
+    and tp 2 x pp 2 (Llama and GPT-2): greedy tokens Hugging Face's, sampled ones tp 1's."""
+    refs, _, sampled = at_tp1
+    some = {kind: saved[kind] for kind in ("llama", "gpt2")}
+    for world, tp, paths in ((2, 1, saved), (4, 2, some)):
+        results = list(run_ranks(world, body_generate, paths=paths, refs=refs, tp=tp, pp=2,
+                                 timeout=300).values())
+        _check(results, sampled)
+        for result in results:
+            for kind, got in result.items():
+                assert got["one_microbatch"] == sampled[kind], (world, kind)
 
 
 @pytest.mark.quick
@@ -173,7 +200,7 @@ def _model_with_tokenizer(path: str) -> None:
 
 
 def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
-    """``mpirun -np 2 python -m fastpar.generate --tp 2`` on a batch of two prompts: rank 0's
+    """``mpirun -np 2 python -m fastpar.generate --pp 2`` on a batch of two prompts: rank 0's
     JSON holds Hugging Face's greedy tokens and their text, the prompts as the tokenizer makes
     them, the memory; bad flags and a prompt past the context are one line and exit status 2."""
     import json
@@ -186,12 +213,12 @@ def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
     path, out = str(tmp_path / "m"), str(tmp_path / "out.json")
     _model_with_tokenizer(path)
     prompts = ["def main(argv", "import os"]
-    argv = [sys.executable, "-m", "fastpar.generate", "--hf-model", path, "--tp", "2",
+    argv = [sys.executable, "-m", "fastpar.generate", "--hf-model", path, "--pp", "2",
             "--batch", "2", "--max-new-tokens", "8", "--json", out]
     done = launch(argv + [a for p in prompts for a in ("--prompt", p)], nranks=2,
                   launcher="mpirun", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "M parameters per rank at tp 2, float32" in done.stderr, done.stderr
+    assert "M parameters on rank 0 at tp 1 x pp 2, float32" in done.stderr, done.stderr
     record = json.load(open(out))
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side, tokenizer.pad_token = "left", tokenizer.eos_token
@@ -209,7 +236,7 @@ def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
         assert result["text"] == tokenizer.decode(new, skip_special_tokens=True)
     assert record["memory"]["weights_bytes"] > 0 and record["memory"]["kv_cache_bytes"] > 0
     assert record["tokens_per_s"] > 0 and record["decode_ms_per_token"] > 0
-    for extra, words in ((["--prompt", "x", "--pp", "2"], "pipeline-parallel generation"),
+    for extra, words in ((["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
                          (["--prompt", "x " * 80], "exceed the model's context of 64")):
         bad = launch([sys.executable, "-m", "fastpar.generate", "--hf-model", path,
                       "--max-new-tokens", "8"] + extra, timeout=120)

@@ -31,7 +31,8 @@ from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.generation.loop import generate
 from fastpar.hf_files import SafetensorsReader
 from fastpar.models.config import GPTConfig
-from fastpar.models.gpt import GPT
+from fastpar.generation.stages import Stages
+from fastpar.models.gpt import gpt_layers
 from fastpar.models.hf import hf_config, read_hf_config
 from fastpar.models.hf_weights import hf_layers
 
@@ -96,31 +97,35 @@ def _tokenizer(directory: str | None):
     return None
 
 
-def load_model(args, topo) -> tuple[list, GPTConfig, object]:
-    """``(layers, config, tokenizer)`` of ``--hf-model`` or ``--resume``, this rank's shards."""
+def load_model(args, topo) -> tuple[Stages, GPTConfig, object]:
+    """``(this rank's Stages, config, tokenizer)`` of ``--hf-model`` or ``--resume``: only
+    this rank's pipeline stage is built, its tp shards read."""
     if args.hf_model:
         cfg, info = hf_config(read_hf_config(args.hf_model))
-        layers = [f() for f in hf_layers(cfg, info, SafetensorsReader(args.hf_model))]
         tokenizer = _tokenizer(args.hf_model)
         if tokenizer is None:
             raise ValueError(f"{args.hf_model} has no tokenizer files (tokenizer.json, ...)")
-        return layers, cfg, tokenizer
+        with torch.device(topo.device):
+            stages = Stages(hf_layers(cfg, info, SafetensorsReader(args.hf_model)), cfg)
+        return stages, cfg, tokenizer
     directory, index = loading.open_index(args.resume)
     meta = index.get("meta") or {}
     if "model" not in meta:
         raise ValueError(f"{directory} is not a checkpoint of python -m fastpar.train")
     cfg = dataclasses.replace(GPTConfig(**meta["model"]), sequence_parallel=False,
                               context_parallel=None, recompute=None, dropout=0.0)
-    stored = {e["dtype"] for e in index["tensors"]["model"].values()}
-    dtype = getattr(torch, stored.pop()) if len(stored) == 1 else torch.float32
-    with torch.device(topo.device):
-        model = GPT(cfg).to(dtype)
-    ShardedCheckpointer().load(directory, model, None)
     hf = meta.get("hf") or {}
     tokenizer = _tokenizer(hf.get("files")) if hf else Bytes()
     if tokenizer is None:
         raise ValueError(f"{directory}: the model's tokenizer ({hf.get('files')}) is gone")
-    return list(model), cfg, tokenizer
+    stored = {e["dtype"] for e in index["tensors"]["model"].values()}
+    dtype = getattr(torch, stored.pop()) if len(stored) == 1 else torch.float32
+    with torch.device(topo.device):
+        stages = Stages(gpt_layers(cfg), cfg)
+    for layer in stages.layers:
+        layer.to(dtype)
+    ShardedCheckpointer().load(directory, stages.module(), None)
+    return stages, cfg, tokenizer
 
 
 def _prompts(args) -> list[str]:
@@ -143,23 +148,25 @@ def _batch(ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, mask
 
 
-def _stopper(tokenizer, stops, lead: bool, rows: int):
+def _stopper(tokenizer, stops, lead: bool, batch: int):
     """``on_tokens``: streams row 0's text on rank 0 when the batch has one row; ends rows
     whose text holds a stop string."""
-    seen = [[] for _ in range(rows)]
+    seen = [[] for _ in range(batch)]
     printed = [0]
 
-    def on_tokens(step, tokens):
-        for row, t in enumerate(tokens.tolist()):
-            seen[row].append(t)
-        if lead and rows == 1:
+    def on_tokens(step, tokens, rows):
+        for row, t in zip(range(batch)[rows], tokens.tolist()):
+            if len(seen[row]) == step:  # the first stage hears them again as they arrive
+                seen[row].append(t)
+        if lead and batch == 1:
             text = tokenizer.decode(seen[0])
             sys.stdout.write(text[printed[0]:])
             sys.stdout.flush()
             printed[0] = len(text)
         if not stops:
             return None
-        return torch.tensor([any(s in tokenizer.decode(r) for s in stops) for r in seen])
+        return torch.tensor([any(s in tokenizer.decode(seen[r]) for s in stops)
+                             for r in range(batch)[rows]])
     return on_tokens
 
 
@@ -182,16 +189,14 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, name)}")
-    if args.pp != 1:
-        raise ValueError(f"--pp {args.pp}: pipeline-parallel generation is not built yet; "
-                         "run with --tp only")
     prompts = _prompts(args)
-    topo = fastpar.init(tp=args.tp)
+    topo = fastpar.init(tp=args.tp, pp=args.pp)
     if topo.dp_size != 1:
-        raise ValueError(f"{topo.world_size} ranks for --tp {args.tp}: generation runs one "
-                         f"model, launch exactly {args.tp} ranks")
+        raise ValueError(f"{topo.world_size} ranks for --tp {args.tp} --pp {args.pp}: "
+                         f"generation runs one model, launch exactly {args.tp * args.pp} ranks")
     lead = topo.rank == 0
-    layers, cfg, tokenizer = load_model(args, topo)
+    stages, cfg, tokenizer = load_model(args, topo)
+    layers = stages.layers
     dtype = DTYPES[args.dtype]
     for layer in layers:
         layer.to(dtype)
@@ -200,12 +205,13 @@ def run(args) -> int:
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     longest = max(len(x) for x in ids) + args.max_new_tokens
-    kv = (2 * cfg.layers * min(args.batch, len(ids)) * (cfg.num_kv_heads // args.tp) * longest
+    blocks = sum(1 for layer in layers if hasattr(layer, "attn"))
+    kv = (2 * blocks * min(args.batch, len(ids)) * (cfg.num_kv_heads // args.tp) * longest
           * cfg.head_size * torch.finfo(dtype).bits // 8)
     if lead:
         print(f"fastpar.generate: {sum(p.numel() for l in layers for p in l.parameters()) / 1e6:.1f}"
-              f" M parameters per rank at tp {args.tp}, {args.dtype}: weights "
-              f"{weights / 2**20:.1f} MiB, KV cache up to {kv / 2**20:.1f} MiB per rank "
+              f" M parameters on rank 0 at tp {args.tp} x pp {args.pp}, {args.dtype}: weights "
+              f"{weights / 2**20:.1f} MiB, KV cache up to {kv / 2**20:.1f} MiB "
               f"(batch {min(args.batch, len(ids))} x {longest} tokens)", file=sys.stderr,
               flush=True)
     results, prefill, decode_s, steps, made, cache_bytes = [], [], 0.0, 0, 0, 0
@@ -213,7 +219,7 @@ def run(args) -> int:
     for first in range(0, len(ids), args.batch):
         rows = ids[first:first + args.batch]
         tokens, mask = _batch(rows, pad)
-        out = generate(layers, tokens, args.max_new_tokens, attention_mask=mask,
+        out = generate(stages, tokens, args.max_new_tokens, attention_mask=mask,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed + first, eos_token_id=eos, ignore_eos=args.ignore_eos,
                        pad_token_id=pad,
@@ -245,5 +251,6 @@ def run(args) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(record, f, indent=1)
+    stages.close()
     fastpar.shutdown()
     return 0

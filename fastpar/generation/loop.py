@@ -24,11 +24,11 @@ import dataclasses
 import time
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from fastpar.comm.collectives import all_gather
 from fastpar.generation.sampling import Sampler
-from fastpar.models.gpt import GPTBlock, GPTEmbedding, GPTHead
+from fastpar.generation.stages import Stage, stage_of
 from fastpar.nn.kv_cache import KVCache
 from fastpar.runtime import group_size
 
@@ -52,17 +52,6 @@ class Generation:
         return 1e3 * self.decode_s / max(self.decode_steps, 1)
 
 
-def _parts(model) -> tuple[GPTEmbedding, list[GPTBlock], GPTHead]:
-    layers = list(model) if isinstance(model, (nn.Sequential, list, tuple)) else None
-    if (not layers or not isinstance(layers[0], GPTEmbedding)
-            or not isinstance(layers[-1], GPTHead)
-            or not all(isinstance(b, GPTBlock) for b in layers[1:-1])):
-        raise TypeError(f"fastpar.generate takes a fastpar GPT (fastpar.GPT, or the list of "
-                        f"gpt_layers' modules: embedding, blocks, head), got "
-                        f"{type(model).__name__}")
-    return layers[0], layers[1:-1], layers[-1]
-
-
 def _check_mask(mask: torch.Tensor) -> None:
     """Left padding only: each row's zeros all before its ones, and at least one token."""
     if mask.dtype == torch.bool:
@@ -77,19 +66,35 @@ def _check_mask(mask: torch.Tensor) -> None:
         raise ValueError("attention_mask has a row without any token")
 
 
+def _microbatches(requested, batch: int, pp: int) -> int:
+    if requested is None:  # as many as stages, where the batch divides evenly
+        return max(m for m in range(1, min(pp, batch) + 1) if batch % m == 0)
+    if not isinstance(requested, int) or requested < 1 or batch % requested:
+        raise ValueError(f"microbatches must be a positive integer dividing the batch of "
+                         f"{batch} rows, got {requested!r}")
+    return requested
+
+
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, eos_token_id=None, ignore_eos: bool = False,
-             pad_token_id: int | None = None, on_tokens=None) -> Generation:
+             pad_token_id: int | None = None, on_tokens=None,
+             microbatches: int | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after each row of ``input_ids`` (B, T) on
-    ``model`` (a fastpar GPT; collective over its tp group: call it on every rank with the same
-    arguments). ``eos_token_id``: an id or a list of ids that end a row (unless ``ignore_eos``:
-    then every row gets all ``max_new_tokens``); generation stops when every row has ended.
-    Sampling: ``Sampler``'s arguments. ``on_tokens(step, tokens)``: called with each step's (B,)
-    ids as they are chosen (streaming); it may return a (B,) bool tensor of rows to end there
-    (a stop string; the same on every rank). The model runs in eval mode and is put back."""
-    embedding, blocks, head = _parts(model)
-    cfg = embedding.cfg
+    ``model``: a fastpar GPT (every layer here), or a ``fastpar.generation.Stages`` (this rank's
+    pipeline stage). Collective over the model's tp and pp groups: call it on every rank with
+    the same arguments; every rank returns the same ``Generation``. ``eos_token_id``: an id or
+    a list of ids that end a row (unless ``ignore_eos``: then every row gets all
+    ``max_new_tokens``); generation stops when every row has ended (under a pipeline, at most
+    one step later: the first stage learns it a step behind). Sampling: ``Sampler``'s
+    arguments. ``on_tokens(step, tokens, rows)``: called with each step's ids of batch rows
+    ``rows`` (a slice: a pipeline's microbatch) as they are chosen, on the ranks that choose
+    them and on the first stage as they arrive (streaming); where they are chosen it may return
+    a bool tensor of those rows to end there (a stop string). ``microbatches``: how many slices
+    of the batch a pipeline's stages work on at once (default: pp, where it divides the
+    batch). The model runs in eval mode and is put back."""
+    stage = stage_of(model)
+    cfg = stage.cfg
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -99,70 +104,178 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     if T + max_new_tokens > cfg.position_rows:
         raise ValueError(f"a prompt of {T} tokens and {max_new_tokens} new ones exceed the "
                          f"model's context of {cfg.position_rows} positions")
-    device = embedding.tok.weight.device
     mask = torch.ones(B, T, dtype=torch.long) if attention_mask is None else attention_mask
     _check_mask(mask)
-    mask, input_ids = mask.to(device).long(), input_ids.to(device)
+    M = _microbatches(microbatches, B, stage.count)
     ends = set() if ignore_eos or eos_token_id is None else (
         {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id})
     pad = pad_token_id if pad_token_id is not None else (min(ends) if ends else 0)
-    pick = Sampler(temperature, top_k, top_p, seed)
-    dtype = embedding.tok.weight.dtype
-    cache = KVCache([b.attn for b in blocks], batch=B, max_len=T + max_new_tokens,
-                    dtype=dtype, device=device)
-    tp_group = head.out.group
-    modes = [m.training for m in model.modules()] if isinstance(model, nn.Module) else None
-    for layer in (embedding, *blocks, head):
+    run = _Run(stage, input_ids, mask, max_new_tokens, M, ends, pad,
+               Sampler(temperature, top_k, top_p, seed), on_tokens)
+    layers = [m for m in (stage.embedding, *stage.blocks, stage.head) if m is not None]
+    modes = [(m, m.training) for layer in layers for m in layer.modules()]
+    for layer in layers:
         layer.eval()
-    new = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    tokens, valid, steps, decode_s = input_ids, mask, 0, 0.0
-    start = time.perf_counter()
     try:
         with torch.no_grad():
-            for step in range(max_new_tokens):
-                cache.begin(positions, valid)
-                h = embedding(tokens, positions=positions)
-                for block in blocks:
-                    h = block(h)
-                cache.advance()
-                shard = head(h[:, -1:]).squeeze(1)  # (B, V/tp)
-                logits = shard if group_size(tp_group) == 1 else \
-                    all_gather(shard.contiguous(), tp_group, dim=-1)
-                chosen = pick(logits.float())
-                chosen = torch.where(done, torch.full_like(chosen, pad), chosen)
-                new[:, step] = chosen
-                ended = on_tokens(step, chosen) if on_tokens is not None else None
-                if ended is not None:  # rows the caller ends (a stop string)
-                    done |= ended.to(device=device, dtype=torch.bool)
-                if ends:
-                    done |= torch.isin(chosen, torch.tensor(sorted(ends), device=device))
-                now = time.perf_counter()
-                if step == 0:
-                    prefill_s = now - start
-                else:
-                    decode_s += now - start
-                    steps += 1
-                start = now
-                if bool(done.all()):
-                    break
-                tokens, valid = chosen[:, None], torch.ones(B, 1, dtype=torch.long, device=device)
-                positions = positions[:, -1:] + 1
+            run.all_steps()
     finally:
-        cache_bytes = cache.nbytes
-        cache.close()
-        if modes is not None:
-            for m, training in zip(model.modules(), modes):
-                m.training = training
-    taken = new[:, :step + 1]
-    rows = []
-    for row in taken.tolist():
-        kept = []
-        for t in row:
-            kept.append(t)
-            if t in ends:
-                break
-        rows.append(kept)
-    return Generation(torch.cat([input_ids, taken], dim=1).cpu(), rows, prefill_s, decode_s,
-                      steps, cache_bytes)
+        run.close()
+        for m, training in modes:
+            m.training = training
+    return run.result(input_ids)
+
+
+class _Run:
+    """One ``generate`` call on this rank: the steps, microbatch by microbatch; the first stage
+    feeds each microbatch the tokens the last stage chose for it a step before (see the
+    module docstring of ``fastpar.generation.stages``)."""
+
+    def __init__(self, stage: Stage, input_ids, mask, steps: int, M: int, ends, pad, pick,
+                 on_tokens):
+        self.stage, self.steps, self.M, self.pick = stage, steps, M, pick
+        self.ends, self.pad, self.on_tokens = ends, pad, on_tokens
+        some = stage.embedding or stage.head or stage.blocks[0]
+        self.device = next(some.parameters()).device
+        B, T = input_ids.shape
+        self.B, self.T = B, T
+        self.rows = [slice(i * B // M, (i + 1) * B // M) for i in range(M)]
+        self.ids, self.mask = input_ids.to(self.device), mask.to(self.device).long()
+        self.positions = (self.mask.cumsum(dim=1) - 1).clamp(min=0)
+        self.new = torch.full((B, steps), pad, dtype=torch.long, device=self.device)
+        self.done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        self.ended_at = torch.full((B,), -1, dtype=torch.long, device=self.device)
+        self.end_ids = torch.tensor(sorted(ends), dtype=torch.long, device=self.device)
+        self.cache = None
+        if stage.blocks:
+            dtype = next(stage.blocks[0].parameters()).dtype
+            self.cache = KVCache([b.attn for b in stage.blocks], batch=B, max_len=T + steps,
+                                 dtype=dtype, device=self.device)
+        self.taken = 0  # steps whose tokens the first stage holds for every row
+        self.start = time.perf_counter()
+        self.prefill_s = self.decode_s = 0.0
+        self.ch = stage.channels
+
+    # -- the steps ------------------------------------------------------------------------
+    def all_steps(self) -> None:
+        st = self.stage
+        for t in range(self.steps):
+            for m, rows in enumerate(self.rows):
+                if st.first:
+                    if t > 0 and st.count > 1:
+                        self._arrived(t - 1, m, *self.ch.recv_forward(mb=m, stage=st.count))
+                    if t > 0 and m == 0 and bool(self.done.all()):
+                        return self._stop(t)
+                    x = self.ids[rows] if t == 0 else self.new[rows, t - 1:t]
+                else:
+                    x, flag = self.ch.recv_forward(mb=m, stage=st.index)
+                    if int(flag[0]):  # the first stage has stopped: pass it on, stop
+                        if not st.last:
+                            self.ch.send_forward((x, flag), mb=m, stage=st.index + 1)
+                        return None
+                h = self._forward(t, rows, x)
+                if not st.last:
+                    self.ch.send_forward((h, torch.zeros(1, dtype=torch.long)), mb=m,
+                                         stage=st.index + 1)
+                    continue
+                chosen, ended = self._choose(t, rows, h)
+                if st.count > 1:
+                    self.ch.send_forward((chosen, ended.long()), mb=m, stage=st.count)
+                else:
+                    self._arrived(t, m, chosen, ended)
+            if self.cache is not None:
+                self.cache.advance()
+            if self.ch is not None:
+                if t == 0:  # decode steps carry other shapes than the prefill
+                    self.ch.finish_step()
+                self.ch.release_completed()
+            if st.count == 1 and bool(self.done.all()):
+                return None
+        if st.first and st.count > 1:  # the last step's tokens, still on their way
+            for m in range(self.M):
+                self._arrived(self.steps - 1, m, *self.ch.recv_forward(mb=m, stage=st.count))
+        return None
+
+    def _stop(self, t: int) -> None:
+        """Every row has ended: tell the next stage, take the tokens still on their way."""
+        dtype = next(self.stage.embedding.parameters()).dtype
+        h = torch.zeros(self.rows[0].stop - self.rows[0].start, 1, self.stage.cfg.hidden,
+                        dtype=dtype, device=self.device)
+        self.ch.send_forward((h, torch.ones(1, dtype=torch.long)), mb=0, stage=1)
+        for m in range(1, self.M):
+            self._arrived(t - 1, m, *self.ch.recv_forward(mb=m, stage=self.stage.count))
+
+    def _forward(self, t: int, rows: slice, x):
+        st = self.stage
+        if t == 0:
+            positions, valid = self.positions[rows], self.mask[rows]
+        else:
+            positions = self.positions[rows, -1:] + t
+            valid = torch.ones_like(positions)
+        if self.cache is not None:
+            self.cache.begin(positions, valid, rows=rows)
+        h = st.embedding(x, positions=positions) if st.first else x
+        for block in st.blocks:
+            h = block(h)
+        return h
+
+    def _choose(self, t: int, rows: slice, h):
+        """The last stage: the next token of each row of the microbatch, and which rows end."""
+        shard = self.stage.head(h[:, -1:]).squeeze(1)  # (b, V/tp)
+        group = self.stage.head.out.group
+        logits = shard if group_size(group) == 1 else all_gather(shard.contiguous(), group,
+                                                                 dim=-1)
+        chosen = self.pick(logits.float())
+        chosen = torch.where(self.done[rows], torch.full_like(chosen, self.pad), chosen)
+        ended = torch.isin(chosen, self.end_ids) if self.ends else \
+            torch.zeros_like(chosen, dtype=torch.bool)
+        said = self.on_tokens(t, chosen, rows) if self.on_tokens is not None else None
+        if said is not None:  # rows the caller ends (a stop string)
+            ended = ended | said.to(device=chosen.device, dtype=torch.bool)
+        self.done[rows] |= ended  # the last stage pads its ended rows from the next step on
+        return chosen, ended
+
+    def _arrived(self, t: int, m: int, chosen, ended) -> None:
+        """The first stage holds step ``t``'s tokens of microbatch ``m``."""
+        rows = self.rows[m]
+        self.new[rows, t] = chosen.to(self.device)
+        ended = ended.to(self.device, torch.bool)
+        fresh = ended & (self.ended_at[rows] < 0)
+        self.ended_at[rows] = torch.where(fresh, torch.full_like(self.ended_at[rows], t),
+                                          self.ended_at[rows])
+        self.done[rows] |= ended
+        if self.on_tokens is not None and self.stage.count > 1:
+            self.on_tokens(t, chosen, rows)  # streaming on the first stage
+        if m == self.M - 1:
+            self.taken = t + 1
+            now = time.perf_counter()
+            if t == 0:
+                self.prefill_s = now - self.start
+            else:
+                self.decode_s = now - self.start - self.prefill_s
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache_bytes = self.cache.nbytes
+            self.cache.close()
+        else:
+            self.cache_bytes = 0
+        if self.ch is not None:  # the next call's prefill carries other shapes
+            self.ch.finish_step()
+
+    def result(self, input_ids) -> Generation:
+        """The first stage's tokens, on every rank (a broadcast over the pp group): each row's
+        through the step it ended; the sequences as wide as the last row still running (a
+        pipeline may have run a step more, of padding only)."""
+        st = self.stage
+        mine = (self.new.cpu(), self.ended_at.cpu(), self.taken, self.prefill_s, self.decode_s)
+        if st.count > 1:
+            box = [mine if st.first else None]
+            dist.broadcast_object_list(box, src=st.leader, group=st.group)
+            mine = box[0]
+        new, ended_at, taken, prefill_s, decode_s = mine
+        stops = [int(e) + 1 if 0 <= e < taken else taken for e in ended_at.tolist()]
+        width = max(stops, default=taken)
+        rows = [new[i, :n].tolist() for i, n in enumerate(stops)]
+        return Generation(torch.cat([input_ids.cpu(), new[:, :width]], dim=1), rows,
+                          prefill_s, decode_s, max(taken - 1, 0), self.cache_bytes)

@@ -47,21 +47,26 @@ class KVCache:
         """This rank's cache memory."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def begin(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+    def begin(self, positions: torch.Tensor, valid: torch.Tensor, rows: slice | None = None):
         """The next forward's tokens: ``positions`` (B, T) and ``valid`` (B, T), whether each is
-        a real token (False: padding). Builds the mask (B, 1, T, start + T) every layer uses."""
+        a real token (False: padding), of the cache's ``rows`` (default all: a pipeline's
+        microbatch is a slice of them). Builds the mask (B, 1, T, start + T) every layer uses.
+        Every row slice of a step writes the same slots: ``advance`` after the last."""
+        rows = slice(0, self.batch) if rows is None else rows
         B, T = positions.shape
-        if B != self.batch:
-            raise ValueError(f"KVCache: a batch of {B} rows in a cache made for {self.batch}")
+        if B != len(range(self.batch)[rows]):
+            raise ValueError(f"KVCache: {B} rows given for rows {rows} of a cache of "
+                             f"{self.batch}")
         if self.start + T > self.max_len:
             raise ValueError(f"KVCache: {self.start} + {T} tokens exceed the cache's "
                              f"{self.max_len} slots")
         end = self.start + T
-        self._valid[:, self.start:end] = valid.to(torch.bool)
+        self._rows = rows
+        self._valid[rows, self.start:end] = valid.to(torch.bool)
         slots = torch.arange(end, device=positions.device)
         mine = torch.arange(self.start, end, device=positions.device)
         causal = slots[None, :] <= mine[:, None]  # (T, end)
-        mask = causal[None] & self._valid[:, None, :end]  # (B, T, end)
+        mask = causal[None] & self._valid[rows, None, :end]  # (B, T, end)
         mask |= slots[None, None, :] == mine[None, :, None]  # each token sees itself
         self.positions, self.mask = positions, mask[:, None]
         self._writing = (self.start, end)
@@ -70,9 +75,10 @@ class KVCache:
         """Layer ``index``'s new keys and values (B, kv heads, T, hd) into their slots; returns
         every slot's so far."""
         start, end = self._writing
-        self.k[index][:, :, start:end] = k
-        self.v[index][:, :, start:end] = v
-        return self.k[index][:, :, :end], self.v[index][:, :, :end]
+        rows = self._rows
+        self.k[index][rows, :, start:end] = k
+        self.v[index][rows, :, start:end] = v
+        return self.k[index][rows, :, :end], self.v[index][rows, :, :end]
 
     def advance(self) -> None:
         """The forward is done: its slots are filled."""
