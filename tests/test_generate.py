@@ -242,3 +242,29 @@ def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
                       "--max-new-tokens", "8"] + extra, timeout=120)
         lines = [x for x in bad.stderr.splitlines() if "fastpar.generate: error" in x]
         assert bad.returncode == 2 and len(lines) == 1 and words in lines[0], bad.stderr
+
+
+def test_a_trainer_checkpoint_runs_at_another_layout(tmp_path):
+    """``--resume`` of a checkpoint the trainer saved at tp 2 (the tiny preset, its byte
+    vocabulary): one process and pp 2 give the same greedy tokens, and the text is the bytes."""
+    import json
+    import sys
+
+    from tests.multirank import launch
+
+    ck = str(tmp_path / "ck")
+    train = launch([sys.executable, "-m", "fastpar.train", "--preset", "tiny", "--tp", "2",
+                    "--steps", "3", "--no-progress", "--plot", "", "--save", ck], nranks=2,
+                   launcher="mpirun", timeout=240)
+    assert train.returncode == 0, train.stderr[-3000:]
+    got = []
+    for nranks, extra in ((1, []), (2, ["--pp", "2"])):
+        out = str(tmp_path / f"g{nranks}.json")
+        run = launch([sys.executable, "-m", "fastpar.generate", "--resume", ck, "--prompt",
+                      "def main(", "--max-new-tokens", "6", "--json", out, *extra],
+                     nranks=nranks, launcher="mpirun", timeout=240)
+        assert run.returncode == 0, run.stderr[-3000:]
+        got.append(json.load(open(out))["results"][0])
+    assert got[0]["new_tokens"] == got[1]["new_tokens"] and len(got[0]["new_tokens"]) == 6
+    assert got[0]["prompt_tokens"] == list(b"def main(")
+    assert got[0]["text"] == bytes(got[0]["new_tokens"]).decode("utf-8", errors="replace")

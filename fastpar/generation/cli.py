@@ -113,7 +113,7 @@ def load_model(args, topo) -> tuple[Stages, GPTConfig, object]:
     if "model" not in meta:
         raise ValueError(f"{directory} is not a checkpoint of python -m fastpar.train")
     cfg = dataclasses.replace(GPTConfig(**meta["model"]), sequence_parallel=False,
-                              context_parallel=None, recompute=None, dropout=0.0)
+                              context_parallel=None, recompute="none", dropout=0.0)
     hf = meta.get("hf") or {}
     tokenizer = _tokenizer(hf.get("files")) if hf else Bytes()
     if tokenizer is None:
