@@ -1,5 +1,5 @@
 """PyTorch's own distributed test base on the fastpar backend, a subset CI runs (about 35 s):
-one or more tests of every operation the base runs on CPU at world size 2, with gloo's
+one test of each kind of operation the base runs on CPU at world size 2, with gloo's
 expectations (``BACKEND=fastpar-as-gloo``: every group the base makes is a fastpar group).
 The whole runs' counts for fastpar and gloo, and every test that differs: docs/backend.md."""
 
