@@ -88,7 +88,8 @@ def hf_row(args, tp: bool) -> dict:
                        streamer=clock, pad_token_id=0)
         end = time.perf_counter()
         times.append((clock.first - start, (end - clock.first) / (args.new - 1), end - start))
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # DTensors
+    weights = sum(t.numel() * t.element_size() for t in local)
     return summary(args, times[1:], weights, 0)
 
 
@@ -101,7 +102,8 @@ def fastpar_row(args, tp: int, pp: int, microbatches=None) -> dict:
 
     fastpar.init(tp=tp, pp=pp)
     cfg, info = hf_config(read_hf_config(args.model_dir))
-    stages = Stages(hf_layers(cfg, info, SafetensorsReader(args.model_dir)), cfg)
+    stages = Stages(hf_layers(cfg, info, SafetensorsReader(args.model_dir),
+                               replicated_kv=True), cfg)
     ids = prompts(args.batch, args.prompt)
     times, cache = [], 0
     for _ in range(args.repeat + 1):

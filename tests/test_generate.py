@@ -28,40 +28,41 @@ def _prompts():
     return ids, mask
 
 
-def references(path: str) -> dict:
+def references(path: str, device: str = "cpu") -> dict:
     """Hugging Face's greedy sequences for each case (one prompt, the padded batch; without and
     with an end token: the one row 0 made third), made once in the test's process."""
     from transformers import AutoModelForCausalLM
 
     ids, mask = _prompts()
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     out = {}
     for name, rows in (("one", slice(0, 1)), ("padded", slice(0, 4))):
-        x, m = ids[rows], mask[rows]
+        x, m = ids[rows].to(device), mask[rows].to(device)
         ref = hf.generate(x, attention_mask=m, max_new_tokens=NEW, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
         eos = int(ref[0, x.shape[1] + 2])
-        out[name] = (None, ref.tolist())
+        out[name] = (None, ref.cpu().tolist())
         out[name + "_eos"] = (eos, hf.generate(x, attention_mask=m, max_new_tokens=NEW,
                                                do_sample=False, eos_token_id=eos,
-                                               pad_token_id=0).tolist())
+                                               pad_token_id=0).cpu().tolist())
     return out
 
 
-def body_generate(paths: dict, refs: dict, tp: int, pp: int = 1):
+def body_generate(paths: dict, refs: dict, tp: int, pp: int = 1, device: str = "cpu"):
     import fastpar
     from fastpar.generation import Stages
     from fastpar.hf_files import SafetensorsReader
     from fastpar.models.hf import hf_config, read_hf_config
     from fastpar.models.hf_weights import hf_layers
 
-    fastpar.init(tp=tp, pp=pp)
+    topo = fastpar.init(tp=tp, pp=pp)
     ids, mask = _prompts()
     out = {}
     for kind, path in paths.items():
         cfg, info = hf_config(read_hf_config(path))
-        factories = hf_layers(cfg, info, SafetensorsReader(path))
-        layers = Stages(factories, cfg) if pp > 1 else [f() for f in factories]
+        factories = hf_layers(cfg, info, SafetensorsReader(path), replicated_kv=True)
+        with torch.device(topo.device if device == "cuda" else "cpu"):
+            layers = Stages(factories, cfg) if pp > 1 else [f() for f in factories]
         got = {}
         for case, (eos, ref) in refs[kind].items():
             rows = slice(0, 1) if case.startswith("one") else slice(0, 4)
@@ -127,6 +128,41 @@ def test_greedy_equals_hugging_face_and_sampling_is_the_same_at_every_tp(saved, 
         assert quarter[0][kind]["cache_bytes"] * 4 == one[0][kind]["cache_bytes"], kind
 
 
+def test_kv_heads_replicated_when_tp_exceeds_them(tmp_path):
+    """tp 4 over 2 KV heads (Llama; Qwen3 with its k norm): each rank holds the KV head its
+    query heads use, so the cache per rank is one head's, half of one process's; greedy tokens
+    Hugging Face's. Training through such a layer is refused."""
+    paths = {}
+    for kind in ("llama", "qwen3"):
+        paths[kind] = str(tmp_path / kind)
+        make_model(kind, paths[kind])  # 4 query heads, 2 KV heads
+    refs = {kind: references(path) for kind, path in paths.items()}
+    one = run_ranks(1, body_generate, paths=paths, refs=refs, tp=1, timeout=300).values()
+    four = run_ranks(4, body_generate, paths=paths, refs=refs, tp=4, timeout=300).values()
+    _check(list(one))
+    _check(list(four), _check(list(one)))
+    for kind in paths:
+        assert four[0][kind]["cache_bytes"] * 2 == one[0][kind]["cache_bytes"], kind
+    for said in run_ranks(4, body_replicated_training, path=paths["llama"]).values():
+        assert "serve inference only" in said, said
+
+
+def body_replicated_training(path: str) -> str:
+    import fastpar
+    from fastpar.hf_files import SafetensorsReader
+    from fastpar.models.hf import hf_config, read_hf_config
+    from fastpar.models.hf_weights import hf_layers
+
+    fastpar.init(tp=4)
+    cfg, info = hf_config(read_hf_config(path))
+    layers = [f() for f in hf_layers(cfg, info, SafetensorsReader(path), replicated_kv=True)]
+    try:
+        layers[1](layers[0](torch.zeros(1, 4, dtype=torch.long)))
+    except ValueError as exc:
+        return str(exc)
+    return "trained"
+
+
 def test_pipeline_parallel_generation_equals_hugging_face(saved, at_tp1):
     """pp 2 (every architecture; the padded batch as two microbatches in flight, and as one)
     and tp 2 x pp 2 (Llama and GPT-2): greedy tokens Hugging Face's, sampled ones tp 1's."""
@@ -139,6 +175,25 @@ def test_pipeline_parallel_generation_equals_hugging_face(saved, at_tp1):
         for result in results:
             for kind, got in result.items():
                 assert got["one_microbatch"] == sampled[kind], (world, kind)
+
+
+@pytest.mark.gpu
+def test_generation_on_cuda_at_tp2_and_pp2_gpu(tmp_path):
+    """tests/gpu_check.sh: Llama and GPT-2 on the GPU at tp 2 and at pp 2 (two ranks sharing
+    it): greedy tokens those of Hugging Face's generate on the GPU (TF32 off: torch's default
+    for matmuls)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run tests/gpu_check.sh on a GPU machine)")
+    paths = {}
+    for kind in ("llama", "gpt2"):
+        paths[kind] = str(tmp_path / kind)
+        make_model(kind, paths[kind])
+    refs = {kind: references(path, "cuda") for kind, path in paths.items()}
+    for tp, pp in ((2, 1), (1, 2)):
+        results = run_ranks(2, body_generate, launcher="torchrun", paths=paths, refs=refs,
+                            tp=tp, pp=pp, device="cuda", env={"FASTPAR_SHARED_GPU": "1"},
+                            timeout=300).values()
+        _check(list(results))
 
 
 @pytest.mark.quick

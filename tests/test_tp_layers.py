@@ -455,12 +455,14 @@ def check_errors(c):
     except ValueError as exc:
         assert "max_norm=1.0, sparse=True" in str(exc), exc
     if n == 4:
-        for heads, kv in ((6, 6), (8, 2)):
+        for heads, kv in ((6, 6), (12, 3)):  # 3 KV heads neither divide nor fill 4 ranks
             try:
                 pnn.ParallelSelfAttention(48, heads, kv)
                 raise AssertionError("indivisible heads did not raise")
             except ValueError as exc:
                 assert f"num_heads {heads}" in str(exc) and "tensor-parallel size 4" in str(exc)
+        # 2 KV heads on 4 ranks: each replicated on 2 (inference; tests/test_generate.py)
+        assert pnn.ParallelSelfAttention(48, 8, 2).kv_replicas == 2
         try:
             pnn.ColumnParallelLinear(8, 6)
             raise AssertionError("indivisible out_features did not raise")

@@ -106,7 +106,8 @@ def load_model(args, topo) -> tuple[Stages, GPTConfig, object]:
         if tokenizer is None:
             raise ValueError(f"{args.hf_model} has no tokenizer files (tokenizer.json, ...)")
         with torch.device(topo.device):
-            stages = Stages(hf_layers(cfg, info, SafetensorsReader(args.hf_model)), cfg)
+            stages = Stages(hf_layers(cfg, info, SafetensorsReader(args.hf_model),
+                                      replicated_kv=True), cfg)
         return stages, cfg, tokenizer
     directory, index = loading.open_index(args.resume)
     meta = index.get("meta") or {}
@@ -121,7 +122,7 @@ def load_model(args, topo) -> tuple[Stages, GPTConfig, object]:
     stored = {e["dtype"] for e in index["tensors"]["model"].values()}
     dtype = getattr(torch, stored.pop()) if len(stored) == 1 else torch.float32
     with torch.device(topo.device):
-        stages = Stages(gpt_layers(cfg), cfg)
+        stages = Stages(gpt_layers(cfg, replicated_kv=True), cfg)
     for layer in stages.layers:
         layer.to(dtype)
     ShardedCheckpointer().load(directory, stages.module(), None)

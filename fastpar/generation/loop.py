@@ -175,8 +175,8 @@ class _Run:
                         return None
                 h = self._forward(t, rows, x)
                 if not st.last:
-                    self.ch.send_forward((h, torch.zeros(1, dtype=torch.long)), mb=m,
-                                         stage=st.index + 1)
+                    flag = torch.zeros(1, dtype=torch.long, device=self.device)
+                    self.ch.send_forward((h, flag), mb=m, stage=st.index + 1)
                     continue
                 chosen, ended = self._choose(t, rows, h)
                 if st.count > 1:
@@ -201,7 +201,8 @@ class _Run:
         dtype = next(self.stage.embedding.parameters()).dtype
         h = torch.zeros(self.rows[0].stop - self.rows[0].start, 1, self.stage.cfg.hidden,
                         dtype=dtype, device=self.device)
-        self.ch.send_forward((h, torch.ones(1, dtype=torch.long)), mb=0, stage=1)
+        flag = torch.ones(1, dtype=torch.long, device=self.device)
+        self.ch.send_forward((h, flag), mb=0, stage=1)
         for m in range(1, self.M):
             self._arrived(t - 1, m, *self.ch.recv_forward(mb=m, stage=self.stage.count))
 

@@ -96,9 +96,12 @@ class GPTConfig:
             return 4 * self.hidden
         return -(-self.hidden // 3) * 8  # ceil(8/3 * hidden / 8) * 8
 
-    def validate(self, tp: int = 1, ep: int = 1, cp: int = 1) -> None:
+    def validate(self, tp: int = 1, ep: int = 1, cp: int = 1,
+                 replicated_kv: bool = False) -> None:
         """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks, an
-        expert-parallel group of ``ep`` and a context-parallel group of ``cp``."""
+        expert-parallel group of ``ep`` and a context-parallel group of ``cp``.
+        ``replicated_kv``: KV heads fewer than tp (tp a multiple of them) are replicated
+        (``fastpar.nn.replicated_heads``: inference only, as generation runs)."""
         bad = []
         for name in ("vocab_size", "seq_len", "layers", "hidden", "heads", "kv_heads",
                      "ffn_hidden"):
@@ -157,6 +160,8 @@ class GPTConfig:
             bad.append(f"heads {self.heads} is not divisible by kv_heads {kv}")
         for name, value in (("heads", self.heads), ("kv_heads", kv), ("vocab_size",
                             self.vocab_size), ("ffn_hidden", ffn)):
+            if name == "kv_heads" and replicated_kv and value % tp and tp % value == 0:
+                continue  # each KV head on tp / kv_heads ranks
             if value % tp:
                 bad.append(f"{name} {value} is not divisible by tp {tp}")
         if self.sequence_parallel and self.seq_len % tp:

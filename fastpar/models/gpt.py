@@ -257,13 +257,14 @@ class GPTHead(nn.Module):
 
 
 def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0, ep_group=None,
-               cp_group=None) -> list:
+               cp_group=None, replicated_kv: bool = False) -> list:
     """Zero-argument factories of the layers in order: embedding, ``cfg.layers`` blocks, head.
 
     ``group``: the tp group (None: the topology's). ``ep_group``: the expert-parallel group of
     the MoE blocks (None: the topology's after ``fastpar.init``, else none: every expert here).
     ``cp_group``: with ``cfg.context_parallel``, the context-parallel group (None: the
-    topology's).
+    topology's). ``replicated_kv``: allow tp above the KV heads (each replicated: inference
+    only, ``fastpar.nn.replicated_heads``).
     Each factory builds on the default device (meta under ``torch.device("meta")``) with the
     values of the serial model for ``seed``."""
     group = resolve_group(group)
@@ -272,7 +273,8 @@ def gpt_layers(cfg: GPTConfig, *, group=None, seed: int = 0, ep_group=None,
     if cfg.context_parallel and cp_group is None:
         cp_group = topology().cp_group
     cp = group_size(cp_group) if cfg.context_parallel else 1
-    cfg.validate(group_size(group), 1 if ep_group is None else group_size(ep_group), cp)
+    cfg.validate(group_size(group), 1 if ep_group is None else group_size(ep_group), cp,
+                 replicated_kv=replicated_kv)
     last = cfg.layers + 1
 
     def embedding():

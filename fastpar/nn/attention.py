@@ -49,6 +49,7 @@ from fastpar.nn.attention_core import dropout_attention
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, pieces_argument
 from fastpar.nn.norm import RMSNorm
 from fastpar.nn.recomputation import recompute
+from fastpar.nn.replicated_heads import HeadReplicatedLinear
 from fastpar.nn.sharding import generator, resolve_group
 from fastpar.runtime import group_size
 
@@ -145,9 +146,10 @@ class ParallelSelfAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not divisible by num_kv_heads "
                              f"{num_kv_heads}")
-        if num_heads % tp or num_kv_heads % tp:
+        if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):
             raise ValueError(f"num_heads {num_heads} and num_kv_heads {num_kv_heads} must both "
-                             f"be divisible by the tensor-parallel size {tp}")
+                             f"be divisible by the tensor-parallel size {tp} (or tp a multiple "
+                             f"of the KV heads: each replicated, for inference)")
         if sequence_parallel and sequence_dim != 1:
             raise ValueError(f"ParallelSelfAttention is batch-first: sequence_dim must be 1, got "
                              f"{sequence_dim}")
@@ -157,7 +159,10 @@ class ParallelSelfAttention(nn.Module):
                              f"rope_base {rope_base}, head dim {self.head_dim}")
         self.rope_base, self.rope_scaling = rope_base, rope_scaling
         self._rope_cache: tuple | None = None  # (key, cos, sin) of the last forward's tables
-        self.local_heads, self.local_kv_heads = num_heads // tp, num_kv_heads // tp
+        # tp above the KV heads: each rank holds the one its query heads use (replicated_heads)
+        self.kv_replicas = tp // num_kv_heads if num_kv_heads % tp else 1
+        self.local_heads = num_heads // tp
+        self.local_kv_heads = 1 if self.kv_replicas > 1 else num_kv_heads // tp
         self.causal, self.attn_dropout, self.dropout = causal, attn_dropout, dropout
         self.sequence_parallel, self.recompute_core = sequence_parallel, recompute_core
         gen = generator(seed)
@@ -167,8 +172,14 @@ class ParallelSelfAttention(nn.Module):
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.q_proj = ColumnParallelLinear(hidden_size, q_size, qkv_bias, **common)
-        self.k_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
-        self.v_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
+        if self.kv_replicas > 1:
+            self.k_proj = HeadReplicatedLinear(hidden_size, kv_size, qkv_bias,
+                                               heads=num_kv_heads, **common)
+            self.v_proj = HeadReplicatedLinear(hidden_size, kv_size, qkv_bias,
+                                               heads=num_kv_heads, **common)
+        else:
+            self.k_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
+            self.v_proj = ColumnParallelLinear(hidden_size, kv_size, qkv_bias, **common)
         self.o_proj = RowParallelLinear(q_size, hidden_size, bias, **common)
         self.kv_cache = None  # (KVCache, layer index) while generating: fastpar/nn/kv_cache.py
         self.q_norm = self.k_norm = None
@@ -218,6 +229,8 @@ class ParallelSelfAttention(nn.Module):
 
     def _heads(self, x: torch.Tensor):
         """q (B, nh/tp, T, hd), k, v (B, nkv/tp, T, hd) of ``x``, before rope."""
+        if self.kv_replicas > 1:
+            self.k_proj._refuse_training()  # whichever path computes the projections
         # one entry communication for q, k and v (overlapped with their GEMMs by policy)
         q, k, v = ColumnParallelLinear.shared_forward(x, [self.q_proj, self.k_proj, self.v_proj])
         B, T, _ = q.shape  # (B, T, nh/tp * hd): the full sequence (cp: this rank's T/cp)
