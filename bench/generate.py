@@ -198,7 +198,9 @@ def table(rows: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from fastpar.runtime.cli import Parser
+
+    p = Parser(description=__doc__)
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {', '.join(ROWS)}")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new", type=int, default=32, help="tokens generated per row")

@@ -142,7 +142,7 @@ def export_seconds(args, path) -> float:
 def main(argv=None) -> None:
     from fastpar.runtime.cli import Parser
 
-    p = Parser(prog="python bench/hf_train.py", description=__doc__)
+    p = Parser(description=__doc__)
     p.add_argument("--layouts", default="serial", help=f"comma-separated of {', '.join(LAYOUTS)}")
     p.add_argument("--plain", action="store_true", help="also the plain PyTorch row")
     p.add_argument("--steps", type=int, default=5)
