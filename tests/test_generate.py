@@ -72,6 +72,11 @@ def body_generate(paths: dict, refs: dict, tp: int, pp: int = 1, device: str = "
             stops = eos is None or (mine.new_tokens[0][-1] == eos and
                                     len(mine.new_tokens[0]) == new.index(eos) + 1)
             got[case] = mine.sequences.tolist() == ref and stops
+        if pp == 1:  # fixed-shape decode steps (what a CUDA graph captures), and captured
+            for mode in ["static"] + (["cuda_graph"] if device == "cuda" else []):
+                mine = fastpar.generate(layers, ids, NEW, attention_mask=mask, decode=mode,
+                                        pad_token_id=0)
+                got[mode] = mine.sequences.tolist() == refs[kind]["padded"][1]
         sampled = fastpar.generate(layers, ids, NEW, attention_mask=mask, **SAMPLING)
         got["sampled"] = sampled.new_tokens
         got["cache_bytes"] = sampled.kv_cache_bytes
@@ -96,8 +101,8 @@ def saved(tmp_path_factory):
 def _check(results, sampled_at_tp1=None):
     for rank, result in enumerate(results):
         for kind, got in result.items():
-            for case in ("one", "padded", "one_eos", "padded_eos"):
-                assert got[case], (kind, rank, case, "differs from Hugging Face's generate")
+            for case in ("one", "padded", "one_eos", "padded_eos", "static", "cuda_graph"):
+                assert got.get(case, True), (kind, rank, case, "differs from Hugging Face's")
             if sampled_at_tp1 is not None:
                 assert got["sampled"] == sampled_at_tp1[kind], (kind, rank)
     return {kind: got["sampled"] for kind, got in results[0].items()}
@@ -181,7 +186,7 @@ def test_pipeline_parallel_generation_equals_hugging_face(saved, at_tp1):
 def test_generation_on_cuda_at_tp2_and_pp2_gpu(tmp_path):
     """tests/gpu_check.sh: Llama and GPT-2 on the GPU at tp 2 and at pp 2 (two ranks sharing
     it): greedy tokens those of Hugging Face's generate on the GPU (TF32 off: torch's default
-    for matmuls)."""
+    for matmuls), at tp 2 also with the decode step captured as a CUDA graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run tests/gpu_check.sh on a GPU machine)")
     paths = {}
@@ -222,6 +227,8 @@ def body_refusals(path: str):
         fastpar.generate(layers, ids[:, :4], 0)
     with pytest.raises(TypeError, match="takes a fastpar GPT"):
         fastpar.generate(torch.nn.Linear(2, 2), ids, 1)
+    with pytest.raises(ValueError, match="decode='cuda_graph' needs the model on a CUDA"):
+        fastpar.generate(layers, ids[:, :4], 1, decode="cuda_graph")
     with pytest.raises(ValueError, match="top_p must be in"):
         fastpar.generate(layers, ids[:, :4], 1, temperature=1.0, top_p=1.5)
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm.collectives import all_gather
+from fastpar.generation.graphs import DecodeGraph
 from fastpar.generation.sampling import Sampler
 from fastpar.generation.stages import Stage, stage_of
 from fastpar.nn.kv_cache import KVCache
@@ -79,7 +80,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int = 0, eos_token_id=None, ignore_eos: bool = False,
              pad_token_id: int | None = None, on_tokens=None,
-             microbatches: int | None = None) -> Generation:
+             microbatches: int | None = None, decode: str = "dynamic") -> Generation:
     """Generate up to ``max_new_tokens`` tokens after each row of ``input_ids`` (B, T) on
     ``model``: a fastpar GPT (every layer here), or a ``fastpar.generation.Stages`` (this rank's
     pipeline stage). Collective over the model's tp and pp groups: call it on every rank with
@@ -92,7 +93,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     them and on the first stage as they arrive (streaming); where they are chosen it may return
     a bool tensor of those rows to end there (a stop string). ``microbatches``: how many slices
     of the batch a pipeline's stages work on at once (default: pp, where it divides the
-    batch). The model runs in eval mode and is put back."""
+    batch). ``decode``: "dynamic" (each step attends over the slots filled so far), "static"
+    (fixed shapes: every slot, masked, buffers updated in place) or "cuda_graph" (the static
+    step captured once as a CUDA graph and replayed: CUDA, one pipeline stage). The model runs
+    in eval mode and is put back."""
     stage = stage_of(model)
     cfg = stage.cfg
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -107,11 +111,19 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     mask = torch.ones(B, T, dtype=torch.long) if attention_mask is None else attention_mask
     _check_mask(mask)
     M = _microbatches(microbatches, B, stage.count)
+    if decode not in ("dynamic", "static", "cuda_graph"):
+        raise ValueError(f"decode must be 'dynamic', 'static' or 'cuda_graph', got {decode!r}")
+    some = stage.embedding or stage.head or stage.blocks[0]
+    if decode == "cuda_graph" and next(some.parameters()).device.type != "cuda":
+        raise ValueError("decode='cuda_graph' needs the model on a CUDA device")
+    if decode != "dynamic" and stage.count > 1:
+        raise ValueError(f"decode={decode!r} runs one pipeline stage (pp 1); this model has "
+                         f"{stage.count}")
     ends = set() if ignore_eos or eos_token_id is None else (
         {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id})
     pad = pad_token_id if pad_token_id is not None else (min(ends) if ends else 0)
     run = _Run(stage, input_ids, mask, max_new_tokens, M, ends, pad,
-               Sampler(temperature, top_k, top_p, seed), on_tokens)
+               Sampler(temperature, top_k, top_p, seed), on_tokens, decode)
     layers = [m for m in (stage.embedding, *stage.blocks, stage.head) if m is not None]
     modes = [(m, m.training) for layer in layers for m in layer.modules()]
     for layer in layers:
@@ -132,8 +144,9 @@ class _Run:
     module docstring of ``fastpar.generation.stages``)."""
 
     def __init__(self, stage: Stage, input_ids, mask, steps: int, M: int, ends, pad, pick,
-                 on_tokens):
+                 on_tokens, decode: str = "dynamic"):
         self.stage, self.steps, self.M, self.pick = stage, steps, M, pick
+        self.decode, self.graph = decode, None
         self.ends, self.pad, self.on_tokens = ends, pad, on_tokens
         some = stage.embedding or stage.head or stage.blocks[0]
         self.device = next(some.parameters()).device
@@ -173,6 +186,9 @@ class _Run:
                         if not st.last:
                             self.ch.send_forward((x, flag), mb=m, stage=st.index + 1)
                         return None
+                if t > 0 and self.decode != "dynamic":  # one stage, one microbatch
+                    self._arrived(t, m, *self._choose(t, rows, logits=self._static_logits(t, x)))
+                    continue
                 h = self._forward(t, rows, x)
                 if not st.last:
                     flag = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -220,12 +236,33 @@ class _Run:
             h = block(h)
         return h
 
-    def _choose(self, t: int, rows: slice, h):
-        """The last stage: the next token of each row of the microbatch, and which rows end."""
+    def _logits(self, h) -> torch.Tensor:
+        """The last position's full logits (b, V): the head's shards gathered over tp."""
         shard = self.stage.head(h[:, -1:]).squeeze(1)  # (b, V/tp)
         group = self.stage.head.out.group
-        logits = shard if group_size(group) == 1 else all_gather(shard.contiguous(), group,
-                                                                 dim=-1)
+        return shard if group_size(group) == 1 else all_gather(shard.contiguous(), group, dim=-1)
+
+    def _static_logits(self, t: int, x) -> torch.Tensor:
+        """A decode step of the whole batch in fixed shapes: run as it is (``decode="static"``)
+        or as a CUDA graph captured at the first (``"cuda_graph"``)."""
+        self.cache.prepare_static(self.positions[:, -1:] + t, self.T + t - 1)
+        if self.decode == "static":
+            return self._step(x)
+        if self.graph is None:
+            self.graph = DecodeGraph(self._step, x)
+        return self.graph(x)
+
+    def _step(self, x) -> torch.Tensor:
+        st = self.stage
+        h = st.embedding(x, positions=self.cache.static_positions)
+        for block in st.blocks:
+            h = block(h)
+        return self._logits(h)
+
+    def _choose(self, t: int, rows: slice, h=None, logits=None):
+        """The last stage: the next token of each row of the microbatch, and which rows end."""
+        if logits is None:
+            logits = self._logits(h)
         chosen = self.pick(logits.float())
         chosen = torch.where(self.done[rows], torch.full_like(chosen, self.pad), chosen)
         ended = torch.isin(chosen, self.end_ids) if self.ends else \

@@ -254,8 +254,13 @@ class ParallelSelfAttention(nn.Module):
             cos, sin = self._rotary(cache.max_len, q.dtype, q.device)
             cos, sin = cos[cache.positions][:, None], sin[cache.positions][:, None]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = cache.store(index, k, v)
-        h = F.scaled_dot_product_attention(q, keys, values, attn_mask=cache.mask,
+        if cache.static:  # a fixed-shape decode step: every slot, masked
+            keys, values = cache.store_static(index, k, v)
+            mask = cache.static_mask
+        else:
+            keys, values = cache.store(index, k, v)
+            mask = cache.mask
+        h = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                            enable_gqa=self.local_heads != self.local_kv_heads)
         return self.o_proj(h.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
 

@@ -38,6 +38,7 @@ class KVCache:
             self.v.append(torch.zeros(shape, dtype=dtype, device=device))
         self.start = 0  # slots already filled
         self.positions = self.mask = None
+        self.static = False  # the last step was a fixed-shape one (prepare_static)
         self._valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         for index, attn in enumerate(self.attentions):
             attn.kv_cache = (self, index)
@@ -70,6 +71,7 @@ class KVCache:
         mask |= slots[None, None, :] == mine[None, :, None]  # each token sees itself
         self.positions, self.mask = positions, mask[:, None]
         self._writing = (self.start, end)
+        self.static = False
 
     def store(self, index: int, k: torch.Tensor, v: torch.Tensor):
         """Layer ``index``'s new keys and values (B, kv heads, T, hd) into their slots; returns
@@ -79,6 +81,32 @@ class KVCache:
         self.k[index][rows, :, start:end] = k
         self.v[index][rows, :, start:end] = v
         return self.k[index][rows, :, :end], self.v[index][rows, :, :end]
+
+    def prepare_static(self, positions: torch.Tensor, slot: int) -> None:
+        """A decode step of the whole batch in fixed shapes (what a CUDA graph captures): its
+        one token per row at ``slot``, ``positions`` (B, 1). The step's tensors (positions,
+        the slot, the mask over every slot) are buffers updated in place, and the layers then
+        write with ``index_copy_`` and attend over all ``max_len`` slots (``store_static``)."""
+        if getattr(self, "static_mask", None) is None:
+            dev = self._valid.device
+            self.static_positions = torch.zeros(self.batch, 1, dtype=torch.long, device=dev)
+            self.static_slot = torch.zeros(1, dtype=torch.long, device=dev)
+            self.static_mask = torch.zeros(self.batch, 1, 1, self.max_len, dtype=torch.bool,
+                                           device=dev)
+            self._slots = torch.arange(self.max_len, device=dev)
+        if slot >= self.max_len:
+            raise ValueError(f"KVCache: slot {slot} is past the cache's {self.max_len}")
+        self._valid[:, slot] = True
+        self.static_positions.copy_(positions)
+        self.static_slot.fill_(slot)
+        self.static_mask.copy_((self._valid & (self._slots <= slot))[:, None, None, :])
+        self.static, self.positions, self._writing = True, self.static_positions, (slot, slot + 1)
+
+    def store_static(self, index: int, k: torch.Tensor, v: torch.Tensor):
+        """``store`` of a static step: every slot's keys and values, the new ones written."""
+        self.k[index].index_copy_(2, self.static_slot, k)
+        self.v[index].index_copy_(2, self.static_slot, v)
+        return self.k[index], self.v[index]
 
     def advance(self) -> None:
         """The forward is done: its slots are filled."""
