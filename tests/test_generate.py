@@ -45,7 +45,16 @@ def references(path: str, device: str = "cpu") -> dict:
         out[name + "_eos"] = (eos, hf.generate(x, attention_mask=m, max_new_tokens=NEW,
                                                do_sample=False, eos_token_id=eos,
                                                pad_token_id=0).cpu().tolist())
+    # a prompt of one token and one new token, two rows
+    out["short"] = (None, hf.generate(ids[:2, -1:].to(device), max_new_tokens=1,
+                                      do_sample=False, eos_token_id=None,
+                                      pad_token_id=0).cpu().tolist())
     return out
+
+
+def _ender(step, tokens, rows):
+    """``on_tokens`` ending every row at step 2 (as a stop string would)."""
+    return torch.full((tokens.shape[0],), step >= 2, dtype=torch.bool)
 
 
 def body_generate(paths: dict, refs: dict, tp: int, pp: int = 1, device: str = "cpu"):
@@ -63,20 +72,32 @@ def body_generate(paths: dict, refs: dict, tp: int, pp: int = 1, device: str = "
         factories = hf_layers(cfg, info, SafetensorsReader(path), replicated_kv=True)
         with torch.device(topo.device if device == "cuda" else "cpu"):
             layers = Stages(factories, cfg) if pp > 1 else [f() for f in factories]
-        got = {}
+        got = {"cases": {}}
         for case, (eos, ref) in refs[kind].items():
+            if case == "short":
+                mine = fastpar.generate(layers, ids[:2, -1:], 1, pad_token_id=0)
+                got["cases"][case] = mine.sequences.tolist() == ref
+                continue
             rows = slice(0, 1) if case.startswith("one") else slice(0, 4)
             mine = fastpar.generate(layers, ids[rows], NEW, attention_mask=mask[rows],
                                     eos_token_id=eos, pad_token_id=0)
             new = ref[0][ids.shape[1]:]
             stops = eos is None or (mine.new_tokens[0][-1] == eos and
                                     len(mine.new_tokens[0]) == new.index(eos) + 1)
-            got[case] = mine.sequences.tolist() == ref and stops
+            got["cases"][case] = mine.sequences.tolist() == ref and stops
+        # every row ended by the caller at step 2 (a stop string): under pp the first stage
+        # stops and drains the microbatches still on their way
+        ended = fastpar.generate(layers, ids, NEW, attention_mask=mask, on_tokens=_ender,
+                                 pad_token_id=0)
+        padded = refs[kind]["padded"][1]
+        got["cases"]["stopped"] = (ended.sequences.tolist() ==
+                                   [row[:ids.shape[1] + 3] for row in padded]
+                                   and all(len(r) == 3 for r in ended.new_tokens))
         if pp == 1:  # fixed-shape decode steps (what a CUDA graph captures), and captured
             for mode in ["static"] + (["cuda_graph"] if device == "cuda" else []):
                 mine = fastpar.generate(layers, ids, NEW, attention_mask=mask, decode=mode,
                                         pad_token_id=0)
-                got[mode] = mine.sequences.tolist() == refs[kind]["padded"][1]
+                got["cases"][mode] = mine.sequences.tolist() == padded
         sampled = fastpar.generate(layers, ids, NEW, attention_mask=mask, **SAMPLING)
         got["sampled"] = sampled.new_tokens
         got["cache_bytes"] = sampled.kv_cache_bytes
@@ -98,11 +119,15 @@ def saved(tmp_path_factory):
     return paths
 
 
+CASES = {"one", "padded", "one_eos", "padded_eos", "short", "stopped"}
+
+
 def _check(results, sampled_at_tp1=None):
     for rank, result in enumerate(results):
         for kind, got in result.items():
-            for case in ("one", "padded", "one_eos", "padded_eos", "static", "cuda_graph"):
-                assert got.get(case, True), (kind, rank, case, "differs from Hugging Face's")
+            assert CASES <= set(got["cases"]), (kind, got["cases"])
+            for case, same in got["cases"].items():
+                assert same, (kind, rank, case, "differs from Hugging Face's")
             if sampled_at_tp1 is not None:
                 assert got["sampled"] == sampled_at_tp1[kind], (kind, rank)
     return {kind: got["sampled"] for kind, got in results[0].items()}
@@ -169,12 +194,14 @@ def body_replicated_training(path: str) -> str:
 
 
 def test_pipeline_parallel_generation_equals_hugging_face(saved, at_tp1):
-    """pp 2 (every architecture; the padded batch as two microbatches in flight, and as one)
-    and tp 2 x pp 2 (Llama and GPT-2): greedy tokens Hugging Face's, sampled ones tp 1's."""
+    """pp 2 (every architecture; the padded batch as two microbatches in flight, and as one),
+    tp 2 x pp 2 (Llama and GPT-2) and pp 3 (Llama: a middle stage passes the stop on): greedy
+    tokens Hugging Face's, sampled ones tp 1's."""
     refs, _, sampled = at_tp1
     some = {kind: saved[kind] for kind in ("llama", "gpt2")}
-    for world, tp, paths in ((2, 1, saved), (4, 2, some)):
-        results = list(run_ranks(world, body_generate, paths=paths, refs=refs, tp=tp, pp=2,
+    for world, tp, paths in ((2, 1, saved), (4, 2, some), (3, 1, {"llama": saved["llama"]})):
+        results = list(run_ranks(world, body_generate, paths=paths, refs=refs, tp=tp,
+                                 pp=world // tp,
                                  timeout=300).values())
         _check(results, sampled)
         for result in results:
@@ -298,12 +325,22 @@ def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
         assert result["text"] == tokenizer.decode(new, skip_special_tokens=True)
     assert record["memory"]["weights_bytes"] > 0 and record["memory"]["kv_cache_bytes"] > 0
     assert record["tokens_per_s"] > 0 and record["decode_ms_per_token"] > 0
-    for extra, words in ((["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
-                         (["--prompt", "x " * 80], "exceed the model's context of 64")):
-        bad = launch([sys.executable, "-m", "fastpar.generate", "--hf-model", path,
-                      "--max-new-tokens", "8"] + extra, timeout=120)
+    from transformers import AutoConfig
+
+    other = str(tmp_path / "opt")
+    AutoConfig.for_model("opt").save_pretrained(other)
+    # errors every rank meets are one line from rank 0 (two ranks: before init and after)
+    for ranks, model, extra, words in (
+            (2, path, ["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
+            (2, path, ["--prompt-file", str(tmp_path / "none.txt")], "No such file"),
+            (1, path, ["--prompt", "x " * 80], "exceed the model's context of 64"),
+            (1, other, ["--prompt", "x"], "opt")):
+        bad = launch([sys.executable, "-m", "fastpar.generate", "--hf-model", model,
+                      "--max-new-tokens", "8"] + extra, nranks=ranks, launcher="mpirun",
+                     timeout=120)
         lines = [x for x in bad.stderr.splitlines() if "fastpar.generate: error" in x]
         assert bad.returncode == 2 and len(lines) == 1 and words in lines[0], bad.stderr
+        assert "Traceback" not in bad.stderr, bad.stderr
 
 
 def test_a_trainer_checkpoint_runs_at_another_layout(tmp_path):

@@ -35,6 +35,7 @@ from fastpar.generation.stages import Stages
 from fastpar.models.gpt import gpt_layers
 from fastpar.models.hf import hf_config, read_hf_config
 from fastpar.models.hf_weights import hf_layers
+from fastpar.runtime.cli import launch_rank
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,11 +77,18 @@ class Bytes:
 
 
 class HfTokenizer:
+    """The directory's tokenizer; its end ids those ``generate`` stops at: the generation
+    config's (an id or a list: Llama 3 Instruct's end-of-turn too), else the tokenizer's."""
+
     def __init__(self, directory: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, GenerationConfig
 
         self.inner = AutoTokenizer.from_pretrained(directory)
         self.eos_token_id = self.inner.eos_token_id
+        if os.path.exists(os.path.join(directory, "generation_config.json")):
+            ends = GenerationConfig.from_pretrained(directory).eos_token_id
+            if ends is not None:
+                self.eos_token_id = ends
         self.pad_token_id = self.inner.pad_token_id
 
     def encode(self, text: str) -> list[int]:
@@ -160,10 +168,12 @@ def _stopper(tokenizer, stops, lead: bool, batch: int):
             if len(seen[row]) == step:  # the first stage hears them again as they arrive
                 seen[row].append(t)
         if lead and batch == 1:
-            text = tokenizer.decode(seen[0])
-            sys.stdout.write(text[printed[0]:])
-            sys.stdout.flush()
-            printed[0] = len(text)
+            # a character split over tokens decodes as U+FFFD until its last byte comes
+            text = tokenizer.decode(seen[0]).rstrip("\ufffd")
+            if len(text) > printed[0]:
+                sys.stdout.write(text[printed[0]:])
+                sys.stdout.flush()
+                printed[0] = len(text)
         if not stops:
             return None
         return torch.tensor([any(s in tokenizer.decode(seen[r]) for s in stops)
@@ -177,8 +187,9 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         return run(args)
-    except ValueError as exc:
-        if not fastpar.is_initialized() or fastpar.topology().rank == 0:
+    except (ValueError, OSError) as exc:
+        rank = fastpar.topology().rank if fastpar.is_initialized() else launch_rank()
+        if rank == 0:
             print(f"python -m fastpar.generate: error: {exc}", file=sys.stderr, flush=True)
         if fastpar.is_initialized():
             fastpar.shutdown()
@@ -204,11 +215,12 @@ def run(args) -> int:
     weights = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
     ids = [tokenizer.encode(p) for p in prompts]
     eos = None if args.ignore_eos else tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    first_end = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (first_end or 0)
     longest = max(len(x) for x in ids) + args.max_new_tokens
-    blocks = sum(1 for layer in layers if hasattr(layer, "attn"))
-    kv = (2 * blocks * min(args.batch, len(ids)) * (cfg.num_kv_heads // args.tp) * longest
-          * cfg.head_size * torch.finfo(dtype).bits // 8)
+    heads = sum(layer.attn.local_kv_heads for layer in layers if hasattr(layer, "attn"))
+    kv = (2 * heads * min(args.batch, len(ids)) * longest * cfg.head_size
+          * torch.finfo(dtype).bits // 8)
     if lead:
         print(f"fastpar.generate: {sum(p.numel() for l in layers for p in l.parameters()) / 1e6:.1f}"
               f" M parameters on rank 0 at tp {args.tp} x pp {args.pp}, {args.dtype}: weights "

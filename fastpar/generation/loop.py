@@ -84,7 +84,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     """Generate up to ``max_new_tokens`` tokens after each row of ``input_ids`` (B, T) on
     ``model``: a fastpar GPT (every layer here), or a ``fastpar.generation.Stages`` (this rank's
     pipeline stage). Collective over the model's tp and pp groups: call it on every rank with
-    the same arguments; every rank returns the same ``Generation``. ``eos_token_id``: an id or
+    the same arguments; every rank returns the same tokens and timings (the first stage's; the
+    cache's bytes are each rank's own). A failure on one stage aborts its neighbours' waits
+    (``Channels.abandon``): build the ``Stages`` again after one. ``eos_token_id``: an id or
     a list of ids that end a row (unless ``ignore_eos``: then every row gets all
     ``max_new_tokens``); generation stops when every row has ended (under a pipeline, at most
     one step later: the first stage learns it a step behind). Sampling: ``Sampler``'s
@@ -116,9 +118,13 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     some = stage.embedding or stage.head or stage.blocks[0]
     if decode == "cuda_graph" and next(some.parameters()).device.type != "cuda":
         raise ValueError("decode='cuda_graph' needs the model on a CUDA device")
-    if decode != "dynamic" and stage.count > 1:
-        raise ValueError(f"decode={decode!r} runs one pipeline stage (pp 1); this model has "
-                         f"{stage.count}")
+    if decode != "dynamic" and (stage.count > 1 or M > 1):
+        raise ValueError(f"decode={decode!r} runs one pipeline stage (pp 1) on the whole batch "
+                         f"(one microbatch); this model has {stage.count} stages, the batch "
+                         f"{M} microbatches")
+    if decode == "cuda_graph" and any(b.moe for b in stage.blocks):
+        raise ValueError("decode='cuda_graph' cannot capture MoE blocks (their routing reads "
+                         "counts on the host); use decode='dynamic'")
     ends = set() if ignore_eos or eos_token_id is None else (
         {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id})
     pad = pad_token_id if pad_token_id is not None else (min(ends) if ends else 0)
@@ -128,11 +134,17 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     modes = [(m, m.training) for layer in layers for m in layer.modules()]
     for layer in layers:
         layer.eval()
+    ok = False
     try:
         with torch.no_grad():
             run.all_steps()
+        ok = True
+    except BaseException as exc:
+        if stage.channels is not None:  # the neighbours fail now, not at the timeout
+            stage.channels.abandon(exc)
+        raise
     finally:
-        run.close()
+        run.close(ok)
         for m, training in modes:
             m.training = training
     return run.result(input_ids)
@@ -177,7 +189,7 @@ class _Run:
                 if st.first:
                     if t > 0 and st.count > 1:
                         self._arrived(t - 1, m, *self.ch.recv_forward(mb=m, stage=st.count))
-                    if t > 0 and m == 0 and bool(self.done.all()):
+                    if t > 0 and m == 0 and st.count > 1 and bool(self.done.all()):
                         return self._stop(t)
                     x = self.ids[rows] if t == 0 else self.new[rows, t - 1:t]
                 else:
@@ -292,13 +304,13 @@ class _Run:
             else:
                 self.decode_s = now - self.start - self.prefill_s
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
         if self.cache is not None:
             self.cache_bytes = self.cache.nbytes
             self.cache.close()
         else:
             self.cache_bytes = 0
-        if self.ch is not None:  # the next call's prefill carries other shapes
+        if self.ch is not None and ok:  # the next call's prefill carries other shapes
             self.ch.finish_step()
 
     def result(self, input_ids) -> Generation:
