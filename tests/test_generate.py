@@ -332,6 +332,7 @@ def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
             (2, path, ["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
             (2, path, ["--prompt-file", str(tmp_path / "none.txt")], "No such file"),
             (1, path, ["--prompt", "x " * 80], "exceed the model's context of 64"),
+            (3, path, ["--prompt", "x", "--tp", "3"], "heads 4 is not divisible by tp 3"),
             (1, other, ["--prompt", "x"], "opt")):
         bad = launch([sys.executable, "-m", "fastpar.generate", "--hf-model", model,
                       "--max-new-tokens", "8"] + extra, nranks=ranks, launcher="mpirun",

@@ -81,9 +81,8 @@ def body_fused(tp: int):
     for kind, plan in (("gpt2", "auto"), ("gpt2-tied", "auto"), ("phi3", "auto"),
                        ("phi3-split", PHI3_SPLIT)):
         base = _model(kind)
-        ref64 = _run(copy.deepcopy(base).double(), ids, labels)
         serial64 = copy.deepcopy(base).double()
-        _run(serial64, ids, labels)
+        ref64 = _run(serial64, ids, labels)
         grads64 = {n: p.grad for n, p in serial64.named_parameters(remove_duplicate=False)}
         serial32 = copy.deepcopy(base)
         ref32 = _run(serial32, ids, labels)
