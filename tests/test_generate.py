@@ -261,11 +261,10 @@ def body_refusals(path: str):
 def _model_with_tokenizer(path: str) -> None:
     """A small Llama whose directory has a BPE tokenizer trained on local text (with an
     end-of-text token), saved as from_pretrained and AutoTokenizer read them."""
-    import copy
     import os
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read()[:30000]
     tok = Tokenizer(models.BPE())
@@ -275,15 +274,8 @@ def _model_with_tokenizer(path: str) -> None:
                                                         special_tokens=["<|endoftext|>"]))
     eos = tok.token_to_id("<|endoftext|>")
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
-    fields = copy.deepcopy(CONFIGS["llama"])
-    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=tok.get_vocab_size(),
-                                  eos_token_id=eos, bos_token_id=eos, **fields)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path)
+    make_model("llama", path, vocab_size=tok.get_vocab_size(), eos_token_id=eos,
+               bos_token_id=eos)
 
 
 def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):

@@ -49,7 +49,7 @@ def make_model(kind: str, path: str, dtype=torch.float32, **overrides) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = copy.deepcopy({**CONFIGS[kind], **overrides})  # transformers completes nested
-    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=VOCAB, **fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **{"vocab_size": VOCAB, **fields})
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -235,7 +235,6 @@ class _Run:
             self._arrived(t - 1, m, *self.ch.recv_forward(mb=m, stage=self.stage.count))
 
     def _forward(self, t: int, rows: slice, x):
-        st = self.stage
         if t == 0:
             positions, valid = self.positions[rows], self.mask[rows]
         else:
@@ -243,6 +242,11 @@ class _Run:
             valid = torch.ones_like(positions)
         if self.cache is not None:
             self.cache.begin(positions, valid, rows=rows)
+        return self._layers(x, positions)
+
+    def _layers(self, x, positions):
+        """This stage's layers on ``x`` (token ids on the first stage, else hidden states)."""
+        st = self.stage
         h = st.embedding(x, positions=positions) if st.first else x
         for block in st.blocks:
             h = block(h)
@@ -265,11 +269,7 @@ class _Run:
         return self.graph(x)
 
     def _step(self, x) -> torch.Tensor:
-        st = self.stage
-        h = st.embedding(x, positions=self.cache.static_positions)
-        for block in st.blocks:
-            h = block(h)
-        return self._logits(h)
+        return self._logits(self._layers(x, self.cache.static_positions))
 
     def _choose(self, t: int, rows: slice, h=None, logits=None):
         """The last stage: the next token of each row of the microbatch, and which rows end."""
