@@ -322,6 +322,7 @@ def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
     # errors every rank meets are one line from rank 0 (two ranks: before init and after)
     for ranks, model, extra, words in (
             (2, path, ["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
+            (2, path, ["--prompt", "x", "--no-such-flag"], "unrecognized arguments"),
             (2, path, ["--prompt-file", str(tmp_path / "none.txt")], "No such file"),
             (1, path, ["--prompt", "x " * 80], "exceed the model's context of 64"),
             (3, path, ["--prompt", "x", "--tp", "3"], "heads 4 is not divisible by tp 3"),

@@ -15,7 +15,6 @@ left-padded. ``--json PATH`` writes rank 0's ``{"results": [{"prompt", "prompt_t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -30,19 +29,18 @@ from fastpar.checkpoint import loading
 from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.generation.loop import generate
 from fastpar.hf_files import SafetensorsReader
-from fastpar.models.config import GPTConfig
 from fastpar.generation.stages import Stages
+from fastpar.models.config import GPTConfig
 from fastpar.models.gpt import gpt_layers
 from fastpar.models.hf import hf_config, read_hf_config
 from fastpar.models.hf_weights import hf_layers
-from fastpar.runtime.cli import launch_rank
+from fastpar.runtime.cli import Parser, launch_rank
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fastpar.generate", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> Parser:
+    p = Parser(prog="python -m fastpar.generate", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face causal-LM directory")
     src.add_argument("--resume", metavar="CKPT", help="a checkpoint of python -m fastpar.train")
