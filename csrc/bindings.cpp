@@ -6,6 +6,7 @@
 
 #include "build_info.h"
 #include "c10d_backend.h"
+#include "qlinear_ops.h"
 #include "quant_ops.h"
 #include "shm_alltoall_ops.h"
 #include "shm_ops.h"
@@ -65,6 +66,9 @@ TORCH_LIBRARY(fastpar, m) {
         &fastpar::quant_unpack_rows);
   m.def("quant_sum_packed_rows(Tensor buf, int m, int block, Tensor(a!) out) -> ()",
         &fastpar::quant_sum_packed_rows);
+  // Weight-only quantized linear (CPU): fastpar/nn/qweight.py's decode-sized GEMM.
+  m.def("qlinear(Tensor x, Tensor q, Tensor scales, Tensor? offsets, int bits, int group, "
+        "int lead, Tensor(a!) out) -> ()", &fastpar::qlinear);
   m.def("shm_all_to_all(int comm, Tensor inp, int[] send_counts, int[]? recv_counts, int sig, "
         "Tensor(a!)? out=None) -> (Tensor, int[])", &fastpar::shm_all_to_all);
 

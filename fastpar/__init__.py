@@ -18,13 +18,14 @@ from fastpar import nn  # noqa: E402
 from fastpar import optim  # noqa: E402
 from fastpar.data_parallel import DataParallel  # noqa: E402
 from fastpar.grid import Grid, Topology  # noqa: E402
+from fastpar.nn.quantized import quantize_weights  # noqa: E402
 from fastpar.parallelize import parallelize  # noqa: E402
 from fastpar.runtime import init, is_initialized, shutdown, topology  # noqa: E402
 from fastpar.state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
 __all__ = ["DataParallel", "Grid", "Topology", "__version__", "full_state_dict", "init",
-           "is_initialized", "load_full_state_dict", "nn", "optim", "parallelize", "shutdown",
-           "topology"]
+           "is_initialized", "load_full_state_dict", "nn", "optim", "parallelize",
+           "quantize_weights", "shutdown", "topology"]
 
 _backend.register()  # dist.init_process_group("fastpar") from here on
 

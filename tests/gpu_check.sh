@@ -19,7 +19,8 @@
 # rank), and its CUDA IPC all-reduce behind dist.all_reduce (two ranks on the one GPU); a
 # Hugging Face Llama at tp 2 on the GPU against Hugging Face's own forward (tests/test_hf_models.py);
 # generation at tp 2 and pp 2 on the GPU against Hugging Face's generate (tests/test_generate.py)
-# and one generation through python -m fastpar.generate; a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
+# and one generation through python -m fastpar.generate, and with int8 weights; the quantized
+# weights' Triton GEMM against float64 (tests/test_quantized_weights.py); a bf16 training run; the all_reduce latency benchmark 16 B..8 MiB in bf16 at 2 and 4 processes
 # (cuda_ipc beside gloo, the engine it falls back to on a shared GPU; nccl and nccl_mpi say why
 # they cannot run when the ranks share one GPU: NCCL wants one GPU per rank).
 set -uo pipefail
@@ -68,7 +69,8 @@ step bench-gemm 120 $PY bench/gemm.py --json "$OUT/gemm.json"
 # one generation through the command on the GPU (a small Llama with its own tokenizer)
 step generate-gpu 120 bash -c "$PY -c 'from tests.test_generate import _model_with_tokenizer as m; \
 m(\"$OUT/gen-model\")' && $PY -m fastpar.generate --hf-model $OUT/gen-model --prompt 'def main(' \
-    --max-new-tokens 16 --json $OUT/generate.json"
+    --max-new-tokens 16 --json $OUT/generate.json && $PY -m fastpar.generate --hf-model \
+    $OUT/gen-model --prompt 'def main(' --max-new-tokens 16 --weights int8 --json $OUT/generate-int8.json"
 step train-gpu-bf16 120 $PY -m fastpar.train --preset tiny --steps 30 --dtype bfloat16 \
     --no-progress --plot "$OUT/train_loss.png" --metrics "$OUT/train.jsonl"
 # ZeRO-3 per unit on the device: gather buffers' storage resized there, a reduction per backward

@@ -57,7 +57,12 @@ def parser() -> Parser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=1, help="prompts run together (default 1)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="the activations' dtype and the weights' unless --weights")
+    p.add_argument("--weights", choices=("int8", "int4"),
+                   help="store the linear layers' weights quantized (fastpar.quantize_weights)")
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="input columns per quantization scale (default: 128 int8, 64 int4)")
     p.add_argument("--json", metavar="PATH", help="write the results and timings as JSON")
     return p
 
@@ -179,6 +184,13 @@ def _stopper(tokenizer, stops, lead: bool, batch: int):
     return on_tokens
 
 
+def weight_bytes(layers) -> int:
+    """The bytes of this rank's weights: every tensor of the layers' state (parameters, and a
+    quantized layer's integers and scales)."""
+    return sum(t.numel() * t.element_size() for layer in layers
+               for t in layer.state_dict().values())
+
+
 def main(argv=None) -> int:
     """Errors the same on every rank (bad flags, a model it cannot run) are one line, from the
     first rank."""
@@ -195,6 +207,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.group_size is not None and not args.weights:
+        raise ValueError("--group-size applies to quantized weights: pass --weights int8|int4")
     for name in ("tp", "pp", "batch", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
@@ -208,9 +222,12 @@ def run(args) -> int:
     stages, cfg, tokenizer = load_model(args, topo)
     layers = stages.layers
     dtype = DTYPES[args.dtype]
+    count = sum(p.numel() for layer in layers for p in layer.parameters())
     for layer in layers:
         layer.to(dtype)
-    weights = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+        if args.weights:
+            fastpar.quantize_weights(layer, args.weights, args.group_size)
+    weights = weight_bytes(layers)
     ids = [tokenizer.encode(p) for p in prompts]
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     first_end = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
@@ -220,8 +237,9 @@ def run(args) -> int:
     kv = (2 * heads * min(args.batch, len(ids)) * longest * cfg.head_size
           * torch.finfo(dtype).bits // 8)
     if lead:
-        print(f"fastpar.generate: {sum(p.numel() for l in layers for p in l.parameters()) / 1e6:.1f}"
-              f" M parameters on rank 0 at tp {args.tp} x pp {args.pp}, {args.dtype}: weights "
+        stored = args.dtype if not args.weights else f"{args.weights} linears, {args.dtype}"
+        print(f"fastpar.generate: {count / 1e6:.1f}"
+              f" M parameters on rank 0 at tp {args.tp} x pp {args.pp}, {stored}: weights "
               f"{weights / 2**20:.1f} MiB, KV cache up to {kv / 2**20:.1f} MiB "
               f"(batch {min(args.batch, len(ids))} x {longest} tokens)", file=sys.stderr,
               flush=True)
