@@ -109,7 +109,8 @@ def _packages(graph) -> dict[str, set[str]]:
 
 
 # Which layers a layer must never import (docs/design.md, "Layers").
-FRONT_DOORS = ("fastpar.train", "fastpar.info", "fastpar.__main__", "fastpar.generate")
+FRONT_DOORS = ("fastpar.train", "fastpar.info", "fastpar.__main__", "fastpar.generate",
+               "fastpar.evaluate")
 JOBS = ("fastpar.training", *FRONT_DOORS)
 NEVER = {
     "fastpar.grid": ("fastpar.runtime", "fastpar.comm"),
