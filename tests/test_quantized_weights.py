@@ -250,6 +250,42 @@ def test_gpt_logits_at_every_tp(fmt):
                          serial)
 
 
+def body_checkpoint(cfg: dict, fmt: str, tp: int, root: str, save: bool) -> dict:
+    """The GPT quantized at ``tp``: saved (seed 0), or loaded into one quantized from other
+    weights (seed 1); a digest of each tensor of its full state dict either way."""
+    import hashlib
+
+    import fastpar
+    from fastpar.checkpoint.sharded import ShardedCheckpointer
+    from fastpar.models.config import GPTConfig
+    from fastpar.models.gpt import gpt_layers
+
+    fastpar.init(tp=tp)
+    layers = gpt_layers(GPTConfig(**cfg), seed=0 if save else 1, replicated_kv=True)
+    model = fastpar.quantize_weights(torch.nn.Sequential(*[make() for make in layers]), fmt, 16)
+    if save:
+        ShardedCheckpointer().save(root, 0, model, meta={"weights": fmt})
+    else:
+        ShardedCheckpointer().load(root, model, None)
+    return {k: [str(v.dtype), list(v.shape),
+                hashlib.sha256(v.cpu().contiguous().view(torch.uint8).numpy()).hexdigest()]
+            for k, v in fastpar.full_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_checkpoint_reshards_exactly(fmt, tmp_path):
+    """Saved at tp 2 (row shards of 100 and 24 columns: edge groups shared), loaded at tp 1,
+    tp 4 (its KV heads replicated) and tp 2 of 4: every tensor bit for bit."""
+    cfg, root = _config().__dict__, str(tmp_path / "ckpt")
+    saved = run_ranks(2, body_checkpoint, cfg=cfg, fmt=fmt, tp=2, root=root, save=True).values()
+    assert any(k.endswith("down_proj.qweight") for k in saved[0])
+    assert any(k.endswith("o_proj.scales") for k in saved[0])
+    for world, tp in ((1, 1), (4, 4), (4, 2)):
+        for got in run_ranks(world, body_checkpoint, cfg=cfg, fmt=fmt, tp=tp, root=root,
+                             save=False).values():
+            assert got == saved[0], (world, tp)
+
+
 def test_refusals():
     import fastpar
     from fastpar.nn import qweight

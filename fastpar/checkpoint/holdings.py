@@ -90,9 +90,23 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)
 
 
-def model_pieces(model, opt) -> list[Piece]:
-    """The weights of record this rank holds (see the module docstring)."""
+def _saved_parts(model) -> dict[str, tuple]:
+    """``{key: (box, lo, hi)}`` of the tensors a layer saves only part of (``saved_part``: a
+    quantized row shard's scales, whose edge groups the rank beside it saves): the part's own
+    box and its elements ``[lo, hi)`` in the local tensor."""
+    out = {}
+    for chunk in _chunks(model):
+        for key, (layer, leaf) in sharded_keys(chunk).items():
+            if hasattr(layer, "saved_part"):
+                out[key] = layer.saved_part(leaf)
+    return out
+
+
+def model_pieces(model, opt, saving: bool = False) -> list[Piece]:
+    """The weights of record this rank holds (see the module docstring); ``saving``: only the
+    part of each tensor this rank writes (its layer's ``saved_part``), else all it loads."""
     ranges = _zero_ranges(opt) if isinstance(opt, DistributedOptimizer) else {}
+    saved = _saved_parts(model) if saving else {}
     pieces = []
     for key, t, shape, box in keyed_tensors(model):
         if id(t) in ranges:
@@ -102,6 +116,10 @@ def model_pieces(model, opt) -> list[Piece]:
             continue
         if isinstance(opt, MasterWeights) and t.requires_grad:
             t = opt.master_of(t)
+        if key in saved:
+            part, lo, hi = saved[key]
+            pieces.append(Piece("model", key, shape, part, 0, hi - lo, _flat(t)[lo:hi]))
+            continue
         pieces.append(Piece("model", key, shape, box, 0, t.numel(), _flat(t)))
     return pieces
 

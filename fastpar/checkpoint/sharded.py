@@ -181,7 +181,7 @@ class ShardedCheckpointer:
                 store.clean(root)  # leftovers of interrupted saves: nobody writes there now
                 store.check_new(root, step)
                 json.dumps(meta)
-            pieces = model_pieces(model, opt)
+            pieces = model_pieces(model, opt, saving=True)
             self._described = _described(pieces, self.world)  # index["written_by"]
             if opt is not None and optimizer_state:
                 opt_pieces, scalars = optimizer_pieces(model, opt)

@@ -17,7 +17,7 @@ K in features, n = tp, per rank::
 A row shard's groups are its columns' serial groups (``qweight.Grid``): a group cut by a shard
 boundary is held in part by the two ranks beside it, with the whole group's scale (computed
 once, by a max of the group's statistics over the tp group), so the quantized model is the same
-at every tp; a checkpoint stores each group's scales once (``saved_range``: from the shard its
+at every tp; a checkpoint stores each group's scales once (``saved_part``: from the shard its
 first column lies in) and reshards exactly.
 """
 
@@ -110,13 +110,16 @@ class _Quantized:
         """This shard's weight dequantized, (out, in) in float32 (a new tensor)."""
         return qweight.dequantize(self.qweight, self.scales, self.offsets, self.bits, self.grid)
 
-    def saved_range(self, name: str) -> tuple[int, int]:
-        """The elements ``[lo, hi)`` of this rank's ``name`` (row-major) that a checkpoint
-        stores: a row shard's scales from its first group that starts inside it; all else."""
+    def saved_part(self, name: str):
+        """``(box, lo, hi)``: the part of this rank's ``name`` that a checkpoint stores, its box
+        in the serial tensor and its elements [lo, hi) here: a row shard's scales from its
+        first group that starts inside it (the rank before saves the group they share)."""
         t = getattr(self, name)
+        (offsets, sizes), skip = self.shard_box(name), 0
         if name in _SCALES and self.sharded_in:
-            return (self.grid.owned_first - self.grid.first) * t.shape[1], t.numel()
-        return 0, t.numel()
+            skip = self.grid.owned_first - self.grid.first
+            offsets, sizes = (offsets[0] + skip,) + offsets[1:], (sizes[0] - skip,) + sizes[1:]
+        return (offsets, sizes), skip * t[0].numel() if t.dim() else 0, t.numel()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -145,7 +148,9 @@ class QuantizedRowParallelLinear(_Quantized, RowParallelLinear):
 
     def __init__(self, layer: RowParallelLinear, fmt: str, group_size=None):
         self._quantize(layer, fmt, group_size)
-        self.shard_dims = {"qweight": 1}
+        # the scales' dim 0 is their groups: cut at the shard's columns, its edge groups
+        # shared with the ranks beside it (the methods below)
+        self.shard_dims = {"qweight": 1, "scales": 0, "offsets": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp > 1 and not self.input_is_parallel:
@@ -198,6 +203,9 @@ class QuantizedHeadReplicatedLinear(_Quantized, HeadReplicatedLinear):
 
     def __init__(self, layer: HeadReplicatedLinear, fmt: str, group_size=None):
         self._quantize(layer, fmt, group_size)
+        self.shard_dims = {"qweight": 0, "scales": 1, "offsets": 1}
+        if self.bias is not None:
+            self.shard_dims["bias"] = 0
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         if name in _SCALES:
