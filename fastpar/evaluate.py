@@ -124,10 +124,16 @@ def run(args) -> int:
     with torch.device(topo.device):
         pipe = Pipeline(layers, loss_fn=gpt_loss, microbatches=args.pp if rows % args.pp == 0
                         else 1)
+    stored = meta.get("weights")  # python -m fastpar.quantize's: quantized, then loaded
+    if stored and args.weights:
+        raise ValueError(f"--weights {args.weights}: {args.resume} holds {stored['format']} "
+                         "weights already")
+    pipe.to(getattr(torch, args.dtype))
+    if stored:
+        fastpar.quantize_weights(pipe, stored["format"], stored["group_size"])
     if args.resume:
         ShardedCheckpointer().load(args.resume, pipe, None)
     pipe.eval()
-    pipe.to(getattr(torch, args.dtype))
     if args.weights:
         fastpar.quantize_weights(pipe, args.weights, args.group_size)
     total = torch.zeros(1, dtype=torch.float64)
@@ -142,7 +148,7 @@ def run(args) -> int:
     loss = total.item() / (len(batches) * topo.dp_size)
     record = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
               "tokens": len(batches) * batch * cfg.seq_len,
-              "weights": args.weights or args.dtype,
+              "weights": (stored or {}).get("format") or args.weights or args.dtype,
               "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size}}
     if lead:
         print(f"\rfastpar.evaluate: loss {loss:.4f}, perplexity {record['perplexity']:.3f} over "

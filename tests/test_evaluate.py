@@ -62,6 +62,37 @@ def test_trainer_checkpoint_at_every_layout(trained):
     assert pp2["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
+def test_quantized_checkpoint_loads_at_any_tp(trained):
+    """python -m fastpar.quantize --save: evaluated at tp 1 and 2 it scores what --weights int4
+    scores on the float checkpoint, and generates the same tokens at tp 2 as --weights int4
+    does in one process."""
+    ckpt, _, where = trained
+    q4, out = str(where / "q4"), str(where / "q.json")
+    done = launch([sys.executable, "-m", "fastpar.quantize", "--resume", ckpt, "--weights",
+                   "int4", "--save", q4], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "int4 (group 64)" in done.stdout, done.stdout
+    _, direct = _evaluate(["--resume", ckpt, "--weights", "int4"], out=out)
+    for nranks in (1, 2):
+        done, got = _evaluate(["--resume", q4, "--tp", str(nranks)], nranks=nranks, out=out)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert got["weights"] == "int4" and got["loss"] == pytest.approx(direct["loss"],
+                                                                         rel=1e-6)
+    texts = []
+    for argv, nranks in ((["--resume", ckpt, "--weights", "int4"], 1),
+                         (["--resume", q4, "--tp", "2"], 2)):
+        done = launch([sys.executable, "-m", "fastpar.generate", "--prompt", "def main(",
+                       "--max-new-tokens", "12", "--json", out] + argv, nranks=nranks,
+                      launcher="mpirun" if nranks > 1 else "plain", timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "int4 linears" in done.stderr, done.stderr
+        texts.append(json.load(open(out))["results"][0]["new_tokens"])
+    assert texts[0] == texts[1]
+    done = launch([sys.executable, "-m", "fastpar.quantize", "--resume", q4, "--weights", "int8",
+                   "--save", str(where / "again")], timeout=120)
+    assert done.returncode == 2 and "quantized already (int4)" in done.stderr, done.stderr
+
+
 def test_hugging_face_directory_scores_as_hugging_face(tmp_path):
     """--hf-model with --data: the loss of Hugging Face's own forward on the same windows of
     the same tokens (the trainer's tokenizer cache and validation batches)."""

@@ -110,7 +110,7 @@ def _packages(graph) -> dict[str, set[str]]:
 
 # Which layers a layer must never import (docs/design.md, "Layers").
 FRONT_DOORS = ("fastpar.train", "fastpar.info", "fastpar.__main__", "fastpar.generate",
-               "fastpar.evaluate")
+               "fastpar.evaluate", "fastpar.quantize")
 JOBS = ("fastpar.training", *FRONT_DOORS)
 NEVER = {
     "fastpar.grid": ("fastpar.runtime", "fastpar.comm"),

@@ -34,6 +34,7 @@ from fastpar.models.config import GPTConfig
 from fastpar.models.gpt import gpt_layers
 from fastpar.models.hf import hf_config, read_hf_config
 from fastpar.models.hf_weights import hf_layers
+from fastpar.nn.quantized import quantized_meta
 from fastpar.runtime.cli import Parser, launch_rank
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -134,8 +135,14 @@ def load_model(args, topo) -> tuple[Stages, GPTConfig, object]:
     dtype = getattr(torch, stored.pop()) if len(stored) == 1 else torch.float32
     with torch.device(topo.device):
         stages = Stages(gpt_layers(cfg, replicated_kv=True), cfg)
+    stored = meta.get("weights")  # python -m fastpar.quantize's: the layers quantized first
     for layer in stages.layers:
         layer.to(dtype)
+        if stored:
+            fastpar.quantize_weights(layer, stored["format"], stored["group_size"])
+    if stored and args.weights:
+        raise ValueError(f"--weights {args.weights}: {directory} holds {stored['format']} "
+                         "weights already")
     ShardedCheckpointer().load(directory, stages.module(), None)
     return stages, cfg, tokenizer
 
@@ -222,12 +229,14 @@ def run(args) -> int:
     stages, cfg, tokenizer = load_model(args, topo)
     layers = stages.layers
     dtype = DTYPES[args.dtype]
-    count = sum(p.numel() for layer in layers for p in layer.parameters())
     for layer in layers:
         layer.to(dtype)
         if args.weights:
             fastpar.quantize_weights(layer, args.weights, args.group_size)
     weights = weight_bytes(layers)
+    quantized = quantized_meta(stages.module())
+    count = sum(p.numel() for layer in layers for p in layer.parameters()) + sum(
+        m.weight_numel for m in stages.module().modules() if hasattr(m, "weight_numel"))
     ids = [tokenizer.encode(p) for p in prompts]
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     first_end = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
@@ -237,7 +246,7 @@ def run(args) -> int:
     kv = (2 * heads * min(args.batch, len(ids)) * longest * cfg.head_size
           * torch.finfo(dtype).bits // 8)
     if lead:
-        stored = args.dtype if not args.weights else f"{args.weights} linears, {args.dtype}"
+        stored = args.dtype if not quantized else f"{quantized['format']} linears, {args.dtype}"
         print(f"fastpar.generate: {count / 1e6:.1f}"
               f" M parameters on rank 0 at tp {args.tp} x pp {args.pp}, {stored}: weights "
               f"{weights / 2**20:.1f} MiB, KV cache up to {kv / 2**20:.1f} MiB "

@@ -86,6 +86,11 @@ class _Quantized:
     def group_size(self) -> int:
         return self.grid.group
 
+    @property
+    def weight_numel(self) -> int:
+        """The weights this shard stands for (out x in of its float form)."""
+        return self.qweight.shape[0] * self.grid.columns
+
     def _apply(self, fn, recurse=True):
         """``.to(dtype)`` and the like move the scales but keep them float32 (the format's)."""
         super()._apply(fn, recurse)
@@ -261,3 +266,15 @@ def quantize_weights(model: nn.Module, weights: str, group_size: int | None = No
         setattr(model.get_submodule(parent) if parent else model, leaf,
                 cls(module, weights, group_size))
     return model
+
+
+def quantized_meta(model: nn.Module) -> dict | None:
+    """``{"format", "group_size"}`` of ``model``'s quantized layers (what a checkpoint of it
+    records), None when it has none."""
+    kinds = {(m.fmt, m.grid.group) for m in model.modules() if isinstance(m, _Quantized)}
+    if len(kinds) > 1:
+        raise ValueError(f"the model's layers are quantized in several ways: {sorted(kinds)}")
+    if not kinds:
+        return None
+    fmt, group = kinds.pop()
+    return {"format": fmt, "group_size": group}
