@@ -275,7 +275,7 @@ def test_recompute_bench_runs(tmp_path):
 
 
 BENCHES = ["bootstrap", "collectives", "context", "data_parallel", "dist_backend", "gemm",
-           "generate", "hf_train", "memory", "moe", "overlap", "pipeline", "recompute",
+           "generate", "hf_train", "memory", "moe", "overlap", "pipeline", "quantize", "recompute",
            "tp_layers", "train_throughput", "zero_gather", "zero_trainer"]
 
 

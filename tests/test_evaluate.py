@@ -123,6 +123,44 @@ def test_hugging_face_directory_scores_as_hugging_face(tmp_path):
     assert got["tokens"] == 2 * 4 * 32
 
 
+def test_quantized_hugging_face_directory(tmp_path):
+    """python -m fastpar.quantize --save-hf: config.json carries the format, the directory
+    scores at tp 2 what --weights int8 scores on the float one, and exporting its checkpoint
+    again gives the same tensors bit for bit; another quantization method is refused."""
+    from safetensors.torch import load_file
+
+    from tests.test_generate import _model_with_tokenizer
+
+    model, text = str(tmp_path / "m"), tmp_path / "text.txt"
+    _model_with_tokenizer(model)
+    text.write_text(open(json.__file__.replace("__init__.py", "decoder.py")).read() * 4)
+    q, ckpt, again = str(tmp_path / "q"), str(tmp_path / "c"), str(tmp_path / "again")
+    done = launch([sys.executable, "-m", "fastpar.quantize", "--hf-model", model, "--weights",
+                   "int8", "--group-size", "32", "--save-hf", q, "--save", ckpt], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.load(open(f"{q}/config.json"))["quantization_config"]
+    assert (config["quant_method"], config["format"], config["group_size"]) == \
+        ("fastpar", "int8", 32)
+    out = str(tmp_path / "e.json")
+    data = ["--data", str(text), "--seq-len", "32", "--batches", "2", "--batch-size", "4"]
+    _, direct = _evaluate(["--hf-model", model, "--weights", "int8", "--group-size", "32"]
+                          + data, out=out)
+    done, stored = _evaluate(["--hf-model", q, "--tp", "2"] + data, nranks=2, out=out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert stored["loss"] == pytest.approx(direct["loss"], rel=1e-6)
+    done = launch([sys.executable, "-m", "fastpar.checkpoint", "export", "--hf", again, ckpt])
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = load_file(f"{q}/model.safetensors"), load_file(f"{again}/model.safetensors")
+    assert first.keys() == second.keys() and any(k.endswith(".qweight") for k in first)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    config = json.load(open(f"{model}/config.json"))
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    json.dump(config, open(f"{model}/config.json", "w"))
+    done, _ = _evaluate(["--hf-model", model] + data)
+    assert done.returncode == 2 and "quantization method 'gptq' is not fastpar's" in \
+        done.stderr, done.stderr[-2000:]
+
+
 def test_bad_input_is_one_line(trained):
     ckpt, _, where = trained
     for argv, said in ((["--resume", ckpt, "--group-size", "64"], "--group-size applies"),

@@ -24,10 +24,11 @@ import torch
 from fastpar.checkpoint import files, loading, store
 from fastpar.checkpoint.boxes import numel
 from fastpar.models.config import GPTConfig
-from fastpar.models.hf import HfInfo
+from fastpar.models.hf import HfInfo, quantization_config
 from fastpar.models.hf_weights import assemble, hf_plan
 
 # What a Hugging Face directory holds besides the config and the weights, copied as it is.
+QUANTIZED = (".qweight", ".scales", ".offsets")  # a quantized linear's tensors
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "generation_config.json", "chat_template.jinja")
@@ -40,7 +41,8 @@ def source_of(meta: dict) -> tuple[GPTConfig, HfInfo, str | None]:
         raise ValueError("not a Hugging Face model's checkpoint (fastpar.train --hf-model or "
                          "--hf-config writes what export --hf needs)")
     return (GPTConfig(**meta["model"]), HfInfo(hf["config"]["model_type"], hf["config"],
-                                                hf["dtype"]), hf.get("files"))
+                                                hf["dtype"], meta.get("weights")),
+            hf.get("files"))
 
 
 def export_hf(path: str, out: str, shard_bytes: int = 2 << 30, progress=None) -> dict:
@@ -69,9 +71,9 @@ def export_hf(path: str, out: str, shard_bytes: int = 2 << 30, progress=None) ->
             raise ValueError(f"checkpoint {directory} has no {name}")
         return loading.whole(directory, index, "model", name, reader).view(saved[name]["shape"])
 
-    def maker(layer: int, parts: list):
+    def maker(layer: int, parts: list, kind: torch.dtype):
         def make():
-            t = assemble([(src, full(f"{layer}.{name}")) for name, src in parts]).to(dtype)
+            t = assemble([(src, full(f"{layer}.{name}")) for name, src in parts]).to(kind)
             peak[0] = max(peak[0], t.nbytes * (1 + len(parts)))
             return t.reshape(-1)
         return make
@@ -83,7 +85,10 @@ def export_hf(path: str, out: str, shard_bytes: int = 2 << 30, progress=None) ->
             shape = list(shapes[0][::-1] if parts[0][1].conv1d else shapes[0])
             if len(parts) > 1:  # fused: the parts side by side along the outputs
                 shape[-1] = sum(s[0] if parts[0][1].conv1d else s[-1] for s in shapes)
-            items.append((hf_name, dtype, tuple(shape), maker(layer, parts)))
+            # a quantized linear's integers and scales keep their own dtypes
+            kind = dtype if not hf_name.endswith(QUANTIZED) else \
+                files.dtype_of(saved[f"{layer}.{parts[0][0]}"]["dtype"])
+            items.append((hf_name, kind, tuple(shape), maker(layer, parts, kind)))
     tmp = f"{out.rstrip(os.sep)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -103,7 +108,10 @@ def export_hf(path: str, out: str, shard_bytes: int = 2 << 30, progress=None) ->
             _json(os.path.join(tmp, "model.safetensors.index.json"),
                   {"metadata": {"total_size": sum(numel(s) * d.itemsize for _, d, s, _ in items)},
                    "weight_map": weight_map})
-        _json(os.path.join(tmp, "config.json"), {**info.config, "dtype": info.dtype})
+        config = {**info.config, "dtype": info.dtype}
+        if info.weights:
+            config["quantization_config"] = quantization_config(info.weights)
+        _json(os.path.join(tmp, "config.json"), config)
         copied = [f for f in TOKENIZER_FILES
                   if source and os.path.isfile(os.path.join(source, f))]
         for f in copied:

@@ -34,11 +34,42 @@ ARCHITECTURES = (*LLAMA_LIKE, "gpt2")
 @dataclasses.dataclass(frozen=True)
 class HfInfo:
     """What the GPT config does not hold about the Hugging Face model: its ``model_type``, the
-    whole ``config`` (written back on export) and the weights' dtype name (``"float32"``...)."""
+    whole ``config`` (written back on export), the weights' dtype name (``"float32"``...) and,
+    for fastpar's quantized format, ``weights`` ``{"format", "group_size"}`` (else None)."""
 
     model_type: str
     config: dict
     dtype: str
+    weights: dict | None = None
+
+
+QUANT_METHOD = "fastpar"  # quantization_config["quant_method"] of fastpar's int8/int4 format
+
+
+def quantization_config(weights: dict) -> dict:
+    """config.json's ``quantization_config`` of a model quantized by fastpar (``weights``:
+    ``{"format", "group_size"}``; the layout: fastpar/nn/qweight.py)."""
+    fmt = weights["format"]
+    return {"quant_method": QUANT_METHOD, "format": fmt, "bits": 8 if fmt == "int8" else 4,
+            "group_size": weights["group_size"], "symmetric": fmt == "int8",
+            "tensors": "<linear>.qweight (out, in) int8 | (out, ceil(in / 2)) uint8, the low "
+                       "nibble the even column; <linear>.scales (and int4 .offsets) float32 "
+                       "(ceil(in / group_size), out): w = scales * q (+ offsets)"}
+
+
+def _weights(kind: str, d: dict) -> dict | None:
+    """A directory's quantized format (fastpar's only), or None for float weights."""
+    q = d.get("quantization_config")
+    if not q:
+        return None
+    if not isinstance(q, dict) or q.get("quant_method") != QUANT_METHOD:
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise ValueError(f"{kind}: quantization method {method!r} is not fastpar's; fastpar "
+                         "reads float weights and its own int8/int4 format (python -m "
+                         "fastpar.quantize --save-hf)")
+    if kind == "gpt2":
+        raise ValueError("gpt2: fastpar's quantized format is written for Llama-family models")
+    return {"format": q["format"], "group_size": q["group_size"]}
 
 
 def read_hf_config(path: str) -> dict:
@@ -86,7 +117,7 @@ def hf_config(d: dict, seq_len: int | None = None, **overrides) -> tuple[GPTConf
                          f"({', '.join(DTYPES)})")
     cfg = GPTConfig(seq_len=seq_len, **{**fields, **overrides})
     cfg.validate()
-    return cfg, HfInfo(kind, dict(d), dtype)
+    return cfg, HfInfo(kind, dict(d), dtype, _weights(kind, d))
 
 
 def resolved(d: dict) -> dict:

@@ -23,6 +23,7 @@ import torch
 from fastpar.models.config import GPTConfig
 from fastpar.models.gpt import gpt_layers
 from fastpar.models.hf import HfInfo
+from fastpar.nn.quantized import quantize_weights
 from fastpar.nn.sharding import ShardedModule, copy_into
 
 
@@ -38,7 +39,35 @@ class Source:
 
 
 def sources(cfg: GPTConfig, info: HfInfo, index: int) -> dict[str, Source]:
-    """Each parameter of GPT layer ``index`` (its name in the layer) -> its ``Source``."""
+    """Each parameter of GPT layer ``index`` (its name in the layer) -> its ``Source``; of a
+    quantized model (``info.weights``) each linear's integers and scales in place of its
+    weight (``_quantized``)."""
+    table = _float_sources(cfg, info, index)
+    return _quantized(table, cfg, info) if info.weights else table
+
+
+def _quantized(table: dict[str, Source], cfg: GPTConfig, info: HfInfo) -> dict[str, Source]:
+    """The float table with every linear weight (``*_proj.weight``, an untied head's
+    ``out.weight``: what ``fastpar.quantize_weights`` quantizes) as its ``qweight``,
+    ``scales`` and (int4) ``offsets``, stored as fastpar holds them: (out, in) and (groups,
+    out)."""
+    parts = ("qweight", "scales") + (("offsets",) if info.weights["format"] == "int4" else ())
+    out = {}
+    for name, src in table.items():
+        linear = name.endswith("_proj.weight") or (name == "out.weight" and
+                                                   not cfg.tie_embeddings)
+        if not linear:
+            out[name] = src
+            continue
+        if src.conv1d or src.part is not None:
+            raise ValueError(f"{info.model_type}: fastpar's quantized format is written for "
+                             "Llama-family models (no Conv1D or fused projections)")
+        stem, theirs = name.removesuffix(".weight"), src.name.removesuffix(".weight")
+        out.update({f"{stem}.{part}": Source(f"{theirs}.{part}") for part in parts})
+    return out
+
+
+def _float_sources(cfg: GPTConfig, info: HfInfo, index: int) -> dict[str, Source]:
     gpt2 = info.model_type == "gpt2"
     top = "transformer." if gpt2 else "model."
     embedding = top + ("wte.weight" if gpt2 else "embed_tokens.weight")
@@ -107,7 +136,10 @@ def load_layer(module: torch.nn.Module, index: int, cfg: GPTConfig, info: HfInfo
     table = sources(cfg, info, index)
     seen = set()
     for prefix, owner in module.named_modules():
-        for name, p in owner.named_parameters(recurse=False):
+        # a quantized layer's integers and scales are buffers; other buffers are not weights
+        stored = [(n, b) for n, b in owner.named_buffers(recurse=False)
+                  if (f"{prefix}.{n}" if prefix else n) in table]
+        for name, p in list(owner.named_parameters(recurse=False)) + stored:
             full_name = f"{prefix}.{name}" if prefix else name
             if p.is_meta:
                 return module
@@ -161,6 +193,12 @@ def hf_layers(cfg: GPTConfig, info: HfInfo, reader, **kwargs) -> list:
     """``gpt_layers(cfg, **kwargs)``'s factories, each layer given the checkpoint's values as it
     is built: a pipeline stage reads only its own layers' tensors."""
     def loaded(factory, index):
-        return lambda: load_layer(factory(), index, cfg, info, reader)
+        def make():
+            layer = factory()
+            if info.weights:  # the quantized structure (collective over tp; none on meta),
+                # then the stored values
+                quantize_weights(layer, info.weights["format"], info.weights["group_size"])
+            return load_layer(layer, index, cfg, info, reader)
+        return make
 
     return [loaded(f, i) for i, f in enumerate(gpt_layers(cfg, **kwargs))]

@@ -65,7 +65,8 @@ class _Quantized:
                              f"{self.tp}) must be even; use int8")
         self.grid = qweight.Grid(group, start, w.shape[1])
         stats = qweight.group_stats(w, self.bits, self.grid)
-        if self.sharded_in and self.tp > 1:  # the edge groups' statistics over the whole group
+        if self.sharded_in and self.tp > 1 and not w.is_meta:  # the edge groups' statistics
+            # over the whole group (a layer on meta, weighed by a pipeline, has no values)
             every = stats.new_full((self.serial_groups,) + stats.shape[1:], -torch.inf)
             every[self.grid.first:self.grid.first + self.grid.groups] = stats
             stats = all_reduce(every, self.group, op="max")[
