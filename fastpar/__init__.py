@@ -32,8 +32,8 @@ _backend.register()  # dist.init_process_group("fastpar") from here on
 # Subpackages reachable as attributes (``fastpar.pipeline.Pipeline``) without importing them
 # all at ``import fastpar``: each is imported at its first use (kernels needs Triton, models
 # and training pull in more than a layer library needs).
-_LAZY = ("comm", "data_parallel", "generation", "kernels", "models", "pipeline", "runtime",
-         "testing", "training")
+_LAZY = ("comm", "data_parallel", "generation", "kernels", "models", "pipeline", "pruning",
+         "runtime", "testing", "training")
 
 
 def __getattr__(name: str):
@@ -45,8 +45,12 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("fastpar.generation").generate
+    if name == "prune":  # the function (python -m fastpar.prune is the command), lazily
+        import importlib
+
+        return importlib.import_module("fastpar.pruning").prune
     raise AttributeError(f"module 'fastpar' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY) | {"generate"})
+    return sorted(set(globals()) | set(_LAZY) | {"generate", "prune"})

@@ -110,7 +110,7 @@ def _packages(graph) -> dict[str, set[str]]:
 
 # Which layers a layer must never import (docs/design.md, "Layers").
 FRONT_DOORS = ("fastpar.train", "fastpar.info", "fastpar.__main__", "fastpar.generate",
-               "fastpar.evaluate", "fastpar.quantize")
+               "fastpar.evaluate", "fastpar.quantize", "fastpar.prune")
 JOBS = ("fastpar.training", *FRONT_DOORS)
 NEVER = {
     "fastpar.grid": ("fastpar.runtime", "fastpar.comm"),
@@ -133,7 +133,8 @@ NEVER = {
     "fastpar.checkpoint": ("fastpar.plan", *JOBS),
     **{layer: FRONT_DOORS for layer in ("fastpar.nn", "fastpar.data_parallel", "fastpar.optim",
                                         "fastpar.training", "fastpar.parallelize",
-                                        "fastpar.state_dict", "fastpar.generation")},
+                                        "fastpar.state_dict", "fastpar.generation",
+                                        "fastpar.pruning")},
     # leaves beside the layers: a tp plan's tables, a Hugging Face directory's tensors
     **{leaf: ("fastpar.grid", "fastpar.runtime", "fastpar.comm", "fastpar.nn", "fastpar.pipeline",
               "fastpar.models", "fastpar.parallelize", *JOBS)

@@ -235,8 +235,11 @@ def check_args(p, args) -> None:
         source = "--hf-model" if args.hf_model else "--hf-config"
         p.check(not shaped, f"{', '.join(shaped)} with {source}: the model's shape is its "
                             "config.json's")
-    p.check(args.save_hf is None or hf, "--save-hf writes a Hugging Face model: train one "
-                                        "(--hf-model DIR or --hf-config FILE)")
+    from fastpar.training.pruned import check_flags
+
+    pruned = check_flags(p, args)  # a pruned model's --resume: its shape is the checkpoint's
+    p.check(args.save_hf is None or hf or (pruned or {}).get("hf"), "--save-hf writes a "
+            "Hugging Face model: train one (--hf-model DIR or --hf-config FILE)")
     p.check(args.save_hf is None or not os.path.exists(args.save_hf) or (
         os.path.isdir(args.save_hf) and not os.listdir(args.save_hf)),
         f"--save-hf {args.save_hf} exists and is not an empty directory; not overwritten")
@@ -281,8 +284,13 @@ def check_args(p, args) -> None:
 
 
 def hf_source(args):
-    """``(GPTConfig, HfInfo)`` of ``--hf-model`` / ``--hf-config`` with the run's layout
-    choices, or None for fastpar's own GPT."""
+    """``(GPTConfig, HfInfo)`` of ``--hf-model`` / ``--hf-config``, or of a pruned model's
+    ``--resume`` (``training.pruned``: HfInfo None when it was fastpar's own GPT), with the
+    run's layout choices; None for a preset."""
+    from fastpar.training.pruned import pruned_meta, pruned_source
+
+    if (meta := pruned_meta(args)) is not None:
+        return pruned_source(meta, _layout_fields(args))
     path = args.hf_model or args.hf_config
     if not path:
         return None

@@ -16,17 +16,18 @@ from fastpar.training.data import builtin_corpus, load_corpus
 from fastpar.training.tokens import tokenized_corpus
 
 
-def load_data(args, cfg, topo, hf_info):
+def load_data(args, cfg, topo, hf_info, model_dir=None):
     """The corpus: ``--data`` tokenized by a Hugging Face model's tokenizer (rank 0 first: it
     builds the token cache the others then read; its error raised on every rank), else bytes
-    (``--data`` or the stdlib), which the model's vocabulary must hold."""
+    (``--data`` or the stdlib), which the model's vocabulary must hold. ``model_dir``: the
+    tokenizer's directory (None: ``--hf-model``, or ``--hf-config``'s)."""
     if not (args.data and hf_info is not None):
         if cfg.vocab_size < 256:  # the byte-level corpus: token ids are bytes
             raise ValueError(f"the model's vocabulary of {cfg.vocab_size} tokens is smaller "
                              "than the byte-level corpus' 256; give --data (tokenized by the "
                              "model's tokenizer)")
         return load_corpus(args.data, cfg.seq_len) if args.data else builtin_corpus()
-    model_dir = args.hf_model or os.path.dirname(os.path.abspath(args.hf_config))
+    model_dir = model_dir or args.hf_model or os.path.dirname(os.path.abspath(args.hf_config))
     lead = topo.rank == 0
 
     def made():

@@ -123,7 +123,9 @@ class Checkpoints:
                              + "; ".join(diff))
         data = [f"{k}: checkpoint {meta.get(k)!r}, this run {self.identity[k]!r}"
                 for k in ("seed", "global_batch") if meta.get(k) != self.identity[k]]
-        if data:  # the batches are a function of (seed, step) and the global batch
+        # the batches are a function of (seed, step) and the global batch: at step 0 (a
+        # pruned model's checkpoint) none has been drawn, so any stream continues it
+        if data and step > 0:
             raise ValueError(f"checkpoint {path} was trained on another data stream: "
                              + "; ".join(data) + " (pass the same --seed and --global-batch)")
         if step > self.steps:
@@ -133,15 +135,17 @@ class Checkpoints:
         """Load a checkpoint saved under any layout of the same model (sharded, or the serial
         format of earlier releases); returns its step, where the run continues."""
         directory = store.step_dir_of(where)
+        weights_only = False  # a pruned model's: the optimizer and its schedule start fresh
         if store.record_of(directory) == "index.json":
             _, index = loading.read_index(directory)
             meta, step = index["meta"], int(index["step"])
             self.check_meta(meta, directory, step)
             self.writer.load(directory, self.pipe, self.setup.opt)  # its slices, verified
+            weights_only = not index["tensors"]["optimizer"]
         else:
             meta, step = self.resume_serial(directory)
         opt, sched = self.setup.opt, self.sched
-        sched.load_state_dict({**sched.state_dict(), **meta["scheduler"]})
+        sched.load_state_dict({**sched.state_dict(), **meta.get("scheduler", {})})
         # This run's flags make the schedule (the same flags: the checkpoint's, bit for bit):
         # the next step runs at this schedule's rate, and so do the ones after it.
         schedule = self.identity["schedule"]
@@ -154,7 +158,12 @@ class Checkpoints:
             print(f"[fastpar.train] resumed {directory} at step {step} (saved under tp "
                   f"{lay.get('tp')} pp {lay.get('pp')} dp {lay.get('dp')} cp "
                   f"{lay.get('cp', 1)})", flush=True)
-            if (note := schedule_change(schedule, meta.get("schedule"), step)) is not None:
+            if weights_only:
+                print(f"[fastpar.train] note: {directory} holds weights only (no optimizer "
+                      "state): the optimizer starts fresh", flush=True)
+            # a pruned model's checkpoint has no schedule to change from: this run's starts
+            if ("schedule" in meta or not weights_only) and \
+                    (note := schedule_change(schedule, meta.get("schedule"), step)) is not None:
                 print(f"[fastpar.train] note: {note}", flush=True)
         return step
 

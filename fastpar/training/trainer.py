@@ -38,6 +38,7 @@ from fastpar.training.data import Sampler, val_batches
 from fastpar.training.memory import report, trainer_meter
 from fastpar.training.metrics import MetricsWriter, format_line, plot_losses, read_records
 from fastpar.training.optimizer import build_setup
+from fastpar.training.pruned import hf_dir, pruned_meta
 from fastpar.training.save_resume import Checkpoints, run_identity
 from fastpar.training.hf_run import load_data, save_hf
 
@@ -70,12 +71,14 @@ class Trainer:
                                         timeout=args.timeout)
         if args.cp_type == "auto":
             args.cp_type = self.choose_cp_type(args, topo)
-        made = hf_source(args) if cfg is None else None  # --hf-model / --hf-config
+        made = hf_source(args) if cfg is None else None  # --hf-model / --hf-config / pruned
         self.hf_info = made[1] if made else None
+        self.hf_dir = hf_dir(args) if self.hf_info is not None else None  # its tokenizer
+        self.pruned = pruned_meta(args) if made else None  # a pruned model's: its record
         self.cfg = cfg = made[0] if made else model_config(args) if cfg is None else cfg
         self.microbatches = check_layout(args, topo, cfg)
         self.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.preset]
-        corpus = load_data(args, cfg, topo, self.hf_info)
+        corpus = load_data(args, cfg, topo, self.hf_info, self.hf_dir)
         self.corpus_info = corpus.describe()
         self.sampler = Sampler(corpus.train, cfg.seq_len, args.global_batch, args.seed)
         rows = args.global_batch // topo.dp_size
@@ -118,8 +121,9 @@ class Trainer:
         identity = run_identity(cfg, args, self.steps, topo)
         if self.hf_info is not None:  # what an export to Hugging Face needs (hf_export)
             identity["hf"] = {"config": self.hf_info.config, "dtype": self.hf_info.dtype,
-                              "files": os.path.abspath(args.hf_model or
-                                                       os.path.dirname(args.hf_config))}
+                              "files": self.hf_dir}
+        if self.pruned is not None:  # its checkpoints too take their model from themselves
+            identity["pruned"] = self.pruned["pruned"]
         self.checkpoints = Checkpoints(
             self.ckpt, self.pipe, self.setup, self.sched, identity, self.steps,
             directory=args.save,
@@ -297,8 +301,10 @@ class Trainer:
               + ("; bfloat16 compute, float32 master weights, gradients reduced in float32"
                  if self.args.dtype == "bfloat16" else ""), flush=True)
         what = (f"Hugging Face {self.hf_info.model_type} "
-                f"({self.args.hf_model or self.args.hf_config})" if self.hf_info else
-                f"{self.args.preset} preset")
+                f"({self.args.hf_model or self.args.hf_config or self.hf_dir})"
+                if self.hf_info else f"{self.args.preset} preset")
+        if self.pruned is not None:
+            what = f"{what if self.hf_info else 'fastpar GPT'} pruned by fastpar.prune"
         print(f"[fastpar.train] model: {what}, {cfg.num_params() / 1e6:.2f} M "
               f"params ({cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/"
               f"{cfg.num_kv_heads} kv, seq {cfg.seq_len}, recompute {cfg.recompute}); steps "

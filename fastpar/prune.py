@@ -1,0 +1,10 @@
+"""Prune a model: ``python -m fastpar.prune --resume CKPT --heads 0.5 --mlp 0.25 --save OUT``
+(the command: ``fastpar.pruning.cli``; the function is ``fastpar.prune``, from
+``fastpar.pruning``)."""
+
+import sys
+
+from fastpar.pruning.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
