@@ -47,7 +47,10 @@ def extension():
     # -ffp-contract=off: a multiply and an add stay two roundings (GCC would fuse them, even
     # intrinsics, in the AVX-512 functions, which bring FMA), so the shm kernels' int8 loops give
     # bitwise fastpar.comm.quant's results on every path.
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-ffp-contract=off"]
+    # -fopenmp: at::parallel_for in our loops (the quantized GEMM) runs on torch's OpenMP
+    # threads; the link names libgomp.so.1, which torch's wheel has already loaded (one runtime)
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-ffp-contract=off", "-fopenmp"]
+    link = ["-fopenmp"]
     if want_cuda():
         macros.append(("FASTPAR_WITH_CUDA", "1"))
         nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr",
@@ -56,9 +59,10 @@ def extension():
                 "-gencode=arch=compute_90,code=compute_90"]
         return cpp_extension.CUDAExtension(
             "fastpar._C", cpp + sources("csrc/cuda/*.cu"), define_macros=macros,
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)
     return cpp_extension.CppExtension("fastpar._C", cpp, define_macros=macros,
-                                      extra_compile_args={"cxx": cxx}, libraries=["rt"])
+                                      extra_compile_args={"cxx": cxx}, extra_link_args=link,
+                                      libraries=["rt"])
 
 
 setup(

@@ -205,14 +205,16 @@ def main(argv=None) -> None:
                 f"{args.main_ckpt}")
     if "llama" in models:
         make_model(args.model_dir)
-    start, rows = time.perf_counter(), {}
+    start = time.perf_counter()
+    losses = {w: loss(args, w) for w in weights} if "main" in models else {}
+    print(f"validation losses: {losses}", file=sys.stderr, flush=True)
+    rows = {}
     for model in models:
         for w in weights:
             for tp in tps:
                 rows[(model, w, tp)] = launch(args, model, w, tp)
                 print(f"{model} {w} tp {tp}: {rows[(model, w, tp)]}", file=sys.stderr,
                       flush=True)
-    losses = {w: loss(args, w) for w in weights} if "main" in models else {}
     print(table(rows, losses))
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:

@@ -128,11 +128,11 @@ def run(args) -> int:
     if stored and args.weights:
         raise ValueError(f"--weights {args.weights}: {args.resume} holds {stored['format']} "
                          "weights already")
-    pipe.to(getattr(torch, args.dtype))
     if stored:
         fastpar.quantize_weights(pipe, stored["format"], stored["group_size"])
     if args.resume:
-        ShardedCheckpointer().load(args.resume, pipe, None)
+        ShardedCheckpointer().load(args.resume, pipe, None)  # in the dtypes it was saved in
+    pipe.to(getattr(torch, args.dtype))  # a quantized layer's scales stay float32
     pipe.eval()
     if args.weights:
         fastpar.quantize_weights(pipe, args.weights, args.group_size)

@@ -275,8 +275,8 @@ def test_recompute_bench_runs(tmp_path):
 
 
 BENCHES = ["bootstrap", "collectives", "context", "data_parallel", "dist_backend", "gemm",
-           "generate", "hf_train", "memory", "moe", "overlap", "pipeline", "quantize", "recompute",
-           "tp_layers", "train_throughput", "zero_gather", "zero_trainer"]
+           "generate", "hf_train", "memory", "moe", "overlap", "pipeline", "prune", "quantize",
+           "recompute", "tp_layers", "train_throughput", "zero_gather", "zero_trainer"]
 
 
 def test_dist_backend_bench_runs_every_op_and_a_program(tmp_path):

@@ -91,6 +91,11 @@ def test_quantized_checkpoint_loads_at_any_tp(trained):
     done = launch([sys.executable, "-m", "fastpar.quantize", "--resume", q4, "--weights", "int8",
                    "--save", str(where / "again")], timeout=120)
     assert done.returncode == 2 and "quantized already (int4)" in done.stderr, done.stderr
+    done = launch([sys.executable, "-m", "fastpar.train", "--preset", "tiny", "--steps", "8",
+                   "--resume", q4, "--no-progress", "--plot", ""], timeout=120)
+    assert done.returncode == 1 and "holds int4 weights (python -m fastpar.quantize): " \
+        "quantized models run (generate, evaluate) but do not train" in done.stderr, \
+        done.stderr[-2000:]
 
 
 def test_hugging_face_directory_scores_as_hugging_face(tmp_path):
@@ -153,6 +158,11 @@ def test_quantized_hugging_face_directory(tmp_path):
     first, second = load_file(f"{q}/model.safetensors"), load_file(f"{again}/model.safetensors")
     assert first.keys() == second.keys() and any(k.endswith(".qweight") for k in first)
     assert all(torch.equal(first[k], second[k]) for k in first)
+    done = launch([sys.executable, "-m", "fastpar.train", "--hf-model", q, "--data", str(text),
+                   "--seq-len", "32", "--steps", "1", "--no-progress", "--plot", ""],
+                  timeout=120)
+    assert done.returncode == 1 and "holds int8 weights (fastpar's quantized format)" in \
+        done.stderr, done.stderr[-2000:]
     config = json.load(open(f"{model}/config.json"))
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     json.dump(config, open(f"{model}/config.json", "w"))

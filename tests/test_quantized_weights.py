@@ -80,6 +80,36 @@ def test_qmatmul_against_float64(fmt, group, rows, lead):
     assert_close("dx", x.grad, dy.double() @ wq.double(), dy @ wq)
 
 
+ISA_CHECK = r"""
+import torch
+import torch.nn.functional as F
+from fastpar.nn import qweight
+from fastpar.testing import assert_close
+gen = torch.Generator().manual_seed(4)
+for fmt, group, lead, rows in [("int8", 16, 6, 1), ("int8", 32, 0, 9), ("int4", 16, 6, 3),
+                               ("int4", 64, 2, 12)]:
+    bits = qweight.FORMATS[fmt]
+    grid = qweight.Grid(group, 3 * group + lead, 201)
+    w = torch.randn(33, 201, generator=gen)
+    q, s, o = qweight.quantize(w, bits, grid)
+    wq = qweight.dequantize(q, s, o, bits, grid)
+    x = torch.randn(rows, 201, generator=gen)
+    assert_close(fmt, qweight.qmatmul(x, q, s, o, bits, grid), x.double() @ wq.double().t(),
+                 F.linear(x, wq))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_the_native_kernel_on_every_instruction_set(isa):
+    """The native kernel's AVX2 and scalar loops (this process runs the widest the CPU has),
+    capped by FASTPAR_QLINEAR_ISA in a child process; 201 columns: every loop's tail."""
+    out = subprocess.run([sys.executable, "-c", ISA_CHECK], cwd=ROOT, capture_output=True,
+                         text=True, env=launch_env(env={"FASTPAR_QLINEAR_ISA": isa}),
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 def test_triton_kernel_on_the_interpreter():
     """fastpar.kernels.qlinear (the CUDA path) against float64, run by Triton's interpreter in
     a child process (TRITON_INTERPRET is read when Triton is imported)."""
@@ -284,6 +314,55 @@ def test_checkpoint_reshards_exactly(fmt, tmp_path):
         for got in run_ranks(world, body_checkpoint, cfg=cfg, fmt=fmt, tp=tp, root=root,
                              save=False).values():
             assert got == saved[0], (world, tp)
+
+
+def body_parallelized(path: str, fmt: str, tp: int, tokens: list) -> list:
+    """A Hugging Face Llama parallelized at ``tp`` (its own modules, fastpar's linears), its
+    linears quantized: the full logits."""
+    from transformers import AutoModelForCausalLM
+
+    import fastpar
+    from fastpar.comm.collectives import all_gather
+
+    fastpar.init(tp=tp)
+    model = fastpar.parallelize(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    fastpar.quantize_weights(model, fmt, 16)
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens)).logits
+    head = model.lm_head
+    if getattr(head, "gather_output", True) is False:  # vocab shards: whole on every rank
+        logits = all_gather(logits.contiguous(), head.group, dim=-1)
+    return logits.tolist()
+
+
+def test_a_parallelized_hugging_face_model(tmp_path):
+    """``fastpar.parallelize`` then ``quantize_weights`` of Hugging Face's own Llama at tp 2 of
+    4 ranks: its logits are those of the serial model holding the serially quantized,
+    dequantized weights (float64 reference), within the float32 model's rounding bound."""
+    from transformers import AutoModelForCausalLM
+
+    from fastpar.nn import qweight
+    from fastpar.testing import assert_close
+    from tests.test_hf_models import make_model
+
+    path = str(tmp_path / "llama")
+    make_model("llama", path, intermediate_size=200)  # down_proj shards of 100: mid-group
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3)).tolist()
+    for fmt in ("int8", "int4"):
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        with torch.no_grad():
+            for module in ref.modules():
+                if isinstance(module, torch.nn.Linear):
+                    bits, k = qweight.FORMATS[fmt], module.in_features
+                    grid = qweight.Grid(16, 0, k)
+                    module.weight.copy_(qweight.dequantize(
+                        *qweight.quantize(module.weight, bits, grid), bits, grid,
+                        torch.float64))
+            want = ref(torch.tensor(tokens)).logits
+            serial = ref.float()(torch.tensor(tokens)).logits
+        for got in run_ranks(4, body_parallelized, path=path, fmt=fmt, tp=2,
+                             tokens=tokens).values():
+            assert_close(f"parallelized Llama {fmt}", torch.tensor(got), want, serial)
 
 
 def test_refusals():

@@ -79,6 +79,11 @@ class _Quantized:
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
 
+    @classmethod
+    def from_serial(cls, *args, **kwargs):
+        raise TypeError(f"{cls.__name__} is made from a float parallel layer: "
+                        f"{cls.__name__}(layer, fmt), or fastpar.quantize_weights(model, fmt)")
+
     @property
     def serial_groups(self) -> int:
         return -(-self.in_features // self.grid.group)

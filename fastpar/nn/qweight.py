@@ -26,13 +26,14 @@ scales: int8 ``1 + 4 / group`` bytes (0.26x of float32 at group 128), int4 ``0.5
 in its K loop (``fastpar.kernels.qlinear``); on the CPU the native kernel (``torch.ops.fastpar.
 qlinear``: reads each integer once, converts and multiplies in float32) serves up to
 ``DECODE_ROWS`` rows, the decode steps that are bound by reading the weight; more rows (a
-prefill, which is bound by compute) and any input that needs a gradient dequantize the weight
-and run torch's GEMM.
+prefill, which is bound by compute), any input that needs a gradient, and CUDA without Triton
+dequantize the weight and run torch's GEMM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,7 @@ from fastpar import _native
 FORMATS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = {"int8": 128, "int4": 64}
 DECODE_ROWS = 16
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None  # else CUDA dequantizes too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +157,7 @@ def dequantize(q, scales, offsets, bits: int, grid: Grid, dtype=torch.float32) -
 def qmatmul(x: torch.Tensor, q, scales, offsets, bits: int, grid: Grid) -> torch.Tensor:
     """``x @ W.T`` (..., N) in ``x``'s dtype for x (..., K); see the module docstring."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if x.is_cuda:
+    if x.is_cuda and _HAVE_TRITON and not (x.requires_grad and torch.is_grad_enabled()):
         from fastpar.kernels.qlinear import qlinear
 
         out = qlinear(x.reshape(rows, x.shape[-1]), q, scales, offsets, bits, grid.group,

@@ -113,6 +113,10 @@ class Checkpoints:
 
     def check_meta(self, meta: dict, path: str, step: int) -> None:
         """The checkpoint is of this model, data stream and run length; else ValueError."""
+        if meta.get("weights"):  # python -m fastpar.quantize's
+            raise ValueError(f"checkpoint {path} holds {meta['weights']['format']} weights "
+                             "(python -m fastpar.quantize): quantized models run (generate, "
+                             "evaluate) but do not train; resume the float checkpoint")
         saved, mine = meta.get("model", {}), self.identity["model"]
         # may change on resume (context_parallel: cp shards no parameter)
         free = ("sequence_parallel", "overlap", "dropout", "recompute", "context_parallel")

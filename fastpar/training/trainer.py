@@ -73,6 +73,11 @@ class Trainer:
             args.cp_type = self.choose_cp_type(args, topo)
         made = hf_source(args) if cfg is None else None  # --hf-model / --hf-config / pruned
         self.hf_info = made[1] if made else None
+        if self.hf_info is not None and self.hf_info.weights:
+            raise ValueError(f"{args.hf_model or args.hf_config} holds "
+                             f"{self.hf_info.weights['format']} weights (fastpar's quantized "
+                             "format): quantized models run (generate, evaluate) but do not "
+                             "train; train the float model")
         self.hf_dir = hf_dir(args) if self.hf_info is not None else None  # its tokenizer
         self.pruned = pruned_meta(args) if made else None  # a pruned model's: its record
         self.cfg = cfg = made[0] if made else model_config(args) if cfg is None else cfg
