@@ -9,9 +9,21 @@ import sys
 import pytest
 import torch
 
-from tests.multirank import launch
+from tests.multirank import launch, run_ranks
 
 EVALUATE = [sys.executable, "-m", "fastpar.evaluate"]
+
+
+def body_command(module: str, argv: list) -> int:
+    """A command's ``main(argv)`` on a warm rank pool (no launch of its own): its exit status."""
+    import importlib
+
+    return importlib.import_module(module).main(argv)
+
+
+def _command(module: str, argv: list, nranks: int = 1) -> None:
+    codes = run_ranks(nranks, body_command, module=module, argv=argv, timeout=240).values()
+    assert codes == [0] * nranks, (module, argv, codes)
 
 
 @pytest.fixture(scope="module")
@@ -28,37 +40,39 @@ def trained(tmp_path_factory):
 
 
 def _evaluate(argv, nranks=1, out=None):
+    """``(launch, JSON)`` of ``python -m fastpar.evaluate argv`` as its own job (the tests of
+    exit statuses and messages)."""
     done = launch(EVALUATE + argv + (["--json", out] if out else []), nranks=nranks,
                   launcher="mpirun" if nranks > 1 else "plain", timeout=240)
     return done, (json.load(open(out)) if out and done.returncode == 0 else None)
 
 
+def _scored(argv, out, nranks=1) -> dict:
+    """rank 0's JSON of ``fastpar.evaluate`` run on a warm pool."""
+    _command("fastpar.evaluate", argv + ["--json", out], nranks)
+    with open(out) as f:
+        return json.load(f)
+
+
 def test_trainer_checkpoint_at_every_layout(trained):
     ckpt, logged, where = trained
     out = str(where / "e.json")
-    done, one = _evaluate(["--resume", ckpt], out=out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    one = _scored(["--resume", ckpt], out)
     assert set(one) >= {"loss", "perplexity", "tokens"}
     # the trainer's validation: 4 batches of 16 sequences of 64 tokens (the tiny preset's)
     assert one["tokens"] == 4 * 16 * 64 and one["perplexity"] == pytest.approx(
         math.exp(one["loss"]))
     assert one["loss"] == pytest.approx(logged, rel=1e-5), (one, logged)
-    quantized = {}
-    for fmt in ("int8", "int4"):
-        done, q = _evaluate(["--resume", ckpt, "--weights", fmt], out=out)
-        assert done.returncode == 0, done.stderr[-3000:]
-        quantized[fmt] = q["loss"]
+    quantized = {fmt: _scored(["--resume", ckpt, "--weights", fmt], out)["loss"]
+                 for fmt in ("int8", "int4")}
     # 6 steps leave the weights near their initial draw: the bounds of a trained model
     # (int8 0.5%, int4 3%: docs/quantization.md measures them) hold here too
     assert abs(quantized["int8"] / one["loss"] - 1) < 0.005, quantized
     assert abs(quantized["int4"] / one["loss"] - 1) < 0.03, quantized
-    done, tp2 = _evaluate(["--resume", ckpt, "--tp", "2", "--weights", "int4"], nranks=2,
-                          out=out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    tp2 = _scored(["--resume", ckpt, "--tp", "2", "--weights", "int4"], out, nranks=2)
     assert tp2["loss"] == pytest.approx(quantized["int4"], rel=1e-5)
     assert tp2["layout"] == {"tp": 2, "pp": 1, "dp": 1}
-    done, pp2 = _evaluate(["--resume", ckpt, "--pp", "2"], nranks=2, out=out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    pp2 = _scored(["--resume", ckpt, "--pp", "2"], out, nranks=2)
     assert pp2["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
@@ -68,25 +82,20 @@ def test_quantized_checkpoint_loads_at_any_tp(trained):
     does in one process."""
     ckpt, _, where = trained
     q4, out = str(where / "q4"), str(where / "q.json")
-    done = launch([sys.executable, "-m", "fastpar.quantize", "--resume", ckpt, "--weights",
-                   "int4", "--save", q4], timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "int4 (group 64)" in done.stdout, done.stdout
-    _, direct = _evaluate(["--resume", ckpt, "--weights", "int4"], out=out)
+    _command("fastpar.quantize", ["--resume", ckpt, "--weights", "int4", "--save", q4])
+    direct = _scored(["--resume", ckpt, "--weights", "int4"], out)
     for nranks in (1, 2):
-        done, got = _evaluate(["--resume", q4, "--tp", str(nranks)], nranks=nranks, out=out)
-        assert done.returncode == 0, done.stderr[-3000:]
+        got = _scored(["--resume", q4, "--tp", str(nranks)], out, nranks)
         assert got["weights"] == "int4" and got["loss"] == pytest.approx(direct["loss"],
                                                                          rel=1e-6)
     texts = []
     for argv, nranks in ((["--resume", ckpt, "--weights", "int4"], 1),
                          (["--resume", q4, "--tp", "2"], 2)):
-        done = launch([sys.executable, "-m", "fastpar.generate", "--prompt", "def main(",
-                       "--max-new-tokens", "12", "--json", out] + argv, nranks=nranks,
-                      launcher="mpirun" if nranks > 1 else "plain", timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "int4 linears" in done.stderr, done.stderr
-        texts.append(json.load(open(out))["results"][0]["new_tokens"])
+        _command("fastpar.generate", ["--prompt", "def main(", "--max-new-tokens", "12",
+                                      "--json", out] + argv, nranks)
+        record = json.load(open(out))
+        assert record["memory"]["weights_bytes"] < 0.35 * 4 * 0.12e6 / nranks, record
+        texts.append(record["results"][0]["new_tokens"])
     assert texts[0] == texts[1]
     done = launch([sys.executable, "-m", "fastpar.quantize", "--resume", q4, "--weights", "int8",
                    "--save", str(where / "again")], timeout=120)
@@ -113,8 +122,7 @@ def test_hugging_face_directory_scores_as_hugging_face(tmp_path):
     out = str(tmp_path / "e.json")
     argv = ["--hf-model", model, "--data", str(text), "--seq-len", "32", "--batches", "2",
             "--batch-size", "4"]
-    done, got = _evaluate(argv + ["--tp", "2"], nranks=2, out=out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    got = _scored(argv + ["--tp", "2"], out, nranks=2)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64)
     corpus = tokenized_corpus(str(text), model, 32, hf.config.vocab_size, lead=False,
                               progress=False)
@@ -140,18 +148,16 @@ def test_quantized_hugging_face_directory(tmp_path):
     _model_with_tokenizer(model)
     text.write_text(open(json.__file__.replace("__init__.py", "decoder.py")).read() * 4)
     q, ckpt, again = str(tmp_path / "q"), str(tmp_path / "c"), str(tmp_path / "again")
-    done = launch([sys.executable, "-m", "fastpar.quantize", "--hf-model", model, "--weights",
-                   "int8", "--group-size", "32", "--save-hf", q, "--save", ckpt], timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _command("fastpar.quantize", ["--hf-model", model, "--weights", "int8", "--group-size",
+                                  "32", "--save-hf", q, "--save", ckpt])
     config = json.load(open(f"{q}/config.json"))["quantization_config"]
     assert (config["quant_method"], config["format"], config["group_size"]) == \
         ("fastpar", "int8", 32)
     out = str(tmp_path / "e.json")
     data = ["--data", str(text), "--seq-len", "32", "--batches", "2", "--batch-size", "4"]
-    _, direct = _evaluate(["--hf-model", model, "--weights", "int8", "--group-size", "32"]
-                          + data, out=out)
-    done, stored = _evaluate(["--hf-model", q, "--tp", "2"] + data, nranks=2, out=out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    direct = _scored(["--hf-model", model, "--weights", "int8", "--group-size", "32"] + data,
+                     out)
+    stored = _scored(["--hf-model", q, "--tp", "2"] + data, out, nranks=2)
     assert stored["loss"] == pytest.approx(direct["loss"], rel=1e-6)
     done = launch([sys.executable, "-m", "fastpar.checkpoint", "export", "--hf", again, ckpt])
     assert done.returncode == 0, done.stderr[-3000:]
