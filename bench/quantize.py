@@ -83,7 +83,7 @@ def run_row(args) -> dict:
     """One (model, weights, tp) row in this job: both batches."""
     import fastpar
     from fastpar.nn import ColumnParallelLinear, RowParallelLinear
-    from fastpar.nn.quantized import _Quantized
+    from fastpar.nn.quantized import QuantizedLinear
 
     stages, cfg = build(args, args.tp)
     tied = {id(p) for layer in stages.layers for p in getattr(layer, "tied_copies", ())}
@@ -97,7 +97,7 @@ def run_row(args) -> dict:
             fastpar.quantize_weights(layer, args.weights)
     state = [t for layer in stages.layers for t in layer.state_dict().values()]
     quantized = [m for layer in stages.layers for m in layer.modules()
-                 if isinstance(m, _Quantized)]
+                 if isinstance(m, QuantizedLinear)]
     linear_bytes = sum(t.nbytes for m in quantized for t in (m.qweight, m.scales, m.offsets)
                        if t is not None)
     row = {"weights_mib": sum(t.nbytes for t in state) / 2**20,

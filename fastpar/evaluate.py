@@ -33,15 +33,13 @@ from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.hf_files import SafetensorsReader
 from fastpar.models.config import GPTConfig
 from fastpar.models.gpt import gpt_layers, gpt_loss
-from fastpar.models.hf import hf_config, read_hf_config
+from fastpar.models.hf import hf_config, read_hf_config, window
 from fastpar.models.hf_weights import hf_layers
+from fastpar.nn.quantized import quantized_meta
 from fastpar.pipeline import Pipeline
-from fastpar.runtime.cli import Parser, launch_rank
+from fastpar.runtime.cli import Parser, run_command
 from fastpar.training.data import val_batches
 from fastpar.training.hf_run import load_data
-
-HF_SEQ_LEN = 512  # a Hugging Face directory's default window (its context may be 128k)
-
 
 def parser() -> Parser:
     p = Parser(prog="python -m fastpar.evaluate", description=__doc__.split("\n\n")[0])
@@ -71,15 +69,10 @@ def model_layers(args, topo) -> tuple[list, GPTConfig, dict, str | None]:
     ``--hf-model``; a checkpoint's values are loaded into the pipeline afterwards."""
     if args.hf_model:
         raw = read_hf_config(args.hf_model)
-        context = raw.get("max_position_embeddings") or raw.get("n_positions") or HF_SEQ_LEN
-        cfg, info = hf_config(raw, seq_len=args.seq_len or min(context, HF_SEQ_LEN))
+        cfg, info = hf_config(raw, seq_len=window(raw, args.seq_len))
         return hf_layers(cfg, info, SafetensorsReader(args.hf_model)), cfg, {}, args.hf_model
-    _, index = loading.open_index(args.resume)
-    meta = index.get("meta") or {}
-    if "model" not in meta:
-        raise ValueError(f"{args.resume} is not a checkpoint of python -m fastpar.train")
-    cfg = dataclasses.replace(GPTConfig(**meta["model"]), sequence_parallel=False,
-                              context_parallel=None, recompute="none", dropout=0.0)
+    meta = loading.trainer_checkpoint(args.resume)[2]
+    cfg = GPTConfig(**meta["model"]).inference()
     if args.seq_len:
         cfg = dataclasses.replace(cfg, seq_len=args.seq_len)
     tokenizer_dir = (meta.get("hf") or {}).get("files")
@@ -88,16 +81,7 @@ def model_layers(args, topo) -> tuple[list, GPTConfig, dict, str | None]:
 
 def main(argv=None) -> int:
     """Errors the same on every rank are one line, from the first rank, exit status 2."""
-    args = parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as exc:
-        rank = fastpar.topology().rank if fastpar.is_initialized() else launch_rank()
-        if rank == 0:
-            print(f"python -m fastpar.evaluate: error: {exc}", file=sys.stderr, flush=True)
-        if fastpar.is_initialized():
-            fastpar.shutdown()
-        return 2
+    return run_command("python -m fastpar.evaluate", run, parser().parse_args(argv))
 
 
 def run(args) -> int:
@@ -125,11 +109,12 @@ def run(args) -> int:
         pipe = Pipeline(layers, loss_fn=gpt_loss, microbatches=args.pp if rows % args.pp == 0
                         else 1)
     stored = meta.get("weights")  # python -m fastpar.quantize's: quantized, then loaded
-    if stored and args.weights:
-        raise ValueError(f"--weights {args.weights}: {args.resume} holds {stored['format']} "
-                         "weights already")
     if stored:
         fastpar.quantize_weights(pipe, stored["format"], stored["group_size"])
+    held = quantized_meta(pipe)  # that checkpoint's, or a quantized Hugging Face directory's
+    if held and args.weights:
+        raise ValueError(f"--weights {args.weights}: {args.resume or args.hf_model} holds "
+                         f"{held['format']} weights already")
     if args.resume:
         ShardedCheckpointer().load(args.resume, pipe, None)  # in the dtypes it was saved in
     pipe.to(getattr(torch, args.dtype))  # a quantized layer's scales stay float32
@@ -148,7 +133,7 @@ def run(args) -> int:
     loss = total.item() / (len(batches) * topo.dp_size)
     record = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
               "tokens": len(batches) * batch * cfg.seq_len,
-              "weights": (stored or {}).get("format") or args.weights or args.dtype,
+              "weights": (quantized_meta(pipe) or {}).get("format") or args.dtype,
               "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size}}
     if lead:
         print(f"\rfastpar.evaluate: loss {loss:.4f}, perplexity {record['perplexity']:.3f} over "

@@ -37,7 +37,7 @@ from fastpar.models.gpt import gpt_layers
 from fastpar.models.hf import hf_config, read_hf_config
 from fastpar.models.hf_weights import hf_layers
 from fastpar.nn.quantized import quantized_meta
-from fastpar.runtime.cli import Parser, launch_rank
+from fastpar.runtime.cli import Parser, on_lead, run_command
 
 
 def parser() -> Parser:
@@ -64,10 +64,8 @@ def source(args) -> tuple[nn.Module, dict]:
                 "hf": {"config": info.config, "dtype": info.dtype,
                        "files": os.path.abspath(args.hf_model)}}
         return nn.Sequential(*[make() for make in layers]), meta
-    directory, index = loading.open_index(args.resume)
-    meta = dict(index.get("meta") or {})
-    if "model" not in meta:
-        raise ValueError(f"{directory} is not a checkpoint of python -m fastpar.train")
+    directory, _, meta = loading.trainer_checkpoint(args.resume)
+    meta = dict(meta)
     if meta.get("weights"):
         raise ValueError(f"{directory} is quantized already ({meta['weights']['format']})")
     model = nn.Sequential(*[make() for make in gpt_layers(GPTConfig(**meta["model"]))])
@@ -77,16 +75,7 @@ def source(args) -> tuple[nn.Module, dict]:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as exc:
-        rank = fastpar.topology().rank if fastpar.is_initialized() else launch_rank()
-        if rank == 0:
-            print(f"python -m fastpar.quantize: error: {exc}", file=sys.stderr, flush=True)
-        if fastpar.is_initialized():
-            fastpar.shutdown()
-        return 2
+    return run_command("python -m fastpar.quantize", run, parser().parse_args(argv))
 
 
 def run(args) -> int:
@@ -100,6 +89,10 @@ def run(args) -> int:
     lead = topo.rank == 0
     with torch.device(topo.device):
         model, meta = source(args)
+    if args.save_hf and "hf" not in meta:
+        raise ValueError(f"--save-hf needs a Hugging Face model: {args.resume} is fastpar's "
+                         "own GPT (a --preset run); --save writes it as a checkpoint")
+    meta["layout"] = {"tp": topo.tp_size, "pp": 1, "dp": 1, "cp": 1, "zero": 0}
     before = sum(t.nbytes for t in model.state_dict().values())
     fastpar.quantize_weights(model, args.weights, args.group_size)
     meta["weights"] = quantized_meta(model)
@@ -114,25 +107,17 @@ def run(args) -> int:
         if lead:
             print(f"fastpar.quantize: saved {args.save}", flush=True)
     if args.save_hf:
-        if "hf" not in meta:
-            raise ValueError("--save-hf needs a Hugging Face model's checkpoint (trained from "
-                             "--hf-model or --hf-config)")
         tmp = f"{os.path.abspath(args.save_hf).rstrip(os.sep)}.fastpar-weights"
         if lead:
             shutil.rmtree(tmp, ignore_errors=True)
         writer.save(tmp, 0, model, meta=meta, keep=1)
-        problem = [None]
-        if lead:
-            try:
-                out = export_hf(tmp, args.save_hf)
-                print(f"fastpar.quantize: saved {args.save_hf} ({len(out['files'])} files, "
-                      f"{out['bytes'] / 2**20:.1f} MiB)", flush=True)
-            except (ValueError, OSError) as exc:
-                problem[0] = f"--save-hf {args.save_hf}: {exc}"
+
+        def export():
+            out = export_hf(tmp, args.save_hf)
             shutil.rmtree(tmp, ignore_errors=True)
-        torch.distributed.broadcast_object_list(problem, src=0)
-        if problem[0]:
-            raise ValueError(problem[0])
+            print(f"fastpar.quantize: saved {args.save_hf} ({len(out['files'])} files, "
+                  f"{out['bytes'] / 2**20:.1f} MiB)", flush=True)
+        on_lead(f"--save-hf {args.save_hf}", export)
     fastpar.shutdown()
     return 0
 

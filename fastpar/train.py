@@ -73,6 +73,13 @@ def end_job_with(exc: Exception) -> None:
         print(words, end="", file=sys.stderr, flush=True)
     if topo is not None and topo.mpi_comm is not None and topo.world_size > 1:
         failures.abort_mpi_job(topo.mpi_comm, 1, spoke, words)
+    if topo is not None and topo.world_size == 1:
+        # no peer waits: end the job's threads (gloo's, a checkpointer's group) before the
+        # interpreter's teardown, which otherwise may meet one still running and abort (134)
+        try:
+            runtime.shutdown()
+        except Exception:  # noqa: BLE001 - the run failed already; exit with its status
+            pass
     raise SystemExit(1)
 
 

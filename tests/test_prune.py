@@ -135,7 +135,7 @@ def refusals(model) -> None:
             (dict(heads=1.0), "heads=1 removes all 8 heads"),
             (dict(mlp=0.3), "mlp=0.3 removes 38 of the 128 MLP channels of each block and "
                             "keeps 90, which tp 4 does not divide"),
-            (dict(mlp=-0.1), "mlp must be a fraction in [0, 1), got -0.1"),
+            (dict(mlp=-0.1), "mlp must be a fraction in [0, 1], got -0.1"),
             (dict(heads=0.5, by="norm"), "by must be one of ('magnitude', 'activations', "
                                          "'random'), got 'norm'"),
             (dict(heads=0.5, by="activations"), "by='activations' needs data="),

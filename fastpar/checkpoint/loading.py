@@ -30,6 +30,23 @@ def open_index(path) -> tuple[str, dict]:
     return directory, index
 
 
+def trainer_checkpoint(path) -> tuple[str, dict, dict]:
+    """``(step directory, index, meta)`` of a checkpoint of ``python -m fastpar.train`` (or of
+    the commands that write its kind: fastpar.prune, fastpar.quantize); ValueError naming the
+    path for any other."""
+    directory, index = open_index(path)
+    meta = index.get("meta") or {}
+    if "model" not in meta:
+        raise ValueError(f"{directory} is not a checkpoint of python -m fastpar.train")
+    return directory, index, meta
+
+
+def stored_dtype(index: dict) -> torch.dtype:
+    """The dtype the model's float tensors were saved in (float32 where they differ)."""
+    kinds = {e["dtype"] for e in index["tensors"]["model"].values()} - {"int8", "uint8"}
+    return files.dtype_of(kinds.pop()) if len(kinds) == 1 else torch.float32
+
+
 def raise_if(problems: list[str], what: str | None = None) -> None:
     if problems:
         raise ValueError((f"{what}: " if what else "") + "; ".join(problems))

@@ -15,7 +15,6 @@ left-padded. ``--json PATH`` writes rank 0's ``{"results": [{"prompt", "prompt_t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import resource
@@ -35,7 +34,7 @@ from fastpar.models.gpt import gpt_layers
 from fastpar.models.hf import hf_config, read_hf_config
 from fastpar.models.hf_weights import hf_layers
 from fastpar.nn.quantized import quantized_meta
-from fastpar.runtime.cli import Parser, launch_rank
+from fastpar.runtime.cli import Parser, run_command
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -121,18 +120,13 @@ def load_model(args, topo) -> tuple[Stages, GPTConfig, object]:
             stages = Stages(hf_layers(cfg, info, SafetensorsReader(args.hf_model),
                                       replicated_kv=True), cfg)
         return stages, cfg, tokenizer
-    directory, index = loading.open_index(args.resume)
-    meta = index.get("meta") or {}
-    if "model" not in meta:
-        raise ValueError(f"{directory} is not a checkpoint of python -m fastpar.train")
-    cfg = dataclasses.replace(GPTConfig(**meta["model"]), sequence_parallel=False,
-                              context_parallel=None, recompute="none", dropout=0.0)
+    directory, index, meta = loading.trainer_checkpoint(args.resume)
+    cfg = GPTConfig(**meta["model"]).inference()
     hf = meta.get("hf") or {}
     tokenizer = _tokenizer(hf.get("files")) if hf else Bytes()
     if tokenizer is None:
         raise ValueError(f"{directory}: the model's tokenizer ({hf.get('files')}) is gone")
-    stored = {e["dtype"] for e in index["tensors"]["model"].values()}
-    dtype = getattr(torch, stored.pop()) if len(stored) == 1 else torch.float32
+    dtype = loading.stored_dtype(index)
     with torch.device(topo.device):
         stages = Stages(gpt_layers(cfg, replicated_kv=True), cfg)
     stored = meta.get("weights")  # python -m fastpar.quantize's: the layers quantized first
@@ -140,9 +134,6 @@ def load_model(args, topo) -> tuple[Stages, GPTConfig, object]:
         layer.to(dtype)
         if stored:
             fastpar.quantize_weights(layer, stored["format"], stored["group_size"])
-    if stored and args.weights:
-        raise ValueError(f"--weights {args.weights}: {directory} holds {stored['format']} "
-                         "weights already")
     ShardedCheckpointer().load(directory, stages.module(), None)
     return stages, cfg, tokenizer
 
@@ -201,16 +192,7 @@ def weight_bytes(layers) -> int:
 def main(argv=None) -> int:
     """Errors the same on every rank (bad flags, a model it cannot run) are one line, from the
     first rank."""
-    args = parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as exc:
-        rank = fastpar.topology().rank if fastpar.is_initialized() else launch_rank()
-        if rank == 0:
-            print(f"python -m fastpar.generate: error: {exc}", file=sys.stderr, flush=True)
-        if fastpar.is_initialized():
-            fastpar.shutdown()
-        return 2
+    return run_command("python -m fastpar.generate", run, parser().parse_args(argv))
 
 
 def run(args) -> int:
@@ -229,8 +211,12 @@ def run(args) -> int:
     stages, cfg, tokenizer = load_model(args, topo)
     layers = stages.layers
     dtype = DTYPES[args.dtype]
+    held = quantized_meta(stages.module())  # a quantized checkpoint's or directory's
+    if held and args.weights:
+        raise ValueError(f"--weights {args.weights}: {args.resume or args.hf_model} holds "
+                         f"{held['format']} weights already")
     for layer in layers:
-        layer.to(dtype)
+        layer.to(dtype)  # a quantized layer's scales keep their float32 values
         if args.weights:
             fastpar.quantize_weights(layer, args.weights, args.group_size)
     weights = weight_bytes(layers)

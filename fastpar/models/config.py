@@ -96,6 +96,12 @@ class GPTConfig:
             return 4 * self.hidden
         return -(-self.hidden // 3) * 8  # ceil(8/3 * hidden / 8) * 8
 
+    def inference(self) -> GPTConfig:
+        """This model as it runs whole sequences without training (generation, evaluation):
+        no sequence or context parallelism, recomputation or dropout."""
+        return dataclasses.replace(self, sequence_parallel=False, context_parallel=None,
+                                   recompute="none", dropout=0.0)
+
     def validate(self, tp: int = 1, ep: int = 1, cp: int = 1,
                  replicated_kv: bool = False) -> None:
         """``ValueError`` naming the numbers of everything that does not fit ``tp`` ranks, an

@@ -69,7 +69,22 @@ def _weights(kind: str, d: dict) -> dict | None:
                          "fastpar.quantize --save-hf)")
     if kind == "gpt2":
         raise ValueError("gpt2: fastpar's quantized format is written for Llama-family models")
+    if q.get("format") not in ("int8", "int4") or isinstance(q.get("group_size"), bool) or \
+            not isinstance(q.get("group_size"), int) or q["group_size"] < 16 or \
+            q["group_size"] % 16:
+        raise ValueError(f"{kind}: quantization_config {q!r} needs \"format\" int8 or int4 and "
+                         "\"group_size\" a multiple of 16")
     return {"format": q["format"], "group_size": q["group_size"]}
+
+
+WINDOW = 512  # tokens per sequence the commands give a Hugging Face model by default
+
+
+def window(d: dict, seq_len: int | None = None) -> int:
+    """``seq_len``, else the model's context up to ``WINDOW`` tokens (``evaluate``'s and
+    ``prune``'s sequences: a context may be 128k)."""
+    context = d.get("max_position_embeddings") or d.get("n_positions") or WINDOW
+    return seq_len or min(context, WINDOW)
 
 
 def read_hf_config(path: str) -> dict:

@@ -37,22 +37,23 @@ from fastpar.nn.sharding import copy_replicated
 from fastpar.runtime import group_rank
 
 NO_OVERLAP = ov.Decision(False, 1, "quantized weights: the collective runs whole")
-# what a quantized layer keeps of the float layer it replaces
-_CONFIG = ("group", "tp", "in_features", "out_features", "sequence_parallel", "sequence_dim",
-           "gather_output", "input_is_parallel", "heads", "block", "serial_out", "replicas")
 _SCALES = ("scales", "offsets")
 
 
-class _Quantized:
-    """The storage and GEMM shared by the quantized layers (mixed in before the float class)."""
+class QuantizedLinear:
+    """The storage and GEMM shared by the quantized layers (mixed in before the float class):
+    ``isinstance(m, QuantizedLinear)`` finds them all."""
 
     sharded_in = False  # a row layer: this shard's columns start at rank * K / n
 
     def _quantize(self, layer: nn.Module, fmt: str, group_size) -> None:
+        # not the float class's constructor (it would draw a float weight): the float layer's
+        # settings (its public attributes: group, tp, sizes, gather_output, heads, ...), then
+        # the integers in place of its weight
         nn.Module.__init__(self)
-        for name in _CONFIG:
-            if hasattr(layer, name):
-                setattr(self, name, getattr(layer, name))
+        for name, value in vars(layer).items():
+            if not name.startswith("_"):
+                setattr(self, name, value)
         self.overlap, self.overlap_pieces, self.overlap_decision = False, None, NO_OVERLAP
         self._decision_key = self._signal_key = self._signal_comm = None
         self.fmt = fmt
@@ -98,12 +99,16 @@ class _Quantized:
         return self.qweight.shape[0] * self.grid.columns
 
     def _apply(self, fn, recurse=True):
-        """``.to(dtype)`` and the like move the scales but keep them float32 (the format's)."""
+        """``.to(dtype)`` and the like move the scales but keep their float32 values (the
+        format's: a cast to bf16 and back would round them)."""
+        kept = {name: getattr(self, name) for name in _SCALES}
         super()._apply(fn, recurse)
-        for name in _SCALES:
-            t = getattr(self, name)
-            if t is not None and t.dtype != torch.float32:
-                setattr(self, name, t.float())
+        for name, t in kept.items():
+            if t is None:
+                continue
+            now = getattr(self, name)  # fn's device; the scales' own dtype and values
+            setattr(self, name, now.float() if t.is_meta or now.is_meta else
+                    t.to(device=now.device))
         return self
 
     def _decide(self, x, op, features):
@@ -138,7 +143,7 @@ class _Quantized:
                 f"group_size={self.grid.group}")
 
 
-class QuantizedColumnParallelLinear(_Quantized, ColumnParallelLinear):
+class QuantizedColumnParallelLinear(QuantizedLinear, ColumnParallelLinear):
     """``ColumnParallelLinear`` with a quantized shard (the module docstring)."""
 
     def __init__(self, layer: ColumnParallelLinear, fmt: str, group_size=None):
@@ -152,7 +157,7 @@ class QuantizedColumnParallelLinear(_Quantized, ColumnParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
-class QuantizedRowParallelLinear(_Quantized, RowParallelLinear):
+class QuantizedRowParallelLinear(QuantizedLinear, RowParallelLinear):
     """``RowParallelLinear`` with a quantized shard (the module docstring)."""
 
     sharded_in = True
@@ -208,7 +213,7 @@ class QuantizedRowParallelLinear(_Quantized, RowParallelLinear):
         return full
 
 
-class QuantizedHeadReplicatedLinear(_Quantized, HeadReplicatedLinear):
+class QuantizedHeadReplicatedLinear(QuantizedLinear, HeadReplicatedLinear):
     """``HeadReplicatedLinear`` (a KV head per rank, replicated) with a quantized head; its
     scales' head blocks lie along dim 1."""
 
@@ -259,13 +264,20 @@ def quantize_weights(model: nn.Module, weights: str, group_size: int | None = No
     model (a new layer when ``model`` is a parallel linear itself)."""
     qweight.check_format(weights, group_size)
     tied = {id(p) for m in model.modules() for p in getattr(m, "tied_copies", ())}
-    for name, module in list(model.named_modules()):
-        cls = _twin(module)
-        if cls is None or isinstance(module, _Quantized) or id(module.weight) in tied:
-            continue
+    todo = [(name, module) for name, module in model.named_modules()
+            if _twin(module) is not None and not isinstance(module, QuantizedLinear)
+            and id(module.weight) not in tied]
+    for name, module in todo:  # every refusal before any change
         if isinstance(module, FusedColumnParallelLinear):
             raise ValueError(f"{name}: a fused projection ({type(module).__name__}) is not "
                              "quantized: its shards hold parts of several weights")
+        if qweight.FORMATS[weights] == 4 and isinstance(module, RowParallelLinear) and \
+                module.in_features // module.tp % 2:
+            raise ValueError(f"{name}: int4 packs two columns per byte, and a row-parallel "
+                             f"shard of {module.in_features} in_features / tp {module.tp} = "
+                             f"{module.in_features // module.tp} columns is odd; use int8")
+    for name, module in todo:
+        cls = _twin(module)
         if not name:
             return cls(module, weights, group_size)
         parent, _, leaf = name.rpartition(".")
@@ -277,7 +289,7 @@ def quantize_weights(model: nn.Module, weights: str, group_size: int | None = No
 def quantized_meta(model: nn.Module) -> dict | None:
     """``{"format", "group_size"}`` of ``model``'s quantized layers (what a checkpoint of it
     records), None when it has none."""
-    kinds = {(m.fmt, m.grid.group) for m in model.modules() if isinstance(m, _Quantized)}
+    kinds = {(m.fmt, m.grid.group) for m in model.modules() if isinstance(m, QuantizedLinear)}
     if len(kinds) > 1:
         raise ValueError(f"the model's layers are quantized in several ways: {sorted(kinds)}")
     if not kinds:

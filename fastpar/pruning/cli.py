@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
 import shutil
-import sys
 
 import torch
-import torch.distributed as dist
 
 import fastpar
 from fastpar.checkpoint import loading
@@ -36,17 +33,16 @@ from fastpar.checkpoint.hf_export import export_hf
 from fastpar.checkpoint.sharded import ShardedCheckpointer
 from fastpar.hf_files import SafetensorsReader
 from fastpar.models.config import GPTConfig
-from fastpar.models.hf import hf_config, read_hf_config
+from fastpar.models.hf import WINDOW, hf_config, read_hf_config, window
 from fastpar.models.hf_weights import load_layer
 from fastpar.pruning.selection import BY, counts
 from fastpar.pruning.structured import empty_gpt, kept_units, pruned_model
-from fastpar.runtime.cli import Parser, launch_rank
+from fastpar.runtime.cli import Parser, on_lead, run_command
 from fastpar.state_dict import full_state_dict
 from fastpar.training.data import Sampler
 from fastpar.training.hf_run import load_data
 
 PROG = "python -m fastpar.prune"
-HF_SEQ_LEN = 512  # a Hugging Face directory's default window (its context may be 128k)
 
 
 def parser() -> Parser:
@@ -67,7 +63,7 @@ def parser() -> Parser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default 8)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence, the pruned config's (default: the checkpoint's; "
-                        f"a Hugging Face model's context up to {HF_SEQ_LEN})")
+                        f"a Hugging Face model's context up to {WINDOW})")
     p.add_argument("--seed", type=int, default=0, help="calibration windows, --by random")
     p.add_argument("--save", metavar="CKPT", help="write the pruned model as a checkpoint")
     p.add_argument("--save-hf", metavar="DIR", help="write it as a Hugging Face directory")
@@ -100,8 +96,7 @@ def load_source(args, topo, ckpt) -> tuple:
     group = topo.tp_group
     if args.hf_model:
         raw = read_hf_config(args.hf_model)
-        context = raw.get("max_position_embeddings") or raw.get("n_positions") or HF_SEQ_LEN
-        cfg, info = hf_config(raw, seq_len=args.seq_len or min(context, HF_SEQ_LEN))
+        cfg, info = hf_config(raw, seq_len=window(raw, args.seq_len))
         refuse_gpt2_heads(info.model_type, args.heads)
         refuse_quantized(args.hf_model, getattr(info, "weights", None))
         model = empty_gpt(cfg, group, device=topo.device)
@@ -110,10 +105,7 @@ def load_source(args, topo, ckpt) -> tuple:
             load_layer(layer, i, cfg, info, reader)
         return model, {"hf": {"config": info.config, "dtype": info.dtype,
                               "files": os.path.abspath(args.hf_model)}}
-    directory, index = loading.open_index(args.resume)
-    meta = index.get("meta") or {}
-    if "model" not in meta:
-        raise ValueError(f"{directory} is not a checkpoint of python -m fastpar.train")
+    directory, index, meta = loading.trainer_checkpoint(args.resume)
     refuse_quantized(directory, meta.get("weights"))
     cfg = dataclasses.replace(GPTConfig(**meta["model"]), sequence_parallel=False,
                               context_parallel=None, recompute="none")
@@ -122,9 +114,7 @@ def load_source(args, topo, ckpt) -> tuple:
         cfg = dataclasses.replace(cfg, seq_len=args.seq_len, max_positions=rows)
     if meta.get("hf"):
         refuse_gpt2_heads(meta["hf"]["config"]["model_type"], args.heads)
-    stored = {e["dtype"] for e in index["tensors"]["model"].values()}
-    dtype = getattr(torch, stored.pop()) if len(stored) == 1 else torch.float32
-    model = empty_gpt(cfg, group, device=topo.device, dtype=dtype)
+    model = empty_gpt(cfg, group, device=topo.device, dtype=loading.stored_dtype(index))
     ckpt.load(directory, model, None)
     return model.float(), {"hf": meta["hf"]} if meta.get("hf") else {}
 
@@ -166,22 +156,6 @@ def calibration(args, cfg: GPTConfig, topo, source: dict) -> list[torch.Tensor] 
     return [sampler.batch(i)[0] for i in range(args.batches)]
 
 
-def _lead_does(what: str, fn) -> None:
-    """``fn()`` on rank 0 while the others wait (a day at most: a large export outlasts
-    --timeout); its error raised on every rank as ValueError."""
-    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
-    said = [None]
-    if dist.get_rank() == 0:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - every rank raises it
-            said[0] = f"{what}: {type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(said, src=0, group=wait)
-    dist.destroy_process_group(wait)
-    if said[0]:
-        raise ValueError(said[0])
-
-
 def save(args, small, meta: dict, ckpt, lead: bool) -> None:
     """``--save`` (collective) and ``--save-hf`` (rank 0 exports the checkpoint, or a
     weights-only one written beside DIR first)."""
@@ -206,22 +180,13 @@ def save(args, small, meta: dict, ckpt, lead: bool) -> None:
               f"{len(out['files'])} files, {out['bytes'] / 2**20:.2f} MiB", flush=True)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    _lead_does(f"--save-hf {args.save_hf}", export)
+    on_lead(f"--save-hf {args.save_hf}", export)
 
 
 def main(argv=None) -> int:
     """Errors the same on every rank (bad flags, a model it cannot prune) are one line, from
     the first rank."""
-    args = parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as exc:
-        rank = fastpar.topology().rank if fastpar.is_initialized() else launch_rank()
-        if rank == 0:
-            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-        if fastpar.is_initialized():
-            fastpar.shutdown()
-        return 2
+    return run_command(PROG, run, parser().parse_args(argv))
 
 
 def run(args) -> int:

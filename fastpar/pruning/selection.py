@@ -60,7 +60,7 @@ def count(fraction, total: int, tp: int, what: str, units: str) -> int:
     divide."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
             not 0 <= fraction <= 1:
-        raise ValueError(f"{what} must be a fraction in [0, 1), got {fraction!r}")
+        raise ValueError(f"{what} must be a fraction in [0, 1], got {fraction!r}")
     removed = round(fraction * total)
     kept = total - removed
     if kept < 1:

@@ -9,14 +9,21 @@ like a crash.
 A bad flag is one line on standard error, ``<prog>: error: <what> (see --help)``, and exit
 status 2, as argparse does, without argparse's usage block (forty flags of it), and from one
 rank only: every rank of a launch parses the same command line, so the launcher's rank 0 says
-it and the others exit as quietly.
+it and the others exit as quietly. ``run_command`` does the same for the errors a command's
+body finds every rank alike (a model it cannot run), and ``on_lead`` runs rank 0's long work
+(an export) while the others wait without timing out.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
+
+import torch.distributed as dist
+
+from fastpar.runtime.bootstrap import is_initialized, shutdown, topology
 
 
 def launch_rank() -> int:
@@ -57,3 +64,35 @@ class Parser(argparse.ArgumentParser):
             self.error(str(exc))
         world = 1 if info.launcher == "single" else info.world_size
         return world if world > 0 else None
+
+
+def run_command(prog: str, run, args) -> int:
+    """``run(args)``, a command's body, returning its exit status; a ``ValueError`` or
+    ``OSError`` (the same on every rank: a model it cannot run, a path that is not there) is one
+    line from rank 0, ``<prog>: error: <what>``, and exit status 2, fastpar shut down first."""
+    try:
+        return run(args)
+    except (ValueError, OSError) as exc:
+        rank = topology().rank if is_initialized() else launch_rank()
+        if rank == 0:
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        if is_initialized():
+            shutdown()
+        return 2
+
+
+def on_lead(what: str, fn) -> None:
+    """``fn()`` on rank 0 while the other ranks wait for it, a day at most (writing a model
+    outlasts the job's collective timeout), over a gloo group of the world made for that; its
+    error is raised on every rank as ``ValueError`` naming ``what``. Collective."""
+    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    said = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - every rank raises it
+            said[0] = f"{what}: {type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(said, src=0, group=wait)
+    dist.destroy_process_group(wait)
+    if said[0]:
+        raise ValueError(said[0])
