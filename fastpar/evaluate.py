@@ -18,7 +18,6 @@ targets scored), with ``"weights"`` and ``"layout"`` beside them.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -39,13 +38,12 @@ from fastpar.nn.quantized import quantized_meta
 from fastpar.pipeline import Pipeline
 from fastpar.runtime.cli import Parser, run_command
 from fastpar.training.data import val_batches
-from fastpar.training.hf_run import load_data
+from fastpar.training.hf_run import text_corpus
+
 
 def parser() -> Parser:
     p = Parser(prog="python -m fastpar.evaluate", description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--resume", metavar="CKPT", help="a checkpoint of python -m fastpar.train")
-    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face causal-LM directory")
+    p.add_model_source()
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--weights", choices=("int8", "int4"),
@@ -97,12 +95,7 @@ def run(args) -> int:
     if batch < topo.dp_size or batch % topo.dp_size:
         raise ValueError(f"--batch-size {batch} must be a multiple of dp {topo.dp_size}")
     rows = batch // topo.dp_size
-    if tokenizer_dir and not args.data:
-        raise ValueError("a Hugging Face model's tokens need text: pass --data PATH (the "
-                         "default corpus is bytes, the trainer presets' tokens)")
-    data_args = argparse.Namespace(data=args.data, hf_model=tokenizer_dir, hf_config=None,
-                                   data_field=args.data_field, no_progress=True)
-    corpus = load_data(data_args, cfg, topo, {} if tokenizer_dir else None)
+    corpus = text_corpus(args.data, args.data_field, tokenizer_dir, cfg, topo, "evaluation")
     batches = [(x.chunk(topo.dp_size)[topo.dp_rank], y.chunk(topo.dp_size)[topo.dp_rank])
                for x, y in val_batches(corpus.val, args.batches, cfg.seq_len, batch)]
     with torch.device(topo.device):

@@ -3,22 +3,12 @@ command: ``fastpar.generation.cli``; the function is ``fastpar.generate``, from
 ``fastpar.generation``)."""
 
 import sys
-import types
 
 from fastpar.generation.cli import main
-from fastpar.generation import generate as _generate
+from fastpar.generation import generate
+from fastpar.runtime.cli import callable_module
 
-
-class _Callable(types.ModuleType):
-    """Importing this module makes ``fastpar.generate`` the module (Python sets the package's
-    attribute), so the module calls through to the function: ``fastpar.generate(...)`` works either
-    way."""
-
-    def __call__(self, *args, **kwargs):
-        return _generate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _Callable
+callable_module(__name__, generate)  # importing this module leaves fastpar.generate(...) working
 
 if __name__ == "__main__":
     sys.exit(main())

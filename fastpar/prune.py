@@ -3,22 +3,12 @@
 ``fastpar.pruning``)."""
 
 import sys
-import types
 
 from fastpar.pruning.cli import main
-from fastpar.pruning import prune as _prune
+from fastpar.pruning import prune
+from fastpar.runtime.cli import callable_module
 
-
-class _Callable(types.ModuleType):
-    """Importing this module makes ``fastpar.prune`` the module (Python sets the package's
-    attribute), so the module calls through to the function: ``fastpar.prune(...)`` works either
-    way."""
-
-    def __call__(self, *args, **kwargs):
-        return _prune(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _Callable
+callable_module(__name__, prune)  # importing this module leaves fastpar.prune(...) working
 
 if __name__ == "__main__":
     sys.exit(main())

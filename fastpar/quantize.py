@@ -42,9 +42,7 @@ from fastpar.runtime.cli import Parser, on_lead, run_command
 
 def parser() -> Parser:
     p = Parser(prog="python -m fastpar.quantize", description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--resume", metavar="CKPT", help="a checkpoint of python -m fastpar.train")
-    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face causal-LM directory")
+    p.add_model_source()
     p.add_argument("--weights", choices=("int8", "int4"), required=True)
     p.add_argument("--group-size", type=int, default=None, metavar="N",
                    help="input columns per scale (default: 128 int8, 64 int4)")

@@ -245,6 +245,29 @@ def body_script(script: str, args: list[str]) -> str:
     return out.getvalue()
 
 
+def run_command(nranks: int, module: str, *argv: str, timeout: float = 240.0) -> list:
+    """``python -m module argv...`` (one of fastpar's commands: ``module.main(argv)``) on every
+    rank of a rank pool, as ``mpirun -np nranks python -m module ...`` would, without a launch
+    of its own: each rank's ``[exit status, standard error]`` in rank order (a bad flag's
+    ``SystemExit`` is its status)."""
+    return run_ranks(nranks, body_command, module=module, argv=list(argv),
+                     timeout=timeout).values()
+
+
+def body_command(module: str, argv: list[str]) -> list:
+    import contextlib
+    import importlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = importlib.import_module(module).main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    return [code, err.getvalue()]
+
+
 def _own_job(nranks, target, launcher, timeout, env, kwargs) -> Launch:
     with tempfile.TemporaryDirectory(prefix="fastpar-ranks-") as outdir:
         args = [outdir, target, json.dumps(kwargs)]

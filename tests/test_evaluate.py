@@ -9,21 +9,24 @@ import sys
 import pytest
 import torch
 
-from tests.multirank import launch, run_ranks
+from tests.multirank import launch, run_command
 
 EVALUATE = [sys.executable, "-m", "fastpar.evaluate"]
 
 
-def body_command(module: str, argv: list) -> int:
-    """A command's ``main(argv)`` on a warm rank pool (no launch of its own): its exit status."""
-    import importlib
-
-    return importlib.import_module(module).main(argv)
+def _refused(module: str, argv: list, words: str, nranks: int = 1, status: int = 2) -> None:
+    """``module`` refuses ``argv``: exit ``status`` on every rank, one line naming ``words``
+    from rank 0 and no error from the others."""
+    said = run_command(nranks, module, *argv)
+    errors = [[line for line in err.splitlines() if "error" in line] for _, err in said]
+    assert [code for code, _ in said] == [status] * nranks, (argv, said)
+    assert len(errors[0]) == 1 and words in errors[0][0], (argv, said)
+    assert not any(errors[1:]), (argv, said)
 
 
 def _command(module: str, argv: list, nranks: int = 1) -> None:
-    codes = run_ranks(nranks, body_command, module=module, argv=argv, timeout=240).values()
-    assert codes == [0] * nranks, (module, argv, codes)
+    said = run_command(nranks, module, *argv)
+    assert [code for code, _ in said] == [0] * nranks, (module, argv, said)
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +103,12 @@ def test_quantized_checkpoint_loads_at_any_tp(trained):
     # the linears at 0.16x of float32; the embedding and norms (a sixth of the tiny model)
     # stay float32: 0.29x in all; tp 2 holds half of each shard
     assert weights[1] < 0.3 * weights[0] and weights[2] < 0.6 * weights[1], weights
-    done = launch([sys.executable, "-m", "fastpar.quantize", "--resume", q4, "--weights", "int8",
-                   "--save", str(where / "again")], timeout=120)
-    assert done.returncode == 2 and "quantized already (int4)" in done.stderr, done.stderr
-    done = launch([sys.executable, "-m", "fastpar.train", "--preset", "tiny", "--steps", "8",
-                   "--resume", q4, "--no-progress", "--plot", ""], timeout=120)
-    assert done.returncode == 1 and "holds int4 weights (python -m fastpar.quantize): " \
-        "quantized models run (generate, evaluate) but do not train" in done.stderr, \
-        done.stderr[-2000:]
+    _refused("fastpar.quantize", ["--resume", q4, "--weights", "int8", "--save",
+                                  str(where / "again")], "quantized already (int4)")
+    _refused("fastpar.train", ["--preset", "tiny", "--steps", "8", "--resume", q4,
+                               "--no-progress", "--plot", ""],
+             "holds int4 weights (python -m fastpar.quantize): quantized models run (generate, "
+             "evaluate) but do not train", status=1)
 
 
 def test_hugging_face_directory_scores_as_hugging_face(tmp_path):
@@ -162,36 +163,35 @@ def test_quantized_hugging_face_directory(tmp_path):
                      out)
     stored = _scored(["--hf-model", q, "--tp", "2"] + data, out, nranks=2)
     assert stored["weights"] == "int8" and direct["weights"] == "int8"
-    done, _ = _evaluate(["--hf-model", q, "--weights", "int4"] + data)
-    assert done.returncode == 2 and "holds int8 weights already" in done.stderr, done.stderr
+    _refused("fastpar.evaluate", ["--hf-model", q, "--weights", "int4"] + data,
+             "holds int8 weights already")
     assert stored["loss"] == pytest.approx(direct["loss"], rel=1e-6)
     done = launch([sys.executable, "-m", "fastpar.checkpoint", "export", "--hf", again, ckpt])
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = load_file(f"{q}/model.safetensors"), load_file(f"{again}/model.safetensors")
     assert first.keys() == second.keys() and any(k.endswith(".qweight") for k in first)
     assert all(torch.equal(first[k], second[k]) for k in first)
-    done = launch([sys.executable, "-m", "fastpar.train", "--hf-model", q, "--data", str(text),
-                   "--seq-len", "32", "--steps", "1", "--no-progress", "--plot", ""],
-                  timeout=120)
-    assert done.returncode == 1 and "holds int8 weights (fastpar's quantized format)" in \
-        done.stderr, done.stderr[-2000:]
+    _refused("fastpar.train", ["--hf-model", q, "--data", str(text), "--seq-len", "32",
+                               "--steps", "1", "--no-progress", "--plot", ""],
+             "holds int8 weights (fastpar's quantized format)", status=1)
     config = json.load(open(f"{model}/config.json"))
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     json.dump(config, open(f"{model}/config.json", "w"))
-    done, _ = _evaluate(["--hf-model", model] + data)
-    assert done.returncode == 2 and "quantization method 'gptq' is not fastpar's" in \
-        done.stderr, done.stderr[-2000:]
+    _refused("fastpar.evaluate", ["--hf-model", model] + data,
+             "quantization method 'gptq' is not fastpar's")
 
 
 def test_bad_input_is_one_line(trained):
+    """Bad flags and inputs: one line from rank 0, exit 2 (on warm pools, each rank's standard
+    error captured; and one case in a launch of its own, as a user meets it)."""
     ckpt, _, where = trained
     for argv, said in ((["--resume", ckpt, "--group-size", "64"], "--group-size applies"),
                        (["--resume", ckpt, "--weights", "int3"], "invalid choice"),
                        (["--resume", ckpt, "--weights", "int8", "--group-size", "24"],
                         "multiple of 16"),
-                       (["--resume", str(where)], "checkpoint"),
-                       (["--resume", ckpt, "--batch-size", "3"], "multiple of dp")):
-        done, _ = _evaluate(argv, nranks=2 if "--batch-size" in argv else 1)  # 3 over dp 2
-        assert done.returncode == 2, (argv, done.stderr[-2000:])
-        lines = [line for line in done.stderr.splitlines() if "error:" in line]
-        assert len(lines) == 1 and said in lines[0], (argv, done.stderr[-2000:])
+                       (["--resume", str(where)], "checkpoint")):
+        _refused("fastpar.evaluate", argv, said)
+    done, _ = _evaluate(["--resume", ckpt, "--batch-size", "3"], nranks=2)  # 3 rows, dp 2
+    lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 2 and len(lines) == 1 and "multiple of dp" in lines[0], \
+        done.stderr[-2000:]

@@ -11,7 +11,7 @@ values.
 import pytest
 import torch
 
-from tests.multirank import run_ranks
+from tests.multirank import run_command, run_ranks
 from tests.test_hf_models import CONFIGS, VOCAB, make_model
 
 NEW = 10
@@ -319,20 +319,27 @@ def test_the_command_equals_hugging_face_and_says_what_is_wrong(tmp_path):
 
     other = str(tmp_path / "opt")
     AutoConfig.for_model("opt").save_pretrained(other)
-    # errors every rank meets are one line from rank 0 (two ranks: before init and after)
+    # errors every rank meets are one line from rank 0 (two ranks: before init and after):
+    # one in a launch of its own, the others on warm pools with each rank's standard error
+    bad = launch([sys.executable, "-m", "fastpar.generate", "--hf-model", path,
+                  "--max-new-tokens", "8", "--prompt", "x", "--batch", "0"], nranks=2,
+                 launcher="mpirun", timeout=120)
+    lines = [x for x in bad.stderr.splitlines() if "fastpar.generate: error" in x]
+    assert bad.returncode == 2 and len(lines) == 1 and "--batch must be at least 1" in lines[0]
+    assert "Traceback" not in bad.stderr, bad.stderr
     for ranks, model, extra, words in (
-            (2, path, ["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
             (2, path, ["--prompt", "x", "--no-such-flag"], "unrecognized arguments"),
             (2, path, ["--prompt-file", str(tmp_path / "none.txt")], "No such file"),
             (1, path, ["--prompt", "x " * 80], "exceed the model's context of 64"),
             (3, path, ["--prompt", "x", "--tp", "3"], "heads 4 is not divisible by tp 3"),
             (1, other, ["--prompt", "x"], "opt")):
-        bad = launch([sys.executable, "-m", "fastpar.generate", "--hf-model", model,
-                      "--max-new-tokens", "8"] + extra, nranks=ranks, launcher="mpirun",
-                     timeout=120)
-        lines = [x for x in bad.stderr.splitlines() if "fastpar.generate: error" in x]
-        assert bad.returncode == 2 and len(lines) == 1 and words in lines[0], bad.stderr
-        assert "Traceback" not in bad.stderr, bad.stderr
+        said = run_command(ranks, "fastpar.generate", "--hf-model", model, "--max-new-tokens",
+                           "8", *extra)
+        errors = [[x for x in err.splitlines() if "fastpar.generate: error" in x]
+                  for _, err in said]
+        assert [code for code, _ in said] == [2] * ranks, said
+        assert len(errors[0]) == 1 and words in errors[0][0] and not any(errors[1:]), said
+        assert not any("Traceback" in err for _, err in said), said
 
 
 def test_a_trainer_checkpoint_runs_at_another_layout(tmp_path):

@@ -161,10 +161,10 @@ def test_quantized_gemm_on_cuda(dtype):
                          F.linear(x, wq.to(dt)))
 
 
-def body_layers(fmt: str, group: int, tp: int, seed: int) -> list:
-    """Column and row layers quantized at ``tp``: the gathered integers and scales are the
-    serial weight's, and forward and the input gradient match float64 of the dequantized
-    weight."""
+def body_layers(tp: int, seed: int) -> list:
+    """Column and row layers quantized at ``tp`` in every format: the gathered integers and
+    scales are the serial weight's, and forward and the input gradient match float64 of the
+    dequantized weight."""
     from torch import nn
 
     import fastpar
@@ -174,53 +174,54 @@ def body_layers(fmt: str, group: int, tp: int, seed: int) -> list:
 
     topo = fastpar.init(tp=tp)
     checks = Checks()
-    data = torch.Generator().manual_seed(seed + 7919 * topo.dp_rank)
-    bits = qweight.FORMATS[fmt]
-    for cls, (n_in, n_out) in ((ColumnParallelLinear, (H, FFN)), (RowParallelLinear, (FFN, H))):
-        torch.manual_seed(seed + topo.dp_rank)
-        serial = nn.Linear(n_in, n_out)
-        grid = qweight.Grid(group, 0, n_in)
-        q, scales, offsets = qweight.quantize(serial.weight, bits, grid)
-        wq = qweight.dequantize(q, scales, offsets, bits, grid)
-        layer = fastpar.quantize_weights(cls.from_serial(serial, group=topo.tp_group), fmt,
-                                         group)
-        name = type(layer).__name__
-        for key, want in (("qweight", q), ("scales", scales), ("offsets", offsets)):
-            got = getattr(layer, key)
-            assert (got is None) == (want is None), key
-            if got is not None:
-                full = layer.gather_full(key, got)
-                assert torch.equal(full, want), f"{name}.{key} differs from the serial one"
-                assert torch.equal(layer.shard_full(key, want), got), f"{name}.{key} shard"
-        for rows in (1, 3, 40):
-            x = torch.randn(rows, n_in, generator=data, requires_grad=True)
-            x_in = x.detach().chunk(tp, -1)[topo.tp_rank] if cls is RowParallelLinear else \
-                x.detach()
-            x_in.requires_grad_(rows == 40)
-            y = layer(x_in)
-            if cls is ColumnParallelLinear:
-                y = all_gather(y.detach().contiguous(), topo.tp_group, dim=-1)
-            ref = _reference(x, wq, serial.bias)
-            checks.close(f"{name} {rows} rows", y, ref, F.linear(x, wq, serial.bias))
-            if rows == 40:  # the input gradient, through the fallback
-                dy = torch.randn(rows, n_out, generator=data)
-                dy_in = dy.chunk(tp, -1)[topo.tp_rank] if cls is ColumnParallelLinear else dy
-                layer(x_in).backward(dy_in)
-                ref_dx = dy.double() @ wq.double()
-                if cls is RowParallelLinear:
-                    ref_dx = ref_dx.chunk(tp, -1)[topo.tp_rank]
-                    serial_dx = (dy @ wq).chunk(tp, -1)[topo.tp_rank]
-                else:
-                    serial_dx = dy @ wq
-                checks.close(f"{name} dx", x_in.grad, ref_dx, serial_dx)
+    for fmt, group in FORMATS:
+        data = torch.Generator().manual_seed(seed + 7919 * topo.dp_rank)
+        bits = qweight.FORMATS[fmt]
+        for cls, (n_in, n_out) in ((ColumnParallelLinear, (H, FFN)),
+                                   (RowParallelLinear, (FFN, H))):
+            torch.manual_seed(seed + topo.dp_rank)
+            serial = nn.Linear(n_in, n_out)
+            grid = qweight.Grid(group, 0, n_in)
+            q, scales, offsets = qweight.quantize(serial.weight, bits, grid)
+            wq = qweight.dequantize(q, scales, offsets, bits, grid)
+            layer = fastpar.quantize_weights(cls.from_serial(serial, group=topo.tp_group), fmt,
+                                             group)
+            name = f"{type(layer).__name__} {fmt} g{group}"
+            for key, want in (("qweight", q), ("scales", scales), ("offsets", offsets)):
+                got = getattr(layer, key)
+                assert (got is None) == (want is None), key
+                if got is not None:
+                    full = layer.gather_full(key, got)
+                    assert torch.equal(full, want), f"{name}.{key} differs from the serial one"
+                    assert torch.equal(layer.shard_full(key, want), got), f"{name}.{key} shard"
+            for rows in (1, 3, 40):
+                x = torch.randn(rows, n_in, generator=data, requires_grad=True)
+                x_in = x.detach().chunk(tp, -1)[topo.tp_rank] if cls is RowParallelLinear else \
+                    x.detach()
+                x_in.requires_grad_(rows == 40)
+                y = layer(x_in)
+                if cls is ColumnParallelLinear:
+                    y = all_gather(y.detach().contiguous(), topo.tp_group, dim=-1)
+                ref = _reference(x, wq, serial.bias)
+                checks.close(f"{name} {rows} rows", y, ref, F.linear(x, wq, serial.bias))
+                if rows == 40:  # the input gradient, through the fallback
+                    dy = torch.randn(rows, n_out, generator=data)
+                    dy_in = dy.chunk(tp, -1)[topo.tp_rank] if cls is ColumnParallelLinear else dy
+                    layer(x_in).backward(dy_in)
+                    ref_dx = dy.double() @ wq.double()
+                    if cls is RowParallelLinear:
+                        ref_dx = ref_dx.chunk(tp, -1)[topo.tp_rank]
+                        serial_dx = (dy @ wq).chunk(tp, -1)[topo.tp_rank]
+                    else:
+                        serial_dx = dy @ wq
+                    checks.close(f"{name} dx", x_in.grad, ref_dx, serial_dx)
     return checks.checked
 
 
 @pytest.mark.parametrize("world,tp", [(1, 1), (2, 2), (4, 4), (4, 2)])
 def test_layers_at_every_tp(world, tp):
-    for fmt, group in FORMATS:
-        checked = run_ranks(world, body_layers, fmt=fmt, group=group, tp=tp, seed=3).values()
-        assert all(c == checked[0] for c in checked) and len(checked[0]) == 8, checked
+    checked = run_ranks(world, body_layers, tp=tp, seed=3).values()
+    assert all(c == checked[0] for c in checked) and len(checked[0]) == 8 * len(FORMATS)
 
 
 def _config(**over):

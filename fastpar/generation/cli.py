@@ -41,9 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def parser() -> Parser:
     p = Parser(prog="python -m fastpar.generate", description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face causal-LM directory")
-    src.add_argument("--resume", metavar="CKPT", help="a checkpoint of python -m fastpar.train")
+    p.add_model_source()
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

@@ -20,7 +20,6 @@ An error every rank sees is one line from rank 0 and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shutil
@@ -40,16 +39,14 @@ from fastpar.pruning.structured import empty_gpt, kept_units, pruned_model
 from fastpar.runtime.cli import Parser, on_lead, run_command
 from fastpar.state_dict import full_state_dict
 from fastpar.training.data import Sampler
-from fastpar.training.hf_run import load_data
+from fastpar.training.hf_run import text_corpus
 
 PROG = "python -m fastpar.prune"
 
 
 def parser() -> Parser:
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--resume", metavar="CKPT", help="a checkpoint of python -m fastpar.train")
-    src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face causal-LM directory")
+    p.add_model_source()
     p.add_argument("--heads", type=float, default=0.0, metavar="F",
                    help="the fraction of attention heads (whole KV groups under GQA) to remove")
     p.add_argument("--mlp", type=float, default=0.0, metavar="F",
@@ -146,12 +143,7 @@ def calibration(args, cfg: GPTConfig, topo, source: dict) -> list[torch.Tensor] 
     if args.by != "activations":
         return None
     files = (source.get("hf") or {}).get("files")
-    if files and not args.data:
-        raise ValueError("--by activations on a Hugging Face model needs its text: pass --data "
-                         "PATH (the default corpus is bytes, the trainer presets' tokens)")
-    data = argparse.Namespace(data=args.data, hf_model=files, hf_config=None,
-                              data_field=args.data_field, no_progress=True)
-    corpus = load_data(data, cfg, topo, {} if files else None)
+    corpus = text_corpus(args.data, args.data_field, files, cfg, topo, "--by activations")
     sampler = Sampler(corpus.train, cfg.seq_len, args.batch_size, args.seed)
     return [sampler.batch(i)[0] for i in range(args.batches)]
 

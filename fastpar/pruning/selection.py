@@ -7,8 +7,8 @@
 Counts. A fraction ``f`` of ``n`` units (KV groups, or MLP channels) removes ``round(f n)``
 (halves to even) of them in every block, the same number in each, and keeps the rest; the kept
 count must be at least one and a multiple of tp, so every tp rank keeps the same share (the
-pruned model is a model of the same tp). Under GQA whole KV groups go, so the query heads keep their ratio to the
-KV heads: kept heads = kept groups x heads / kv_heads.
+pruned model is a model of the same tp). Under GQA whole KV groups go, so the query heads keep
+their ratio to the KV heads: kept heads = kept groups x heads / kv_heads.
 
 Choice. In each block the units of the highest scores are kept (ties: the lower index), in
 their original order, so that kept query heads still attend through their own KV head: new

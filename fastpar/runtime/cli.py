@@ -20,6 +20,7 @@ import argparse
 import datetime
 import os
 import sys
+import types
 
 import torch.distributed as dist
 
@@ -46,6 +47,14 @@ class Parser(argparse.ArgumentParser):
         if launch_rank() == 0:
             print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
         raise SystemExit(2)
+
+    def add_model_source(self) -> None:
+        """``--resume CKPT`` or ``--hf-model DIR``, one of them required: the model a command
+        runs (generate, evaluate, quantize, prune)."""
+        src = self.add_mutually_exclusive_group(required=True)
+        src.add_argument("--resume", metavar="CKPT",
+                         help="a checkpoint of python -m fastpar.train")
+        src.add_argument("--hf-model", metavar="DIR", help="a Hugging Face causal-LM directory")
 
     def check(self, ok: bool, message: str) -> None:
         """``error(message)`` unless ``ok``."""
@@ -96,3 +105,15 @@ def on_lead(what: str, fn) -> None:
     dist.destroy_process_group(wait)
     if said[0]:
         raise ValueError(said[0])
+
+
+def callable_module(name: str, fn) -> None:
+    """Make module ``name`` (a front door ``python -m fastpar.X`` beside the function
+    ``fastpar.X``) call ``fn`` when called: importing the module makes the package's attribute
+    the module (Python's rule), and ``fastpar.X(...)`` then still works."""
+
+    class Callable(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+
+    sys.modules[name].__class__ = Callable

@@ -5,6 +5,7 @@ export at the end (``save_hf``). The model itself is built by ``models.hf_weight
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import time
@@ -46,6 +47,19 @@ def load_data(args, cfg, topo, hf_info, model_dir=None):
     if said[0]:
         raise ValueError(said[0])
     return corpus if lead else made()
+
+
+def text_corpus(data: str | None, field: str, tokenizer_dir: str | None, cfg, topo, what: str):
+    """The corpus a command scores or calibrates a model on (``evaluate``, ``prune``):
+    ``data`` tokenized by the tokenizer in ``tokenizer_dir`` (a Hugging Face model's: ``data``
+    is then required) or as bytes (``data``, else the trainer's corpus), as ``load_data``
+    makes it for the trainer."""
+    if tokenizer_dir and not data:
+        raise ValueError(f"{what} on a Hugging Face model needs its text: pass --data PATH (the "
+                         "default corpus is bytes, the trainer presets' tokens)")
+    args = argparse.Namespace(data=data, hf_model=tokenizer_dir, hf_config=None,
+                              data_field=field, no_progress=True)
+    return load_data(args, cfg, topo, {} if tokenizer_dir else None)
 
 
 def _long_wait():
