@@ -49,10 +49,6 @@ inline int64_t group_end(const Args& a, int64_t j) {
   return std::min<int64_t>(a.K, (j + 1) * a.group - a.lead);
 }
 
-inline void store(const Args& a, int64_t m, int64_t n, float value) {
-  a.out[m * a.N + n] = value;
-}
-
 void row_scalar(const Args& a, int64_t n, int64_t m0, int rows) {
   const uint8_t* row = a.q + n * a.qstride;
   float total[kRows] = {};
@@ -70,7 +66,7 @@ void row_scalar(const Args& a, int64_t n, int64_t m0, int rows) {
       for (int m = 0; m < rows; ++m) total[m] += o * a.xsum[(m0 + m) * a.groups + j];
     }
   }
-  for (int m = 0; m < rows; ++m) store(a, m0 + m, n, total[m]);
+  for (int m = 0; m < rows; ++m) a.out[(m0 + m) * a.N + n] = total[m];
 }
 
 #if defined(__x86_64__)
@@ -139,7 +135,7 @@ __attribute__((target("avx2,fma"))) void row_avx2(const Args& a, int64_t n, int6
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(total[m]), _mm256_extractf128_ps(total[m], 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    store(a, m0 + m, n, _mm_cvtss_f32(s) + tail[m]);
+    a.out[(m0 + m) * a.N + n] = _mm_cvtss_f32(s) + tail[m];
   }
 }
 
@@ -202,7 +198,7 @@ FASTPAR_AVX512 void row_avx512(const Args& a, int64_t n, int64_t m0) {
     }
   }
   for (int m = 0; m < R; ++m)
-    store(a, m0 + m, n, _mm512_reduce_add_ps(total[m]) + tail[m]);
+    a.out[(m0 + m) * a.N + n] = _mm512_reduce_add_ps(total[m]) + tail[m];
 }
 
 bool has_avx2() {
