@@ -385,21 +385,17 @@ def body_refusals_and_casts() -> dict:
 
     topo = fastpar.init(tp=2)
     said = {}
-    odd = nn.Sequential(ColumnParallelLinear(32, 32, group=topo.tp_group, seed=0),
-                        RowParallelLinear(34, 32, group=topo.tp_group, seed=0))
-    try:
-        fastpar.quantize_weights(odd, "int4")
-    except ValueError as exc:
-        said["odd"] = str(exc)
-    said["odd_untouched"] = not any(isinstance(m, QuantizedLinear) for m in odd.modules())
-    fused = nn.Sequential(ColumnParallelLinear(32, 32, group=topo.tp_group, seed=0),
-                          FusedColumnParallelLinear(32, 96, parts=[32, 32, 32],
-                                                    group=topo.tp_group, seed=0))
-    try:
-        fastpar.quantize_weights(fused, "int8")
-    except ValueError as exc:
-        said["fused"] = str(exc)
-    said["fused_untouched"] = not any(isinstance(m, QuantizedLinear) for m in fused.modules())
+    column = ColumnParallelLinear(32, 32, group=topo.tp_group, seed=0)
+    for key, fmt, bad in (("odd", "int4", RowParallelLinear(34, 32, group=topo.tp_group, seed=0)),
+                          ("fused", "int8", FusedColumnParallelLinear(
+                              32, 96, parts=[32, 32, 32], group=topo.tp_group, seed=0))):
+        model = nn.Sequential(column, bad)
+        try:
+            fastpar.quantize_weights(model, fmt)
+        except ValueError as exc:
+            said[key] = str(exc)
+        said[key + "_untouched"] = not any(isinstance(m, QuantizedLinear)
+                                           for m in model.modules())
     layer = fastpar.quantize_weights(RowParallelLinear(64, 32, group=topo.tp_group, seed=0),
                                      "int4", 16)
     before = [layer.scales.clone(), layer.offsets.clone()]

@@ -90,10 +90,6 @@ class QuantizedLinear:
         return -(-self.in_features // self.grid.group)
 
     @property
-    def group_size(self) -> int:
-        return self.grid.group
-
-    @property
     def weight_numel(self) -> int:
         """The weights this shard stands for (out x in of its float form)."""
         return self.qweight.shape[0] * self.grid.columns
